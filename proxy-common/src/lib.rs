@@ -1,0 +1,344 @@
+//! The map ABI shared by the BPF programs (`proxy-ebpf`) and the agent (`proxy-agent`).
+//!
+//! Every key and value is `#[repr(C)]` with explicit padding fields, so both sides agree
+//! byte for byte and the kernel never sees uninitialised padding in a key. Addresses are
+//! stored as four 32-bit words in network byte order; an IPv4 address uses word 0 and
+//! leaves the rest zero. Ports are in network byte order too, as the packet carries them.
+//! `ABI.md` beside this crate describes each map.
+#![cfg_attr(not(test), no_std)]
+
+/// Address family tag stored in keys and values.
+pub const FAMILY_V4: u8 = 4;
+/// Address family tag stored in keys and values.
+pub const FAMILY_V6: u8 = 6;
+
+/// IP protocol numbers as they appear in the IP header.
+pub const PROTO_TCP: u8 = 6;
+/// IP protocol numbers as they appear in the IP header.
+pub const PROTO_UDP: u8 = 17;
+
+/// Lookup scope of a service entry: used by traffic from outside the node (and by every
+/// caller when the service has a single scope).
+pub const SCOPE_EXTERNAL: u8 = 0;
+/// Lookup scope of a service entry: traffic from pods and the node itself, used only when
+/// the service carries [`SVC_F_TWO_SCOPES`] (internal and external backends differ).
+pub const SCOPE_INTERNAL: u8 = 1;
+
+/// `ServiceValue::flags`: `sessionAffinity: ClientIP`.
+pub const SVC_F_AFFINITY: u16 = 1 << 0;
+/// `ServiceValue::flags`: internal traffic looks up the `SCOPE_INTERNAL` entry.
+pub const SVC_F_TWO_SCOPES: u16 = 1 << 1;
+/// `ServiceValue::flags`: with no backends, drop silently instead of rejecting.
+pub const SVC_F_DROP_NO_BACKENDS: u16 = 1 << 2;
+
+/// `Backend::state`: receives new connections.
+pub const BACKEND_ACTIVE: u8 = 0;
+/// `Backend::state`: keeps existing flows, gets no new ones.
+pub const BACKEND_TERMINATING: u8 = 1;
+
+/// `AffinityKey::kind`: the client is identified by its source address (per-packet path).
+pub const AFFINITY_BY_ADDR: u8 = 0;
+/// `AffinityKey::kind`: the client is identified by its network-namespace cookie
+/// (connect-time path, where the source address is not chosen yet).
+pub const AFFINITY_BY_NETNS: u8 = 1;
+
+/// `CtKey::dir`: a packet from the client towards the service.
+pub const CT_DIR_FORWARD: u8 = 0;
+/// `CtKey::dir`: a reply from the backend towards the client.
+pub const CT_DIR_REPLY: u8 = 1;
+
+/// Names of the maps, as the BPF object declares them and as they are pinned.
+pub mod map_names {
+    pub const SERVICES: &str = "SERVICES";
+    pub const BACKEND_SLOTS: &str = "BACKEND_SLOTS";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const AFFINITY: &str = "AFFINITY";
+    pub const REV_NAT: &str = "REV_NAT";
+    pub const SOCK_REV_NAT: &str = "SOCK_REV_NAT";
+    pub const CONNTRACK: &str = "CONNTRACK";
+    pub const COUNTERS: &str = "COUNTERS";
+    /// Every map the agent pins, in a stable order.
+    pub const ALL: [&str; 8] = [
+        SERVICES,
+        BACKEND_SLOTS,
+        BACKENDS,
+        AFFINITY,
+        REV_NAT,
+        SOCK_REV_NAT,
+        CONNTRACK,
+        COUNTERS,
+    ];
+}
+
+/// Default capacities; the agent may override them at load time.
+pub mod capacity {
+    pub const SERVICES: u32 = 65_536;
+    pub const BACKEND_SLOTS: u32 = 262_144;
+    pub const BACKENDS: u32 = 262_144;
+    pub const AFFINITY: u32 = 65_536;
+    pub const REV_NAT: u32 = 65_536;
+    pub const SOCK_REV_NAT: u32 = 65_536;
+    pub const CONNTRACK: u32 = 131_072;
+}
+
+/// Most backend slots one service entry may reference; bounds the BPF loops.
+pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;
+
+/// A service frontend: VIP, port and protocol, in one lookup scope.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub scope: u8,
+    pub _pad: [u8; 3],
+}
+
+/// What a frontend leads to. `count` backend slots are live under `(id, rev)`; the agent
+/// writes a new set under a new `rev` and then replaces this value in one update, so a
+/// lookup sees either the old set or the new one, never a mix.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceValue {
+    /// Agent-assigned, unique per frontend; also names the slots and affinity entries.
+    pub id: u32,
+    /// Generation of the backend slots in use.
+    pub rev: u32,
+    /// Number of live slots; 0 means "no usable endpoints": reject (or drop).
+    pub count: u16,
+    /// `SVC_F_*`.
+    pub flags: u16,
+    /// `sessionAffinity` timeout in seconds (0 when affinity is off).
+    pub affinity_timeout_s: u32,
+    /// Key into `REV_NAT` that turns a backend address back into this frontend.
+    pub rev_nat_id: u32,
+    pub _pad: u32,
+}
+
+/// One backend slot of one generation of a service's backend set.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendSlotKey {
+    pub service_id: u32,
+    pub rev: u32,
+    /// 0-based, `< ServiceValue::count`.
+    pub slot: u32,
+}
+
+/// The backend a slot points at.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendSlot {
+    pub backend_id: u32,
+}
+
+/// A backend, keyed by its agent-assigned id (`u32`).
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Backend {
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub family: u8,
+    /// `BACKEND_*`.
+    pub state: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Session-affinity key: one client of one service.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    /// Client address, or the netns cookie in words 0-1 (`AFFINITY_BY_NETNS`).
+    pub client: [u32; 4],
+    pub service_id: u32,
+    pub family: u8,
+    /// `AFFINITY_BY_*`.
+    pub kind: u8,
+    pub _pad: [u8; 2],
+}
+
+/// Session-affinity value: the backend a client is pinned to and when it was last used.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AffinityValue {
+    /// `bpf_ktime_get_ns()` of the last use.
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub _pad: u32,
+}
+
+/// Reverse-NAT value (keyed by `ServiceValue::rev_nat_id`, a `u32`): the frontend that
+/// replies must appear to come from.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNatValue {
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub family: u8,
+    pub proto: u8,
+}
+
+/// Connect-time reverse translation: a socket (by cookie) that was sent to `addr:port`
+/// (a backend) on behalf of a frontend.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub family: u8,
+    pub _pad: [u8; 5],
+}
+
+/// Which frontend a `SockRevNatKey` belongs to.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNatValue {
+    pub rev_nat_id: u32,
+}
+
+/// Connection-tracking key of the per-packet path: the packet's own 5-tuple plus direction.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKey {
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    /// Network byte order.
+    pub sport: u16,
+    /// Network byte order.
+    pub dport: u16,
+    pub proto: u8,
+    pub family: u8,
+    /// `CT_DIR_*`.
+    pub dir: u8,
+    pub _pad: u8,
+}
+
+/// Connection-tracking value. Forward entries hold the backend the flow was sent to;
+/// reply entries hold the `rev_nat_id` whose frontend replies are rewritten to.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtValue {
+    pub last_seen_ns: u64,
+    pub backend_id: u32,
+    pub rev_nat_id: u32,
+}
+
+/// Indices of the per-CPU `COUNTERS` array: why packets and connections took the path
+/// they did. The agent exports them as metrics.
+pub mod counter {
+    pub const SVC_HIT: u32 = 0;
+    pub const NO_BACKEND_REJECT: u32 = 1;
+    pub const NO_BACKEND_DROP: u32 = 2;
+    pub const BACKEND_MISSING: u32 = 3;
+    pub const CT_CREATE_FAILED: u32 = 4;
+    pub const CT_REPLY_NAT: u32 = 5;
+    pub const SOCK_REV_NAT_FAILED: u32 = 6;
+    pub const AFFINITY_HIT: u32 = 7;
+    pub const REWRITE_FAILED: u32 = 8;
+    /// Length of the array.
+    pub const COUNT: u32 = 9;
+    /// Human-readable names, by index.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "service_hit",
+        "no_backend_reject",
+        "no_backend_drop",
+        "backend_missing",
+        "ct_create_failed",
+        "ct_reply_nat",
+        "sock_rev_nat_failed",
+        "affinity_hit",
+        "rewrite_failed",
+    ];
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+
+    macro_rules! pod {
+        ($($t:ty),* $(,)?) => {$(
+            // SAFETY: the type derives bytemuck::Pod, which proves at compile time that it
+            // is #[repr(C)] with integer fields and no implicit padding.
+            unsafe impl aya::Pod for $t {}
+        )*};
+    }
+    pod!(
+        ServiceKey,
+        ServiceValue,
+        BackendSlotKey,
+        BackendSlot,
+        Backend,
+        AffinityKey,
+        AffinityValue,
+        RevNatValue,
+        SockRevNatKey,
+        SockRevNatValue,
+        CtKey,
+        CtValue,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, size_of};
+
+    /// Sizes are part of the ABI: a change here must be a deliberate, versioned change.
+    #[test]
+    fn layout_is_stable() {
+        assert_eq!(size_of::<ServiceKey>(), 24);
+        assert_eq!(size_of::<ServiceValue>(), 24);
+        assert_eq!(size_of::<BackendSlotKey>(), 12);
+        assert_eq!(size_of::<BackendSlot>(), 4);
+        assert_eq!(size_of::<Backend>(), 24);
+        assert_eq!(size_of::<AffinityKey>(), 24);
+        assert_eq!(size_of::<AffinityValue>(), 16);
+        assert_eq!(size_of::<RevNatValue>(), 20);
+        assert_eq!(size_of::<SockRevNatKey>(), 32);
+        assert_eq!(size_of::<SockRevNatValue>(), 4);
+        assert_eq!(size_of::<CtKey>(), 40);
+        assert_eq!(size_of::<CtValue>(), 16);
+        // The kernel rejects hash values aligned above 8 bytes.
+        assert!(align_of::<AffinityValue>() <= 8 && align_of::<CtValue>() <= 8);
+    }
+
+    /// No implicit padding: the sum of the field sizes equals the struct size. (With the
+    /// `user` feature, `bytemuck::Pod`'s derive proves the same at compile time.)
+    #[test]
+    fn no_implicit_padding() {
+        assert_eq!(size_of::<ServiceKey>(), 16 + 2 + 1 + 1 + 1 + 3);
+        assert_eq!(size_of::<ServiceValue>(), 4 + 4 + 2 + 2 + 4 + 4 + 4);
+        assert_eq!(size_of::<Backend>(), 16 + 2 + 1 + 1 + 1 + 3);
+        assert_eq!(size_of::<AffinityKey>(), 16 + 4 + 1 + 1 + 2);
+        assert_eq!(size_of::<AffinityValue>(), 8 + 4 + 4);
+        assert_eq!(size_of::<RevNatValue>(), 16 + 2 + 1 + 1);
+        assert_eq!(size_of::<SockRevNatKey>(), 8 + 16 + 2 + 1 + 5);
+        assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
+        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4);
+    }
+
+    #[test]
+    fn counter_names_cover_every_index() {
+        assert_eq!(counter::NAMES.len(), counter::COUNT as usize);
+    }
+}

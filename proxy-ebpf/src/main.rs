@@ -1,0 +1,72 @@
+//! BPF programs of the service proxy. Entry points are thin: the work lives in `lb`
+//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet path).
+#![no_std]
+#![no_main]
+
+mod lb;
+mod maps;
+mod sock;
+mod tc;
+
+use aya_ebpf::{
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
+use proxy_common::{FAMILY_V4, FAMILY_V6};
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_backend(&ctx, FAMILY_V4)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_backend(&ctx, FAMILY_V6)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_backend(&ctx, FAMILY_V4)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_backend(&ctx, FAMILY_V6)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_frontend(&ctx, FAMILY_V4)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_frontend(&ctx, FAMILY_V6)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_frontend(&ctx, FAMILY_V4)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn getpeername6(ctx: SockAddrContext) -> i32 {
+    sock::translate_to_frontend(&ctx, FAMILY_V6)
+}
+
+#[classifier]
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    match tc::ingress(&ctx) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

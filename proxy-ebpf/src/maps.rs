@@ -1,0 +1,61 @@
+//! Every map the programs share with the agent. Types and names come from `proxy-common`;
+//! all maps are pinned by name so an agent restart keeps (and re-adopts) them.
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue,
+    RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, capacity, counter,
+};
+
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+
+#[btf_map(pin_by_name)]
+pub static SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static BACKEND_SLOTS: HashMap<
+    BackendSlotKey,
+    BackendSlot,
+    { capacity::BACKEND_SLOTS as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static BACKENDS: HashMap<u32, Backend, { capacity::BACKENDS as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static SOCK_REV_NAT: LruHashMap<
+    SockRevNatKey,
+    SockRevNatValue,
+    { capacity::SOCK_REV_NAT as usize },
+> = LruHashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static CONNTRACK: LruHashMap<CtKey, CtValue, { capacity::CONNTRACK as usize }> =
+    LruHashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+
+/// Counts one event of kind `idx` (a `proxy_common::counter` index).
+#[inline(always)]
+pub fn count(idx: u32) {
+    if let Some(v) = COUNTERS.get_ptr_mut(idx) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+        unsafe { *v += 1 };
+    }
+}
