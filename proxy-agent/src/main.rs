@@ -1,1 +1,259 @@
-fn main(){}
+//! `proxy-agent`: run the service proxy, inspect what the kernel holds, clean up.
+
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result};
+use clap::{Args, Parser, Subcommand};
+use proxy_agent::{
+    dataplane::bpf::{self, AttachOptions, BpfDataplane, MapSet, sync::words_addr},
+    netns,
+    sync::{self, SyncTiming},
+};
+
+#[derive(Parser)]
+#[command(version, about = "eBPF service proxy for Kubernetes (kube-proxy replacement)")]
+struct Cli {
+    /// Enter this network namespace (a path such as /run/netns/NAME) before anything else.
+    #[arg(long, global = true)]
+    netns: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Load, attach and keep the BPF maps in step with the Services and EndpointSlices.
+    Run(RunArgs),
+    /// Show what the pinned maps hold (works while the agent is down).
+    Dump {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Detach every program and remove every pin the agent made.
+    Cleanup {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+    },
+}
+
+const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";
+
+#[derive(Args)]
+struct RunArgs {
+    /// Folder of Kubernetes manifests (Services, EndpointSlices), re-read on change.
+    #[arg(long, default_value = "deploy/examples")]
+    manifests: PathBuf,
+    /// Folder on a bpffs where maps and links are pinned.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    bpffs: PathBuf,
+    /// cgroup v2 folder for the connect-time hooks; `auto` finds the cgroup2 mount
+    /// (every process on the node), `none` leaves them out.
+    #[arg(long, default_value = "auto")]
+    cgroup: String,
+    /// Interfaces for the per-packet classifier (comma-separated); `auto` takes every
+    /// interface except loopback; empty for none.
+    #[arg(long, value_delimiter = ',', default_value = "")]
+    interfaces: Vec<String>,
+    /// Level of log messages from the BPF programs: off, error, warn, info, debug, trace.
+    #[arg(long, default_value = "warn")]
+    bpf_log_level: String,
+    /// Minimum interval between syncs, in milliseconds (coalesces bursts).
+    #[arg(long, default_value_t = 100)]
+    min_sync_ms: u64,
+    /// Periodic full resync, in seconds.
+    #[arg(long, default_value_t = 30)]
+    resync_s: u64,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    // Before the runtime starts threads: setns only moves the calling thread.
+    if let Some(ns) = &cli.netns {
+        netns::enter(ns)?;
+    }
+    match cli.cmd {
+        Cmd::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(args)),
+        Cmd::Dump { bpffs, json } => dump(&bpffs, json),
+        Cmd::Cleanup { bpffs } => {
+            bpf::cleanup(&bpffs)?;
+            tracing::info!(bpffs = %bpffs.display(), "removed every pin; programs detached");
+            Ok(())
+        }
+    }
+}
+
+async fn run(args: RunArgs) -> Result<()> {
+    let opts = AttachOptions {
+        pin_dir: args.bpffs.clone(),
+        cgroup: resolve_cgroup(&args.cgroup)?,
+        interfaces: resolve_interfaces(&args.interfaces)?,
+        bpf_log_level: log_level(&args.bpf_log_level)?,
+    };
+    tracing::info!(cgroup = ?opts.cgroup, interfaces = ?opts.interfaces, "starting");
+    let mut dataplane = BpfDataplane::start(&opts)?;
+    spawn_program_logger(&mut dataplane.ebpf);
+    let timing = SyncTiming {
+        min_interval: Duration::from_millis(args.min_sync_ms),
+        resync: Duration::from_secs(args.resync_s.max(1)),
+    };
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down; pinned programs keep serving traffic");
+    };
+    sync::run_files(args.manifests, &mut dataplane, timing, shutdown).await
+}
+
+/// Forwards aya-log records from the programs to our tracing output.
+fn spawn_program_logger(ebpf: &mut aya::Ebpf) {
+    let logger = match aya_log::EbpfLogger::init(ebpf) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "BPF program logs unavailable");
+            return;
+        }
+    };
+    // SAFETY: the logger owns its ring-buffer fd; flushing neither closes nor replaces it.
+    let fd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
+    let Ok(mut fd) = fd else {
+        tracing::warn!("BPF program logs unavailable: cannot poll the ring buffer");
+        return;
+    };
+    tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = fd.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    });
+}
+
+fn log_level(name: &str) -> Result<u8> {
+    Ok(match name {
+        "off" => 0,
+        "error" => 1,
+        "warn" => 2,
+        "info" => 3,
+        "debug" => 4,
+        "trace" => 5,
+        other => anyhow::bail!("unknown --bpf-log-level {other:?}"),
+    })
+}
+
+/// `auto`: the cgroup2 mount point from /proc/self/mountinfo.
+fn resolve_cgroup(arg: &str) -> Result<Option<PathBuf>> {
+    match arg {
+        "none" | "" => Ok(None),
+        "auto" => {
+            let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+            let mount = info
+                .lines()
+                .find_map(|l| {
+                    let (pre, post) = l.split_once(" - ")?;
+                    post.starts_with("cgroup2 ").then(|| pre.split(' ').nth(4).map(PathBuf::from))?
+                })
+                .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")?;
+            Ok(Some(mount))
+        }
+        path => Ok(Some(PathBuf::from(path))),
+    }
+}
+
+fn resolve_interfaces(arg: &[String]) -> Result<Vec<String>> {
+    let named: Vec<String> = arg.iter().filter(|s| !s.is_empty()).cloned().collect();
+    if named != ["auto"] {
+        return Ok(named);
+    }
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/sys/class/net").context("listing interfaces")? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name != "lo" {
+            found.push(name);
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+fn dump(bpffs: &Path, json: bool) -> Result<()> {
+    let maps = MapSet::open_pinned(&bpffs.join("maps"))
+        .with_context(|| format!("is an agent's state pinned under {}?", bpffs.display()))?;
+    let mut rows = Vec::new();
+    for entry in maps.services.iter() {
+        let (key, value) = entry?;
+        let mut backends = Vec::new();
+        for slot in 0..u32::from(value.count) {
+            let slot_key = proxy_common::BackendSlotKey {
+                service_id: value.id,
+                rev: value.rev,
+                slot,
+            };
+            if let Ok(s) = maps.slots.get(&slot_key, 0)
+                && let Ok(b) = maps.backends.get(&s.backend_id, 0)
+            {
+                backends.push(
+                    std::net::SocketAddr::new(words_addr(b.addr, b.family), u16::from_be(b.port))
+                        .to_string(),
+                );
+            }
+        }
+        rows.push(serde_json::json!({
+            "frontend": std::net::SocketAddr::new(words_addr(key.addr, key.family), u16::from_be(key.port)).to_string(),
+            "protocol": if key.proto == proxy_common::PROTO_UDP { "UDP" } else { "TCP" },
+            "id": value.id,
+            "rev": value.rev,
+            "affinity_timeout_s": value.affinity_timeout_s,
+            "backends": backends,
+        }));
+    }
+    let counters = maps.counters()?;
+    if json {
+        let counters: serde_json::Map<String, serde_json::Value> =
+            counters.iter().map(|(k, v)| ((*k).to_string(), (*v).into())).collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"services": rows, "counters": counters}))?
+        );
+    } else {
+        println!("{:<28} {:<5} {:>5} {:>4}  BACKENDS", "FRONTEND", "PROTO", "ID", "REV");
+        for r in &rows {
+            println!(
+                "{:<28} {:<5} {:>5} {:>4}  {}",
+                r["frontend"].as_str().unwrap_or(""),
+                r["protocol"].as_str().unwrap_or(""),
+                r["id"].as_u64().unwrap_or(0),
+                r["rev"].as_u64().unwrap_or(0),
+                r["backends"]
+                    .as_array()
+                    .map(|b| b.iter().filter_map(|v| v.as_str()).collect::<Vec<_>>().join(" "))
+                    .unwrap_or_default()
+            );
+        }
+        println!();
+        for (name, value) in counters {
+            println!("{name:<24} {value}");
+        }
+    }
+    Ok(())
+}

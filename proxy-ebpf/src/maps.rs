@@ -1,5 +1,6 @@
 //! Every map the programs share with the agent. Types and names come from `proxy-common`;
-//! all maps are pinned by name so an agent restart keeps (and re-adopts) them.
+//! the agent pins them under its bpffs folder (and re-adopts them on restart); a private
+//! load (tests, `trace`) gets fresh unpinned maps.
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
@@ -13,11 +14,11 @@ use proxy_common::{
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES as usize }, NO_PREALLOC> =
     HashMap::new();
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static BACKEND_SLOTS: HashMap<
     BackendSlotKey,
     BackendSlot,
@@ -25,30 +26,30 @@ pub static BACKEND_SLOTS: HashMap<
     NO_PREALLOC,
 > = HashMap::new();
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static BACKENDS: HashMap<u32, Backend, { capacity::BACKENDS as usize }, NO_PREALLOC> =
     HashMap::new();
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO_PREALLOC> =
     HashMap::new();
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static SOCK_REV_NAT: LruHashMap<
     SockRevNatKey,
     SockRevNatValue,
     { capacity::SOCK_REV_NAT as usize },
 > = LruHashMap::new();
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue, { capacity::CONNTRACK as usize }> =
     LruHashMap::new();
 
-#[btf_map(pin_by_name)]
+#[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
 
 /// Counts one event of kind `idx` (a `proxy_common::counter` index).

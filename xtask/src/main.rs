@@ -1,1 +1,245 @@
-fn main(){}
+//! Developer workflow: `cargo xtask setup | build-ebpf | build | test | demo`.
+//!
+//! Toolchains are pinned here (and in `rust-toolchain.toml`); bpf-linker is installed into
+//! the project-local `.tools/` folder, linked against the pinned nightly's own LLVM.
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+const STABLE: &str = "1.99.1";
+const NIGHTLY: &str = "nightly-2026-10-29";
+const BPF_LINKER: &str = "bpf-linker@0.13.0";
+const BPF_LINKER_VERSION: &str = "bpf-linker 0.13.0";
+const BPF_TARGET: &str = "bpfel-unknown-none";
+
+#[derive(Parser)]
+#[command(about = "Developer workflow for the eBPF service proxy")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the pinned toolchains and bpf-linker (idempotent; seconds when done).
+    Setup,
+    /// Build the BPF object (target/bpfel-unknown-none/release/proxy-ebpf).
+    BuildEbpf,
+    /// Build the agent (which embeds the BPF object) and the test helpers.
+    Build,
+    /// Run every test: unit, BPF (BPF_PROG_TEST_RUN) and end-to-end (root).
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Build, make a namespace testbed, run the agent on deploy/examples, show the spread.
+    Demo {
+        /// Requests to send.
+        #[arg(long, default_value_t = 300)]
+        requests: u32,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root()?;
+    match cli.cmd {
+        Cmd::Setup => setup(&root),
+        Cmd::BuildEbpf => {
+            setup(&root)?;
+            build_ebpf(&root)
+        }
+        Cmd::Build => {
+            setup(&root)?;
+            build(&root)
+        }
+        Cmd::Test { args } => {
+            setup(&root)?;
+            build(&root)?;
+            test(&root, &args)
+        }
+        Cmd::Demo { requests } => {
+            setup(&root)?;
+            build(&root)?;
+            let mut cmd = cargo(&root, STABLE);
+            cmd.args(["run", "--quiet", "-p", "proxy-e2e", "--bin", "demo", "--"])
+                .arg("--agent")
+                .arg(root.join("target/debug/proxy-agent"))
+                .arg("--manifests")
+                .arg(root.join("deploy/examples"))
+                .arg("--requests")
+                .arg(requests.to_string());
+            run(&mut cmd)
+        }
+    }
+}
+
+fn workspace_root() -> Result<PathBuf> {
+    let manifest = env::var("CARGO_MANIFEST_DIR").context("run through `cargo xtask`")?;
+    Ok(Path::new(&manifest)
+        .parent()
+        .context("xtask has a parent folder")?
+        .to_path_buf())
+}
+
+fn tools_dir(root: &Path) -> PathBuf {
+    root.join(".tools")
+}
+
+/// A cargo command for `toolchain`, with the project's tools first on PATH.
+fn cargo(root: &Path, toolchain: &str) -> Command {
+    let mut cmd = Command::new("rustup");
+    cmd.args(["run", toolchain, "cargo"]).current_dir(root);
+    let path = env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![tools_dir(root).join("bin")];
+    paths.extend(env::split_paths(&path));
+    if let Ok(joined) = env::join_paths(paths) {
+        cmd.env("PATH", joined);
+    }
+    // A toolchain chosen by an outer `cargo +x` must not leak into the inner build.
+    for key in ["RUSTC", "RUSTDOC", "RUSTUP_TOOLCHAIN", "CARGO"] {
+        cmd.env_remove(key);
+    }
+    cmd
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("spawning {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("spawning {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn toolchain_ready(name: &str, component: &str) -> bool {
+    Command::new("rustup")
+        .args(["component", "list", "--installed", "--toolchain", name])
+        .output()
+        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(component))
+        .unwrap_or(false)
+}
+
+fn setup(root: &Path) -> Result<()> {
+    if !toolchain_ready(STABLE, "clippy") {
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            STABLE,
+            "--profile",
+            "minimal",
+            "--component",
+            "clippy,rustfmt",
+        ]))?;
+    }
+    if !toolchain_ready(NIGHTLY, "rust-src") {
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            NIGHTLY,
+            "--profile",
+            "minimal",
+            "--component",
+            "rust-src",
+        ]))?;
+    }
+    let tools = tools_dir(root);
+    let linker = tools.join("bin/bpf-linker");
+    let works = Command::new(&linker)
+        .arg("--version")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION))
+        .unwrap_or(false);
+    if works {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {BPF_LINKER} into {}", tools.display());
+    let sysroot = output(Command::new("rustc").args([&format!("+{NIGHTLY}"), "--print", "sysroot"]))?;
+    let sysroot = PathBuf::from(sysroot.trim());
+    let version = output(Command::new("rustc").args([&format!("+{NIGHTLY}"), "-vV"]))?;
+    let llvm_major = version
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .context("nightly rustc reports no LLVM version")?
+        .to_string();
+    let lib_dir = sysroot.join("lib");
+    let libllvm = std::fs::read_dir(&lib_dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so."))
+        .with_context(|| format!("no libLLVM.so.* in {}", lib_dir.display()))?;
+    // bpf-linker's build looks for libLLVM.so under LLVM_PREFIX/lib.
+    let shim = tools.join("llvm-shim/lib");
+    std::fs::create_dir_all(&shim)?;
+    let link = shim.join("libLLVM.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(lib_dir.join(&libllvm), &link)?;
+    let mut cmd = cargo(root, STABLE);
+    cmd.args(["install", "--locked", "--root"])
+        .arg(&tools)
+        .args([BPF_LINKER, "--no-default-features", "--features"])
+        .arg(format!("llvm-{llvm_major}"))
+        .env("LLVM_PREFIX", tools.join("llvm-shim"))
+        // The linker resolves libLLVM through RUNPATH at the nightly's own lib folder.
+        .env("RUSTFLAGS", format!("-C link-arg=-Wl,-rpath,{}", lib_dir.display()));
+    run(&mut cmd)?;
+    run(Command::new(&linker).arg("--version").env_remove("LD_LIBRARY_PATH"))
+}
+
+fn build_ebpf(root: &Path) -> Result<()> {
+    let mut cmd = cargo(root, NIGHTLY);
+    cmd.args([
+        "build",
+        "-p",
+        "proxy-ebpf",
+        "--release",
+        "--target",
+        BPF_TARGET,
+        "-Z",
+        "build-std=core",
+    ])
+    .env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        "--cfg=bpf_target_arch=\"x86_64\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
+    );
+    run(&mut cmd)?;
+    eprintln!(
+        "xtask: BPF object at {}",
+        root.join("target").join(BPF_TARGET).join("release/proxy-ebpf").display()
+    );
+    Ok(())
+}
+
+fn build(root: &Path) -> Result<()> {
+    let mut cmd = cargo(root, STABLE);
+    cmd.args(["build", "--workspace", "--exclude", "proxy-ebpf", "--bins", "--tests"]);
+    run(&mut cmd)
+}
+
+fn test(root: &Path, args: &[String]) -> Result<()> {
+    let mut cmd = cargo(root, STABLE);
+    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"])
+        .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
+        .args(args);
+    run(&mut cmd)
+}

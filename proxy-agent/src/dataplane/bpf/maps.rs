@@ -1,0 +1,76 @@
+//! Typed handles on the proxy's maps, opened from a loaded object or from their pins
+//! (so `dump` and `cleanup` work while the agent is down).
+
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use aya::{
+    Ebpf,
+    maps::{HashMap, Map, MapData, PerCpuArray},
+};
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue,
+    RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, map_names,
+};
+
+/// Every map of the proxy, typed.
+pub struct MapSet {
+    pub services: HashMap<MapData, ServiceKey, ServiceValue>,
+    pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
+    pub backends: HashMap<MapData, u32, Backend>,
+    pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    pub rev_nat: HashMap<MapData, u32, RevNatValue>,
+    pub sock_rev_nat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    pub conntrack: HashMap<MapData, CtKey, CtValue>,
+    pub counters: PerCpuArray<MapData, u64>,
+}
+
+impl MapSet {
+    /// Takes the maps out of a loaded object.
+    pub fn take(ebpf: &mut Ebpf) -> Result<Self> {
+        Self::build(|name| {
+            ebpf.take_map(name)
+                .with_context(|| format!("BPF object has no map {name}"))
+        })
+    }
+
+    /// Opens the maps pinned in `dir`.
+    pub fn open_pinned(dir: &Path) -> Result<Self> {
+        Self::build(|name| {
+            let path = dir.join(name);
+            let data = MapData::from_pin(&path)
+                .with_context(|| format!("opening pinned map {}", path.display()))?;
+            Map::from_map_data(data).with_context(|| format!("map {}", path.display()))
+        })
+    }
+
+    fn build(mut open: impl FnMut(&str) -> Result<Map>) -> Result<Self> {
+        macro_rules! typed {
+            ($name:expr) => {
+                open($name)?
+                    .try_into()
+                    .with_context(|| format!("map {} has an unexpected type or layout", $name))?
+            };
+        }
+        Ok(Self {
+            services: typed!(map_names::SERVICES),
+            slots: typed!(map_names::BACKEND_SLOTS),
+            backends: typed!(map_names::BACKENDS),
+            affinity: typed!(map_names::AFFINITY),
+            rev_nat: typed!(map_names::REV_NAT),
+            sock_rev_nat: typed!(map_names::SOCK_REV_NAT),
+            conntrack: typed!(map_names::CONNTRACK),
+            counters: typed!(map_names::COUNTERS),
+        })
+    }
+
+    /// The per-CPU counters, summed, by name.
+    pub fn counters(&self) -> Result<Vec<(&'static str, u64)>> {
+        let mut out = Vec::new();
+        for (i, name) in proxy_common::counter::NAMES.iter().enumerate() {
+            let per_cpu = self.counters.get(&(i as u32), 0)?;
+            out.push((*name, per_cpu.iter().sum()));
+        }
+        Ok(out)
+    }
+}

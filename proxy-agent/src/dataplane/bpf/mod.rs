@@ -1,0 +1,255 @@
+//! The BPF dataplane: loads the embedded object, pins maps and links under a bpffs folder,
+//! attaches the connect-time hooks to a cgroup and the per-packet classifier to
+//! interfaces, and writes node views into the maps.
+//!
+//! Pinned links keep the programs attached when the agent exits or crashes; a new agent
+//! swaps its freshly loaded programs into those links atomically (`bpf_link_update`), so
+//! traffic never sees a gap.
+
+pub mod maps;
+pub mod sync;
+
+use std::{
+    ffi::CString,
+    fs,
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType,
+        cgroup_sock_addr::CgroupSockAddrLink,
+        links::{FdLink, PinnedLink},
+        tc::{SchedClassifierLink, TcAttach},
+    },
+};
+use proxy_common::map_names;
+
+pub use self::{maps::MapSet, sync::MapState};
+use super::{ApplyReport, Dataplane};
+use crate::model::NodeView;
+
+/// The BPF object built from `proxy-ebpf`, embedded so one binary is all a node needs.
+pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+/// The cgroup sock_addr programs, by name (the name is also the attach point).
+pub const CGROUP_PROGRAMS: [&str; 8] = [
+    "connect4",
+    "connect6",
+    "sendmsg4",
+    "sendmsg6",
+    "recvmsg4",
+    "recvmsg6",
+    "getpeername4",
+    "getpeername6",
+];
+/// The per-packet classifier.
+pub const TC_PROGRAM: &str = "tc_ingress";
+
+/// bpffs magic number (`statfs.f_type`).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Where and how to attach.
+#[derive(Clone, Debug, Default)]
+pub struct AttachOptions {
+    /// Folder on a bpffs for this agent's pins (`maps/`, `links/`).
+    pub pin_dir: PathBuf,
+    /// cgroup v2 folder for the connect-time hooks; `None` leaves them out.
+    pub cgroup: Option<PathBuf>,
+    /// Interfaces whose ingress gets the per-packet classifier.
+    pub interfaces: Vec<String>,
+    /// aya-log level for messages from the programs (0 off ... 5 trace).
+    pub bpf_log_level: u8,
+}
+
+/// The loaded, attached dataplane.
+pub struct BpfDataplane {
+    /// Kept for the program logger's ring buffer; programs live on through their links.
+    pub ebpf: Ebpf,
+    pub maps: MapSet,
+    pub state: MapState,
+}
+
+fn maps_dir(pin_dir: &Path) -> PathBuf {
+    pin_dir.join("maps")
+}
+
+fn links_dir(pin_dir: &Path) -> PathBuf {
+    pin_dir.join("links")
+}
+
+/// Fails with a clear message unless `dir` (or its nearest existing parent) is on a bpffs.
+pub fn check_bpffs(dir: &Path) -> Result<()> {
+    let mut probe = dir.to_path_buf();
+    while !probe.exists() {
+        if !probe.pop() {
+            break;
+        }
+    }
+    let c = CString::new(probe.as_os_str().as_encoded_bytes())?;
+    // SAFETY: statfs writes into the zeroed struct we pass; the path is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        bail!("statfs {}: {}", probe.display(), std::io::Error::last_os_error());
+    }
+    if i64::from(st.f_type) != BPF_FS_MAGIC {
+        bail!(
+            "{} is not on a BPF filesystem (bpffs): mount one first, e.g. \
+             `mount -t bpf bpf /sys/fs/bpf`, or pass --bpffs with a folder on one",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+impl BpfDataplane {
+    /// Loads the programs (reusing pinned maps), attaches or re-adopts every link, and
+    /// rebuilds the mirror of the maps.
+    pub fn start(opts: &AttachOptions) -> Result<Self> {
+        check_bpffs(&opts.pin_dir)?;
+        let maps_dir = maps_dir(&opts.pin_dir);
+        let links_dir = links_dir(&opts.pin_dir);
+        fs::create_dir_all(&maps_dir)
+            .with_context(|| format!("creating {}", maps_dir.display()))?;
+        fs::create_dir_all(&links_dir)
+            .with_context(|| format!("creating {}", links_dir.display()))?;
+
+        let mut loader = EbpfLoader::new();
+        let pins: Vec<(&str, PathBuf)> =
+            map_names::ALL.iter().map(|n| (*n, maps_dir.join(n))).collect();
+        for (name, path) in &pins {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let level = opts.bpf_log_level;
+        loader.override_global("AYA_LOG_LEVEL", &level, false);
+        let mut ebpf = loader
+            .load(BPF_OBJECT)
+            .context("loading the BPF object (is this kernel eBPF-capable, are we root?)")?;
+
+        if let Some(cgroup) = &opts.cgroup {
+            attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
+        }
+        attach_classifiers(&mut ebpf, &opts.interfaces, &links_dir)?;
+
+        let maps = MapSet::take(&mut ebpf)?;
+        let state = MapState::adopt(&maps)?;
+        tracing::info!(
+            pin_dir = %opts.pin_dir.display(),
+            adopted_frontends = state.frontends(),
+            "BPF dataplane ready"
+        );
+        Ok(Self { ebpf, maps, state })
+    }
+}
+
+impl Dataplane for BpfDataplane {
+    fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
+        self.state.apply(&mut self.maps, view)
+    }
+}
+
+fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> Result<()> {
+    let cgroup_file = fs::File::open(cgroup)
+        .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+    for name in CGROUP_PROGRAMS {
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .with_context(|| format!("BPF object has no program {name}"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("loading {name}"))?;
+        let pin = links_dir.join(format!("cgroup_{name}"));
+        let link_id = if pin.exists() {
+            // Adopt: swap this program into the pinned link, no gap in between.
+            let fd_link: FdLink = PinnedLink::from_pin(&pin)
+                .with_context(|| format!("opening pinned link {}", pin.display()))?
+                .into();
+            let link = CgroupSockAddrLink::try_from(fd_link)?;
+            prog.attach_to_link(link)
+                .with_context(|| format!("replacing the program of {}", pin.display()))?
+        } else {
+            let id = prog
+                // Links are always multi-attach; the kernel rejects explicit flags for them.
+                .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
+                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+            let link = prog.take_link(id)?;
+            FdLink::try_from(link)?
+                .pin(&pin)
+                .with_context(|| format!("pinning {}", pin.display()))?;
+            continue;
+        };
+        // The link is pinned already; dropping our fd keeps it attached.
+        let link = prog.take_link(link_id)?;
+        drop(FdLink::try_from(link)?);
+    }
+    Ok(())
+}
+
+fn attach_classifiers(ebpf: &mut Ebpf, interfaces: &[String], links_dir: &Path) -> Result<()> {
+    let wanted: Vec<String> = interfaces.iter().map(|i| format!("tc_ingress@{i}")).collect();
+    // Links of interfaces no longer configured: unpinning detaches them.
+    if let Ok(entries) = fs::read_dir(links_dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("tc_ingress@") && !wanted.contains(&name) {
+                tracing::info!(link = name, "detaching classifier from an interface no longer configured");
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+    }
+    if interfaces.is_empty() {
+        return Ok(());
+    }
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(TC_PROGRAM)
+        .context("BPF object has no classifier")?
+        .try_into()?;
+    prog.load().context("loading the classifier")?;
+    for (iface, pin_name) in interfaces.iter().zip(&wanted) {
+        let pin = links_dir.join(pin_name);
+        if pin.exists() {
+            let fd_link: FdLink = PinnedLink::from_pin(&pin)
+                .with_context(|| format!("opening pinned link {}", pin.display()))?
+                .into();
+            let link = SchedClassifierLink::try_from(fd_link)?;
+            let id = prog
+                .attach_to_link(link)
+                .with_context(|| format!("replacing the classifier on {iface}"))?;
+            drop(FdLink::try_from(prog.take_link(id)?)?);
+        } else {
+            let c_iface = CString::new(iface.as_str())?;
+            let id = prog
+                .attach(
+                    c_iface.as_c_str(),
+                    TcAttach::Tcx {
+                        attach_type: TcAttachType::Ingress,
+                        order: Default::default(),
+                    },
+                )
+                .with_context(|| format!("attaching the classifier to {iface} ingress (tcx)"))?;
+            FdLink::try_from(prog.take_link(id)?)?
+                .pin(&pin)
+                .with_context(|| format!("pinning {}", pin.display()))?;
+        }
+        tracing::info!(interface = iface, "classifier attached");
+    }
+    Ok(())
+}
+
+/// Removes everything the agent pinned under `pin_dir`: links first (which detaches the
+/// programs), then maps.
+pub fn cleanup(pin_dir: &Path) -> Result<()> {
+    for dir in [links_dir(pin_dir), maps_dir(pin_dir)] {
+        if let Ok(entries) = fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                fs::remove_file(entry.path())
+                    .with_context(|| format!("removing {}", entry.path().display()))?;
+            }
+        }
+        let _ = fs::remove_dir(&dir);
+    }
+    let _ = fs::remove_dir(pin_dir);
+    Ok(())
+}

@@ -1,0 +1,318 @@
+//! Brings the maps to a node view with minimal writes. The agent's mirror of the maps is
+//! rebuilt from the maps themselves on start (adoption), so a restarted agent only writes
+//! what changed while it was away.
+//!
+//! Order matters for live traffic: backends first, then a frontend's new slot set under a
+//! new generation, then the frontend entry flip, then the old slots; removed frontends go
+//! before the backends they used.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::{IpAddr, SocketAddr},
+};
+
+use anyhow::Result;
+use aya::maps::MapError;
+use proxy_common::{
+    BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, FAMILY_V4, FAMILY_V6, PROTO_TCP,
+    PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SVC_F_AFFINITY, ServiceKey, ServiceValue,
+};
+
+use super::maps::MapSet;
+use crate::{
+    dataplane::ApplyReport,
+    model::{Frontend, FrontendState, NodeView, Protocol},
+};
+
+/// What one frontend looks like in the maps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Programmed {
+    value: ServiceValue,
+    backend_ids: Vec<u32>,
+}
+
+/// The agent's mirror of the maps' service, slot and backend entries.
+#[derive(Debug, Default)]
+pub struct MapState {
+    services: BTreeMap<ServiceKey, Programmed>,
+    backend_ids: HashMap<Backend, u32>,
+    next_service_id: u32,
+    next_backend_id: u32,
+}
+
+/// Encodes an address as the ABI's four network-order words.
+pub fn addr_words(ip: IpAddr) -> ([u32; 4], u8) {
+    match ip {
+        IpAddr::V4(v4) => ([u32::from_ne_bytes(v4.octets()), 0, 0, 0], FAMILY_V4),
+        IpAddr::V6(v6) => {
+            let o = v6.octets();
+            let w = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+            ([w(0), w(4), w(8), w(12)], FAMILY_V6)
+        }
+    }
+}
+
+/// Decodes the ABI's address words.
+pub fn words_addr(words: [u32; 4], family: u8) -> IpAddr {
+    if family == FAMILY_V4 {
+        IpAddr::from(words[0].to_ne_bytes())
+    } else {
+        let mut o = [0u8; 16];
+        for (i, w) in words.iter().enumerate() {
+            o[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        IpAddr::from(o)
+    }
+}
+
+fn proto_number(p: Protocol) -> u8 {
+    match p {
+        Protocol::Tcp => PROTO_TCP,
+        Protocol::Udp => PROTO_UDP,
+    }
+}
+
+/// The service-map key of a frontend.
+pub fn service_key(fe: &Frontend) -> ServiceKey {
+    let (addr, family) = addr_words(fe.ip);
+    ServiceKey {
+        addr,
+        port: fe.port.to_be(),
+        proto: proto_number(fe.protocol),
+        family,
+        scope: SCOPE_EXTERNAL,
+        _pad: [0; 3],
+    }
+}
+
+fn backend_value(sa: SocketAddr, protocol: Protocol) -> Backend {
+    let (addr, family) = addr_words(sa.ip());
+    Backend {
+        addr,
+        port: sa.port().to_be(),
+        proto: proto_number(protocol),
+        family,
+        state: BACKEND_ACTIVE,
+        _pad: [0; 3],
+    }
+}
+
+impl MapState {
+    /// Rebuilds the mirror from what the maps hold (entries another agent wrote).
+    pub fn adopt(maps: &MapSet) -> Result<Self> {
+        let mut state = MapState {
+            next_service_id: 1,
+            next_backend_id: 1,
+            ..Default::default()
+        };
+        for entry in maps.backends.iter() {
+            let (id, be) = entry?;
+            state.backend_ids.insert(be, id);
+            state.next_backend_id = state.next_backend_id.max(id.wrapping_add(1));
+        }
+        for entry in maps.services.iter() {
+            let (key, value) = entry?;
+            let mut backend_ids = Vec::with_capacity(usize::from(value.count));
+            for slot in 0..u32::from(value.count) {
+                let slot_key = BackendSlotKey {
+                    service_id: value.id,
+                    rev: value.rev,
+                    slot,
+                };
+                match maps.slots.get(&slot_key, 0) {
+                    Ok(s) => backend_ids.push(s.backend_id),
+                    // A torn set (agent died mid-write) is rewritten on the next apply.
+                    Err(_) => backend_ids.clear(),
+                }
+            }
+            state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
+            state.services.insert(key, Programmed { value, backend_ids });
+        }
+        Ok(state)
+    }
+
+    /// Number of frontends programmed.
+    pub fn frontends(&self) -> usize {
+        self.services.len()
+    }
+
+    /// Applies `view`. A frontend that cannot be written (a full map) keeps its previous
+    /// entries and is reported; the others still apply.
+    pub fn apply(&mut self, maps: &mut MapSet, view: &NodeView) -> Result<ApplyReport> {
+        let mut report = ApplyReport::default();
+        let desired: BTreeMap<ServiceKey, (&Frontend, &FrontendState)> =
+            view.iter().map(|(fe, st)| (service_key(fe), (fe, st))).collect();
+
+        // 1. Frontends that are new or changed.
+        for (key, (fe, st)) in &desired {
+            match self.write_frontend(maps, *key, fe, st) {
+                Ok(true) => report.frontends_written += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(frontend = %fe, service = %st.service, error = %e,
+                        "could not program frontend; its previous entries stay");
+                    report.failed.push(format!("{fe} ({}): {e}", st.service));
+                }
+            }
+        }
+        // 2. Frontends no longer wanted.
+        let stale: Vec<ServiceKey> = self
+            .services
+            .keys()
+            .filter(|k| !desired.contains_key(k))
+            .copied()
+            .collect();
+        for key in stale {
+            if let Some(old) = self.services.remove(&key) {
+                remove_ignoring_absent(maps.services.remove(&key))?;
+                for slot in 0..old.backend_ids.len() as u32 {
+                    remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
+                        service_id: old.value.id,
+                        rev: old.value.rev,
+                        slot,
+                    }))?;
+                }
+                remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
+                report.frontends_removed += 1;
+            }
+        }
+        // 3. Backends no frontend uses any more.
+        let used: BTreeSet<u32> = self
+            .services
+            .values()
+            .flat_map(|p| p.backend_ids.iter().copied())
+            .collect();
+        let unused: Vec<(Backend, u32)> = self
+            .backend_ids
+            .iter()
+            .filter(|(_, id)| !used.contains(id))
+            .map(|(b, id)| (*b, *id))
+            .collect();
+        for (be, id) in unused {
+            remove_ignoring_absent(maps.backends.remove(&id))?;
+            self.backend_ids.remove(&be);
+            report.backends_removed += 1;
+        }
+        Ok(report)
+    }
+
+    /// Writes one frontend if it differs from what is programmed; `Ok(false)` if not.
+    fn write_frontend(
+        &mut self,
+        maps: &mut MapSet,
+        key: ServiceKey,
+        fe: &Frontend,
+        st: &FrontendState,
+    ) -> Result<bool> {
+        let mut backend_ids = Vec::with_capacity(st.backends.len());
+        for sa in &st.backends {
+            backend_ids.push(self.ensure_backend(maps, backend_value(*sa, fe.protocol))?);
+        }
+        let (flags, timeout) = match st.affinity_timeout_s {
+            Some(t) => (SVC_F_AFFINITY, t),
+            None => (0, 0),
+        };
+        let count = u16::try_from(backend_ids.len())
+            .map_err(|_| anyhow::anyhow!("{} backends exceed the 65535 per frontend", backend_ids.len()))?;
+        let old = self.services.get(&key).cloned();
+        if let Some(old) = &old
+            && old.backend_ids == backend_ids
+            && old.value.flags == flags
+            && old.value.affinity_timeout_s == timeout
+        {
+            return Ok(false);
+        }
+        let id = match &old {
+            Some(o) => o.value.id,
+            None => self.allocate_service_id(),
+        };
+        let rev = old.as_ref().map_or(1, |o| o.value.rev.wrapping_add(1));
+        let value = ServiceValue {
+            id,
+            rev,
+            count,
+            flags,
+            affinity_timeout_s: timeout,
+            rev_nat_id: id,
+            _pad: 0,
+        };
+        // New slots under the new generation; on failure remove what was written.
+        for (slot, backend_id) in backend_ids.iter().enumerate() {
+            let slot_key = BackendSlotKey {
+                service_id: id,
+                rev,
+                slot: slot as u32,
+            };
+            if let Err(e) = maps.slots.insert(&slot_key, &BackendSlot { backend_id: *backend_id }, 0) {
+                for undo in 0..slot as u32 {
+                    let _ = maps.slots.remove(&BackendSlotKey {
+                        service_id: id,
+                        rev,
+                        slot: undo,
+                    });
+                }
+                return Err(anyhow::Error::new(e).context("writing backend slots"));
+            }
+        }
+        let rev_nat = RevNatValue {
+            addr: key.addr,
+            port: key.port,
+            family: key.family,
+            proto: key.proto,
+        };
+        maps.rev_nat
+            .insert(&id, &rev_nat, 0)
+            .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
+        // The flip: one update makes the new set visible.
+        maps.services
+            .insert(&key, &value, 0)
+            .map_err(|e| anyhow::Error::new(e).context("writing service entry"))?;
+        if let Some(old) = &old {
+            for slot in 0..old.backend_ids.len() as u32 {
+                remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
+                    service_id: id,
+                    rev: old.value.rev,
+                    slot,
+                }))?;
+            }
+        }
+        self.services.insert(key, Programmed { value, backend_ids });
+        Ok(true)
+    }
+
+    fn ensure_backend(&mut self, maps: &mut MapSet, be: Backend) -> Result<u32> {
+        if let Some(id) = self.backend_ids.get(&be) {
+            return Ok(*id);
+        }
+        let used: BTreeSet<u32> = self.backend_ids.values().copied().collect();
+        let mut id = self.next_backend_id.max(1);
+        while used.contains(&id) || id == 0 {
+            id = id.wrapping_add(1);
+        }
+        maps.backends
+            .insert(&id, &be, 0)
+            .map_err(|e| anyhow::Error::new(e).context("writing backend"))?;
+        self.next_backend_id = id.wrapping_add(1);
+        self.backend_ids.insert(be, id);
+        Ok(id)
+    }
+
+    fn allocate_service_id(&mut self) -> u32 {
+        let used: BTreeSet<u32> = self.services.values().map(|p| p.value.id).collect();
+        let mut id = self.next_service_id.max(1);
+        while used.contains(&id) || id == 0 {
+            id = id.wrapping_add(1);
+        }
+        self.next_service_id = id.wrapping_add(1);
+        id
+    }
+}
+
+fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
+    match r {
+        Ok(()) => Ok(()),
+        Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}

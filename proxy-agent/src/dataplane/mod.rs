@@ -1,0 +1,22 @@
+//! Applies a node view to a dataplane. Nothing here imports Kubernetes types.
+
+pub mod bpf;
+pub mod log;
+
+use crate::model::NodeView;
+
+/// What one apply changed, and what it could not.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub frontends_written: usize,
+    pub frontends_removed: usize,
+    pub backends_written: usize,
+    pub backends_removed: usize,
+    /// Frontends left as they were because writing them failed (full map, ...).
+    pub failed: Vec<String>,
+}
+
+/// A dataplane: brings itself to the desired view with as few changes as it can.
+pub trait Dataplane {
+    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport>;
+}

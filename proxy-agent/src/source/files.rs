@@ -1,0 +1,125 @@
+//! A folder of Kubernetes YAML (or JSON) manifests: the embedded default source.
+//! Multi-document files and `kind: List` are understood; anything else is skipped.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde::Deserialize as _;
+use thiserror::Error;
+
+use crate::model::{ClusterModel, ObjectRef};
+
+/// A manifest that could not be used, with where it came from.
+#[derive(Debug, Error)]
+pub enum ManifestError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} document {doc}: {message}")]
+    Parse {
+        path: PathBuf,
+        doc: usize,
+        message: String,
+    },
+}
+
+/// Reads every `*.yaml`, `*.yml` and `*.json` file of `dir` (or the one file `dir` names).
+/// Objects that fail to parse are reported and left out; the rest are returned.
+pub fn load(dir: &Path) -> Result<(ClusterModel, Vec<ManifestError>), ManifestError> {
+    let mut files = Vec::new();
+    if dir.is_file() {
+        files.push(dir.to_path_buf());
+    } else {
+        let entries = fs::read_dir(dir).map_err(|source| ManifestError::Read {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if path.is_file() && matches!(ext, "yaml" | "yml" | "json") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    let mut model = ClusterModel::default();
+    let mut errors = Vec::new();
+    for path in files {
+        let text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(source) => {
+                errors.push(ManifestError::Read { path, source });
+                continue;
+            }
+        };
+        add_documents(&mut model, &mut errors, &path, &text);
+    }
+    Ok((model, errors))
+}
+
+/// Parses the documents of one file into `model`.
+pub fn add_documents(
+    model: &mut ClusterModel,
+    errors: &mut Vec<ManifestError>,
+    path: &Path,
+    text: &str,
+) {
+    for (doc, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let parse_err = |message: String| ManifestError::Parse {
+            path: path.to_path_buf(),
+            doc,
+            message,
+        };
+        let value = match serde_json::Value::deserialize(de) {
+            Ok(serde_json::Value::Null) => continue,
+            Ok(v) => v,
+            Err(e) => {
+                errors.push(parse_err(e.to_string()));
+                continue;
+            }
+        };
+        let items = match value.get("kind").and_then(|k| k.as_str()) {
+            Some(k) if k.ends_with("List") => value
+                .get("items")
+                .and_then(|i| i.as_array())
+                .cloned()
+                .unwrap_or_default(),
+            _ => vec![value],
+        };
+        for item in items {
+            if let Err(message) = add_object(model, item) {
+                errors.push(parse_err(message));
+            }
+        }
+    }
+}
+
+fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), String> {
+    let kind = item.get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
+    let name = item
+        .pointer("/metadata/name")
+        .and_then(|n| n.as_str())
+        .unwrap_or("<unnamed>")
+        .to_string();
+    match kind.as_str() {
+        "Service" => {
+            let svc: Service =
+                serde_json::from_value(item).map_err(|e| format!("Service {name}: {e}"))?;
+            model.services.insert(ObjectRef::of(&svc.metadata), svc);
+        }
+        "EndpointSlice" => {
+            let slice: EndpointSlice =
+                serde_json::from_value(item).map_err(|e| format!("EndpointSlice {name}: {e}"))?;
+            model.slices.insert(ObjectRef::of(&slice.metadata), slice);
+        }
+        _ => tracing::debug!(kind, name, "ignoring object of a kind the proxy does not use"),
+    }
+    Ok(())
+}
