@@ -1,0 +1,35 @@
+//! Test client: joins a cgroup and a netns, then connects repeatedly, one JSON line each.
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::Parser;
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long)]
+    netns: Option<PathBuf>,
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    #[arg(long)]
+    target: SocketAddr,
+    /// tcp or udp
+    #[arg(long, default_value = "tcp")]
+    proto: String,
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
+    #[arg(long, default_value_t = 2000)]
+    timeout_ms: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    proxy_e2e::client::enter(a.netns.as_deref(), a.cgroup.as_deref())?;
+    proxy_e2e::client::run(&proxy_e2e::client::Run {
+        target: a.target,
+        udp: a.proto == "udp",
+        count: a.count,
+        interval: Duration::from_millis(a.interval_ms),
+        timeout: Duration::from_millis(a.timeout_ms),
+    })
+}

@@ -1,0 +1,135 @@
+//! The test client: repeated TCP connections or UDP exchanges to a target, one JSON line
+//! per attempt with the backend that answered and the peer address the socket reports.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+
+/// One connection (TCP) or request/response (UDP).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Attempt {
+    pub seq: u32,
+    pub ok: bool,
+    /// Identity of the backend that answered.
+    pub backend: Option<String>,
+    /// Peer as the application sees it: getpeername (TCP) or the reply's source (UDP).
+    pub peer: Option<String>,
+    /// Error kind, e.g. "ConnectionRefused" or "TimedOut".
+    pub error: Option<String>,
+    /// Time from start of the attempt to its end, in milliseconds.
+    pub ms: f64,
+    /// Milliseconds since the client started, at the start of the attempt.
+    pub at_ms: f64,
+}
+
+/// Parses the client's output.
+pub fn parse_attempts(out: &str) -> Result<Vec<Attempt>> {
+    out.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| Ok(serde_json::from_str(l)?))
+        .collect()
+}
+
+/// Options of a client run.
+pub struct Run {
+    pub target: SocketAddr,
+    pub udp: bool,
+    pub count: u32,
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+/// Runs the attempts, printing each as a JSON line as soon as it ends.
+pub fn run(opts: &Run) -> Result<()> {
+    let start = Instant::now();
+    let stdout = std::io::stdout();
+    for seq in 0..opts.count {
+        let t0 = Instant::now();
+        let at_ms = start.elapsed().as_secs_f64() * 1e3;
+        let result = if opts.udp { udp_once(opts) } else { tcp_once(opts) };
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let attempt = match result {
+            Ok((backend, peer)) => Attempt { seq, ok: true, backend: Some(backend), peer: Some(peer.to_string()), error: None, ms, at_ms },
+            Err(e) => Attempt { seq, ok: false, backend: None, peer: None, error: Some(format!("{:?}", e.kind())), ms, at_ms },
+        };
+        let mut lock = stdout.lock();
+        writeln!(lock, "{}", serde_json::to_string(&attempt)?)?;
+        lock.flush()?;
+        drop(lock);
+        if !opts.interval.is_zero() {
+            std::thread::sleep(opts.interval);
+        }
+    }
+    Ok(())
+}
+
+fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
+    let mut s = TcpStream::connect_timeout(&opts.target, opts.timeout)?;
+    s.set_read_timeout(Some(opts.timeout))?;
+    let peer = s.peer_addr()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    Ok((buf.trim().to_string(), peer))
+}
+
+fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
+    let bind: SocketAddr = if opts.target.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
+    // Unconnected: exercises sendmsg and recvmsg translation.
+    let s = UdpSocket::bind(bind)?;
+    s.set_read_timeout(Some(opts.timeout))?;
+    s.send_to(b"who", opts.target)?;
+    let mut buf = [0u8; 256];
+    let (n, from) = s.recv_from(&mut buf)?;
+    Ok((String::from_utf8_lossy(&buf[..n]).trim().to_string(), from))
+}
+
+/// A `sockaddr_storage` for `addr`, and its length.
+pub fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: zeroed sockaddr_storage is a valid value; we fill the family-specific view.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_in fits in sockaddr_storage.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            (storage, std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t)
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: 0,
+            };
+            // SAFETY: sockaddr_in6 fits in sockaddr_storage.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            (storage, std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t)
+        }
+    }
+}
+
+/// Moves this process into `cgroup` (cgroup v2 folder) and this thread into `netns`.
+pub fn enter(netns: Option<&std::path::Path>, cgroup: Option<&std::path::Path>) -> Result<()> {
+    if let Some(cg) = cgroup {
+        std::fs::write(cg.join("cgroup.procs"), std::process::id().to_string())
+            .map_err(|e| anyhow::anyhow!("joining cgroup {}: {e}", cg.display()))?;
+    }
+    if let Some(ns) = netns {
+        let f = std::fs::File::open(ns)?;
+        if let Err(e) = nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET) {
+            bail!("entering {}: {e}", ns.display());
+        }
+    }
+    Ok(())
+}

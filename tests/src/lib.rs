@@ -1,0 +1,547 @@
+//! End-to-end harness: a namespace testbed (client → node → backend pods), echo backends
+//! that answer with their identity, a client that reports every attempt, and the agent
+//! under test. Everything lives in namespaces, a cgroup and a bpffs mount the testbed
+//! creates, with unique names, and is removed on drop — also when a test fails.
+
+pub mod client;
+pub mod echo;
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    io::Write as _,
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+pub use client::Attempt;
+
+/// ClusterIPs used by the testbed's manifests. They exist only inside the testbed.
+pub const VIP4: &str = "10.96.0.10";
+pub const VIP6: &str = "fd96::10";
+/// A Service without endpoints.
+pub const EMPTY_VIP4: &str = "10.96.0.20";
+pub const TCP_PORT: u16 = 80;
+pub const TCP_TARGET: u16 = 8080;
+pub const UDP_PORT: u16 = 53;
+pub const UDP_TARGET: u16 = 5353;
+
+/// Root is needed for namespaces, cgroups, bpffs and BPF. Prints why a test skips.
+pub fn require_root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    eprintln!(
+        "SKIP {test}: needs root (network namespaces, cgroup v2, bpffs and BPF programs); \
+         run `cargo xtask test` as root"
+    );
+    false
+}
+
+/// Runs a command, failing with its stderr.
+pub fn sh(args: &[&str]) -> Result<String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .with_context(|| format!("spawning {args:?}"))?;
+    if !out.status.success() {
+        bail!("{args:?}: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Which datapath the agent under test uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path_ {
+    /// cgroup connect/sendmsg/recvmsg/getpeername hooks on the testbed's cgroup.
+    ConnectTime,
+    /// TC classifier on the node's interfaces.
+    PerPacket,
+}
+
+/// Where the agent binary is: `PROXY_AGENT_BIN`, else next to the test binary.
+pub fn agent_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("PROXY_AGENT_BIN") {
+        return PathBuf::from(p);
+    }
+    let mut p = std::env::current_exe().unwrap_or_default();
+    p.pop();
+    if p.ends_with("deps") {
+        p.pop();
+    }
+    p.join("proxy-agent")
+}
+
+/// Sibling binaries of this crate (e2e-echo, e2e-client), next to the running executable.
+fn helper_bin(name: &str) -> PathBuf {
+    let mut p = std::env::current_exe().unwrap_or_default();
+    p.pop();
+    if p.ends_with("deps") {
+        p.pop();
+    }
+    p.join(name)
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A client namespace, a node namespace that routes, and backend namespaces.
+pub struct Testbed {
+    pub id: String,
+    pub backends: usize,
+    root: PathBuf,
+    bpffs: PathBuf,
+    cgroup: PathBuf,
+    manifests: PathBuf,
+    namespaces: Vec<String>,
+    echoes: Vec<Child>,
+    agent: Option<Child>,
+    agent_path: Option<Path_>,
+}
+
+impl Testbed {
+    /// Builds the topology with `backends` backend namespaces, each running an echo server.
+    pub fn new(backends: usize) -> Result<Self> {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{:05x}{n:x}", std::process::id() & 0xfffff);
+        let root = std::env::temp_dir().join(format!("pxy-{id}"));
+        let mut tb = Testbed {
+            bpffs: root.join("bpffs"),
+            cgroup: cgroup_root()?.join(format!("pxy-{id}")),
+            manifests: root.join("manifests"),
+            root,
+            id,
+            backends,
+            namespaces: Vec::new(),
+            echoes: Vec::new(),
+            agent: None,
+            agent_path: None,
+        };
+        tb.build().with_context(|| format!("building testbed {}", tb.id))?;
+        Ok(tb)
+    }
+
+    pub fn node_ns(&self) -> String {
+        format!("pxy{}n", self.id)
+    }
+
+    pub fn client_ns(&self) -> String {
+        format!("pxy{}c", self.id)
+    }
+
+    fn backend_ns(&self, i: usize) -> String {
+        format!("pxy{}b{i}", self.id)
+    }
+
+    /// Identity an echo backend answers with.
+    pub fn backend_name(i: usize) -> String {
+        format!("backend-{i}")
+    }
+
+    /// Backend pod addresses.
+    pub fn backend_ip4(i: usize) -> String {
+        format!("10.20.{i}.2")
+    }
+
+    pub fn backend_ip6(i: usize) -> String {
+        format!("fd20:{i}::2")
+    }
+
+    /// The node's interfaces (client side first), where the classifier goes.
+    pub fn node_interfaces(&self) -> Vec<String> {
+        let mut v = vec![format!("c{}", self.id)];
+        v.extend((0..self.backends).map(|i| format!("b{i}{}", self.id)));
+        v
+    }
+
+    fn build(&mut self) -> Result<()> {
+        fs::create_dir_all(&self.bpffs)?;
+        fs::create_dir_all(&self.manifests)?;
+        sh(&["mount", "-t", "bpf", "bpf", path_str(&self.bpffs)?])?;
+        fs::create_dir_all(&self.cgroup)
+            .with_context(|| format!("creating cgroup {}", self.cgroup.display()))?;
+        let node = self.node_ns();
+        let client = self.client_ns();
+        for ns in [node.clone(), client.clone()] {
+            self.add_namespace(&ns)?;
+        }
+        for (k, v) in [
+            ("net.ipv4.ip_forward", "1"),
+            ("net.ipv6.conf.all.forwarding", "1"),
+            ("net.ipv4.conf.all.rp_filter", "0"),
+            ("net.ipv4.conf.default.rp_filter", "0"),
+        ] {
+            sh(&["ip", "netns", "exec", &node, "sysctl", "-qw", &format!("{k}={v}")])?;
+        }
+        let c_if = format!("c{}", self.id);
+        self.link(&node, &c_if, &client, ("10.10.0.1", "fd10::1"), ("10.10.0.2", "fd10::2"))?;
+        for i in 0..self.backends {
+            let ns = self.backend_ns(i);
+            self.add_namespace(&ns)?;
+            let b_if = format!("b{i}{}", self.id);
+            let (n4, n6) = (format!("10.20.{i}.1"), format!("fd20:{i}::1"));
+            let (b4, b6) = (Self::backend_ip4(i), Self::backend_ip6(i));
+            self.link(&node, &b_if, &ns, (&n4, &n6), (&b4, &b6))?;
+            let echo = Command::new("ip")
+                .args(["netns", "exec", &ns])
+                .arg(helper_bin("e2e-echo"))
+                .args(["--id", &Self::backend_name(i)])
+                .args(["--tcp", &TCP_TARGET.to_string(), "--udp", &UDP_TARGET.to_string()])
+                .stdout(Stdio::null())
+                .spawn()
+                .context("starting an echo backend")?;
+            self.echoes.push(echo);
+        }
+        for i in 0..self.backends {
+            self.wait_tcp(&format!("{}:{TCP_TARGET}", Self::backend_ip4(i)))?;
+        }
+        Ok(())
+    }
+
+    /// A namespace with loopback up and without IPv6 duplicate address detection, whose
+    /// tentative link-local addresses would stall neighbour discovery for a second or two.
+    fn add_namespace(&mut self, ns: &str) -> Result<()> {
+        sh(&["ip", "netns", "add", ns])?;
+        self.namespaces.push(ns.to_string());
+        sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+        for key in ["net.ipv6.conf.all.accept_dad", "net.ipv6.conf.default.accept_dad"] {
+            sh(&["ip", "netns", "exec", ns, "sysctl", "-qw", &format!("{key}=0")])?;
+        }
+        Ok(())
+    }
+
+    /// A veth pair from the node (`node_if`) to `peer_ns` (`eth0`), addressed, with the
+    /// peer's default routes pointing at the node. Nothing routes out of the testbed.
+    fn link(
+        &self,
+        node: &str,
+        node_if: &str,
+        peer_ns: &str,
+        (n4, n6): (&str, &str),
+        (p4, p6): (&str, &str),
+    ) -> Result<()> {
+        sh(&["ip", "-n", node, "link", "add", node_if, "type", "veth", "peer", "name", "eth0", "netns", peer_ns])?;
+        sh(&["ip", "-n", node, "addr", "add", &format!("{n4}/24"), "dev", node_if])?;
+        sh(&["ip", "-n", node, "addr", "add", &format!("{n6}/64"), "dev", node_if, "nodad"])?;
+        sh(&["ip", "-n", peer_ns, "addr", "add", &format!("{p4}/24"), "dev", "eth0"])?;
+        sh(&["ip", "-n", peer_ns, "addr", "add", &format!("{p6}/64"), "dev", "eth0", "nodad"])?;
+        sh(&["ip", "-n", node, "link", "set", node_if, "up"])?;
+        sh(&["ip", "-n", peer_ns, "link", "set", "eth0", "up"])?;
+        sh(&["ip", "-n", peer_ns, "route", "add", "default", "via", n4])?;
+        sh(&["ip", "-n", peer_ns, "-6", "route", "add", "default", "via", n6])?;
+        Ok(())
+    }
+
+    /// Turns checksum offload off on every veth end, so the NAT's checksum updates are
+    /// what the receivers verify.
+    pub fn disable_offload(&self) -> Result<()> {
+        let mut ends: Vec<(String, String)> =
+            self.node_interfaces().into_iter().map(|i| (self.node_ns(), i)).collect();
+        ends.push((self.client_ns(), "eth0".into()));
+        ends.extend((0..self.backends).map(|i| (self.backend_ns(i), "eth0".to_string())));
+        for (ns, dev) in ends {
+            sh(&["ip", "netns", "exec", &ns, "ethtool", "-K", &dev, "tx", "off", "rx", "off"])?;
+        }
+        Ok(())
+    }
+
+    fn wait_tcp(&self, target: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = self.client_raw(&[
+                "--target", target, "--proto", "tcp", "--count", "1", "--timeout-ms", "300",
+            ]);
+            if let Ok(attempts) = out
+                && attempts.first().is_some_and(|a| a.ok)
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("backend {target} did not come up");
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Writes the manifests folder: replaces every file with `files` (name → YAML).
+    pub fn write_manifests(&self, files: &BTreeMap<&str, String>) -> Result<()> {
+        for entry in fs::read_dir(&self.manifests)? {
+            let path = entry?.path();
+            if !files.contains_key(path.file_name().and_then(|f| f.to_str()).unwrap_or("")) {
+                fs::remove_file(path)?;
+            }
+        }
+        for (name, text) in files {
+            // Write then rename, so the agent never reads half a file.
+            let tmp = self.manifests.join(format!(".{name}.tmp"));
+            fs::File::create(&tmp)?.write_all(text.as_bytes())?;
+            fs::rename(&tmp, self.manifests.join(name))?;
+        }
+        Ok(())
+    }
+
+    pub fn pin_dir(&self) -> PathBuf {
+        self.bpffs.join("agent")
+    }
+
+    /// Starts the agent for `path`; returns once it has programmed `frontends` frontends.
+    pub fn start_agent(&mut self, path: Path_, frontends: usize) -> Result<()> {
+        let mut cmd = Command::new(agent_bin());
+        cmd.arg("--netns")
+            .arg(format!("/run/netns/{}", self.node_ns()))
+            .arg("run")
+            .arg("--manifests")
+            .arg(&self.manifests)
+            .arg("--bpffs")
+            .arg(self.pin_dir())
+            .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"]);
+        match path {
+            Path_::ConnectTime => {
+                cmd.arg("--cgroup").arg(&self.cgroup);
+            }
+            Path_::PerPacket => {
+                cmd.args(["--cgroup", "none", "--interfaces", &self.node_interfaces().join(",")]);
+            }
+        }
+        let log = fs::File::create(self.root.join("agent.log"))?;
+        cmd.stdout(log.try_clone()?).stderr(log);
+        self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
+        self.agent_path = Some(path);
+        self.wait_frontends(frontends)
+    }
+
+    /// Everything the agent logged so far.
+    pub fn agent_log(&self) -> String {
+        fs::read_to_string(self.root.join("agent.log")).unwrap_or_default()
+    }
+
+    /// Waits until the pinned service map holds exactly `n` frontends.
+    pub fn wait_frontends(&mut self, n: usize) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(agent) = &mut self.agent
+                && let Some(status) = agent.try_wait()?
+            {
+                bail!("agent exited ({status}):\n{}", self.agent_log());
+            }
+            if let Ok(dump) = self.dump()
+                && dump["services"].as_array().map(Vec::len) == Some(n)
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("agent did not program {n} frontends:\n{}", self.agent_log());
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `proxy-agent dump --json` of this testbed's pins.
+    pub fn dump(&self) -> Result<serde_json::Value> {
+        let out = sh(&[
+            path_str(&agent_bin())?,
+            "dump",
+            "--json",
+            "--bpffs",
+            path_str(&self.pin_dir())?,
+        ])?;
+        Ok(serde_json::from_str(&out)?)
+    }
+
+    /// Kills the agent without letting it clean up (as a crash would).
+    pub fn kill_agent(&mut self) -> Result<()> {
+        if let Some(mut agent) = self.agent.take() {
+            agent.kill()?;
+            agent.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Runs the client in the client namespace (and, for the connect-time path, in the
+    /// testbed's cgroup) and returns every attempt.
+    pub fn client(&self, args: &[&str]) -> Result<Vec<Attempt>> {
+        self.client_raw(args)
+    }
+
+    fn client_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(helper_bin("e2e-client"));
+        cmd.arg("--netns").arg(format!("/run/netns/{}", self.client_ns()));
+        if self.agent_path == Some(Path_::ConnectTime) {
+            cmd.arg("--cgroup").arg(&self.cgroup);
+        }
+        cmd.args(args);
+        cmd
+    }
+
+    fn client_raw(&self, args: &[&str]) -> Result<Vec<Attempt>> {
+        let out = self.client_command(args).output().context("running e2e-client")?;
+        if !out.status.success() {
+            bail!("e2e-client {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
+    }
+
+    /// Starts the client in the background (for "while a client loops" tests).
+    pub fn spawn_client(&self, args: &[&str]) -> Result<Child> {
+        self.client_command(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting e2e-client")
+    }
+
+    /// Stops backend `i`'s echo server.
+    pub fn stop_backend(&mut self, i: usize) -> Result<()> {
+        let echo = &mut self.echoes[i];
+        echo.kill()?;
+        echo.wait()?;
+        Ok(())
+    }
+}
+
+/// Collects a background client's attempts.
+pub fn finish_client(child: Child) -> Result<Vec<Attempt>> {
+    let out = child.wait_with_output()?;
+    client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        if let Some(mut agent) = self.agent.take() {
+            let _ = agent.kill();
+            let _ = agent.wait();
+        }
+        for echo in &mut self.echoes {
+            let _ = echo.kill();
+            let _ = echo.wait();
+        }
+        let _ = Command::new(agent_bin())
+            .args(["cleanup", "--bpffs"])
+            .arg(self.pin_dir())
+            .stderr(Stdio::null())
+            .status();
+        for ns in self.namespaces.drain(..) {
+            let _ = sh(&["ip", "netns", "del", &ns]);
+        }
+        let _ = sh(&["umount", path_str(&self.bpffs).unwrap_or("")]);
+        // A cgroup can only be removed once its processes are gone.
+        for _ in 0..50 {
+            if fs::remove_dir(&self.cgroup).is_ok() || !self.cgroup.exists() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let _ = fs::remove_dir_all(&self.root);
+    }
+}
+
+/// The cgroup v2 mount (`/sys/fs/cgroup/unified` here, `/sys/fs/cgroup` on most hosts).
+pub fn cgroup_root() -> Result<PathBuf> {
+    let info = fs::read_to_string("/proc/self/mountinfo")?;
+    info.lines()
+        .find_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            post.starts_with("cgroup2 ").then(|| pre.split(' ').nth(4).map(PathBuf::from))?
+        })
+        .context("no cgroup2 mount")
+}
+
+fn path_str(p: &Path) -> Result<&str> {
+    p.to_str().context("non-UTF-8 path")
+}
+
+/// Manifests for the testbed's "web" Service: dual-stack ClusterIPs, TCP 80→8080 and
+/// UDP 53→"dns" (a named targetPort resolved through the slices' ports), endpoints on the
+/// given backends, optional ClientIP affinity; plus an "empty" Service with no endpoints.
+pub fn web_manifests(backends: &[usize], affinity_timeout: Option<u32>) -> BTreeMap<&'static str, String> {
+    let affinity = match affinity_timeout {
+        Some(t) => format!(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"
+        ),
+        None => String::new(),
+    };
+    let service = format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  type: ClusterIP
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: {VIP4}
+  clusterIPs: [{VIP4}, {VIP6}]
+{affinity}  ports:
+  - {{name: http, protocol: TCP, port: {TCP_PORT}, targetPort: {TCP_TARGET}}}
+  - {{name: dns, protocol: UDP, port: {UDP_PORT}, targetPort: dns}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: empty, namespace: default}}
+spec:
+  clusterIP: {EMPTY_VIP4}
+  ports:
+  - {{name: http, protocol: TCP, port: {TCP_PORT}, targetPort: {TCP_TARGET}}}
+"
+    );
+    let slice = |family: &str, addr: fn(usize) -> String| {
+        let mut s = format!(
+            "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-{}
+  namespace: default
+  labels: {{kubernetes.io/service-name: web}}
+addressType: {family}
+ports:
+- {{name: http, protocol: TCP, port: {TCP_TARGET}}}
+- {{name: dns, protocol: UDP, port: {UDP_TARGET}}}
+endpoints:
+",
+            family.to_lowercase()
+        );
+        for &i in backends {
+            s.push_str(&format!(
+                "- addresses: [\"{}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n",
+                addr(i)
+            ));
+        }
+        if backends.is_empty() {
+            s.push_str("  []\n");
+        }
+        s
+    };
+    let mut files = BTreeMap::new();
+    files.insert("services.yaml", service);
+    files.insert("web-ipv4.yaml", slice("IPv4", Testbed::backend_ip4));
+    files.insert("web-ipv6.yaml", slice("IPv6", Testbed::backend_ip6));
+    files
+}
+
+/// `ip:port` as the client takes it.
+pub fn target(ip: &str, port: u16) -> String {
+    let ip: IpAddr = ip.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]));
+    SocketAddr::new(ip, port).to_string()
+}
+
+/// Counts attempts per backend identity.
+pub fn spread(attempts: &[Attempt]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for a in attempts.iter().filter(|a| a.ok) {
+        *m.entry(a.backend.clone().unwrap_or_default()).or_insert(0) += 1;
+    }
+    m
+}
+
+/// Pearson's chi-square statistic of `counts` against a uniform spread over `k` buckets.
+pub fn chi_square_uniform(counts: &BTreeMap<String, usize>, k: usize) -> f64 {
+    let total: usize = counts.values().sum();
+    let expected = total as f64 / k as f64;
+    let observed: Vec<f64> = (0..k)
+        .map(|i| *counts.get(&Testbed::backend_name(i)).unwrap_or(&0) as f64)
+        .collect();
+    observed.iter().map(|o| (o - expected).powi(2) / expected).sum()
+}

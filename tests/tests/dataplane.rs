@@ -1,0 +1,263 @@
+//! End to end through the real programs: a client namespace reaches ClusterIPs whose
+//! backends live in other namespaces, through the connect-time path and, separately,
+//! through the per-packet (TC) path. Root only: each test says so and skips otherwise.
+
+use std::{thread, time::Duration};
+
+use proxy_e2e::{
+    EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, chi_square_uniform,
+    finish_client, require_root, spread, target, web_manifests,
+};
+
+/// Frontends the web manifests program: web (2 families × 2 ports) + empty.
+const FRONTENDS: usize = 5;
+/// chi-square critical value, 2 degrees of freedom, p = 0.001: a fair spread fails this
+/// test once in a thousand runs.
+const CHI2_CRIT_2DOF: f64 = 13.82;
+
+fn testbed(path: Path_, backends: &[usize], affinity: Option<u32>) -> Testbed {
+    let mut tb = Testbed::new(3).expect("testbed");
+    tb.write_manifests(&web_manifests(backends, affinity)).expect("manifests");
+    tb.start_agent(path, FRONTENDS).expect("agent");
+    tb
+}
+
+/// TCP and UDP, IPv4 and IPv6: every attempt is answered by one of the backends, and the
+/// application sees the ClusterIP as its peer (getpeername / recvmsg / reverse NAT).
+fn reaches_all_families(path: Path_) {
+    let tb = testbed(path, &[0, 1, 2], None);
+    for (vip, proto, port) in [
+        (VIP4, "tcp", TCP_PORT),
+        (VIP6, "tcp", TCP_PORT),
+        (VIP4, "udp", UDP_PORT),
+        (VIP6, "udp", UDP_PORT),
+    ] {
+        let t = target(vip, port);
+        let attempts = tb
+            .client(&["--target", &t, "--proto", proto, "--count", "30"])
+            .expect("client");
+        assert_eq!(attempts.len(), 30);
+        for a in &attempts {
+            assert!(a.ok, "{path:?} {proto} {t}: attempt failed: {a:?}\n{}", tb.agent_log());
+            let backend = a.backend.as_deref().unwrap_or("");
+            assert!(backend.starts_with("backend-"), "unexpected answer {backend:?}");
+            assert_eq!(a.peer.as_deref(), Some(t.as_str()), "{path:?} {proto}: peer is not the VIP");
+        }
+        let s = spread(&attempts);
+        assert!(s.len() >= 2, "{path:?} {proto} {t}: 30 attempts all went to {s:?}");
+    }
+}
+
+#[test]
+fn connect_time_reaches_backends_tcp_udp_v4_v6() {
+    if require_root("connect_time_reaches_backends_tcp_udp_v4_v6") {
+        reaches_all_families(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_reaches_backends_tcp_udp_v4_v6() {
+    if require_root("per_packet_reaches_backends_tcp_udp_v4_v6") {
+        reaches_all_families(Path_::PerPacket);
+    }
+}
+
+/// With checksum offload off, receivers verify the checksums the NAT rewrote.
+#[test]
+fn per_packet_nat_checksums_with_offload_off() {
+    if !require_root("per_packet_nat_checksums_with_offload_off") {
+        return;
+    }
+    let tb = testbed(Path_::PerPacket, &[0, 1, 2], None);
+    tb.disable_offload().expect("ethtool");
+    for (vip, proto, port) in [(VIP4, "tcp", TCP_PORT), (VIP6, "tcp", TCP_PORT), (VIP4, "udp", UDP_PORT), (VIP6, "udp", UDP_PORT)] {
+        let t = target(vip, port);
+        let attempts = tb.client(&["--target", &t, "--proto", proto, "--count", "10"]).expect("client");
+        assert!(attempts.iter().all(|a| a.ok), "{proto} {t}: {attempts:?}");
+    }
+}
+
+fn spreads_uniformly(path: Path_) {
+    let tb = testbed(path, &[0, 1, 2], None);
+    let attempts = tb
+        .client(&["--target", &target(VIP4, TCP_PORT), "--count", "600"])
+        .expect("client");
+    assert!(attempts.iter().all(|a| a.ok));
+    let s = spread(&attempts);
+    let chi2 = chi_square_uniform(&s, 3);
+    eprintln!("{path:?}: spread over 600 connections {s:?}, chi2 = {chi2:.2}");
+    assert_eq!(s.len(), 3, "every backend gets a share: {s:?}");
+    assert!(chi2 < CHI2_CRIT_2DOF, "spread {s:?} is not uniform (chi2 {chi2:.2})");
+}
+
+#[test]
+fn connect_time_spreads_uniformly() {
+    if require_root("connect_time_spreads_uniformly") {
+        spreads_uniformly(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_spreads_uniformly() {
+    if require_root("per_packet_spreads_uniformly") {
+        spreads_uniformly(Path_::PerPacket);
+    }
+}
+
+/// `sessionAffinity: ClientIP` pins a client to one backend, and lets go after the timeout.
+fn affinity_pins_then_releases(path: Path_) {
+    let tb = testbed(path, &[0, 1, 2], Some(1));
+    let t = target(VIP4, TCP_PORT);
+    let pinned = tb.client(&["--target", &t, "--count", "40"]).expect("client");
+    let s = spread(&pinned);
+    assert_eq!(s.len(), 1, "{path:?}: affinity must pin the client to one backend: {s:?}");
+    // After each timeout the next choice is free again: over 8 rounds, three backends
+    // give the same answer every time with probability (1/3)^7 < 0.05%.
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..8 {
+        thread::sleep(Duration::from_millis(1300));
+        let a = tb.client(&["--target", &t, "--count", "1"]).expect("client");
+        assert!(a[0].ok, "{a:?}");
+        seen.insert(a[0].backend.clone());
+    }
+    assert!(seen.len() >= 2, "{path:?}: affinity never released: {seen:?}");
+}
+
+#[test]
+fn connect_time_affinity_pins_then_releases() {
+    if require_root("connect_time_affinity_pins_then_releases") {
+        affinity_pins_then_releases(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_affinity_pins_then_releases() {
+    if require_root("per_packet_affinity_pins_then_releases") {
+        affinity_pins_then_releases(Path_::PerPacket);
+    }
+}
+
+/// Removing one of three backends while a client loops fails no connection: those aimed
+/// at the remaining two never notice, and the removed one gets no new connections.
+fn backend_removal_is_hitless(path: Path_) {
+    let tb = testbed(path, &[0, 1, 2], None);
+    let t = target(VIP4, TCP_PORT);
+    let client = tb
+        .spawn_client(&["--target", &t, "--count", "300", "--interval-ms", "10"])
+        .expect("client");
+    thread::sleep(Duration::from_millis(1000));
+    tb.write_manifests(&web_manifests(&[0, 1], None)).expect("manifests");
+    let attempts = finish_client(client).expect("client output");
+    let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
+    assert!(failed.is_empty(), "{path:?}: connections failed during removal: {failed:?}");
+    // The agent programs the change within a few sync intervals; well after it, backend-2
+    // must be gone from the answers.
+    let late: Vec<_> = attempts
+        .iter()
+        .filter(|a| a.at_ms > 2500.0 && a.backend.as_deref() == Some("backend-2"))
+        .collect();
+    assert!(late.is_empty(), "{path:?}: removed backend still chosen: {late:?}");
+    let s = spread(&attempts);
+    assert!(s.get("backend-0").is_some() && s.get("backend-1").is_some(), "{s:?}");
+}
+
+#[test]
+fn connect_time_backend_removal_is_hitless() {
+    if require_root("connect_time_backend_removal_is_hitless") {
+        backend_removal_is_hitless(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_backend_removal_is_hitless() {
+    if require_root("per_packet_backend_removal_is_hitless") {
+        backend_removal_is_hitless(Path_::PerPacket);
+    }
+}
+
+/// A Service without endpoints refuses at once (kube-proxy's REJECT), never hangs.
+#[test]
+fn connect_time_no_endpoints_refuses_quickly() {
+    if !require_root("connect_time_no_endpoints_refuses_quickly") {
+        return;
+    }
+    let tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
+    let attempts = tb
+        .client(&["--target", &target(EMPTY_VIP4, TCP_PORT), "--count", "5", "--timeout-ms", "3000"])
+        .expect("client");
+    for a in &attempts {
+        assert!(!a.ok);
+        assert_eq!(a.error.as_deref(), Some("ConnectionRefused"), "{a:?}");
+        assert!(a.ms < 500.0, "refusal took {} ms", a.ms);
+    }
+}
+
+/// Killing the agent (as a crash would) and starting a new one while a client loops loses
+/// no connection: pinned links keep the programs attached, and the new agent adopts the
+/// pinned maps (same frontend ids, no rewrite) and keeps reconciling.
+fn restart_is_hitless(path: Path_) {
+    let mut tb = testbed(path, &[0, 1, 2], None);
+    let before = tb.dump().expect("dump");
+    let t = target(VIP4, TCP_PORT);
+    let client = tb
+        .spawn_client(&["--target", &t, "--count", "300", "--interval-ms", "10"])
+        .expect("client");
+    thread::sleep(Duration::from_millis(700));
+    tb.kill_agent().expect("kill");
+    thread::sleep(Duration::from_millis(700));
+    tb.start_agent(path, FRONTENDS).expect("restart");
+    let attempts = finish_client(client).expect("client output");
+    let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
+    assert!(failed.is_empty(), "{path:?}: connections failed across the restart: {failed:?}");
+    let after = tb.dump().expect("dump");
+    assert_eq!(before["services"], after["services"], "adoption must not rewrite entries");
+    assert!(tb.agent_log().contains("adopted_frontends=5"), "{}", tb.agent_log());
+    // The new agent still reconciles: drop backend-2 and see it vanish.
+    tb.write_manifests(&web_manifests(&[0, 1], None)).expect("manifests");
+    thread::sleep(Duration::from_millis(500));
+    let attempts = tb.client(&["--target", &t, "--count", "60"]).expect("client");
+    let s = spread(&attempts);
+    assert!(attempts.iter().all(|a| a.ok) && !s.contains_key("backend-2"), "{s:?}");
+}
+
+#[test]
+fn connect_time_agent_restart_is_hitless() {
+    if require_root("connect_time_agent_restart_is_hitless") {
+        restart_is_hitless(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_agent_restart_is_hitless() {
+    if require_root("per_packet_agent_restart_is_hitless") {
+        restart_is_hitless(Path_::PerPacket);
+    }
+}
+
+/// An invalid object is skipped with a log line naming it; the others still apply.
+#[test]
+fn invalid_object_is_skipped_others_apply() {
+    if !require_root("invalid_object_is_skipped_others_apply") {
+        return;
+    }
+    let mut tb = Testbed::new(3).expect("testbed");
+    let mut files = web_manifests(&[0, 1, 2], None);
+    files.insert(
+        "bad.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: broken, namespace: default}\n\
+         spec:\n  clusterIP: 10.96.0.999\n  ports: [{port: 80}]\n---\n\
+         apiVersion: v1\nkind: Service\nmetadata: {name: badport, namespace: default}\n\
+         spec:\n  clusterIP: 10.96.0.30\n  ports: [{port: 70000, protocol: TCP}]\n---\n\
+         apiVersion: v1\nkind: Service\nmetadata: {name: badproto, namespace: default}\n\
+         spec:\n  clusterIP: 10.96.0.31\n  ports: [{port: 80, protocol: ICMP}]\n"
+            .to_string(),
+    );
+    tb.write_manifests(&files).expect("manifests");
+    tb.start_agent(Path_::ConnectTime, FRONTENDS).expect("agent");
+    let log = tb.agent_log();
+    for needle in ["default/broken", "10.96.0.999", "default/badport", "70000", "default/badproto", "ICMP"] {
+        assert!(log.contains(needle), "log does not name {needle:?}:\n{log}");
+    }
+    let attempts = tb.client(&["--target", &target(VIP4, TCP_PORT), "--count", "10"]).expect("client");
+    assert!(attempts.iter().all(|a| a.ok));
+}
