@@ -145,6 +145,19 @@ impl BpfDataplane {
     }
 }
 
+/// Loads the object with private, unpinned maps and nothing attached: for tests and for
+/// tracing packets without touching the live maps. `max_entries` overrides capacities by
+/// map name (to exercise full maps).
+pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
+    let mut loader = EbpfLoader::new();
+    for (name, size) in max_entries {
+        loader.map_max_entries(name, *size);
+    }
+    let mut ebpf = loader.load(BPF_OBJECT).context("loading the BPF object")?;
+    let maps = MapSet::take(&mut ebpf)?;
+    Ok((ebpf, maps))
+}
+
 impl Dataplane for BpfDataplane {
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
         self.state.apply(&mut self.maps, view)

@@ -1,0 +1,360 @@
+//! The real TC program on crafted packets (`BPF_PROG_TEST_RUN`), with maps written by the
+//! agent's own sync code: verdicts, rewritten bytes, valid checksums, connection tracking,
+//! and a full map that is reported without touching other services. Root only.
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, SocketAddr},
+};
+
+use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
+use proxy_agent::{
+    dataplane::bpf::{MapSet, MapState, load_private},
+    model::{Frontend, FrontendState, NodeView, Protocol},
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
+
+fn root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    eprintln!("SKIP {test}: loading BPF programs and BPF_PROG_TEST_RUN need root");
+    false
+}
+
+struct Harness {
+    ebpf: Ebpf,
+    maps: MapSet,
+    state: MapState,
+}
+
+impl Harness {
+    fn new(max_entries: &[(&str, u32)]) -> Self {
+        let (mut ebpf, maps) = load_private(max_entries).expect("load");
+        let prog: &mut SchedClassifier =
+            ebpf.program_mut("tc_ingress").expect("program").try_into().expect("type");
+        prog.load().expect("verifier accepts tc_ingress");
+        let state = MapState::adopt(&maps).expect("adopt");
+        Harness { ebpf, maps, state }
+    }
+
+    fn apply(&mut self, view: &NodeView) -> proxy_agent::dataplane::ApplyReport {
+        self.state.apply(&mut self.maps, view).expect("apply")
+    }
+
+    /// Runs one packet; returns the verdict and the packet as the program left it.
+    fn run(&self, packet: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &SchedClassifier =
+            self.ebpf.program("tc_ingress").expect("program").try_into().expect("type");
+        let mut out = vec![0u8; packet.len() + 256];
+        let res = prog
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })
+            .expect("test_run");
+        out.truncate(res.data_size_out as usize);
+        (res.return_value, out)
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.maps
+            .counters()
+            .expect("counters")
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v)
+            .expect("counter exists")
+    }
+}
+
+fn frontend(ip: &str, port: u16, protocol: Protocol, backends: &[&str]) -> (Frontend, FrontendState) {
+    (
+        Frontend { ip: ip.parse().expect("ip"), port, protocol },
+        FrontendState {
+            service: format!("default/test:{port}"),
+            backends: backends.iter().map(|b| b.parse().expect("backend")).collect(),
+            affinity_timeout_s: None,
+        },
+    )
+}
+
+// ---- packet crafting and checking -------------------------------------------------
+
+fn sum16(data: &[u8], mut acc: u32) -> u32 {
+    for chunk in data.chunks(2) {
+        let word = u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]);
+        acc += u32::from(word);
+    }
+    acc
+}
+
+fn fold(mut acc: u32) -> u16 {
+    while acc > 0xffff {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    !(acc as u16)
+}
+
+/// Ethernet + IP + TCP (SYN) or UDP with valid checksums.
+fn packet(src: SocketAddr, dst: SocketAddr, tcp: bool) -> Vec<u8> {
+    let payload = b"hello";
+    let l4_len = if tcp { 20 } else { 8 } + payload.len();
+    let mut l4 = vec![0u8; l4_len];
+    l4[0..2].copy_from_slice(&src.port().to_be_bytes());
+    l4[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    if tcp {
+        l4[4..8].copy_from_slice(&1000u32.to_be_bytes());
+        l4[12] = 5 << 4;
+        l4[13] = 0x02; // SYN
+        l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
+        l4[20..].copy_from_slice(payload);
+    } else {
+        l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+        l4[8..].copy_from_slice(payload);
+    }
+    let proto = if tcp { 6u8 } else { 17 };
+    let mut pkt = vec![0u8; 12];
+    pkt[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
+    pkt[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 2]);
+    match (src.ip(), dst.ip()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            pkt.extend_from_slice(&0x0800u16.to_be_bytes());
+            let mut ip = vec![0u8; 20];
+            ip[0] = 0x45;
+            ip[2..4].copy_from_slice(&((20 + l4_len) as u16).to_be_bytes());
+            ip[8] = 64;
+            ip[9] = proto;
+            ip[12..16].copy_from_slice(&s.octets());
+            ip[16..20].copy_from_slice(&d.octets());
+            let c = fold(sum16(&ip, 0));
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            pkt.extend_from_slice(&ip);
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            pkt.extend_from_slice(&0x86DDu16.to_be_bytes());
+            let mut ip = vec![0u8; 40];
+            ip[0] = 0x60;
+            ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+            ip[6] = proto;
+            ip[7] = 64;
+            ip[8..24].copy_from_slice(&s.octets());
+            ip[24..40].copy_from_slice(&d.octets());
+            pkt.extend_from_slice(&ip);
+        }
+        _ => panic!("mixed families"),
+    }
+    let csum_off = if tcp { 16 } else { 6 };
+    let c = l4_checksum(&pkt, &l4);
+    l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
+    pkt.extend_from_slice(&l4);
+    pkt
+}
+
+fn l4_checksum(pkt_with_ip: &[u8], l4: &[u8]) -> u16 {
+    let v4 = pkt_with_ip[12..14] == [0x08, 0x00];
+    let (proto, pseudo) = if v4 {
+        let ip = &pkt_with_ip[14..34];
+        (ip[9], sum16(&ip[12..20], 0))
+    } else {
+        let ip = &pkt_with_ip[14..54];
+        (ip[6], sum16(&ip[8..40], 0))
+    };
+    let acc = pseudo + u32::from(proto) + l4.len() as u32;
+    let c = fold(sum16(l4, acc));
+    if c == 0 && proto == 17 { 0xffff } else { c }
+}
+
+/// Parsed view of a packet the program returned, with checksums verified.
+struct Seen {
+    src: SocketAddr,
+    dst: SocketAddr,
+}
+
+fn inspect(pkt: &[u8]) -> Seen {
+    let v4 = pkt[12..14] == [0x08, 0x00];
+    let (src_ip, dst_ip, l4_off, proto): (IpAddr, IpAddr, usize, u8) = if v4 {
+        let ip = &pkt[14..34];
+        assert_eq!(fold(sum16(ip, 0)), 0, "IPv4 header checksum invalid");
+        let s: [u8; 4] = ip[12..16].try_into().expect("4");
+        let d: [u8; 4] = ip[16..20].try_into().expect("4");
+        (s.into(), d.into(), 34, ip[9])
+    } else {
+        let ip = &pkt[14..54];
+        let s: [u8; 16] = ip[8..24].try_into().expect("16");
+        let d: [u8; 16] = ip[24..40].try_into().expect("16");
+        (s.into(), d.into(), 54, ip[6])
+    };
+    let l4 = &pkt[l4_off..];
+    let csum_off = if proto == 6 { 16 } else { 6 };
+    let stored = u16::from_be_bytes([l4[csum_off], l4[csum_off + 1]]);
+    if !(proto == 17 && v4 && stored == 0) {
+        let mut zeroed = l4.to_vec();
+        zeroed[csum_off] = 0;
+        zeroed[csum_off + 1] = 0;
+        assert_eq!(l4_checksum(&pkt[..l4_off], &zeroed), stored, "L4 checksum invalid");
+    }
+    Seen {
+        src: SocketAddr::new(src_ip, u16::from_be_bytes([l4[0], l4[1]])),
+        dst: SocketAddr::new(dst_ip, u16::from_be_bytes([l4[2], l4[3]])),
+    }
+}
+
+fn sa(s: &str) -> SocketAddr {
+    s.parse().expect("socket address")
+}
+
+// ---- tests -------------------------------------------------------------------------
+
+#[test]
+fn tcp_v4_dnat_and_reverse_nat_with_valid_checksums() {
+    if !root("tcp_v4_dnat_and_reverse_nat_with_valid_checksums") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"])]));
+    let client = sa("10.244.0.3:40000");
+
+    let (verdict, out) = h.run(&packet(client, sa("10.96.0.10:80"), true));
+    assert_eq!(verdict, TC_ACT_OK);
+    let seen = inspect(&out);
+    assert_eq!(seen.dst, sa("10.244.1.5:8080"), "destination rewritten to the backend");
+    assert_eq!(seen.src, client, "source untouched");
+    assert_eq!(h.maps.conntrack.iter().count(), 2, "forward and reply entries");
+
+    let (verdict, out) = h.run(&packet(sa("10.244.1.5:8080"), client, true));
+    assert_eq!(verdict, TC_ACT_OK);
+    let seen = inspect(&out);
+    assert_eq!(seen.src, sa("10.96.0.10:80"), "reply source rewritten to the VIP");
+    assert_eq!(seen.dst, client);
+    assert!(h.counter("ct_reply_nat") >= 1);
+}
+
+#[test]
+fn udp_v6_dnat_and_reverse_nat_with_valid_checksums() {
+    if !root("udp_v6_dnat_and_reverse_nat_with_valid_checksums") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend("fd96::10", 53, Protocol::Udp, &["[fd00:244:1::5]:5353"])]));
+    let client = sa("[fd00:244::3]:41000");
+    let (verdict, out) = h.run(&packet(client, sa("[fd96::10]:53"), false));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(inspect(&out).dst, sa("[fd00:244:1::5]:5353"));
+    let (verdict, out) = h.run(&packet(sa("[fd00:244:1::5]:5353"), client, false));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(inspect(&out).src, sa("[fd96::10]:53"));
+}
+
+#[test]
+fn udp_v4_zero_checksum_stays_zero() {
+    if !root("udp_v4_zero_checksum_stays_zero") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend("10.96.0.53", 53, Protocol::Udp, &["10.244.1.9:5353"])]));
+    let mut pkt = packet(sa("10.244.0.3:40001"), sa("10.96.0.53:53"), false);
+    pkt[34 + 6] = 0;
+    pkt[34 + 7] = 0;
+    let (verdict, out) = h.run(&pkt);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(&out[40..42], &[0, 0], "no checksum must stay no checksum");
+    assert_eq!(inspect(&out).dst, sa("10.244.1.9:5353"));
+}
+
+#[test]
+fn packets_not_for_a_service_pass_untouched() {
+    if !root("packets_not_for_a_service_pass_untouched") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"])]));
+    for pkt in [
+        packet(sa("10.244.0.3:40000"), sa("10.96.0.10:81"), true), // other port
+        packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), false), // other protocol
+        packet(sa("10.244.0.3:40000"), sa("10.244.1.5:8080"), true), // a pod directly
+    ] {
+        let (verdict, out) = h.run(&pkt);
+        assert_eq!(verdict, TC_ACT_UNSPEC, "not ours: hand on to the next program");
+        assert_eq!(out, pkt, "bytes untouched");
+    }
+}
+
+#[test]
+fn service_without_backends_is_dropped_and_counted() {
+    if !root("service_without_backends_is_dropped_and_counted") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend("10.96.0.20", 80, Protocol::Tcp, &[])]));
+    let (verdict, _) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.20:80"), true));
+    assert_eq!(verdict, TC_ACT_SHOT);
+    assert_eq!(h.counter("no_backend_reject"), 1);
+}
+
+#[test]
+fn a_flow_keeps_its_backend_and_new_flows_spread() {
+    if !root("a_flow_keeps_its_backend_and_new_flows_spread") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    let backends = ["10.244.1.5:8080", "10.244.2.6:8080", "10.244.3.7:8080"];
+    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &backends)]));
+    let vip = sa("10.96.0.10:80");
+    let first = inspect(&h.run(&packet(sa("10.244.0.3:40000"), vip, true)).1).dst;
+    for _ in 0..20 {
+        assert_eq!(inspect(&h.run(&packet(sa("10.244.0.3:40000"), vip, true)).1).dst, first);
+    }
+    let mut chosen = BTreeSet::new();
+    for port in 41000..41060 {
+        chosen.insert(inspect(&h.run(&packet(SocketAddr::new("10.244.0.3".parse().expect("ip"), port), vip, true)).1).dst);
+    }
+    let expected: BTreeSet<SocketAddr> = backends.iter().map(|b| sa(b)).collect();
+    assert_eq!(chosen, expected, "60 new flows reach every backend and no other");
+}
+
+#[test]
+fn backend_set_flip_leaves_only_the_new_generation() {
+    if !root("backend_set_flip_leaves_only_the_new_generation") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080", "10.244.2.6:8080"])]));
+    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.2.6:8080", "10.244.3.7:8080"])]));
+    let svc: Vec<_> = h.maps.services.iter().map(|e| e.expect("entry").1).collect();
+    assert_eq!(svc.len(), 1);
+    assert_eq!((svc[0].rev, svc[0].count), (2, 2));
+    let slots: Vec<_> = h.maps.slots.iter().map(|e| e.expect("entry").0).collect();
+    assert_eq!(slots.len(), 2, "old generation removed");
+    assert!(slots.iter().all(|k| k.rev == 2));
+    assert_eq!(h.maps.backends.iter().count(), 2, "unused backend removed");
+    for port in 42000..42030 {
+        let dst = inspect(&h.run(&packet(SocketAddr::new("10.244.0.3".parse().expect("ip"), port), sa("10.96.0.10:80"), true)).1).dst;
+        assert_ne!(dst, sa("10.244.1.5:8080"), "removed backend never chosen");
+    }
+}
+
+#[test]
+fn full_map_is_reported_and_other_services_keep_working() {
+    if !root("full_map_is_reported_and_other_services_keep_working") {
+        return;
+    }
+    let mut h = Harness::new(&[("BACKEND_SLOTS", 4)]);
+    let a = frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080", "10.244.2.6:8080", "10.244.3.7:8080"]);
+    let report = h.apply(&NodeView::from([a.clone()]));
+    assert!(report.failed.is_empty());
+    let b = frontend("10.96.0.11", 80, Protocol::Tcp, &["10.244.4.8:8080", "10.244.5.9:8080"]);
+    let report = h.apply(&NodeView::from([a.clone(), b]));
+    assert_eq!(report.failed.len(), 1, "{report:?}");
+    assert!(report.failed[0].contains("10.96.0.11"), "{report:?}");
+    assert_eq!(h.maps.services.iter().count(), 1, "the failed service is not half-written");
+    assert_eq!(h.maps.slots.iter().count(), 3, "partial slots were rolled back");
+    let (verdict, out) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), true));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert!(a.1.backends.contains(&inspect(&out).dst), "existing service still serves");
+}
