@@ -81,8 +81,10 @@ pub fn add_documents(
             Ok(serde_json::Value::Null) => continue,
             Ok(v) => v,
             Err(e) => {
+                // A YAML syntax error: nothing after it in this file can be trusted (and
+                // the document iterator would repeat the error forever).
                 errors.push(parse_err(e.to_string()));
-                continue;
+                break;
             }
         };
         let items = match value.get("kind").and_then(|k| k.as_str()) {
@@ -122,4 +124,35 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
         _ => tracing::debug!(kind, name, "ignoring object of a kind the proxy does not use"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multi_document_and_list_files() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: a, namespace: x}\nspec: {clusterIP: 10.96.0.1}\n\
+---\napiVersion: v1\nkind: List\nitems:\n- apiVersion: discovery.k8s.io/v1\n  kind: EndpointSlice\n  metadata: {name: a-1, namespace: x}\n  addressType: IPv4\n  endpoints: []\n\
+---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: ignored}\n---\n";
+        let mut model = ClusterModel::default();
+        let mut errors = Vec::new();
+        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(model.services.len(), 1);
+        assert_eq!(model.slices.len(), 1);
+    }
+
+    #[test]
+    fn a_malformed_document_is_reported_and_the_rest_load() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec: {ports: 7}\n---\n\
+apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0.1}\n---\n: : [\n";
+        let mut model = ClusterModel::default();
+        let mut errors = Vec::new();
+        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
+        assert_eq!(model.services.len(), 1);
+        assert!(errors.len() >= 1, "{errors:?}");
+        let first = errors[0].to_string();
+        assert!(first.contains("t.yaml document 0") && first.contains("Service bad"), "{first}");
+    }
 }

@@ -316,3 +316,42 @@ fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
         Err(e) => Err(e.into()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frontend_key_is_network_order() {
+        let key = service_key(&Frontend {
+            ip: "10.96.0.10".parse().expect("ip"),
+            port: 80,
+            protocol: Protocol::Udp,
+        });
+        // The bytes as the packet carries them.
+        assert_eq!(key.addr[0].to_ne_bytes(), [10, 96, 0, 10]);
+        assert_eq!(key.addr[1..], [0, 0, 0]);
+        assert_eq!(key.port.to_ne_bytes(), [0, 80]);
+        assert_eq!((key.proto, key.family, key.scope), (PROTO_UDP, FAMILY_V4, SCOPE_EXTERNAL));
+    }
+
+    #[test]
+    fn ipv6_words_round_trip() {
+        let ip: IpAddr = "fd96::10".parse().expect("ip");
+        let (words, family) = addr_words(ip);
+        assert_eq!(family, FAMILY_V6);
+        assert_eq!(words[0].to_ne_bytes(), [0xfd, 0x96, 0, 0]);
+        assert_eq!(words[3].to_ne_bytes(), [0, 0, 0, 0x10]);
+        assert_eq!(words_addr(words, family), ip);
+        let v4: IpAddr = "192.0.2.1".parse().expect("ip");
+        let (w, f) = addr_words(v4);
+        assert_eq!(words_addr(w, f), v4);
+    }
+
+    #[test]
+    fn backend_entry_carries_target_port() {
+        let be = backend_value("10.244.1.5:8080".parse().expect("sa"), Protocol::Tcp);
+        assert_eq!(be.port.to_ne_bytes(), 8080u16.to_be_bytes());
+        assert_eq!((be.proto, be.family, be.state), (PROTO_TCP, FAMILY_V4, BACKEND_ACTIVE));
+    }
+}
