@@ -286,6 +286,22 @@ impl Testbed {
         Ok(())
     }
 
+    /// Copies every manifest file of `dir` into the testbed's manifests folder.
+    pub fn copy_manifests(&self, dir: &Path) -> Result<()> {
+        let mut files = BTreeMap::new();
+        let mut names = Vec::new();
+        for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let path = entry?.path();
+            if path.is_file() {
+                names.push((path.file_name().and_then(|f| f.to_str()).unwrap_or("x").to_string(), fs::read_to_string(&path)?));
+            }
+        }
+        for (name, text) in &names {
+            files.insert(name.as_str(), text.clone());
+        }
+        self.write_manifests(&files)
+    }
+
     pub fn pin_dir(&self) -> PathBuf {
         self.bpffs.join("agent")
     }
