@@ -1,0 +1,30 @@
+//! The deploy/ manifests parse, and the examples produce the frontends the demo expects.
+
+use std::path::Path;
+
+#[test]
+fn deploy_yaml_parses() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let mut kinds = Vec::new();
+    for file in ["daemonset.yaml", "rbac.yaml", "config.yaml"] {
+        let text = std::fs::read_to_string(dir.join(file)).expect("read");
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v: serde_json::Value = serde::Deserialize::deserialize(doc).expect("valid YAML");
+            kinds.push(v["kind"].as_str().expect("kind").to_string());
+        }
+    }
+    for k in ["DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap"] {
+        assert!(kinds.iter().any(|x| x == k), "{k} missing from deploy/: {kinds:?}");
+    }
+}
+
+#[test]
+fn examples_build_the_demo_view() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    let view = proxy_agent::sync::view_from_manifests(&dir).expect("examples load");
+    // web: 2 families x (http, dns); empty: 1.
+    assert_eq!(view.len(), 5, "{view:#?}");
+    let web = view.values().find(|s| s.service == "default/web:http").expect("web http");
+    assert_eq!(web.backends.len(), 3, "named targetPort resolved through the slice");
+    assert!(web.backends.iter().all(|b| b.port() == 8080));
+}
