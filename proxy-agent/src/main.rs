@@ -75,7 +75,8 @@ fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                // Records from the BPF programs are already filtered by --bpf-log-level.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,proxy_ebpf=trace")),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

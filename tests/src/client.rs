@@ -39,6 +39,8 @@ pub fn parse_attempts(out: &str) -> Result<Vec<Attempt>> {
 pub struct Run {
     pub target: SocketAddr,
     pub udp: bool,
+    /// UDP through a connected socket (connect4/6 + recvmsg) instead of sendto.
+    pub connected: bool,
     pub count: u32,
     pub interval: Duration,
     pub timeout: Duration,
@@ -51,7 +53,11 @@ pub fn run(opts: &Run) -> Result<()> {
     for seq in 0..opts.count {
         let t0 = Instant::now();
         let at_ms = start.elapsed().as_secs_f64() * 1e3;
-        let result = if opts.udp { udp_once(opts) } else { tcp_once(opts) };
+        let result = match (opts.udp, opts.connected) {
+            (false, _) => tcp_once(opts),
+            (true, false) => udp_once(opts),
+            (true, true) => udp_connected_once(opts),
+        };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let attempt = match result {
             Ok((backend, peer)) => Attempt { seq, ok: true, backend: Some(backend), peer: Some(peer.to_string()), error: None, ms, at_ms },
@@ -86,6 +92,17 @@ fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     let mut buf = [0u8; 256];
     let (n, from) = s.recv_from(&mut buf)?;
     Ok((String::from_utf8_lossy(&buf[..n]).trim().to_string(), from))
+}
+
+fn udp_connected_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
+    let bind: SocketAddr = if opts.target.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
+    let s = UdpSocket::bind(bind)?;
+    s.set_read_timeout(Some(opts.timeout))?;
+    s.connect(opts.target)?;
+    s.send(b"who")?;
+    let mut buf = [0u8; 256];
+    let n = s.recv(&mut buf)?;
+    Ok((String::from_utf8_lossy(&buf[..n]).trim().to_string(), s.peer_addr()?))
 }
 
 /// A `sockaddr_storage` for `addr`, and its length.

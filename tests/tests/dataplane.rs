@@ -22,7 +22,7 @@ fn testbed(path: Path_, backends: &[usize], affinity: Option<u32>) -> Testbed {
     tb
 }
 
-/// TCP and UDP, IPv4 and IPv6: every attempt is answered by one of the backends, and the
+/// TCP and UDP (unconnected and connected), IPv4 and IPv6: every attempt is answered by one of the backends, and the
 /// application sees the ClusterIP as its peer (getpeername / recvmsg / reverse NAT).
 fn reaches_all_families(path: Path_) {
     let tb = testbed(path, &[0, 1, 2], None);
@@ -31,6 +31,8 @@ fn reaches_all_families(path: Path_) {
         (VIP6, "tcp", TCP_PORT),
         (VIP4, "udp", UDP_PORT),
         (VIP6, "udp", UDP_PORT),
+        (VIP4, "udp-connected", UDP_PORT),
+        (VIP6, "udp-connected", UDP_PORT),
     ] {
         let t = target(vip, port);
         let attempts = tb
@@ -190,6 +192,35 @@ fn connect_time_no_endpoints_refuses_quickly() {
         assert_eq!(a.error.as_deref(), Some("ConnectionRefused"), "{a:?}");
         assert!(a.ms < 500.0, "refusal took {} ms", a.ms);
     }
+    // The program's own log line (aya-log, enabled at debug here) reaches the agent's log.
+    thread::sleep(Duration::from_millis(200));
+    let log = tb.agent_log();
+    assert!(log.contains("has no usable backends: refused"), "no BPF log in:\n{log}");
+}
+
+/// `proxy-agent cleanup` detaches every program and removes every pin: the ClusterIP is
+/// no longer translated, the bpffs folder is gone.
+#[test]
+fn cleanup_detaches_and_unpins_everything() {
+    if !require_root("cleanup_detaches_and_unpins_everything") {
+        return;
+    }
+    let mut tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
+    let t = target(VIP4, TCP_PORT);
+    assert!(tb.client(&["--target", &t, "--count", "3"]).expect("client").iter().all(|a| a.ok));
+    tb.kill_agent().expect("kill");
+    // Pinned: still translated with the agent gone.
+    assert!(tb.client(&["--target", &t, "--count", "3"]).expect("client").iter().all(|a| a.ok));
+    proxy_e2e::sh(&[
+        proxy_e2e::agent_bin().to_str().expect("utf-8"),
+        "cleanup",
+        "--bpffs",
+        tb.pin_dir().to_str().expect("utf-8"),
+    ])
+    .expect("cleanup");
+    assert!(!tb.pin_dir().exists(), "pin folder removed");
+    let after = tb.client(&["--target", &t, "--count", "1", "--timeout-ms", "500"]).expect("client");
+    assert!(!after[0].ok, "the VIP must no longer be translated: {after:?}");
 }
 
 /// Killing the agent (as a crash would) and starting a new one while a client loops loses

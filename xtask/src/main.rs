@@ -218,9 +218,13 @@ fn build_ebpf(root: &Path) -> Result<()> {
         "-Z",
         "build-std=core",
     ])
+    // The same flags aya-build uses from proxy-agent's build.rs.
     .env(
         "CARGO_ENCODED_RUSTFLAGS",
-        "--cfg=bpf_target_arch=\"x86_64\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
+        format!(
+            "--cfg=bpf_target_arch=\"{}\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
+            std::env::consts::ARCH
+        ),
     );
     run(&mut cmd)?;
     eprintln!(

@@ -11,7 +11,7 @@ struct Args {
     cgroup: Option<PathBuf>,
     #[arg(long)]
     target: SocketAddr,
-    /// tcp or udp
+    /// tcp, udp (unconnected: sendto/recvfrom) or udp-connected
     #[arg(long, default_value = "tcp")]
     proto: String,
     #[arg(long, default_value_t = 1)]
@@ -27,7 +27,8 @@ fn main() -> anyhow::Result<()> {
     proxy_e2e::client::enter(a.netns.as_deref(), a.cgroup.as_deref())?;
     proxy_e2e::client::run(&proxy_e2e::client::Run {
         target: a.target,
-        udp: a.proto == "udp",
+        udp: a.proto.starts_with("udp"),
+        connected: a.proto == "udp-connected",
         count: a.count,
         interval: Duration::from_millis(a.interval_ms),
         timeout: Duration::from_millis(a.timeout_ms),

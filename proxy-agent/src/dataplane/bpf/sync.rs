@@ -7,7 +7,7 @@
 //! before the backends they used.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     net::{IpAddr, SocketAddr},
 };
 
@@ -36,6 +36,9 @@ struct Programmed {
 pub struct MapState {
     services: BTreeMap<ServiceKey, Programmed>,
     backend_ids: HashMap<Backend, u32>,
+    /// Ids in use, so allocation stays O(1) at any scale.
+    used_backend_ids: HashSet<u32>,
+    used_service_ids: HashSet<u32>,
     next_service_id: u32,
     next_backend_id: u32,
 }
@@ -108,6 +111,7 @@ impl MapState {
         for entry in maps.backends.iter() {
             let (id, be) = entry?;
             state.backend_ids.insert(be, id);
+            state.used_backend_ids.insert(id);
             state.next_backend_id = state.next_backend_id.max(id.wrapping_add(1));
         }
         for entry in maps.services.iter() {
@@ -126,6 +130,7 @@ impl MapState {
                 }
             }
             state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
+            state.used_service_ids.insert(value.id);
             state.services.insert(key, Programmed { value, backend_ids });
         }
         Ok(state)
@@ -173,6 +178,7 @@ impl MapState {
                     }))?;
                 }
                 remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
+                self.used_service_ids.remove(&old.value.id);
                 report.frontends_removed += 1;
             }
         }
@@ -191,6 +197,7 @@ impl MapState {
         for (be, id) in unused {
             remove_ignoring_absent(maps.backends.remove(&id))?;
             self.backend_ids.remove(&be);
+            self.used_backend_ids.remove(&id);
             report.backends_removed += 1;
         }
         Ok(report)
@@ -226,7 +233,27 @@ impl MapState {
             Some(o) => o.value.id,
             None => self.allocate_service_id(),
         };
-        let rev = old.as_ref().map_or(1, |o| o.value.rev.wrapping_add(1));
+        let written = self.write_generation(maps, key, old.as_ref(), id, backend_ids, flags, timeout, count);
+        if written.is_err() && old.is_none() {
+            self.used_service_ids.remove(&id);
+        }
+        written.map(|()| true)
+    }
+
+    /// Writes a new generation of `key`'s slots, its reverse-NAT entry and the flip.
+    #[allow(clippy::too_many_arguments, reason = "one call site, all parts of one entry")]
+    fn write_generation(
+        &mut self,
+        maps: &mut MapSet,
+        key: ServiceKey,
+        old: Option<&Programmed>,
+        id: u32,
+        backend_ids: Vec<u32>,
+        flags: u16,
+        timeout: u32,
+        count: u16,
+    ) -> Result<()> {
+        let rev = old.map_or(1, |o| o.value.rev.wrapping_add(1));
         let value = ServiceValue {
             id,
             rev,
@@ -267,7 +294,7 @@ impl MapState {
         maps.services
             .insert(&key, &value, 0)
             .map_err(|e| anyhow::Error::new(e).context("writing service entry"))?;
-        if let Some(old) = &old {
+        if let Some(old) = old {
             for slot in 0..old.backend_ids.len() as u32 {
                 remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
                     service_id: id,
@@ -277,35 +304,37 @@ impl MapState {
             }
         }
         self.services.insert(key, Programmed { value, backend_ids });
-        Ok(true)
+        Ok(())
     }
 
     fn ensure_backend(&mut self, maps: &mut MapSet, be: Backend) -> Result<u32> {
         if let Some(id) = self.backend_ids.get(&be) {
             return Ok(*id);
         }
-        let used: BTreeSet<u32> = self.backend_ids.values().copied().collect();
-        let mut id = self.next_backend_id.max(1);
-        while used.contains(&id) || id == 0 {
-            id = id.wrapping_add(1);
-        }
+        let id = next_free(&mut self.next_backend_id, &self.used_backend_ids);
         maps.backends
             .insert(&id, &be, 0)
             .map_err(|e| anyhow::Error::new(e).context("writing backend"))?;
-        self.next_backend_id = id.wrapping_add(1);
         self.backend_ids.insert(be, id);
+        self.used_backend_ids.insert(id);
         Ok(id)
     }
 
     fn allocate_service_id(&mut self) -> u32 {
-        let used: BTreeSet<u32> = self.services.values().map(|p| p.value.id).collect();
-        let mut id = self.next_service_id.max(1);
-        while used.contains(&id) || id == 0 {
-            id = id.wrapping_add(1);
-        }
-        self.next_service_id = id.wrapping_add(1);
+        let id = next_free(&mut self.next_service_id, &self.used_service_ids);
+        self.used_service_ids.insert(id);
         id
     }
+}
+
+/// The next id from `next` that is neither 0 nor in use; advances `next` past it.
+fn next_free(next: &mut u32, used: &HashSet<u32>) -> u32 {
+    let mut id = (*next).max(1);
+    while used.contains(&id) || id == 0 {
+        id = id.wrapping_add(1);
+    }
+    *next = id.wrapping_add(1);
+    id
 }
 
 fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
