@@ -14,7 +14,10 @@ use proxy_agent::{
 };
 
 #[derive(Parser)]
-#[command(version, about = "eBPF service proxy for Kubernetes (kube-proxy replacement)")]
+#[command(
+    version,
+    about = "eBPF service proxy for Kubernetes (kube-proxy replacement)"
+)]
 struct Cli {
     /// Enter this network namespace (a path such as /run/netns/NAME) before anything else.
     #[arg(long, global = true)]
@@ -173,7 +176,8 @@ fn resolve_cgroup(arg: &str) -> Result<Option<PathBuf>> {
                 .lines()
                 .find_map(|l| {
                     let (pre, post) = l.split_once(" - ")?;
-                    post.starts_with("cgroup2 ").then(|| pre.split(' ').nth(4).map(PathBuf::from))?
+                    post.starts_with("cgroup2 ")
+                        .then(|| pre.split(' ').nth(4).map(PathBuf::from))?
                 })
                 .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")?;
             Ok(Some(mount))
@@ -231,14 +235,21 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
     }
     let counters = maps.counters()?;
     if json {
-        let counters: serde_json::Map<String, serde_json::Value> =
-            counters.iter().map(|(k, v)| ((*k).to_string(), (*v).into())).collect();
+        let counters: serde_json::Map<String, serde_json::Value> = counters
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).into()))
+            .collect();
         println!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({"services": rows, "counters": counters}))?
+            serde_json::to_string_pretty(
+                &serde_json::json!({"services": rows, "counters": counters})
+            )?
         );
     } else {
-        println!("{:<28} {:<5} {:>5} {:>4}  BACKENDS", "FRONTEND", "PROTO", "ID", "REV");
+        println!(
+            "{:<28} {:<5} {:>5} {:>4}  BACKENDS",
+            "FRONTEND", "PROTO", "ID", "REV"
+        );
         for r in &rows {
             println!(
                 "{:<28} {:<5} {:>5} {:>4}  {}",
@@ -248,7 +259,11 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 r["rev"].as_u64().unwrap_or(0),
                 r["backends"]
                     .as_array()
-                    .map(|b| b.iter().filter_map(|v| v.as_str()).collect::<Vec<_>>().join(" "))
+                    .map(|b| b
+                        .iter()
+                        .filter_map(|v| v.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" "))
                     .unwrap_or_default()
             );
         }

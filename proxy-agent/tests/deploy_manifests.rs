@@ -13,8 +13,17 @@ fn deploy_yaml_parses() {
             kinds.push(v["kind"].as_str().expect("kind").to_string());
         }
     }
-    for k in ["DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap"] {
-        assert!(kinds.iter().any(|x| x == k), "{k} missing from deploy/: {kinds:?}");
+    for k in [
+        "DaemonSet",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+    ] {
+        assert!(
+            kinds.iter().any(|x| x == k),
+            "{k} missing from deploy/: {kinds:?}"
+        );
     }
 }
 
@@ -24,7 +33,14 @@ fn examples_build_the_demo_view() {
     let view = proxy_agent::sync::view_from_manifests(&dir).expect("examples load");
     // web: 2 families x (http, dns); empty: 1.
     assert_eq!(view.len(), 5, "{view:#?}");
-    let web = view.values().find(|s| s.service == "default/web:http").expect("web http");
-    assert_eq!(web.backends.len(), 3, "named targetPort resolved through the slice");
+    let web = view
+        .values()
+        .find(|s| s.service == "default/web:http")
+        .expect("web http");
+    assert_eq!(
+        web.backends.len(),
+        3,
+        "named targetPort resolved through the slice"
+    );
     assert!(web.backends.iter().all(|b| b.port() == 8080));
 }

@@ -35,8 +35,11 @@ struct Harness {
 impl Harness {
     fn new(max_entries: &[(&str, u32)]) -> Self {
         let (mut ebpf, maps) = load_private(max_entries).expect("load");
-        let prog: &mut SchedClassifier =
-            ebpf.program_mut("tc_ingress").expect("program").try_into().expect("type");
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut("tc_ingress")
+            .expect("program")
+            .try_into()
+            .expect("type");
         prog.load().expect("verifier accepts tc_ingress");
         let state = MapState::adopt(&maps).expect("adopt");
         Harness { ebpf, maps, state }
@@ -48,8 +51,12 @@ impl Harness {
 
     /// Runs one packet; returns the verdict and the packet as the program left it.
     fn run(&self, packet: &[u8]) -> (u32, Vec<u8>) {
-        let prog: &SchedClassifier =
-            self.ebpf.program("tc_ingress").expect("program").try_into().expect("type");
+        let prog: &SchedClassifier = self
+            .ebpf
+            .program("tc_ingress")
+            .expect("program")
+            .try_into()
+            .expect("type");
         let mut out = vec![0u8; packet.len() + 256];
         let res = prog
             .test_run(TestRunOptions {
@@ -73,12 +80,24 @@ impl Harness {
     }
 }
 
-fn frontend(ip: &str, port: u16, protocol: Protocol, backends: &[&str]) -> (Frontend, FrontendState) {
+fn frontend(
+    ip: &str,
+    port: u16,
+    protocol: Protocol,
+    backends: &[&str],
+) -> (Frontend, FrontendState) {
     (
-        Frontend { ip: ip.parse().expect("ip"), port, protocol },
+        Frontend {
+            ip: ip.parse().expect("ip"),
+            port,
+            protocol,
+        },
         FrontendState {
             service: format!("default/test:{port}"),
-            backends: backends.iter().map(|b| b.parse().expect("backend")).collect(),
+            backends: backends
+                .iter()
+                .map(|b| b.parse().expect("backend"))
+                .collect(),
             affinity_timeout_s: None,
         },
     )
@@ -197,7 +216,11 @@ fn inspect(pkt: &[u8]) -> Seen {
         let mut zeroed = l4.to_vec();
         zeroed[csum_off] = 0;
         zeroed[csum_off + 1] = 0;
-        assert_eq!(l4_checksum(&pkt[..l4_off], &zeroed), stored, "L4 checksum invalid");
+        assert_eq!(
+            l4_checksum(&pkt[..l4_off], &zeroed),
+            stored,
+            "L4 checksum invalid"
+        );
     }
     Seen {
         src: SocketAddr::new(src_ip, u16::from_be_bytes([l4[0], l4[1]])),
@@ -217,20 +240,37 @@ fn tcp_v4_dnat_and_reverse_nat_with_valid_checksums() {
         return;
     }
     let mut h = Harness::new(&[]);
-    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"])]));
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.1.5:8080"],
+    )]));
     let client = sa("10.244.0.3:40000");
 
     let (verdict, out) = h.run(&packet(client, sa("10.96.0.10:80"), true));
     assert_eq!(verdict, TC_ACT_OK);
     let seen = inspect(&out);
-    assert_eq!(seen.dst, sa("10.244.1.5:8080"), "destination rewritten to the backend");
+    assert_eq!(
+        seen.dst,
+        sa("10.244.1.5:8080"),
+        "destination rewritten to the backend"
+    );
     assert_eq!(seen.src, client, "source untouched");
-    assert_eq!(h.maps.conntrack.iter().count(), 2, "forward and reply entries");
+    assert_eq!(
+        h.maps.conntrack.iter().count(),
+        2,
+        "forward and reply entries"
+    );
 
     let (verdict, out) = h.run(&packet(sa("10.244.1.5:8080"), client, true));
     assert_eq!(verdict, TC_ACT_OK);
     let seen = inspect(&out);
-    assert_eq!(seen.src, sa("10.96.0.10:80"), "reply source rewritten to the VIP");
+    assert_eq!(
+        seen.src,
+        sa("10.96.0.10:80"),
+        "reply source rewritten to the VIP"
+    );
     assert_eq!(seen.dst, client);
     assert!(h.counter("ct_reply_nat") >= 1);
 }
@@ -241,7 +281,12 @@ fn udp_v6_dnat_and_reverse_nat_with_valid_checksums() {
         return;
     }
     let mut h = Harness::new(&[]);
-    h.apply(&NodeView::from([frontend("fd96::10", 53, Protocol::Udp, &["[fd00:244:1::5]:5353"])]));
+    h.apply(&NodeView::from([frontend(
+        "fd96::10",
+        53,
+        Protocol::Udp,
+        &["[fd00:244:1::5]:5353"],
+    )]));
     let client = sa("[fd00:244::3]:41000");
     let (verdict, out) = h.run(&packet(client, sa("[fd96::10]:53"), false));
     assert_eq!(verdict, TC_ACT_OK);
@@ -257,7 +302,12 @@ fn udp_v4_zero_checksum_stays_zero() {
         return;
     }
     let mut h = Harness::new(&[]);
-    h.apply(&NodeView::from([frontend("10.96.0.53", 53, Protocol::Udp, &["10.244.1.9:5353"])]));
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.53",
+        53,
+        Protocol::Udp,
+        &["10.244.1.9:5353"],
+    )]));
     let mut pkt = packet(sa("10.244.0.3:40001"), sa("10.96.0.53:53"), false);
     pkt[34 + 6] = 0;
     pkt[34 + 7] = 0;
@@ -273,14 +323,22 @@ fn packets_not_for_a_service_pass_untouched() {
         return;
     }
     let mut h = Harness::new(&[]);
-    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"])]));
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.1.5:8080"],
+    )]));
     for pkt in [
         packet(sa("10.244.0.3:40000"), sa("10.96.0.10:81"), true), // other port
         packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), false), // other protocol
         packet(sa("10.244.0.3:40000"), sa("10.244.1.5:8080"), true), // a pod directly
     ] {
         let (verdict, out) = h.run(&pkt);
-        assert_eq!(verdict, TC_ACT_UNSPEC, "not ours: hand on to the next program");
+        assert_eq!(
+            verdict, TC_ACT_UNSPEC,
+            "not ours: hand on to the next program"
+        );
         assert_eq!(out, pkt, "bytes untouched");
     }
 }
@@ -291,7 +349,12 @@ fn service_without_backends_is_dropped_and_counted() {
         return;
     }
     let mut h = Harness::new(&[]);
-    h.apply(&NodeView::from([frontend("10.96.0.20", 80, Protocol::Tcp, &[])]));
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.20",
+        80,
+        Protocol::Tcp,
+        &[],
+    )]));
     let (verdict, _) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.20:80"), true));
     assert_eq!(verdict, TC_ACT_SHOT);
     assert_eq!(h.counter("no_backend_reject"), 1);
@@ -304,18 +367,39 @@ fn a_flow_keeps_its_backend_and_new_flows_spread() {
     }
     let mut h = Harness::new(&[]);
     let backends = ["10.244.1.5:8080", "10.244.2.6:8080", "10.244.3.7:8080"];
-    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &backends)]));
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &backends,
+    )]));
     let vip = sa("10.96.0.10:80");
     let first = inspect(&h.run(&packet(sa("10.244.0.3:40000"), vip, true)).1).dst;
     for _ in 0..20 {
-        assert_eq!(inspect(&h.run(&packet(sa("10.244.0.3:40000"), vip, true)).1).dst, first);
+        assert_eq!(
+            inspect(&h.run(&packet(sa("10.244.0.3:40000"), vip, true)).1).dst,
+            first
+        );
     }
     let mut chosen = BTreeSet::new();
     for port in 41000..41060 {
-        chosen.insert(inspect(&h.run(&packet(SocketAddr::new("10.244.0.3".parse().expect("ip"), port), vip, true)).1).dst);
+        chosen.insert(
+            inspect(
+                &h.run(&packet(
+                    SocketAddr::new("10.244.0.3".parse().expect("ip"), port),
+                    vip,
+                    true,
+                ))
+                .1,
+            )
+            .dst,
+        );
     }
     let expected: BTreeSet<SocketAddr> = backends.iter().map(|b| sa(b)).collect();
-    assert_eq!(chosen, expected, "60 new flows reach every backend and no other");
+    assert_eq!(
+        chosen, expected,
+        "60 new flows reach every backend and no other"
+    );
 }
 
 #[test]
@@ -324,9 +408,24 @@ fn backend_set_flip_leaves_only_the_new_generation() {
         return;
     }
     let mut h = Harness::new(&[]);
-    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080", "10.244.2.6:8080"])]));
-    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.2.6:8080", "10.244.3.7:8080"])]));
-    let svc: Vec<_> = h.maps.services.iter().map(|e| e.expect("entry").1).collect();
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.1.5:8080", "10.244.2.6:8080"],
+    )]));
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.2.6:8080", "10.244.3.7:8080"],
+    )]));
+    let svc: Vec<_> = h
+        .maps
+        .services
+        .iter()
+        .map(|e| e.expect("entry").1)
+        .collect();
     assert_eq!(svc.len(), 1);
     assert_eq!((svc[0].rev, svc[0].count), (2, 2));
     let slots: Vec<_> = h.maps.slots.iter().map(|e| e.expect("entry").0).collect();
@@ -334,7 +433,15 @@ fn backend_set_flip_leaves_only_the_new_generation() {
     assert!(slots.iter().all(|k| k.rev == 2));
     assert_eq!(h.maps.backends.iter().count(), 2, "unused backend removed");
     for port in 42000..42030 {
-        let dst = inspect(&h.run(&packet(SocketAddr::new("10.244.0.3".parse().expect("ip"), port), sa("10.96.0.10:80"), true)).1).dst;
+        let dst = inspect(
+            &h.run(&packet(
+                SocketAddr::new("10.244.0.3".parse().expect("ip"), port),
+                sa("10.96.0.10:80"),
+                true,
+            ))
+            .1,
+        )
+        .dst;
         assert_ne!(dst, sa("10.244.1.5:8080"), "removed backend never chosen");
     }
 }
@@ -345,16 +452,37 @@ fn full_map_is_reported_and_other_services_keep_working() {
         return;
     }
     let mut h = Harness::new(&[("BACKEND_SLOTS", 4)]);
-    let a = frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080", "10.244.2.6:8080", "10.244.3.7:8080"]);
+    let a = frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.1.5:8080", "10.244.2.6:8080", "10.244.3.7:8080"],
+    );
     let report = h.apply(&NodeView::from([a.clone()]));
     assert!(report.failed.is_empty());
-    let b = frontend("10.96.0.11", 80, Protocol::Tcp, &["10.244.4.8:8080", "10.244.5.9:8080"]);
+    let b = frontend(
+        "10.96.0.11",
+        80,
+        Protocol::Tcp,
+        &["10.244.4.8:8080", "10.244.5.9:8080"],
+    );
     let report = h.apply(&NodeView::from([a.clone(), b]));
     assert_eq!(report.failed.len(), 1, "{report:?}");
     assert!(report.failed[0].contains("10.96.0.11"), "{report:?}");
-    assert_eq!(h.maps.services.iter().count(), 1, "the failed service is not half-written");
-    assert_eq!(h.maps.slots.iter().count(), 3, "partial slots were rolled back");
+    assert_eq!(
+        h.maps.services.iter().count(),
+        1,
+        "the failed service is not half-written"
+    );
+    assert_eq!(
+        h.maps.slots.iter().count(),
+        3,
+        "partial slots were rolled back"
+    );
     let (verdict, out) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), true));
     assert_eq!(verdict, TC_ACT_OK);
-    assert!(a.1.backends.contains(&inspect(&out).dst), "existing service still serves");
+    assert!(
+        a.1.backends.contains(&inspect(&out).dst),
+        "existing service still serves"
+    );
 }

@@ -133,7 +133,12 @@ fn backend_in_slot(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
 fn lookup_fresh(svc: &ServiceValue) -> Option<ServiceValue> {
     // SAFETY: the value is copied out at once.
     let frontend = unsafe { crate::maps::REV_NAT.get(&svc.rev_nat_id).copied()? };
-    let fresh = lookup_service(frontend.addr, frontend.port, frontend.proto, frontend.family)?;
+    let fresh = lookup_service(
+        frontend.addr,
+        frontend.port,
+        frontend.proto,
+        frontend.family,
+    )?;
     (fresh.id == svc.id).then_some(fresh)
 }
 

@@ -8,15 +8,19 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue,
-    RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, capacity, counter,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, RevNatValue,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, capacity, counter,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 #[btf_map]
-pub static SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES as usize }, NO_PREALLOC> =
-    HashMap::new();
+pub static SERVICES: HashMap<
+    ServiceKey,
+    ServiceValue,
+    { capacity::SERVICES as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 #[btf_map]
 pub static BACKEND_SLOTS: HashMap<

@@ -186,7 +186,13 @@ enum Side {
 /// Rewrites one side's address and port, keeping the IPv4 header checksum and the L4
 /// checksum (whose pseudo-header covers the addresses) valid.
 #[inline(always)]
-fn rewrite(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u32; 4], port: u16) -> Result<(), i32> {
+fn rewrite(
+    ctx: &TcContext,
+    pkt: &Packet,
+    side: Side,
+    addr: [u32; 4],
+    port: u16,
+) -> Result<(), i32> {
     let (old_addr, old_port, port_off) = match side {
         Side::Source => (pkt.saddr, pkt.sport, pkt.l4_off),
         Side::Destination => (pkt.daddr, pkt.dport, pkt.l4_off + 2),
@@ -223,8 +229,13 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u32; 4], port: u16)
         }
         ctx.store(addr_off, &addr, 0).map_err(fail)?;
     }
-    ctx.l4_csum_replace(csum_off, u64::from(old_port), u64::from(port), zero_flag | 2)
-        .map_err(fail)?;
+    ctx.l4_csum_replace(
+        csum_off,
+        u64::from(old_port),
+        u64::from(port),
+        zero_flag | 2,
+    )
+    .map_err(fail)?;
     ctx.store(port_off, &port, 0).map_err(fail)?;
     Ok(())
 }

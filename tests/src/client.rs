@@ -60,8 +60,24 @@ pub fn run(opts: &Run) -> Result<()> {
         };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let attempt = match result {
-            Ok((backend, peer)) => Attempt { seq, ok: true, backend: Some(backend), peer: Some(peer.to_string()), error: None, ms, at_ms },
-            Err(e) => Attempt { seq, ok: false, backend: None, peer: None, error: Some(format!("{:?}", e.kind())), ms, at_ms },
+            Ok((backend, peer)) => Attempt {
+                seq,
+                ok: true,
+                backend: Some(backend),
+                peer: Some(peer.to_string()),
+                error: None,
+                ms,
+                at_ms,
+            },
+            Err(e) => Attempt {
+                seq,
+                ok: false,
+                backend: None,
+                peer: None,
+                error: Some(format!("{:?}", e.kind())),
+                ms,
+                at_ms,
+            },
         };
         let mut lock = stdout.lock();
         writeln!(lock, "{}", serde_json::to_string(&attempt)?)?;
@@ -84,7 +100,11 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
 }
 
 fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
-    let bind: SocketAddr = if opts.target.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
+    let bind: SocketAddr = if opts.target.is_ipv4() {
+        "0.0.0.0:0".parse().expect("literal")
+    } else {
+        "[::]:0".parse().expect("literal")
+    };
     // Unconnected: exercises sendmsg and recvmsg translation.
     let s = UdpSocket::bind(bind)?;
     s.set_read_timeout(Some(opts.timeout))?;
@@ -95,14 +115,21 @@ fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
 }
 
 fn udp_connected_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
-    let bind: SocketAddr = if opts.target.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
+    let bind: SocketAddr = if opts.target.is_ipv4() {
+        "0.0.0.0:0".parse().expect("literal")
+    } else {
+        "[::]:0".parse().expect("literal")
+    };
     let s = UdpSocket::bind(bind)?;
     s.set_read_timeout(Some(opts.timeout))?;
     s.connect(opts.target)?;
     s.send(b"who")?;
     let mut buf = [0u8; 256];
     let n = s.recv(&mut buf)?;
-    Ok((String::from_utf8_lossy(&buf[..n]).trim().to_string(), s.peer_addr()?))
+    Ok((
+        String::from_utf8_lossy(&buf[..n]).trim().to_string(),
+        s.peer_addr()?,
+    ))
 }
 
 /// A `sockaddr_storage` for `addr`, and its length.
@@ -114,24 +141,34 @@ pub fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
             let sin = libc::sockaddr_in {
                 sin_family: libc::AF_INET as libc::sa_family_t,
                 sin_port: a.port().to_be(),
-                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
                 sin_zero: [0; 8],
             };
             // SAFETY: sockaddr_in fits in sockaddr_storage.
             unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
-            (storage, std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t)
+            (
+                storage,
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
         }
         SocketAddr::V6(a) => {
             let sin6 = libc::sockaddr_in6 {
                 sin6_family: libc::AF_INET6 as libc::sa_family_t,
                 sin6_port: a.port().to_be(),
                 sin6_flowinfo: 0,
-                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
                 sin6_scope_id: 0,
             };
             // SAFETY: sockaddr_in6 fits in sockaddr_storage.
             unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
-            (storage, std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t)
+            (
+                storage,
+                std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+            )
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::{
     io::Write as _,
-    net::{Ipv6Addr, TcpListener, UdpSocket, SocketAddr, Ipv4Addr},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, UdpSocket},
     thread,
 };
 
@@ -12,7 +12,10 @@ use anyhow::{Context as _, Result};
 /// Serves forever on `tcp` and `udp` ports of every address, v4 and v6.
 pub fn serve(id: &str, tcp: u16, udp: u16) -> Result<()> {
     let mut threads = Vec::new();
-    for ip in [std::net::IpAddr::from(Ipv4Addr::UNSPECIFIED), Ipv6Addr::UNSPECIFIED.into()] {
+    for ip in [
+        std::net::IpAddr::from(Ipv4Addr::UNSPECIFIED),
+        Ipv6Addr::UNSPECIFIED.into(),
+    ] {
         let listener = bind_tcp(SocketAddr::new(ip, tcp))?;
         let name = format!("{id}\n");
         threads.push(thread::spawn(move || {
@@ -54,7 +57,11 @@ fn bind_udp(addr: SocketAddr) -> Result<UdpSocket> {
 
 fn socket(addr: SocketAddr, ty: i32) -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd as _;
-    let domain = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    let domain = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
     // SAFETY: plain socket syscalls on a fd we own; sockaddr buffers are sized correctly.
     unsafe {
         let fd = libc::socket(domain, ty | libc::SOCK_CLOEXEC, 0);
@@ -64,9 +71,21 @@ fn socket(addr: SocketAddr, ty: i32) -> Result<std::os::fd::OwnedFd> {
         let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
         let one: libc::c_int = 1;
         let sz = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, (&one as *const i32).cast(), sz);
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const i32).cast(),
+            sz,
+        );
         if addr.is_ipv6() {
-            libc::setsockopt(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, (&one as *const i32).cast(), sz);
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_IPV6,
+                libc::IPV6_V6ONLY,
+                (&one as *const i32).cast(),
+                sz,
+            );
         }
         let (storage, len) = crate::client::sockaddr(addr);
         if libc::bind(fd, (&storage as *const libc::sockaddr_storage).cast(), len) != 0 {

@@ -123,7 +123,8 @@ impl Testbed {
             agent: None,
             agent_path: None,
         };
-        tb.build().with_context(|| format!("building testbed {}", tb.id))?;
+        tb.build()
+            .with_context(|| format!("building testbed {}", tb.id))?;
         Ok(tb)
     }
 
@@ -177,10 +178,24 @@ impl Testbed {
             ("net.ipv4.conf.all.rp_filter", "0"),
             ("net.ipv4.conf.default.rp_filter", "0"),
         ] {
-            sh(&["ip", "netns", "exec", &node, "sysctl", "-qw", &format!("{k}={v}")])?;
+            sh(&[
+                "ip",
+                "netns",
+                "exec",
+                &node,
+                "sysctl",
+                "-qw",
+                &format!("{k}={v}"),
+            ])?;
         }
         let c_if = format!("c{}", self.id);
-        self.link(&node, &c_if, &client, ("10.10.0.1", "fd10::1"), ("10.10.0.2", "fd10::2"))?;
+        self.link(
+            &node,
+            &c_if,
+            &client,
+            ("10.10.0.1", "fd10::1"),
+            ("10.10.0.2", "fd10::2"),
+        )?;
         for i in 0..self.backends {
             let ns = self.backend_ns(i);
             self.add_namespace(&ns)?;
@@ -192,7 +207,12 @@ impl Testbed {
                 .args(["netns", "exec", &ns])
                 .arg(helper_bin("e2e-echo"))
                 .args(["--id", &Self::backend_name(i)])
-                .args(["--tcp", &TCP_TARGET.to_string(), "--udp", &UDP_TARGET.to_string()])
+                .args([
+                    "--tcp",
+                    &TCP_TARGET.to_string(),
+                    "--udp",
+                    &UDP_TARGET.to_string(),
+                ])
                 .stdout(Stdio::null())
                 .spawn()
                 .context("starting an echo backend")?;
@@ -210,8 +230,19 @@ impl Testbed {
         sh(&["ip", "netns", "add", ns])?;
         self.namespaces.push(ns.to_string());
         sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
-        for key in ["net.ipv6.conf.all.accept_dad", "net.ipv6.conf.default.accept_dad"] {
-            sh(&["ip", "netns", "exec", ns, "sysctl", "-qw", &format!("{key}=0")])?;
+        for key in [
+            "net.ipv6.conf.all.accept_dad",
+            "net.ipv6.conf.default.accept_dad",
+        ] {
+            sh(&[
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "sysctl",
+                "-qw",
+                &format!("{key}=0"),
+            ])?;
         }
         Ok(())
     }
@@ -226,27 +257,75 @@ impl Testbed {
         (n4, n6): (&str, &str),
         (p4, p6): (&str, &str),
     ) -> Result<()> {
-        sh(&["ip", "-n", node, "link", "add", node_if, "type", "veth", "peer", "name", "eth0", "netns", peer_ns])?;
-        sh(&["ip", "-n", node, "addr", "add", &format!("{n4}/24"), "dev", node_if])?;
-        sh(&["ip", "-n", node, "addr", "add", &format!("{n6}/64"), "dev", node_if, "nodad"])?;
-        sh(&["ip", "-n", peer_ns, "addr", "add", &format!("{p4}/24"), "dev", "eth0"])?;
-        sh(&["ip", "-n", peer_ns, "addr", "add", &format!("{p6}/64"), "dev", "eth0", "nodad"])?;
+        sh(&[
+            "ip", "-n", node, "link", "add", node_if, "type", "veth", "peer", "name", "eth0",
+            "netns", peer_ns,
+        ])?;
+        sh(&[
+            "ip",
+            "-n",
+            node,
+            "addr",
+            "add",
+            &format!("{n4}/24"),
+            "dev",
+            node_if,
+        ])?;
+        sh(&[
+            "ip",
+            "-n",
+            node,
+            "addr",
+            "add",
+            &format!("{n6}/64"),
+            "dev",
+            node_if,
+            "nodad",
+        ])?;
+        sh(&[
+            "ip",
+            "-n",
+            peer_ns,
+            "addr",
+            "add",
+            &format!("{p4}/24"),
+            "dev",
+            "eth0",
+        ])?;
+        sh(&[
+            "ip",
+            "-n",
+            peer_ns,
+            "addr",
+            "add",
+            &format!("{p6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
         sh(&["ip", "-n", node, "link", "set", node_if, "up"])?;
         sh(&["ip", "-n", peer_ns, "link", "set", "eth0", "up"])?;
         sh(&["ip", "-n", peer_ns, "route", "add", "default", "via", n4])?;
-        sh(&["ip", "-n", peer_ns, "-6", "route", "add", "default", "via", n6])?;
+        sh(&[
+            "ip", "-n", peer_ns, "-6", "route", "add", "default", "via", n6,
+        ])?;
         Ok(())
     }
 
     /// Turns checksum offload off on every veth end, so the NAT's checksum updates are
     /// what the receivers verify.
     pub fn disable_offload(&self) -> Result<()> {
-        let mut ends: Vec<(String, String)> =
-            self.node_interfaces().into_iter().map(|i| (self.node_ns(), i)).collect();
+        let mut ends: Vec<(String, String)> = self
+            .node_interfaces()
+            .into_iter()
+            .map(|i| (self.node_ns(), i))
+            .collect();
         ends.push((self.client_ns(), "eth0".into()));
         ends.extend((0..self.backends).map(|i| (self.backend_ns(i), "eth0".to_string())));
         for (ns, dev) in ends {
-            sh(&["ip", "netns", "exec", &ns, "ethtool", "-K", &dev, "tx", "off", "rx", "off"])?;
+            sh(&[
+                "ip", "netns", "exec", &ns, "ethtool", "-K", &dev, "tx", "off", "rx", "off",
+            ])?;
         }
         Ok(())
     }
@@ -255,7 +334,14 @@ impl Testbed {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let out = self.client_raw(&[
-                "--target", target, "--proto", "tcp", "--count", "1", "--timeout-ms", "300",
+                "--target",
+                target,
+                "--proto",
+                "tcp",
+                "--count",
+                "1",
+                "--timeout-ms",
+                "300",
             ]);
             if let Ok(attempts) = out
                 && attempts.first().is_some_and(|a| a.ok)
@@ -293,7 +379,13 @@ impl Testbed {
         for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
             let path = entry?.path();
             if path.is_file() {
-                names.push((path.file_name().and_then(|f| f.to_str()).unwrap_or("x").to_string(), fs::read_to_string(&path)?));
+                names.push((
+                    path.file_name()
+                        .and_then(|f| f.to_str())
+                        .unwrap_or("x")
+                        .to_string(),
+                    fs::read_to_string(&path)?,
+                ));
             }
         }
         for (name, text) in &names {
@@ -322,7 +414,12 @@ impl Testbed {
                 cmd.arg("--cgroup").arg(&self.cgroup);
             }
             Path_::PerPacket => {
-                cmd.args(["--cgroup", "none", "--interfaces", &self.node_interfaces().join(",")]);
+                cmd.args([
+                    "--cgroup",
+                    "none",
+                    "--interfaces",
+                    &self.node_interfaces().join(","),
+                ]);
             }
         }
         let log = fs::File::create(self.root.join("agent.log"))?;
@@ -387,7 +484,8 @@ impl Testbed {
 
     fn client_command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(helper_bin("e2e-client"));
-        cmd.arg("--netns").arg(format!("/run/netns/{}", self.client_ns()));
+        cmd.arg("--netns")
+            .arg(format!("/run/netns/{}", self.client_ns()));
         if self.agent_path == Some(Path_::ConnectTime) {
             cmd.arg("--cgroup").arg(&self.cgroup);
         }
@@ -396,9 +494,15 @@ impl Testbed {
     }
 
     fn client_raw(&self, args: &[&str]) -> Result<Vec<Attempt>> {
-        let out = self.client_command(args).output().context("running e2e-client")?;
+        let out = self
+            .client_command(args)
+            .output()
+            .context("running e2e-client")?;
         if !out.status.success() {
-            bail!("e2e-client {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "e2e-client {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
     }
@@ -462,7 +566,8 @@ pub fn cgroup_root() -> Result<PathBuf> {
     info.lines()
         .find_map(|l| {
             let (pre, post) = l.split_once(" - ")?;
-            post.starts_with("cgroup2 ").then(|| pre.split(' ').nth(4).map(PathBuf::from))?
+            post.starts_with("cgroup2 ")
+                .then(|| pre.split(' ').nth(4).map(PathBuf::from))?
         })
         .context("no cgroup2 mount")
 }
@@ -474,7 +579,10 @@ fn path_str(p: &Path) -> Result<&str> {
 /// Manifests for the testbed's "web" Service: dual-stack ClusterIPs, TCP 80→8080 and
 /// UDP 53→"dns" (a named targetPort resolved through the slices' ports), endpoints on the
 /// given backends, optional ClientIP affinity; plus an "empty" Service with no endpoints.
-pub fn web_manifests(backends: &[usize], affinity_timeout: Option<u32>) -> BTreeMap<&'static str, String> {
+pub fn web_manifests(
+    backends: &[usize],
+    affinity_timeout: Option<u32>,
+) -> BTreeMap<&'static str, String> {
     let affinity = match affinity_timeout {
         Some(t) => format!(
             "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"
@@ -559,5 +667,8 @@ pub fn chi_square_uniform(counts: &BTreeMap<String, usize>, k: usize) -> f64 {
     let observed: Vec<f64> = (0..k)
         .map(|i| *counts.get(&Testbed::backend_name(i)).unwrap_or(&0) as f64)
         .collect();
-    observed.iter().map(|o| (o - expected).powi(2) / expected).sum()
+    observed
+        .iter()
+        .map(|o| (o - expected).powi(2) / expected)
+        .sum()
 }

@@ -5,8 +5,8 @@
 use std::{thread, time::Duration};
 
 use proxy_e2e::{
-    EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, chi_square_uniform,
-    finish_client, require_root, spread, target, web_manifests,
+    EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, chi_square_uniform, finish_client,
+    require_root, spread, target, web_manifests,
 };
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
@@ -17,7 +17,8 @@ const CHI2_CRIT_2DOF: f64 = 13.82;
 
 fn testbed(path: Path_, backends: &[usize], affinity: Option<u32>) -> Testbed {
     let mut tb = Testbed::new(3).expect("testbed");
-    tb.write_manifests(&web_manifests(backends, affinity)).expect("manifests");
+    tb.write_manifests(&web_manifests(backends, affinity))
+        .expect("manifests");
     tb.start_agent(path, FRONTENDS).expect("agent");
     tb
 }
@@ -40,13 +41,27 @@ fn reaches_all_families(path: Path_) {
             .expect("client");
         assert_eq!(attempts.len(), 30);
         for a in &attempts {
-            assert!(a.ok, "{path:?} {proto} {t}: attempt failed: {a:?}\n{}", tb.agent_log());
+            assert!(
+                a.ok,
+                "{path:?} {proto} {t}: attempt failed: {a:?}\n{}",
+                tb.agent_log()
+            );
             let backend = a.backend.as_deref().unwrap_or("");
-            assert!(backend.starts_with("backend-"), "unexpected answer {backend:?}");
-            assert_eq!(a.peer.as_deref(), Some(t.as_str()), "{path:?} {proto}: peer is not the VIP");
+            assert!(
+                backend.starts_with("backend-"),
+                "unexpected answer {backend:?}"
+            );
+            assert_eq!(
+                a.peer.as_deref(),
+                Some(t.as_str()),
+                "{path:?} {proto}: peer is not the VIP"
+            );
         }
         let s = spread(&attempts);
-        assert!(s.len() >= 2, "{path:?} {proto} {t}: 30 attempts all went to {s:?}");
+        assert!(
+            s.len() >= 2,
+            "{path:?} {proto} {t}: 30 attempts all went to {s:?}"
+        );
     }
 }
 
@@ -72,9 +87,16 @@ fn per_packet_nat_checksums_with_offload_off() {
     }
     let tb = testbed(Path_::PerPacket, &[0, 1, 2], None);
     tb.disable_offload().expect("ethtool");
-    for (vip, proto, port) in [(VIP4, "tcp", TCP_PORT), (VIP6, "tcp", TCP_PORT), (VIP4, "udp", UDP_PORT), (VIP6, "udp", UDP_PORT)] {
+    for (vip, proto, port) in [
+        (VIP4, "tcp", TCP_PORT),
+        (VIP6, "tcp", TCP_PORT),
+        (VIP4, "udp", UDP_PORT),
+        (VIP6, "udp", UDP_PORT),
+    ] {
         let t = target(vip, port);
-        let attempts = tb.client(&["--target", &t, "--proto", proto, "--count", "10"]).expect("client");
+        let attempts = tb
+            .client(&["--target", &t, "--proto", proto, "--count", "10"])
+            .expect("client");
         assert!(attempts.iter().all(|a| a.ok), "{proto} {t}: {attempts:?}");
     }
 }
@@ -89,7 +111,10 @@ fn spreads_uniformly(path: Path_) {
     let chi2 = chi_square_uniform(&s, 3);
     eprintln!("{path:?}: spread over 600 connections {s:?}, chi2 = {chi2:.2}");
     assert_eq!(s.len(), 3, "every backend gets a share: {s:?}");
-    assert!(chi2 < CHI2_CRIT_2DOF, "spread {s:?} is not uniform (chi2 {chi2:.2})");
+    assert!(
+        chi2 < CHI2_CRIT_2DOF,
+        "spread {s:?} is not uniform (chi2 {chi2:.2})"
+    );
 }
 
 #[test]
@@ -110,19 +135,30 @@ fn per_packet_spreads_uniformly() {
 fn affinity_pins_then_releases(path: Path_) {
     let tb = testbed(path, &[0, 1, 2], Some(1));
     let t = target(VIP4, TCP_PORT);
-    let pinned = tb.client(&["--target", &t, "--count", "40"]).expect("client");
+    let pinned = tb
+        .client(&["--target", &t, "--count", "40"])
+        .expect("client");
     let s = spread(&pinned);
-    assert_eq!(s.len(), 1, "{path:?}: affinity must pin the client to one backend: {s:?}");
+    assert_eq!(
+        s.len(),
+        1,
+        "{path:?}: affinity must pin the client to one backend: {s:?}"
+    );
     // After each timeout the next choice is free again: over 8 rounds, three backends
     // give the same answer every time with probability (1/3)^7 < 0.05%.
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..8 {
         thread::sleep(Duration::from_millis(1300));
-        let a = tb.client(&["--target", &t, "--count", "1"]).expect("client");
+        let a = tb
+            .client(&["--target", &t, "--count", "1"])
+            .expect("client");
         assert!(a[0].ok, "{a:?}");
         seen.insert(a[0].backend.clone());
     }
-    assert!(seen.len() >= 2, "{path:?}: affinity never released: {seen:?}");
+    assert!(
+        seen.len() >= 2,
+        "{path:?}: affinity never released: {seen:?}"
+    );
 }
 
 #[test]
@@ -148,19 +184,29 @@ fn backend_removal_is_hitless(path: Path_) {
         .spawn_client(&["--target", &t, "--count", "300", "--interval-ms", "10"])
         .expect("client");
     thread::sleep(Duration::from_millis(1000));
-    tb.write_manifests(&web_manifests(&[0, 1], None)).expect("manifests");
+    tb.write_manifests(&web_manifests(&[0, 1], None))
+        .expect("manifests");
     let attempts = finish_client(client).expect("client output");
     let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
-    assert!(failed.is_empty(), "{path:?}: connections failed during removal: {failed:?}");
+    assert!(
+        failed.is_empty(),
+        "{path:?}: connections failed during removal: {failed:?}"
+    );
     // The agent programs the change within a few sync intervals; well after it, backend-2
     // must be gone from the answers.
     let late: Vec<_> = attempts
         .iter()
         .filter(|a| a.at_ms > 2500.0 && a.backend.as_deref() == Some("backend-2"))
         .collect();
-    assert!(late.is_empty(), "{path:?}: removed backend still chosen: {late:?}");
+    assert!(
+        late.is_empty(),
+        "{path:?}: removed backend still chosen: {late:?}"
+    );
     let s = spread(&attempts);
-    assert!(s.get("backend-0").is_some() && s.get("backend-1").is_some(), "{s:?}");
+    assert!(
+        s.contains_key("backend-0") && s.contains_key("backend-1"),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -185,7 +231,14 @@ fn connect_time_no_endpoints_refuses_quickly() {
     }
     let tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
     let attempts = tb
-        .client(&["--target", &target(EMPTY_VIP4, TCP_PORT), "--count", "5", "--timeout-ms", "3000"])
+        .client(&[
+            "--target",
+            &target(EMPTY_VIP4, TCP_PORT),
+            "--count",
+            "5",
+            "--timeout-ms",
+            "3000",
+        ])
         .expect("client");
     for a in &attempts {
         assert!(!a.ok);
@@ -195,7 +248,10 @@ fn connect_time_no_endpoints_refuses_quickly() {
     // The program's own log line (aya-log, enabled at debug here) reaches the agent's log.
     thread::sleep(Duration::from_millis(200));
     let log = tb.agent_log();
-    assert!(log.contains("has no usable backends: refused"), "no BPF log in:\n{log}");
+    assert!(
+        log.contains("has no usable backends: refused"),
+        "no BPF log in:\n{log}"
+    );
 }
 
 /// `proxy-agent cleanup` detaches every program and removes every pin: the ClusterIP is
@@ -207,10 +263,20 @@ fn cleanup_detaches_and_unpins_everything() {
     }
     let mut tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
     let t = target(VIP4, TCP_PORT);
-    assert!(tb.client(&["--target", &t, "--count", "3"]).expect("client").iter().all(|a| a.ok));
+    assert!(
+        tb.client(&["--target", &t, "--count", "3"])
+            .expect("client")
+            .iter()
+            .all(|a| a.ok)
+    );
     tb.kill_agent().expect("kill");
     // Pinned: still translated with the agent gone.
-    assert!(tb.client(&["--target", &t, "--count", "3"]).expect("client").iter().all(|a| a.ok));
+    assert!(
+        tb.client(&["--target", &t, "--count", "3"])
+            .expect("client")
+            .iter()
+            .all(|a| a.ok)
+    );
     proxy_e2e::sh(&[
         proxy_e2e::agent_bin().to_str().expect("utf-8"),
         "cleanup",
@@ -219,8 +285,13 @@ fn cleanup_detaches_and_unpins_everything() {
     ])
     .expect("cleanup");
     assert!(!tb.pin_dir().exists(), "pin folder removed");
-    let after = tb.client(&["--target", &t, "--count", "1", "--timeout-ms", "500"]).expect("client");
-    assert!(!after[0].ok, "the VIP must no longer be translated: {after:?}");
+    let after = tb
+        .client(&["--target", &t, "--count", "1", "--timeout-ms", "500"])
+        .expect("client");
+    assert!(
+        !after[0].ok,
+        "the VIP must no longer be translated: {after:?}"
+    );
 }
 
 /// Killing the agent (as a crash would) and starting a new one while a client loops loses
@@ -239,16 +310,32 @@ fn restart_is_hitless(path: Path_) {
     tb.start_agent(path, FRONTENDS).expect("restart");
     let attempts = finish_client(client).expect("client output");
     let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
-    assert!(failed.is_empty(), "{path:?}: connections failed across the restart: {failed:?}");
+    assert!(
+        failed.is_empty(),
+        "{path:?}: connections failed across the restart: {failed:?}"
+    );
     let after = tb.dump().expect("dump");
-    assert_eq!(before["services"], after["services"], "adoption must not rewrite entries");
-    assert!(tb.agent_log().contains("adopted_frontends=5"), "{}", tb.agent_log());
+    assert_eq!(
+        before["services"], after["services"],
+        "adoption must not rewrite entries"
+    );
+    assert!(
+        tb.agent_log().contains("adopted_frontends=5"),
+        "{}",
+        tb.agent_log()
+    );
     // The new agent still reconciles: drop backend-2 and see it vanish.
-    tb.write_manifests(&web_manifests(&[0, 1], None)).expect("manifests");
+    tb.write_manifests(&web_manifests(&[0, 1], None))
+        .expect("manifests");
     thread::sleep(Duration::from_millis(500));
-    let attempts = tb.client(&["--target", &t, "--count", "60"]).expect("client");
+    let attempts = tb
+        .client(&["--target", &t, "--count", "60"])
+        .expect("client");
     let s = spread(&attempts);
-    assert!(attempts.iter().all(|a| a.ok) && !s.contains_key("backend-2"), "{s:?}");
+    assert!(
+        attempts.iter().all(|a| a.ok) && !s.contains_key("backend-2"),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -284,11 +371,21 @@ fn invalid_object_is_skipped_others_apply() {
             .to_string(),
     );
     tb.write_manifests(&files).expect("manifests");
-    tb.start_agent(Path_::ConnectTime, FRONTENDS).expect("agent");
+    tb.start_agent(Path_::ConnectTime, FRONTENDS)
+        .expect("agent");
     let log = tb.agent_log();
-    for needle in ["default/broken", "10.96.0.999", "default/badport", "70000", "default/badproto", "ICMP"] {
+    for needle in [
+        "default/broken",
+        "10.96.0.999",
+        "default/badport",
+        "70000",
+        "default/badproto",
+        "ICMP",
+    ] {
         assert!(log.contains(needle), "log does not name {needle:?}:\n{log}");
     }
-    let attempts = tb.client(&["--target", &target(VIP4, TCP_PORT), "--count", "10"]).expect("client");
+    let attempts = tb
+        .client(&["--target", &target(VIP4, TCP_PORT), "--count", "10"])
+        .expect("client");
     assert!(attempts.iter().all(|a| a.ok));
 }

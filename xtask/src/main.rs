@@ -167,13 +167,16 @@ fn setup(root: &Path) -> Result<()> {
         .arg("--version")
         .env_remove("LD_LIBRARY_PATH")
         .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION))
+        .map(|o| {
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION)
+        })
         .unwrap_or(false);
     if works {
         return Ok(());
     }
     eprintln!("xtask: installing {BPF_LINKER} into {}", tools.display());
-    let sysroot = output(Command::new("rustc").args([&format!("+{NIGHTLY}"), "--print", "sysroot"]))?;
+    let sysroot =
+        output(Command::new("rustc").args([&format!("+{NIGHTLY}"), "--print", "sysroot"]))?;
     let sysroot = PathBuf::from(sysroot.trim());
     let version = output(Command::new("rustc").args([&format!("+{NIGHTLY}"), "-vV"]))?;
     let llvm_major = version
@@ -201,9 +204,14 @@ fn setup(root: &Path) -> Result<()> {
         .arg(format!("llvm-{llvm_major}"))
         .env("LLVM_PREFIX", tools.join("llvm-shim"))
         // The linker resolves libLLVM through RUNPATH at the nightly's own lib folder.
-        .env("RUSTFLAGS", format!("-C link-arg=-Wl,-rpath,{}", lib_dir.display()));
+        .env(
+            "RUSTFLAGS",
+            format!("-C link-arg=-Wl,-rpath,{}", lib_dir.display()),
+        );
     run(&mut cmd)?;
-    run(Command::new(&linker).arg("--version").env_remove("LD_LIBRARY_PATH"))
+    run(Command::new(&linker)
+        .arg("--version")
+        .env_remove("LD_LIBRARY_PATH"))
 }
 
 fn build_ebpf(root: &Path) -> Result<()> {
@@ -229,14 +237,24 @@ fn build_ebpf(root: &Path) -> Result<()> {
     run(&mut cmd)?;
     eprintln!(
         "xtask: BPF object at {}",
-        root.join("target").join(BPF_TARGET).join("release/proxy-ebpf").display()
+        root.join("target")
+            .join(BPF_TARGET)
+            .join("release/proxy-ebpf")
+            .display()
     );
     Ok(())
 }
 
 fn build(root: &Path) -> Result<()> {
     let mut cmd = cargo(root, STABLE);
-    cmd.args(["build", "--workspace", "--exclude", "proxy-ebpf", "--bins", "--tests"]);
+    cmd.args([
+        "build",
+        "--workspace",
+        "--exclude",
+        "proxy-ebpf",
+        "--bins",
+        "--tests",
+    ]);
     run(&mut cmd)
 }
 

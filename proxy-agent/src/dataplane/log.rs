@@ -17,17 +17,21 @@ impl Dataplane for LogDataplane {
         let mut report = ApplyReport::default();
         for (fe, old) in &self.current {
             if view.get(fe) != Some(old) {
-                self.lines.push(format!("- {fe} {} {:?}", old.service, old.backends));
+                self.lines
+                    .push(format!("- {fe} {} {:?}", old.service, old.backends));
                 report.frontends_removed += 1;
             }
         }
         for (fe, new) in view {
             if self.current.get(fe) != Some(new) {
-                self.lines.push(format!("+ {fe} {} {:?}", new.service, new.backends));
+                self.lines
+                    .push(format!("+ {fe} {} {:?}", new.service, new.backends));
                 report.frontends_written += 1;
             }
         }
-        for line in &self.lines[self.lines.len() - report.frontends_removed - report.frontends_written..] {
+        for line in
+            &self.lines[self.lines.len() - report.frontends_removed - report.frontends_written..]
+        {
             tracing::info!("{line}");
         }
         self.current = view.clone();

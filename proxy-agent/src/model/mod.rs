@@ -70,7 +70,12 @@ pub struct Frontend {
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", SocketAddr::new(self.ip, self.port), self.protocol)
+        write!(
+            f,
+            "{}/{}",
+            SocketAddr::new(self.ip, self.port),
+            self.protocol
+        )
     }
 }
 

@@ -104,7 +104,11 @@ pub fn add_documents(
 }
 
 fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), String> {
-    let kind = item.get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
+    let kind = item
+        .get("kind")
+        .and_then(|k| k.as_str())
+        .unwrap_or("")
+        .to_string();
     let name = item
         .pointer("/metadata/name")
         .and_then(|n| n.as_str())
@@ -121,7 +125,11 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
                 serde_json::from_value(item).map_err(|e| format!("EndpointSlice {name}: {e}"))?;
             model.slices.insert(ObjectRef::of(&slice.metadata), slice);
         }
-        _ => tracing::debug!(kind, name, "ignoring object of a kind the proxy does not use"),
+        _ => tracing::debug!(
+            kind,
+            name,
+            "ignoring object of a kind the proxy does not use"
+        ),
     }
     Ok(())
 }
@@ -151,8 +159,11 @@ apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0
         let mut errors = Vec::new();
         add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
         assert_eq!(model.services.len(), 1);
-        assert!(errors.len() >= 1, "{errors:?}");
+        assert!(!errors.is_empty(), "{errors:?}");
         let first = errors[0].to_string();
-        assert!(first.contains("t.yaml document 0") && first.contains("Service bad"), "{first}");
+        assert!(
+            first.contains("t.yaml document 0") && first.contains("Service bad"),
+            "{first}"
+        );
     }
 }

@@ -77,7 +77,10 @@ fn apply_once<D: Dataplane>(manifests: &std::path::Path, dataplane: &mut D) {
         Ok(v) => v,
         Err(e) => {
             // Keep what is programmed: an unreadable folder must not flush live services.
-            tracing::error!(error = format!("{e:#}"), "cannot read manifests; keeping the current state");
+            tracing::error!(
+                error = format!("{e:#}"),
+                "cannot read manifests; keeping the current state"
+            );
             return;
         }
     };
@@ -96,6 +99,9 @@ fn apply_once<D: Dataplane>(manifests: &std::path::Path, dataplane: &mut D) {
                 tracing::error!(frontend = f, "frontend not programmed");
             }
         }
-        Err(e) => tracing::error!(error = format!("{e:#}"), "dataplane sync failed; will retry"),
+        Err(e) => tracing::error!(
+            error = format!("{e:#}"),
+            "dataplane sync failed; will retry"
+        ),
     }
 }

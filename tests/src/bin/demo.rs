@@ -25,7 +25,10 @@ fn main() -> Result<()> {
         anyhow::bail!("the demo needs root");
     }
     let n = args.requests.to_string();
-    println!("{:<13} {:<22} {:>8} {:>10} {:>10} {:>10} {:>7}", "path", "target", "requests", "backend-0", "backend-1", "backend-2", "failed");
+    println!(
+        "{:<13} {:<22} {:>8} {:>10} {:>10} {:>10} {:>7}",
+        "path", "target", "requests", "backend-0", "backend-1", "backend-2", "failed"
+    );
     let mut frontends = 0;
     for path in [Path_::ConnectTime, Path_::PerPacket] {
         let mut tb = Testbed::new(3).context("building the testbed")?;
@@ -34,7 +37,11 @@ fn main() -> Result<()> {
             frontends = count_frontends(&args.manifests)?;
         }
         tb.start_agent(path, frontends)?;
-        for (vip, proto, port) in [(VIP4, "tcp", TCP_PORT), (VIP6, "tcp", TCP_PORT), (VIP4, "udp", UDP_PORT)] {
+        for (vip, proto, port) in [
+            (VIP4, "tcp", TCP_PORT),
+            (VIP6, "tcp", TCP_PORT),
+            (VIP4, "udp", UDP_PORT),
+        ] {
             let t = target(vip, port);
             let attempts = tb.client(&["--target", &t, "--proto", proto, "--count", &n])?;
             let s = spread(&attempts);
@@ -44,7 +51,15 @@ fn main() -> Result<()> {
                 Path_::ConnectTime => "connect-time",
                 Path_::PerPacket => "per-packet",
             };
-            println!("{name:<13} {:<22} {:>8} {:>10} {:>10} {:>10} {:>7}", format!("{proto} {t}"), attempts.len(), get(0), get(1), get(2), failed);
+            println!(
+                "{name:<13} {:<22} {:>8} {:>10} {:>10} {:>10} {:>7}",
+                format!("{proto} {t}"),
+                attempts.len(),
+                get(0),
+                get(1),
+                get(2),
+                failed
+            );
         }
         if path == Path_::PerPacket {
             println!("\nWhat the kernel holds (proxy-agent dump):");

@@ -9,8 +9,8 @@ use aya::{
     maps::{HashMap, Map, MapData, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue,
-    RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, map_names,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, RevNatValue,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, map_names,
 };
 
 /// Every map of the proxy, typed.

@@ -93,9 +93,13 @@ pub fn check_bpffs(dir: &Path) -> Result<()> {
     // SAFETY: statfs writes into the zeroed struct we pass; the path is NUL-terminated.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        bail!("statfs {}: {}", probe.display(), std::io::Error::last_os_error());
+        bail!(
+            "statfs {}: {}",
+            probe.display(),
+            std::io::Error::last_os_error()
+        );
     }
-    if i64::from(st.f_type) != BPF_FS_MAGIC {
+    if st.f_type != BPF_FS_MAGIC {
         bail!(
             "{} is not on a BPF filesystem (bpffs): mount one first, e.g. \
              `mount -t bpf bpf /sys/fs/bpf`, or pass --bpffs with a folder on one",
@@ -118,8 +122,10 @@ impl BpfDataplane {
             .with_context(|| format!("creating {}", links_dir.display()))?;
 
         let mut loader = EbpfLoader::new();
-        let pins: Vec<(&str, PathBuf)> =
-            map_names::ALL.iter().map(|n| (*n, maps_dir.join(n))).collect();
+        let pins: Vec<(&str, PathBuf)> = map_names::ALL
+            .iter()
+            .map(|n| (*n, maps_dir.join(n)))
+            .collect();
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());
         }
@@ -165,8 +171,8 @@ impl Dataplane for BpfDataplane {
 }
 
 fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> Result<()> {
-    let cgroup_file = fs::File::open(cgroup)
-        .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+    let cgroup_file =
+        fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
     for name in CGROUP_PROGRAMS {
         let prog: &mut CgroupSockAddr = ebpf
             .program_mut(name)
@@ -201,13 +207,19 @@ fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> R
 }
 
 fn attach_classifiers(ebpf: &mut Ebpf, interfaces: &[String], links_dir: &Path) -> Result<()> {
-    let wanted: Vec<String> = interfaces.iter().map(|i| format!("tc_ingress@{i}")).collect();
+    let wanted: Vec<String> = interfaces
+        .iter()
+        .map(|i| format!("tc_ingress@{i}"))
+        .collect();
     // Links of interfaces no longer configured: unpinning detaches them.
     if let Ok(entries) = fs::read_dir(links_dir) {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if name.starts_with("tc_ingress@") && !wanted.contains(&name) {
-                tracing::info!(link = name, "detaching classifier from an interface no longer configured");
+                tracing::info!(
+                    link = name,
+                    "detaching classifier from an interface no longer configured"
+                );
                 let _ = fs::remove_file(entry.path());
             }
         }

@@ -131,7 +131,9 @@ impl MapState {
             }
             state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
             state.used_service_ids.insert(value.id);
-            state.services.insert(key, Programmed { value, backend_ids });
+            state
+                .services
+                .insert(key, Programmed { value, backend_ids });
         }
         Ok(state)
     }
@@ -145,8 +147,10 @@ impl MapState {
     /// entries and is reported; the others still apply.
     pub fn apply(&mut self, maps: &mut MapSet, view: &NodeView) -> Result<ApplyReport> {
         let mut report = ApplyReport::default();
-        let desired: BTreeMap<ServiceKey, (&Frontend, &FrontendState)> =
-            view.iter().map(|(fe, st)| (service_key(fe), (fe, st))).collect();
+        let desired: BTreeMap<ServiceKey, (&Frontend, &FrontendState)> = view
+            .iter()
+            .map(|(fe, st)| (service_key(fe), (fe, st)))
+            .collect();
 
         // 1. Frontends that are new or changed.
         for (key, (fe, st)) in &desired {
@@ -219,8 +223,12 @@ impl MapState {
             Some(t) => (SVC_F_AFFINITY, t),
             None => (0, 0),
         };
-        let count = u16::try_from(backend_ids.len())
-            .map_err(|_| anyhow::anyhow!("{} backends exceed the 65535 per frontend", backend_ids.len()))?;
+        let count = u16::try_from(backend_ids.len()).map_err(|_| {
+            anyhow::anyhow!(
+                "{} backends exceed the 65535 per frontend",
+                backend_ids.len()
+            )
+        })?;
         let old = self.services.get(&key).cloned();
         if let Some(old) = &old
             && old.backend_ids == backend_ids
@@ -233,7 +241,16 @@ impl MapState {
             Some(o) => o.value.id,
             None => self.allocate_service_id(),
         };
-        let written = self.write_generation(maps, key, old.as_ref(), id, backend_ids, flags, timeout, count);
+        let written = self.write_generation(
+            maps,
+            key,
+            old.as_ref(),
+            id,
+            backend_ids,
+            flags,
+            timeout,
+            count,
+        );
         if written.is_err() && old.is_none() {
             self.used_service_ids.remove(&id);
         }
@@ -241,7 +258,10 @@ impl MapState {
     }
 
     /// Writes a new generation of `key`'s slots, its reverse-NAT entry and the flip.
-    #[allow(clippy::too_many_arguments, reason = "one call site, all parts of one entry")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one call site, all parts of one entry"
+    )]
     fn write_generation(
         &mut self,
         maps: &mut MapSet,
@@ -270,7 +290,13 @@ impl MapState {
                 rev,
                 slot: slot as u32,
             };
-            if let Err(e) = maps.slots.insert(&slot_key, &BackendSlot { backend_id: *backend_id }, 0) {
+            if let Err(e) = maps.slots.insert(
+                &slot_key,
+                &BackendSlot {
+                    backend_id: *backend_id,
+                },
+                0,
+            ) {
                 for undo in 0..slot as u32 {
                     let _ = maps.slots.remove(&BackendSlotKey {
                         service_id: id,
@@ -361,7 +387,10 @@ mod tests {
         assert_eq!(key.addr[0].to_ne_bytes(), [10, 96, 0, 10]);
         assert_eq!(key.addr[1..], [0, 0, 0]);
         assert_eq!(key.port.to_ne_bytes(), [0, 80]);
-        assert_eq!((key.proto, key.family, key.scope), (PROTO_UDP, FAMILY_V4, SCOPE_EXTERNAL));
+        assert_eq!(
+            (key.proto, key.family, key.scope),
+            (PROTO_UDP, FAMILY_V4, SCOPE_EXTERNAL)
+        );
     }
 
     #[test]
@@ -381,6 +410,9 @@ mod tests {
     fn backend_entry_carries_target_port() {
         let be = backend_value("10.244.1.5:8080".parse().expect("sa"), Protocol::Tcp);
         assert_eq!(be.port.to_ne_bytes(), 8080u16.to_be_bytes());
-        assert_eq!((be.proto, be.family, be.state), (PROTO_TCP, FAMILY_V4, BACKEND_ACTIVE));
+        assert_eq!(
+            (be.proto, be.family, be.state),
+            (PROTO_TCP, FAMILY_V4, BACKEND_ACTIVE)
+        );
     }
 }
