@@ -170,18 +170,7 @@ fn log_level(name: &str) -> Result<u8> {
 fn resolve_cgroup(arg: &str) -> Result<Option<PathBuf>> {
     match arg {
         "none" | "" => Ok(None),
-        "auto" => {
-            let info = std::fs::read_to_string("/proc/self/mountinfo")?;
-            let mount = info
-                .lines()
-                .find_map(|l| {
-                    let (pre, post) = l.split_once(" - ")?;
-                    post.starts_with("cgroup2 ")
-                        .then(|| pre.split(' ').nth(4).map(PathBuf::from))?
-                })
-                .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")?;
-            Ok(Some(mount))
-        }
+        "auto" => Ok(Some(proxy_agent::cgroup2_mount()?)),
         path => Ok(Some(PathBuf::from(path))),
     }
 }

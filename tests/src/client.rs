@@ -99,15 +99,21 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     Ok((buf.trim().to_string(), peer))
 }
 
-fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
-    let bind: SocketAddr = if opts.target.is_ipv4() {
-        "0.0.0.0:0".parse().expect("literal")
+/// A UDP socket of the target's family on an ephemeral port.
+fn udp_socket(opts: &Run) -> std::io::Result<UdpSocket> {
+    let any: std::net::IpAddr = if opts.target.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
     } else {
-        "[::]:0".parse().expect("literal")
+        std::net::Ipv6Addr::UNSPECIFIED.into()
     };
-    // Unconnected: exercises sendmsg and recvmsg translation.
-    let s = UdpSocket::bind(bind)?;
+    let s = UdpSocket::bind(SocketAddr::new(any, 0))?;
     s.set_read_timeout(Some(opts.timeout))?;
+    Ok(s)
+}
+
+fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
+    // Unconnected: exercises sendmsg and recvmsg translation.
+    let s = udp_socket(opts)?;
     s.send_to(b"who", opts.target)?;
     let mut buf = [0u8; 256];
     let (n, from) = s.recv_from(&mut buf)?;
@@ -115,13 +121,7 @@ fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
 }
 
 fn udp_connected_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
-    let bind: SocketAddr = if opts.target.is_ipv4() {
-        "0.0.0.0:0".parse().expect("literal")
-    } else {
-        "[::]:0".parse().expect("literal")
-    };
-    let s = UdpSocket::bind(bind)?;
-    s.set_read_timeout(Some(opts.timeout))?;
+    let s = udp_socket(opts)?;
     s.connect(opts.target)?;
     s.send(b"who")?;
     let mut buf = [0u8; 256];

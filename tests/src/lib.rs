@@ -57,6 +57,13 @@ pub fn sh(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// `ip -n NS ARGS...`, with ARGS split on spaces.
+fn ip(ns: &str, args: &str) -> Result<String> {
+    let mut argv = vec!["ip", "-n", ns];
+    argv.extend(args.split_whitespace());
+    sh(&argv)
+}
+
 /// Which datapath the agent under test uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Path_ {
@@ -68,18 +75,13 @@ pub enum Path_ {
 
 /// Where the agent binary is: `PROXY_AGENT_BIN`, else next to the test binary.
 pub fn agent_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("PROXY_AGENT_BIN") {
-        return PathBuf::from(p);
-    }
-    let mut p = std::env::current_exe().unwrap_or_default();
-    p.pop();
-    if p.ends_with("deps") {
-        p.pop();
-    }
-    p.join("proxy-agent")
+    std::env::var_os("PROXY_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| helper_bin("proxy-agent"))
 }
 
-/// Sibling binaries of this crate (e2e-echo, e2e-client), next to the running executable.
+/// Binaries of the workspace's target folder (e2e-echo, e2e-client, proxy-agent), found
+/// from the running executable (which may sit in `deps/`).
 fn helper_bin(name: &str) -> PathBuf {
     let mut p = std::env::current_exe().unwrap_or_default();
     p.pop();
@@ -257,58 +259,17 @@ impl Testbed {
         (n4, n6): (&str, &str),
         (p4, p6): (&str, &str),
     ) -> Result<()> {
-        sh(&[
-            "ip", "-n", node, "link", "add", node_if, "type", "veth", "peer", "name", "eth0",
-            "netns", peer_ns,
-        ])?;
-        sh(&[
-            "ip",
-            "-n",
+        ip(
             node,
-            "addr",
-            "add",
-            &format!("{n4}/24"),
-            "dev",
-            node_if,
-        ])?;
-        sh(&[
-            "ip",
-            "-n",
-            node,
-            "addr",
-            "add",
-            &format!("{n6}/64"),
-            "dev",
-            node_if,
-            "nodad",
-        ])?;
-        sh(&[
-            "ip",
-            "-n",
-            peer_ns,
-            "addr",
-            "add",
-            &format!("{p4}/24"),
-            "dev",
-            "eth0",
-        ])?;
-        sh(&[
-            "ip",
-            "-n",
-            peer_ns,
-            "addr",
-            "add",
-            &format!("{p6}/64"),
-            "dev",
-            "eth0",
-            "nodad",
-        ])?;
-        sh(&["ip", "-n", node, "link", "set", node_if, "up"])?;
-        sh(&["ip", "-n", peer_ns, "link", "set", "eth0", "up"])?;
-        sh(&["ip", "-n", peer_ns, "route", "add", "default", "via", n4])?;
-        sh(&[
-            "ip", "-n", peer_ns, "-6", "route", "add", "default", "via", n6,
-        ])?;
+            &format!("link add {node_if} type veth peer name eth0 netns {peer_ns}"),
+        )?;
+        for (ns, dev, a4, a6) in [(node, node_if, n4, n6), (peer_ns, "eth0", p4, p6)] {
+            ip(ns, &format!("addr add {a4}/24 dev {dev}"))?;
+            ip(ns, &format!("addr add {a6}/64 dev {dev} nodad"))?;
+            ip(ns, &format!("link set {dev} up"))?;
+        }
+        ip(peer_ns, &format!("route add default via {n4}"))?;
+        ip(peer_ns, &format!("-6 route add default via {n6}"))?;
         Ok(())
     }
 
@@ -562,14 +523,7 @@ impl Drop for Testbed {
 
 /// The cgroup v2 mount (`/sys/fs/cgroup/unified` here, `/sys/fs/cgroup` on most hosts).
 pub fn cgroup_root() -> Result<PathBuf> {
-    let info = fs::read_to_string("/proc/self/mountinfo")?;
-    info.lines()
-        .find_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            post.starts_with("cgroup2 ")
-                .then(|| pre.split(' ').nth(4).map(PathBuf::from))?
-        })
-        .context("no cgroup2 mount")
+    proxy_agent::cgroup2_mount()
 }
 
 fn path_str(p: &Path) -> Result<&str> {
