@@ -72,6 +72,45 @@ struct RunArgs {
     /// Periodic full resync, in seconds.
     #[arg(long, default_value_t = 30)]
     resync_s: u64,
+    #[command(flatten)]
+    node: NodeArgs,
+}
+
+/// Who this node is, for the file source (the API-server source reads the Node object).
+#[derive(Args)]
+struct NodeArgs {
+    /// This node's name (kube-proxy's hostnameOverride); default: the host name.
+    #[arg(long)]
+    node_name: Option<String>,
+    /// This node's addresses, for NodePorts (repeatable).
+    #[arg(long = "node-ip")]
+    node_ips: Vec<std::net::IpAddr>,
+    /// A node label, `key=value` (repeatable; topology.kubernetes.io/zone matters).
+    #[arg(long = "node-label", value_parser = parse_label)]
+    node_labels: Vec<(String, String)>,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+}
+
+impl NodeArgs {
+    fn info(&self) -> Result<proxy_agent::model::NodeInfo> {
+        let name = match &self.node_name {
+            Some(n) => n.clone(),
+            None => nix::unistd::gethostname()
+                .context("reading the host name (or pass --node-name)")?
+                .to_string_lossy()
+                .into_owned(),
+        };
+        Ok(proxy_agent::model::NodeInfo {
+            name,
+            labels: self.node_labels.iter().cloned().collect(),
+            addresses: self.node_ips.clone(),
+        })
+    }
 }
 
 fn main() -> Result<()> {
@@ -123,7 +162,9 @@ async fn run(args: RunArgs) -> Result<()> {
         }
         tracing::info!("shutting down; pinned programs keep serving traffic");
     };
-    sync::run_files(args.manifests, &mut dataplane, timing, shutdown).await
+    let node = args.node.info()?;
+    let cfg = proxy_agent::model::ViewConfig::default();
+    sync::run_files(args.manifests, node, cfg, &mut dataplane, timing, shutdown).await
 }
 
 /// Forwards aya-log records from the programs to our tracing output.

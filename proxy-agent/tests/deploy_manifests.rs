@@ -30,7 +30,9 @@ fn deploy_yaml_parses() {
 #[test]
 fn examples_build_the_demo_view() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
-    let view = proxy_agent::sync::view_from_manifests(&dir).expect("examples load");
+    let view =
+        proxy_agent::sync::view_from_manifests(&dir, &Default::default(), &Default::default())
+            .expect("examples load");
     // web: 2 families x (http, dns); empty: 1.
     assert_eq!(view.len(), 5, "{view:#?}");
     let web = view
@@ -38,9 +40,9 @@ fn examples_build_the_demo_view() {
         .find(|s| s.service == "default/web:http")
         .expect("web http");
     assert_eq!(
-        web.backends.len(),
+        web.backends.endpoints.len(),
         3,
         "named targetPort resolved through the slice"
     );
-    assert!(web.backends.iter().all(|b| b.port() == 8080));
+    assert!(web.backends.endpoints.iter().all(|b| b.port() == 8080));
 }

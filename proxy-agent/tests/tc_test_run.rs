@@ -10,7 +10,7 @@ use std::{
 use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{MapSet, MapState, load_private},
-    model::{Frontend, FrontendState, NodeView, Protocol},
+    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -94,10 +94,15 @@ fn frontend(
         },
         FrontendState {
             service: format!("default/test:{port}"),
-            backends: backends
-                .iter()
-                .map(|b| b.parse().expect("backend"))
-                .collect(),
+            kind: FrontendKind::ClusterIp,
+            backends: BackendSet {
+                endpoints: backends
+                    .iter()
+                    .map(|b| b.parse().expect("backend"))
+                    .collect(),
+                when_empty: WhenEmpty::Reject,
+            },
+            internal: None,
             affinity_timeout_s: None,
         },
     )
@@ -482,7 +487,55 @@ fn full_map_is_reported_and_other_services_keep_working() {
     let (verdict, out) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), true));
     assert_eq!(verdict, TC_ACT_OK);
     assert!(
-        a.1.backends.contains(&inspect(&out).dst),
+        a.1.backends.endpoints.contains(&inspect(&out).dst),
         "existing service still serves"
+    );
+}
+
+#[test]
+fn two_scopes_internal_traffic_uses_the_internal_set() {
+    if !root("two_scopes_internal_traffic_uses_the_internal_set") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    let (f, mut st) = frontend("203.0.113.7", 80, Protocol::Tcp, &["10.244.1.5:8080"]);
+    st.kind = FrontendKind::ExternalIp;
+    st.internal = Some(BackendSet {
+        endpoints: [sa("10.244.2.6:8080")].into(),
+        when_empty: WhenEmpty::Reject,
+    });
+    h.apply(&NodeView::from([(f, st)]));
+    assert_eq!(
+        h.maps.services.iter().count(),
+        2,
+        "external and internal scope entries"
+    );
+    // The classifier treats what it sees as pod traffic: the internal set.
+    for port in 43000..43010 {
+        let out = h
+            .run(&packet(
+                SocketAddr::new("10.244.0.3".parse().expect("ip"), port),
+                sa("203.0.113.7:80"),
+                true,
+            ))
+            .1;
+        assert_eq!(inspect(&out).dst, sa("10.244.2.6:8080"));
+    }
+}
+
+#[test]
+fn drop_when_policy_leaves_no_endpoint_here() {
+    if !root("drop_when_policy_leaves_no_endpoint_here") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    let (f, mut st) = frontend("10.96.0.40", 80, Protocol::Tcp, &[]);
+    st.backends.when_empty = WhenEmpty::Drop;
+    h.apply(&NodeView::from([(f, st)]));
+    let (verdict, _) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.40:80"), true));
+    assert_eq!(verdict, TC_ACT_SHOT);
+    assert_eq!(
+        (h.counter("no_backend_drop"), h.counter("no_backend_reject")),
+        (1, 0)
     );
 }

@@ -25,10 +25,17 @@ pub struct Client {
     pub family: u8,
 }
 
-/// Finds the service entry for a frontend. Internal traffic uses the internal scope when
-/// the service has one (its backends differ from the external view).
+/// Finds the service entry for a frontend. Internal traffic (from pods or the node itself)
+/// uses the internal scope when the service has one (its backends differ from the
+/// external view, e.g. `externalTrafficPolicy: Local`).
 #[inline(always)]
-pub fn lookup_service(addr: [u32; 4], port: u16, proto: u8, family: u8) -> Option<ServiceValue> {
+pub fn lookup_service(
+    addr: [u32; 4],
+    port: u16,
+    proto: u8,
+    family: u8,
+    internal: bool,
+) -> Option<ServiceValue> {
     let mut key = ServiceKey {
         addr,
         port,
@@ -39,7 +46,7 @@ pub fn lookup_service(addr: [u32; 4], port: u16, proto: u8, family: u8) -> Optio
     };
     // SAFETY: the value is copied out at once.
     let svc = unsafe { *SERVICES.get(&key)? };
-    if svc.flags & SVC_F_TWO_SCOPES == 0 {
+    if !internal || svc.flags & SVC_F_TWO_SCOPES == 0 {
         return Some(svc);
     }
     key.scope = SCOPE_INTERNAL;
@@ -133,13 +140,20 @@ fn backend_in_slot(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
 fn lookup_fresh(svc: &ServiceValue) -> Option<ServiceValue> {
     // SAFETY: the value is copied out at once.
     let frontend = unsafe { crate::maps::REV_NAT.get(&svc.rev_nat_id).copied()? };
-    let fresh = lookup_service(
-        frontend.addr,
-        frontend.port,
-        frontend.proto,
-        frontend.family,
-    )?;
-    (fresh.id == svc.id).then_some(fresh)
+    // The entry that changed may be either scope's: try both.
+    for internal in [false, true] {
+        if let Some(fresh) = lookup_service(
+            frontend.addr,
+            frontend.port,
+            frontend.proto,
+            frontend.family,
+            internal,
+        ) && fresh.id == svc.id
+        {
+            return Some(fresh);
+        }
+    }
+    None
 }
 
 #[inline(always)]

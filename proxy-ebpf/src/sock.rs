@@ -36,7 +36,8 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
         _ => return ALLOW,
     };
     let addr = read_addr(ctx, family);
-    let Some(svc) = lb::lookup_service(addr, port, proto, family) else {
+    // Sockets belong to pods or the node itself: internal traffic.
+    let Some(svc) = lb::lookup_service(addr, port, proto, family, true) else {
         return ALLOW;
     };
     count(counter::SVC_HIT);

@@ -96,7 +96,9 @@ pub fn ingress(ctx: &TcContext) -> Result<i32, i32> {
         return Ok(DONE);
     }
 
-    let Some(svc) = lb::lookup_service(pkt.daddr, pkt.dport, pkt.proto, pkt.family) else {
+    // Until the local-traffic detector (clusterCIDR) arrives with the external-traffic
+    // path, every packet this classifier sees is treated as internal (pod) traffic.
+    let Some(svc) = lb::lookup_service(pkt.daddr, pkt.dport, pkt.proto, pkt.family, true) else {
         return Ok(PASS_ON);
     };
     count(counter::SVC_HIT);

@@ -1,7 +1,9 @@
 //! The cluster-wide model (Services and EndpointSlices as the source reports them) and the
-//! pure function that turns it into this node's view: one entry per frontend
-//! (VIP, port, protocol) with the backends it leads to. Plain data in, plain data out.
+//! pure function that turns it, plus this node's identity and settings, into this node's
+//! view: one entry per frontend (VIP, port, protocol) with the backends each kind of
+//! traffic leads to. Plain data in, plain data out.
 
+mod endpoints;
 mod view;
 
 pub use view::{Rejection, node_view};
@@ -13,9 +15,10 @@ use std::{
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde::Serialize;
 
 /// `namespace/name` of a Kubernetes object.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct ObjectRef {
     pub namespace: String,
     pub name: String,
@@ -38,14 +41,54 @@ impl ObjectRef {
 }
 
 /// Every Service and EndpointSlice the source knows, keyed by reference.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct ClusterModel {
     pub services: BTreeMap<ObjectRef, Service>,
     pub slices: BTreeMap<ObjectRef, EndpointSlice>,
 }
 
+/// This node, as the view needs it: from its Node object, or from flags and config.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct NodeInfo {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    /// The node's own addresses (NodePorts listen on them).
+    pub addresses: Vec<IpAddr>,
+}
+
+impl NodeInfo {
+    /// `topology.kubernetes.io/zone`, if the node has one.
+    pub fn zone(&self) -> Option<&str> {
+        self.labels
+            .get("topology.kubernetes.io/zone")
+            .map(String::as_str)
+    }
+}
+
+/// Settings that change the view (kube-proxy's, where it has them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ViewConfig {
+    /// CIDRs whose node addresses get NodePorts; empty: every node address.
+    pub node_port_addresses: Vec<ipnet::IpNet>,
+    /// `127.0.0.1:<nodePort>` works (IPv4 only).
+    pub localhost_node_ports: bool,
+    /// Services labelled `service.kubernetes.io/service-proxy-name` are ours only when the
+    /// label names this proxy.
+    pub service_proxy_name: Option<String>,
+}
+
+impl Default for ViewConfig {
+    fn default() -> Self {
+        Self {
+            node_port_addresses: Vec::new(),
+            localhost_node_ports: true,
+            service_proxy_name: None,
+        }
+    }
+}
+
 /// Transport protocol of a frontend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Protocol {
     Tcp,
     Udp,
@@ -61,7 +104,7 @@ impl fmt::Display for Protocol {
 }
 
 /// Where traffic for a Service port arrives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct Frontend {
     pub ip: IpAddr,
     pub port: u16,
@@ -79,13 +122,43 @@ impl fmt::Display for Frontend {
     }
 }
 
+/// What kind of address a frontend is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum FrontendKind {
+    ClusterIp,
+    ExternalIp,
+    LoadBalancer,
+    NodePort,
+}
+
+/// What happens to a new connection when a backend set is empty.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum WhenEmpty {
+    /// No endpoint anywhere: refuse (kube-proxy's REJECT).
+    Reject,
+    /// Endpoints exist, but the traffic policy allows none of them here: drop.
+    Drop,
+}
+
+/// The backends one kind of traffic to a frontend may use.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BackendSet {
+    pub endpoints: BTreeSet<SocketAddr>,
+    pub when_empty: WhenEmpty,
+}
+
 /// What this node does with traffic to one frontend.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct FrontendState {
     /// `namespace/name:port` of the Service port, for logs and dumps.
     pub service: String,
-    /// Endpoints that take new connections; empty means "reject".
-    pub backends: BTreeSet<SocketAddr>,
+    pub kind: FrontendKind,
+    /// The backends for traffic from outside the node (and for all traffic when
+    /// `internal` is `None`).
+    pub backends: BackendSet,
+    /// The backends for traffic from pods and the node itself, when they differ
+    /// (`externalTrafficPolicy: Local` short-circuits internal traffic to every endpoint).
+    pub internal: Option<BackendSet>,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout_s: Option<u32>,
 }

@@ -1,22 +1,30 @@
-//! Model → node view, with kube-proxy's semantics for ClusterIP Services.
+//! Model → node view, with kube-proxy's semantics: ClusterIPs, external IPs, load-balancer
+//! IPs and NodePorts; traffic policies; endpoint conditions; topology; dual-stack;
+//! session affinity; reject vs drop.
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
 };
 
 use k8s_openapi::{
     api::{
-        core::v1::{Service, ServicePort},
-        discovery::v1::{Endpoint, EndpointSlice},
+        core::v1::{Service, ServicePort, ServiceSpec},
+        discovery::v1::EndpointSlice,
     },
     apimachinery::pkg::util::intstr::IntOrString,
 };
 
-use super::{ClusterModel, Frontend, FrontendState, NodeView, ObjectRef, Protocol};
+use super::{
+    BackendSet, ClusterModel, Frontend, FrontendKind, FrontendState, NodeInfo, NodeView, ObjectRef,
+    Protocol, ViewConfig, WhenEmpty,
+    endpoints::{Categorized, Endpoint, Policies, categorize, dedupe},
+};
 
 /// Label that ties an EndpointSlice to its Service.
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Label naming the proxy that serves a Service (kube-proxy skips labelled Services).
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
@@ -29,33 +37,49 @@ pub struct Rejection {
 }
 
 /// Builds this node's view. Invalid objects (or invalid parts: one bad port, one bad
-/// endpoint address) are left out and reported; everything else still applies.
-pub fn node_view(model: &ClusterModel) -> (NodeView, Vec<Rejection>) {
+/// address) are left out and reported; everything else still applies.
+pub fn node_view(
+    model: &ClusterModel,
+    node: &NodeInfo,
+    cfg: &ViewConfig,
+) -> (NodeView, Vec<Rejection>) {
     let mut view = NodeView::new();
     let mut rejected = Vec::new();
     for (sref, svc) in &model.services {
-        let reject = |reason: String| Rejection {
+        let rejection = |reason: String| Rejection {
             kind: "Service",
             object: sref.clone(),
             reason,
         };
         let Some(spec) = &svc.spec else {
-            rejected.push(reject("no spec".into()));
+            rejected.push(rejection("no spec".into()));
             continue;
         };
-        // ExternalName and headless Services are not proxied (as in kube-proxy).
-        if spec.type_.as_deref() == Some("ExternalName") {
+        if !is_ours(svc, cfg) || spec.type_.as_deref() == Some("ExternalName") {
             continue;
         }
-        let ips = match cluster_ips(svc) {
+        let cluster_ips = match cluster_ips(spec) {
+            // Headless: DNS only, nothing to proxy.
             Ok(ips) if ips.is_empty() => continue,
             Ok(ips) => ips,
             Err(reason) => {
-                rejected.push(reject(reason));
+                rejected.push(rejection(reason));
                 continue;
             }
         };
-        let affinity = affinity_timeout(svc);
+        let (external_ips, bad) = parse_ips(spec.external_ips.iter().flatten(), "externalIP");
+        rejected.extend(bad.into_iter().map(rejection));
+        let (lb_ips, bad) = parse_ips(load_balancer_ips(svc).iter(), "load-balancer IP");
+        rejected.extend(bad.into_iter().map(rejection));
+        let externally_accessible = !external_ips.is_empty()
+            || matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
+        let policies = Policies {
+            internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+            external_local: externally_accessible
+                && spec.external_traffic_policy.as_deref() == Some("Local"),
+            externally_accessible,
+        };
+        let affinity = affinity_timeout(spec);
         let slices: Vec<&EndpointSlice> = model
             .slices
             .iter()
@@ -66,30 +90,96 @@ pub fn node_view(model: &ClusterModel) -> (NodeView, Vec<Rejection>) {
             let (number, protocol) = match port_and_protocol(port) {
                 Ok(p) => p,
                 Err(reason) => {
-                    rejected.push(reject(reason));
+                    rejected.push(rejection(reason));
                     continue;
                 }
             };
-            let port_name = port.name.clone().unwrap_or_default();
-            for &ip in &ips {
-                let (backends, bad) = endpoints_for(&slices, &port_name, protocol, ip, port);
+            let service = format!("{sref}:{}", display_port(port));
+            for v4 in [true, false] {
+                let family_ips = |ips: &[IpAddr]| -> Vec<IpAddr> {
+                    ips.iter()
+                        .copied()
+                        .filter(|ip| ip.is_ipv4() == v4)
+                        .collect()
+                };
+                let cips = family_ips(&cluster_ips);
+                if cips.is_empty() {
+                    // The Service is not of this family (ipFamilies).
+                    continue;
+                }
+                let (eps, bad) = endpoints_for(&slices, port, protocol, v4, &node.name);
                 rejected.extend(bad);
-                view.insert(
-                    Frontend {
-                        ip,
-                        port: number,
-                        protocol,
-                    },
-                    FrontendState {
-                        service: format!("{sref}:{}", display_port(port)),
-                        backends,
-                        affinity_timeout_s: affinity,
-                    },
-                );
+                let sets = categorize(&eps, policies, &node.name, node.zone());
+                let mut add = |ip: IpAddr, port: u16, kind: FrontendKind| {
+                    view.insert(
+                        Frontend { ip, port, protocol },
+                        frontend_state(&service, kind, &sets, policies, affinity),
+                    );
+                };
+                for ip in cips {
+                    add(ip, number, FrontendKind::ClusterIp);
+                }
+                for ip in family_ips(&external_ips) {
+                    add(ip, number, FrontendKind::ExternalIp);
+                }
+                for ip in family_ips(&lb_ips) {
+                    add(ip, number, FrontendKind::LoadBalancer);
+                }
+                if let Some(node_port) = node_port(port) {
+                    for ip in node_port_ips(node, cfg, v4) {
+                        add(ip, node_port, FrontendKind::NodePort);
+                    }
+                }
             }
         }
     }
     (view, rejected)
+}
+
+/// The backends each kind of traffic uses, per kube-proxy's policies.
+fn frontend_state(
+    service: &str,
+    kind: FrontendKind,
+    sets: &Categorized,
+    policies: Policies,
+    affinity: Option<u32>,
+) -> FrontendState {
+    let set = |endpoints: &BTreeSet<SocketAddr>| BackendSet {
+        endpoints: endpoints.clone(),
+        when_empty: if sets.has_any {
+            WhenEmpty::Drop
+        } else {
+            WhenEmpty::Reject
+        },
+    };
+    let (backends, internal) = match kind {
+        FrontendKind::ClusterIp if policies.internal_local => (set(&sets.local), None),
+        FrontendKind::ClusterIp => (set(&sets.cluster), None),
+        // eTP Local: outside traffic only to local endpoints; pods and the node itself
+        // short-circuit to every endpoint.
+        _ if policies.external_local => (set(&sets.local), Some(set(&sets.cluster))),
+        _ => (set(&sets.cluster), None),
+    };
+    FrontendState {
+        service: service.to_string(),
+        kind,
+        backends,
+        internal,
+        affinity_timeout_s: affinity,
+    }
+}
+
+/// kube-proxy serves unlabelled Services; a labelled one only if it names this proxy.
+fn is_ours(svc: &Service, cfg: &ViewConfig) -> bool {
+    match svc
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL))
+    {
+        None => true,
+        Some(name) => cfg.service_proxy_name.as_deref() == Some(name.as_str()),
+    }
 }
 
 fn display_port(port: &ServicePort) -> String {
@@ -101,8 +191,7 @@ fn display_port(port: &ServicePort) -> String {
 
 /// The Service's cluster IPs (dual-stack `clusterIPs`, else `clusterIP`); empty for a
 /// headless Service.
-fn cluster_ips(svc: &Service) -> Result<Vec<IpAddr>, String> {
-    let spec = svc.spec.as_ref().ok_or("no spec")?;
+fn cluster_ips(spec: &ServiceSpec) -> Result<Vec<IpAddr>, String> {
     let raw: Vec<&String> = match (&spec.cluster_ips, &spec.cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips.iter().collect(),
         (_, Some(ip)) => vec![ip],
@@ -119,6 +208,64 @@ fn cluster_ips(svc: &Service) -> Result<Vec<IpAddr>, String> {
         );
     }
     Ok(ips)
+}
+
+/// Parses addresses; the invalid ones are left out and described.
+fn parse_ips<'a>(raw: impl Iterator<Item = &'a String>, what: &str) -> (Vec<IpAddr>, Vec<String>) {
+    let mut ips = Vec::new();
+    let mut bad = Vec::new();
+    for s in raw {
+        match s.parse() {
+            Ok(ip) => ips.push(ip),
+            Err(e) => bad.push(format!("invalid {what} {s:?}: {e}")),
+        }
+    }
+    (ips, bad)
+}
+
+/// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones (the load balancer
+/// proxies, so traffic arrives addressed to the node, not to the LB IP).
+fn load_balancer_ips(svc: &Service) -> Vec<String> {
+    svc.status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+        .filter_map(|i| i.ip.clone())
+        .collect()
+}
+
+fn node_port(port: &ServicePort) -> Option<u16> {
+    port.node_port
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0)
+}
+
+/// Node addresses of one family that serve NodePorts (`nodePortAddresses`, or all), plus
+/// 127.0.0.1 when `localhostNodePorts` allows.
+fn node_port_ips(node: &NodeInfo, cfg: &ViewConfig, v4: bool) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = node
+        .addresses
+        .iter()
+        .copied()
+        .filter(|ip| ip.is_ipv4() == v4)
+        .filter(|ip| {
+            cfg.node_port_addresses.is_empty()
+                || cfg.node_port_addresses.iter().any(|n| n.contains(ip))
+        })
+        .collect();
+    let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let loopback_allowed = cfg.node_port_addresses.is_empty()
+        || cfg
+            .node_port_addresses
+            .iter()
+            .any(|n| n.contains(&loopback));
+    if v4 && cfg.localhost_node_ports && loopback_allowed && !ips.contains(&loopback) {
+        ips.push(loopback);
+    }
+    ips
 }
 
 fn port_and_protocol(port: &ServicePort) -> Result<(u16, Protocol), String> {
@@ -139,8 +286,7 @@ fn protocol(raw: Option<&str>) -> Result<Protocol, String> {
     }
 }
 
-fn affinity_timeout(svc: &Service) -> Option<u32> {
-    let spec = svc.spec.as_ref()?;
+fn affinity_timeout(spec: &ServiceSpec) -> Option<u32> {
     if spec.session_affinity.as_deref() != Some("ClientIP") {
         return None;
     }
@@ -159,19 +305,19 @@ fn owner(slice: &EndpointSlice) -> Option<&String> {
     slice.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)
 }
 
-/// Endpoints of one Service port for one IP family, merged over all slices and
-/// de-duplicated: ready ones, or — when none is ready — serving and terminating ones.
+/// Endpoints of one Service port for one IP family, merged over the slices of that
+/// family and de-duplicated.
 fn endpoints_for(
     slices: &[&EndpointSlice],
-    port_name: &str,
-    protocol: Protocol,
-    vip: IpAddr,
     svc_port: &ServicePort,
-) -> (BTreeSet<SocketAddr>, Vec<super::Rejection>) {
-    let mut ready = BTreeSet::new();
-    let mut terminating = BTreeSet::new();
+    protocol: Protocol,
+    v4: bool,
+    node: &str,
+) -> (Vec<Endpoint>, Vec<Rejection>) {
+    let port_name = svc_port.name.as_deref().unwrap_or("");
+    let mut eps = Vec::new();
     let mut bad = Vec::new();
-    let family = if vip.is_ipv4() { "IPv4" } else { "IPv6" };
+    let family = if v4 { "IPv4" } else { "IPv6" };
     for slice in slices {
         if slice.address_type != family {
             continue;
@@ -180,28 +326,44 @@ fn endpoints_for(
             continue;
         };
         for ep in &slice.endpoints {
+            let cond = ep.conditions.as_ref();
+            let hints = ep.hints.as_ref();
             for addr in &ep.addresses {
                 let Ok(ip) = addr.parse::<IpAddr>() else {
-                    bad.push(super::Rejection {
+                    bad.push(Rejection {
                         kind: "EndpointSlice",
                         object: ObjectRef::of(&slice.metadata),
                         reason: format!("invalid endpoint address {addr:?}"),
                     });
                     continue;
                 };
-                if ip.is_ipv4() != vip.is_ipv4() {
+                if ip.is_ipv4() != v4 {
                     continue;
                 }
-                let sa = SocketAddr::new(ip, target_port);
-                if is_ready(ep) {
-                    ready.insert(sa);
-                } else if is_serving_terminating(ep) {
-                    terminating.insert(sa);
-                }
+                eps.push(Endpoint {
+                    addr: SocketAddr::new(ip, target_port),
+                    // A missing condition means "ready"/"serving" (discovery.k8s.io/v1).
+                    ready: cond.and_then(|c| c.ready).unwrap_or(true),
+                    serving: cond.and_then(|c| c.serving.or(c.ready)).unwrap_or(true),
+                    terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
+                    local: ep.node_name.as_deref() == Some(node),
+                    zone_hints: hints
+                        .and_then(|h| h.for_zones.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .map(|z| z.name.clone())
+                        .collect(),
+                    node_hints: hints
+                        .and_then(|h| h.for_nodes.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .map(|n| n.name.clone())
+                        .collect(),
+                });
             }
         }
     }
-    (if ready.is_empty() { terminating } else { ready }, bad)
+    (dedupe(eps), bad)
 }
 
 /// The backend port for a Service port in one slice: the slice port with the same name
@@ -223,18 +385,6 @@ fn slice_port(
         Some(IntOrString::String(_)) => None,
     })?;
     u16::try_from(number).ok().filter(|p| *p != 0)
-}
-
-fn is_ready(ep: &Endpoint) -> bool {
-    // A missing condition means "ready" (discovery.k8s.io/v1 semantics).
-    ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true)
-}
-
-fn is_serving_terminating(ep: &Endpoint) -> bool {
-    let Some(c) = ep.conditions.as_ref() else {
-        return false;
-    };
-    c.serving.unwrap_or(false) && c.terminating.unwrap_or(false)
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@ use std::{collections::BTreeSet, net::SocketAddr};
 use serde_json::json;
 
 use super::*;
-use crate::model::{ClusterModel, Frontend, ObjectRef, Protocol};
+use crate::model::{
+    ClusterModel, Frontend, FrontendKind, NodeInfo, ObjectRef, Protocol, ViewConfig, WhenEmpty,
+};
 
 fn model(services: &[serde_json::Value], slices: &[serde_json::Value]) -> ClusterModel {
     let mut m = ClusterModel::default();
@@ -52,6 +54,26 @@ fn fe(ip: &str, port: u16, protocol: Protocol) -> Frontend {
 
 fn set(addrs: &[&str]) -> BTreeSet<SocketAddr> {
     addrs.iter().map(|a| a.parse().expect("addr")).collect()
+}
+
+/// The test node: node-a in zone-a, with one address of each family.
+fn node_a() -> NodeInfo {
+    NodeInfo {
+        name: "node-a".into(),
+        labels: [(
+            "topology.kubernetes.io/zone".to_string(),
+            "zone-a".to_string(),
+        )]
+        .into(),
+        addresses: vec![
+            "192.0.2.10".parse().expect("ip"),
+            "2001:db8:a::10".parse().expect("ip"),
+        ],
+    }
+}
+
+fn view_of(m: &ClusterModel) -> (crate::model::NodeView, Vec<Rejection>) {
+    node_view(m, &node_a(), &ViewConfig::default())
 }
 
 fn web_spec() -> serde_json::Value {
@@ -116,10 +138,21 @@ fn endpoints_by_condition() {
                 endpoints.clone(),
             )],
         );
-        let (view, rejected) = node_view(&m);
+        let (view, rejected) = view_of(&m);
         assert!(rejected.is_empty());
         let st = &view[&fe("10.96.0.10", 80, Protocol::Tcp)];
-        assert_eq!(st.backends, set(&expected), "endpoints {endpoints}");
+        assert_eq!(
+            st.backends.endpoints,
+            set(&expected),
+            "endpoints {endpoints}"
+        );
+        if expected.is_empty() {
+            assert_eq!(
+                st.backends.when_empty,
+                WhenEmpty::Reject,
+                "no endpoint anywhere: reject"
+            );
+        }
     }
 }
 
@@ -155,9 +188,11 @@ fn slices_merge_and_deduplicate() {
             ),
         ],
     );
-    let (view, _) = node_view(&m);
+    let (view, _) = view_of(&m);
     assert_eq!(
-        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends,
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints,
         set(&["10.244.1.5:8080", "10.244.2.6:8080"])
     );
 }
@@ -181,18 +216,24 @@ fn target_port_by_name_and_number() {
             json!([ep("10.244.1.5", true, true, false)]),
         )],
     );
-    let (view, _) = node_view(&m);
+    let (view, _) = view_of(&m);
     assert_eq!(
-        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends,
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints,
         set(&["10.244.1.5:8081"])
     );
     assert_eq!(
-        view[&fe("10.96.0.10", 53, Protocol::Udp)].backends,
+        view[&fe("10.96.0.10", 53, Protocol::Udp)]
+            .backends
+            .endpoints,
         set(&["10.244.1.5:5353"])
     );
     // Name and protocol both match: the TCP dns port takes the slice's TCP port.
     assert_eq!(
-        view[&fe("10.96.0.10", 53, Protocol::Tcp)].backends,
+        view[&fe("10.96.0.10", 53, Protocol::Tcp)]
+            .backends
+            .endpoints,
         set(&["10.244.1.5:5354"])
     );
 }
@@ -221,14 +262,16 @@ fn dual_stack_takes_one_family_per_slice() {
             ),
         ],
     );
-    let (view, _) = node_view(&m);
+    let (view, _) = view_of(&m);
     assert_eq!(view.len(), 2);
     assert_eq!(
-        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends,
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints,
         set(&["10.244.1.5:8080"])
     );
     assert_eq!(
-        view[&fe("fd96::10", 80, Protocol::Tcp)].backends,
+        view[&fe("fd96::10", 80, Protocol::Tcp)].backends.endpoints,
         set(&["[fd00:244::5]:8080"])
     );
 }
@@ -248,7 +291,7 @@ fn headless_and_external_name_are_not_proxied() {
         ],
         &[],
     );
-    let (view, rejected) = node_view(&m);
+    let (view, rejected) = view_of(&m);
     assert!(view.is_empty() && rejected.is_empty());
 }
 
@@ -268,7 +311,7 @@ fn session_affinity_timeouts() {
         for (k, v) in extra.as_object().expect("object") {
             spec[k] = v.clone();
         }
-        let (view, _) = node_view(&model(&[svc("web", spec)], &[]));
+        let (view, _) = view_of(&model(&[svc("web", spec)], &[]));
         assert_eq!(
             view[&fe("10.96.0.10", 80, Protocol::Tcp)].affinity_timeout_s,
             expected,
@@ -306,7 +349,7 @@ fn invalid_objects_are_rejected_with_reasons_and_others_apply() {
             ]),
         )],
     );
-    let (view, rejected) = node_view(&m);
+    let (view, rejected) = view_of(&m);
     let reasons: Vec<String> = rejected
         .iter()
         .map(|r| format!("{} {}: {}", r.kind, r.object, r.reason))
@@ -321,9 +364,326 @@ fn invalid_objects_are_rejected_with_reasons_and_others_apply() {
     );
     // The valid service, the valid port of badport and the valid endpoint still apply.
     assert_eq!(
-        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends,
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints,
         set(&["10.244.1.5:8080"])
     );
     assert!(view.contains_key(&fe("10.96.0.30", 81, Protocol::Tcp)));
     assert_eq!(view.len(), 2);
+}
+
+/// An endpoint on `node`, ready, with optional zone/node hints.
+fn ep_on(addr: &str, node: &str, zone_hints: &[&str], node_hints: &[&str]) -> serde_json::Value {
+    let mut e = json!({"addresses": [addr], "nodeName": node,
+                       "conditions": {"ready": true, "serving": true, "terminating": false}});
+    if !zone_hints.is_empty() || !node_hints.is_empty() {
+        e["hints"] = json!({"forZones": zone_hints.iter().map(|z| json!({"name": z})).collect::<Vec<_>>(),
+                            "forNodes": node_hints.iter().map(|n| json!({"name": n})).collect::<Vec<_>>()});
+    }
+    e
+}
+
+fn ep_cond(
+    addr: &str,
+    node: &str,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+) -> serde_json::Value {
+    json!({"addresses": [addr], "nodeName": node,
+           "conditions": {"ready": ready, "serving": serving, "terminating": terminating}})
+}
+
+#[test]
+fn internal_traffic_policy_local() {
+    // (endpoints, expected backends, expected verdict when empty)
+    let cases: Vec<(serde_json::Value, Vec<&str>, WhenEmpty)> = vec![
+        (
+            json!([
+                ep_on("10.244.1.5", "node-a", &[], &[]),
+                ep_on("10.244.2.6", "node-b", &[], &[])
+            ]),
+            vec!["10.244.1.5:8080"],
+            WhenEmpty::Drop,
+        ),
+        // Endpoints elsewhere only: drop (not reject) here.
+        (
+            json!([ep_on("10.244.2.6", "node-b", &[], &[])]),
+            vec![],
+            WhenEmpty::Drop,
+        ),
+        // No endpoint anywhere: reject.
+        (json!([]), vec![], WhenEmpty::Reject),
+        // Local ones only terminating: fall back to them.
+        (
+            json!([
+                ep_cond("10.244.1.5", "node-a", false, true, true),
+                ep_on("10.244.2.6", "node-b", &[], &[])
+            ]),
+            vec!["10.244.1.5:8080"],
+            WhenEmpty::Drop,
+        ),
+    ];
+    for (endpoints, expected, when_empty) in cases {
+        let mut spec = web_spec();
+        spec["internalTrafficPolicy"] = json!("Local");
+        let m = model(
+            &[svc("web", spec)],
+            &[slice(
+                "web-1",
+                "web",
+                "IPv4",
+                http_ports(),
+                endpoints.clone(),
+            )],
+        );
+        let (view, _) = view_of(&m);
+        let st = &view[&fe("10.96.0.10", 80, Protocol::Tcp)];
+        assert_eq!(st.backends.endpoints, set(&expected), "{endpoints}");
+        assert_eq!(st.backends.when_empty, when_empty, "{endpoints}");
+        assert!(st.internal.is_none());
+    }
+}
+
+fn nodeport_spec(etp: &str) -> serde_json::Value {
+    json!({"type": "LoadBalancer", "clusterIP": "10.96.0.10", "externalTrafficPolicy": etp,
+           "externalIPs": ["203.0.113.7"],
+           "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080, "protocol": "TCP"}]})
+}
+
+fn with_lb_status(mut svc: serde_json::Value, ingress: serde_json::Value) -> serde_json::Value {
+    svc["status"] = json!({"loadBalancer": {"ingress": ingress}});
+    svc
+}
+
+#[test]
+fn external_frontends_nodeport_external_ip_load_balancer() {
+    let service = with_lb_status(
+        svc("web", nodeport_spec("Cluster")),
+        json!([{"ip": "198.51.100.1"}, {"ip": "198.51.100.2", "ipMode": "Proxy"}, {"hostname": "lb.example"}]),
+    );
+    let eps = json!([
+        ep_on("10.244.1.5", "node-a", &[], &[]),
+        ep_on("10.244.2.6", "node-b", &[], &[])
+    ]);
+    let m = model(
+        &[service],
+        &[slice("web-1", "web", "IPv4", http_ports(), eps)],
+    );
+    let (view, rejected) = view_of(&m);
+    assert!(rejected.is_empty(), "{rejected:?}");
+    let kinds: Vec<(String, FrontendKind)> =
+        view.iter().map(|(f, s)| (f.to_string(), s.kind)).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            ("10.96.0.10:80/TCP".to_string(), FrontendKind::ClusterIp),
+            ("127.0.0.1:30080/TCP".to_string(), FrontendKind::NodePort),
+            ("192.0.2.10:30080/TCP".to_string(), FrontendKind::NodePort),
+            (
+                "198.51.100.1:80/TCP".to_string(),
+                FrontendKind::LoadBalancer
+            ),
+            ("203.0.113.7:80/TCP".to_string(), FrontendKind::ExternalIp),
+        ],
+        "ipMode Proxy and hostname-only ingresses get no frontend; the IPv6 node address \
+         serves no IPv4 Service"
+    );
+    for st in view.values() {
+        assert_eq!(
+            st.backends.endpoints,
+            set(&["10.244.1.5:8080", "10.244.2.6:8080"])
+        );
+        assert!(st.internal.is_none());
+    }
+}
+
+#[test]
+fn node_port_addresses_and_localhost() {
+    let m = model(&[svc("web", nodeport_spec("Cluster"))], &[]);
+    let cases: Vec<(Vec<&str>, bool, Vec<&str>)> = vec![
+        (vec![], true, vec!["127.0.0.1", "192.0.2.10"]),
+        (vec![], false, vec!["192.0.2.10"]),
+        (vec!["192.0.2.0/24"], true, vec!["192.0.2.10"]),
+        (vec!["127.0.0.0/8"], true, vec!["127.0.0.1"]),
+        (vec!["10.0.0.0/8"], true, vec![]),
+    ];
+    for (cidrs, localhost, expected) in cases {
+        let cfg = ViewConfig {
+            node_port_addresses: cidrs.iter().map(|c| c.parse().expect("cidr")).collect(),
+            localhost_node_ports: localhost,
+            service_proxy_name: None,
+        };
+        let (view, _) = node_view(&m, &node_a(), &cfg);
+        let got: Vec<String> = view
+            .iter()
+            .filter(|(_, s)| s.kind == FrontendKind::NodePort)
+            .map(|(f, _)| f.ip.to_string())
+            .collect();
+        assert_eq!(
+            got, expected,
+            "nodePortAddresses {cidrs:?} localhost {localhost}"
+        );
+    }
+}
+
+#[test]
+fn external_traffic_policy_local_keeps_two_scopes() {
+    let cases: Vec<(serde_json::Value, Vec<&str>, WhenEmpty)> = vec![
+        (
+            json!([
+                ep_on("10.244.1.5", "node-a", &[], &[]),
+                ep_on("10.244.2.6", "node-b", &[], &[])
+            ]),
+            vec!["10.244.1.5:8080"],
+            WhenEmpty::Drop,
+        ),
+        // No local endpoint: outside traffic is dropped here, pods still reach node-b's.
+        (
+            json!([ep_on("10.244.2.6", "node-b", &[], &[])]),
+            vec![],
+            WhenEmpty::Drop,
+        ),
+    ];
+    for (eps, external, when_empty) in cases {
+        let m = model(
+            &[svc("web", nodeport_spec("Local"))],
+            &[slice("web-1", "web", "IPv4", http_ports(), eps.clone())],
+        );
+        let (view, _) = view_of(&m);
+        let cip = &view[&fe("10.96.0.10", 80, Protocol::Tcp)];
+        assert!(cip.internal.is_none(), "the ClusterIP is not external");
+        for f in [
+            fe("192.0.2.10", 30080, Protocol::Tcp),
+            fe("203.0.113.7", 80, Protocol::Tcp),
+        ] {
+            let st = &view[&f];
+            assert_eq!(st.backends.endpoints, set(&external), "{f} {eps}");
+            assert_eq!(st.backends.when_empty, when_empty);
+            let internal = st.internal.as_ref().expect("two scopes");
+            assert_eq!(
+                internal.endpoints, cip.backends.endpoints,
+                "internal traffic short-circuits to every endpoint"
+            );
+        }
+    }
+}
+
+#[test]
+fn topology_hints_and_fallbacks() {
+    // (endpoints, expected backends for node-a in zone-a)
+    let cases: Vec<(&str, serde_json::Value, Vec<&str>)> = vec![
+        (
+            "zone hints for our zone",
+            json!([
+                ep_on("10.244.1.5", "node-x", &["zone-a"], &[]),
+                ep_on("10.244.2.6", "node-y", &["zone-b"], &[])
+            ]),
+            vec!["10.244.1.5:8080"],
+        ),
+        (
+            "one endpoint without hints: ignore hints",
+            json!([
+                ep_on("10.244.1.5", "node-x", &["zone-a"], &[]),
+                ep_on("10.244.2.6", "node-y", &[], &[])
+            ]),
+            vec!["10.244.1.5:8080", "10.244.2.6:8080"],
+        ),
+        (
+            "no hint for our zone: ignore hints",
+            json!([
+                ep_on("10.244.1.5", "node-x", &["zone-c"], &[]),
+                ep_on("10.244.2.6", "node-y", &["zone-b"], &[])
+            ]),
+            vec!["10.244.1.5:8080", "10.244.2.6:8080"],
+        ),
+        (
+            "node hints for our node (PreferSameNode)",
+            json!([
+                ep_on("10.244.1.5", "node-a", &["zone-a"], &["node-a"]),
+                ep_on("10.244.3.7", "node-z", &["zone-a"], &["node-z"])
+            ]),
+            vec!["10.244.1.5:8080"],
+        ),
+        (
+            "node hints, none for us: fall back to zone",
+            json!([
+                ep_on("10.244.1.5", "node-x", &["zone-a"], &["node-x"]),
+                ep_on("10.244.2.6", "node-y", &["zone-b"], &["node-y"])
+            ]),
+            vec!["10.244.1.5:8080"],
+        ),
+    ];
+    for (name, eps, expected) in cases {
+        let mut spec = web_spec();
+        spec["trafficDistribution"] = json!("PreferClose");
+        let m = model(
+            &[svc("web", spec)],
+            &[slice("web-1", "web", "IPv4", http_ports(), eps)],
+        );
+        let (view, _) = view_of(&m);
+        assert_eq!(
+            view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+                .backends
+                .endpoints,
+            set(&expected),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn service_proxy_name_label_opts_in() {
+    let mut labelled = svc("web", web_spec());
+    labelled["metadata"]["labels"] =
+        json!({"service.kubernetes.io/service-proxy-name": "ebpf-proxy"});
+    let m = model(&[labelled], &[]);
+    let (view, _) = view_of(&m);
+    assert!(
+        view.is_empty(),
+        "a Service naming another proxy is not ours"
+    );
+    let cfg = ViewConfig {
+        service_proxy_name: Some("ebpf-proxy".into()),
+        ..ViewConfig::default()
+    };
+    let (view, _) = node_view(&m, &node_a(), &cfg);
+    assert_eq!(view.len(), 1, "a Service naming us is ours");
+}
+
+#[test]
+fn single_stack_ipv6_service_uses_only_ipv6() {
+    let spec = json!({"clusterIP": "fd96::10", "clusterIPs": ["fd96::10"], "ipFamilies": ["IPv6"], "type": "NodePort",
+                      "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]});
+    let m = model(
+        &[svc("web", spec)],
+        &[
+            slice(
+                "web-4",
+                "web",
+                "IPv4",
+                http_ports(),
+                json!([ep("10.244.1.5", true, true, false)]),
+            ),
+            slice(
+                "web-6",
+                "web",
+                "IPv6",
+                http_ports(),
+                json!([ep("fd00:244::5", true, true, false)]),
+            ),
+        ],
+    );
+    let (view, _) = view_of(&m);
+    let frontends: Vec<String> = view.keys().map(ToString::to_string).collect();
+    assert_eq!(
+        frontends,
+        vec!["[2001:db8:a::10]:30080/TCP", "[fd96::10]:80/TCP"],
+        "no 127.0.0.1 NodePort for IPv6"
+    );
+    assert!(
+        view.values()
+            .all(|s| s.backends.endpoints == set(&["[fd00:244::5]:8080"]))
+    );
 }

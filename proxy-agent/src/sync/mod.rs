@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     dataplane::Dataplane,
-    model::{NodeView, node_view},
+    model::{NodeInfo, NodeView, ViewConfig, node_view},
     source::files,
 };
 
@@ -30,12 +30,16 @@ impl Default for SyncTiming {
 }
 
 /// Reads the manifests and builds the node view, logging every object left out.
-pub fn view_from_manifests(dir: &std::path::Path) -> Result<NodeView> {
+pub fn view_from_manifests(
+    dir: &std::path::Path,
+    node: &NodeInfo,
+    cfg: &ViewConfig,
+) -> Result<NodeView> {
     let (model, errors) = files::load(dir)?;
     for e in &errors {
         tracing::warn!(error = %e, "skipping manifest");
     }
-    let (view, rejected) = node_view(&model);
+    let (view, rejected) = node_view(&model, node, cfg);
     for r in &rejected {
         tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
     }
@@ -45,6 +49,8 @@ pub fn view_from_manifests(dir: &std::path::Path) -> Result<NodeView> {
 /// Runs until `shutdown` resolves: programs the view from `manifests` now and on change.
 pub async fn run_files<D: Dataplane>(
     manifests: PathBuf,
+    node: NodeInfo,
+    cfg: ViewConfig,
     dataplane: &mut D,
     timing: SyncTiming,
     shutdown: impl std::future::Future<Output = ()>,
@@ -59,7 +65,7 @@ pub async fn run_files<D: Dataplane>(
     tokio::pin!(shutdown);
     let mut resync = tokio::time::interval(timing.resync);
     loop {
-        apply_once(&manifests, dataplane);
+        apply_once(&manifests, &node, &cfg, dataplane);
         tokio::select! {
             _ = &mut shutdown => return Ok(()),
             _ = resync.tick() => {}
@@ -72,8 +78,13 @@ pub async fn run_files<D: Dataplane>(
     }
 }
 
-fn apply_once<D: Dataplane>(manifests: &std::path::Path, dataplane: &mut D) {
-    let view = match view_from_manifests(manifests) {
+fn apply_once<D: Dataplane>(
+    manifests: &std::path::Path,
+    node: &NodeInfo,
+    cfg: &ViewConfig,
+    dataplane: &mut D,
+) {
+    let view = match view_from_manifests(manifests, node, cfg) {
         Ok(v) => v,
         Err(e) => {
             // Keep what is programmed: an unreadable folder must not flush live services.

@@ -76,5 +76,8 @@ fn main() -> Result<()> {
 
 /// Frontends the example manifests produce, by the agent's own parser.
 fn count_frontends(dir: &std::path::Path) -> Result<usize> {
-    Ok(proxy_agent::sync::view_from_manifests(dir)?.len())
+    Ok(
+        proxy_agent::sync::view_from_manifests(dir, &Default::default(), &Default::default())?
+            .len(),
+    )
 }

@@ -15,14 +15,74 @@ use anyhow::Result;
 use aya::maps::MapError;
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, FAMILY_V4, FAMILY_V6, PROTO_TCP,
-    PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SVC_F_AFFINITY, ServiceKey, ServiceValue,
+    PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS,
+    SVC_F_TWO_SCOPES, ServiceKey, ServiceValue,
 };
 
 use super::maps::MapSet;
 use crate::{
     dataplane::ApplyReport,
-    model::{Frontend, FrontendState, NodeView, Protocol},
+    model::{BackendSet, Frontend, FrontendState, NodeView, Protocol, WhenEmpty},
 };
+
+/// One service-map entry the view asks for.
+struct Desired<'a> {
+    frontend: &'a Frontend,
+    state: &'a FrontendState,
+    set: &'a BackendSet,
+    flags: u16,
+}
+
+/// The service-map entries of a view: the external (or only) scope of each frontend, and
+/// an internal scope where internal traffic uses other backends.
+fn desired_entries(view: &NodeView) -> BTreeMap<ServiceKey, Desired<'_>> {
+    let mut out = BTreeMap::new();
+    for (fe, st) in view {
+        let affinity = if st.affinity_timeout_s.is_some() {
+            SVC_F_AFFINITY
+        } else {
+            0
+        };
+        let flags = |set: &BackendSet| {
+            affinity
+                | match set.when_empty {
+                    WhenEmpty::Drop => SVC_F_DROP_NO_BACKENDS,
+                    WhenEmpty::Reject => 0,
+                }
+        };
+        let key = service_key(fe);
+        let two = if st.internal.is_some() {
+            SVC_F_TWO_SCOPES
+        } else {
+            0
+        };
+        out.insert(
+            key,
+            Desired {
+                frontend: fe,
+                state: st,
+                set: &st.backends,
+                flags: flags(&st.backends) | two,
+            },
+        );
+        if let Some(internal) = &st.internal {
+            let key = ServiceKey {
+                scope: SCOPE_INTERNAL,
+                ..key
+            };
+            out.insert(
+                key,
+                Desired {
+                    frontend: fe,
+                    state: st,
+                    set: internal,
+                    flags: flags(internal),
+                },
+            );
+        }
+    }
+    out
+}
 
 /// What one frontend looks like in the maps.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -147,20 +207,18 @@ impl MapState {
     /// entries and is reported; the others still apply.
     pub fn apply(&mut self, maps: &mut MapSet, view: &NodeView) -> Result<ApplyReport> {
         let mut report = ApplyReport::default();
-        let desired: BTreeMap<ServiceKey, (&Frontend, &FrontendState)> = view
-            .iter()
-            .map(|(fe, st)| (service_key(fe), (fe, st)))
-            .collect();
+        let desired = desired_entries(view);
 
-        // 1. Frontends that are new or changed.
-        for (key, (fe, st)) in &desired {
-            match self.write_frontend(maps, *key, fe, st) {
+        // 1. Entries that are new or changed.
+        for (key, d) in &desired {
+            match self.write_frontend(maps, *key, d) {
                 Ok(true) => report.frontends_written += 1,
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::error!(frontend = %fe, service = %st.service, error = %e,
+                    let (fe, svc) = (d.frontend, &d.state.service);
+                    tracing::error!(frontend = %fe, service = %svc, error = format!("{e:#}"),
                         "could not program frontend; its previous entries stay");
-                    report.failed.push(format!("{fe} ({}): {e}", st.service));
+                    report.failed.push(format!("{fe} ({svc}): {e:#}"));
                 }
             }
         }
@@ -212,17 +270,14 @@ impl MapState {
         &mut self,
         maps: &mut MapSet,
         key: ServiceKey,
-        fe: &Frontend,
-        st: &FrontendState,
+        d: &Desired<'_>,
     ) -> Result<bool> {
-        let mut backend_ids = Vec::with_capacity(st.backends.len());
-        for sa in &st.backends {
-            backend_ids.push(self.ensure_backend(maps, backend_value(*sa, fe.protocol))?);
+        let mut backend_ids = Vec::with_capacity(d.set.endpoints.len());
+        for sa in &d.set.endpoints {
+            backend_ids.push(self.ensure_backend(maps, backend_value(*sa, d.frontend.protocol))?);
         }
-        let (flags, timeout) = match st.affinity_timeout_s {
-            Some(t) => (SVC_F_AFFINITY, t),
-            None => (0, 0),
-        };
+        let flags = d.flags;
+        let timeout = d.state.affinity_timeout_s.unwrap_or(0);
         let count = u16::try_from(backend_ids.len()).map_err(|_| {
             anyhow::anyhow!(
                 "{} backends exceed the 65535 per frontend",
