@@ -9,7 +9,7 @@ use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use proxy_agent::{
     dataplane::bpf::{self, AttachOptions, BpfDataplane, MapSet, sync::words_addr},
-    netns,
+    netns, source,
     sync::{self, SyncTiming},
 };
 
@@ -49,9 +49,16 @@ const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";
 
 #[derive(Args)]
 struct RunArgs {
-    /// Folder of Kubernetes manifests (Services, EndpointSlices), re-read on change.
+    /// Where Services and EndpointSlices come from.
+    #[arg(long, value_enum, default_value = "files")]
+    source: SourceKind,
+    /// Folder of Kubernetes manifests (Services, EndpointSlices), re-read on change
+    /// (`--source files`).
     #[arg(long, default_value = "deploy/examples")]
     manifests: PathBuf,
+    /// kubeconfig for `--source kube`; default: in-cluster config, then ~/.kube/config.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
     /// Folder on a bpffs where maps and links are pinned.
     #[arg(long, default_value = DEFAULT_BPFFS)]
     bpffs: PathBuf,
@@ -74,6 +81,14 @@ struct RunArgs {
     resync_s: u64,
     #[command(flatten)]
     node: NodeArgs,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum SourceKind {
+    /// A folder of YAML manifests (the embedded default; no cluster needed).
+    Files,
+    /// The Kubernetes API server.
+    Kube,
 }
 
 /// Who this node is, for the file source (the API-server source reads the Node object).
@@ -152,6 +167,7 @@ async fn run(args: RunArgs) -> Result<()> {
     let timing = SyncTiming {
         min_interval: Duration::from_millis(args.min_sync_ms),
         resync: Duration::from_secs(args.resync_s.max(1)),
+        ..SyncTiming::default()
     };
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -164,7 +180,36 @@ async fn run(args: RunArgs) -> Result<()> {
     };
     let node = args.node.info()?;
     let cfg = proxy_agent::model::ViewConfig::default();
-    sync::run_files(args.manifests, node, cfg, &mut dataplane, timing, shutdown).await
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    match args.source {
+        SourceKind::Files => {
+            let dir = args.manifests.clone();
+            tokio::spawn(async move {
+                if let Err(e) = source::files::run(dir, node, tx).await {
+                    tracing::error!(error = format!("{e:#}"), "file source stopped");
+                }
+            });
+        }
+        SourceKind::Kube => {
+            let client = kube_client(args.kubeconfig.as_deref()).await?;
+            tokio::spawn(source::kube::run(client, node.name, tx));
+        }
+    }
+    let status = sync::Status::default();
+    sync::run(rx, cfg, &mut dataplane, timing, status, shutdown).await
+}
+
+/// A client from `--kubeconfig`, else the in-cluster config, else the local kubeconfig.
+async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer().await.context("no in-cluster config or kubeconfig")?,
+    };
+    kube::Client::try_from(config).context("building the API client")
 }
 
 /// Forwards aya-log records from the programs to our tracing output.

@@ -2,38 +2,28 @@
 //! testing everything above the kernel.
 
 use super::{ApplyReport, Dataplane};
-use crate::model::NodeView;
+use crate::model::{NodeView, diff_lines};
 
 /// Remembers the last view and logs `+`/`-` lines for each change.
 #[derive(Default)]
 pub struct LogDataplane {
-    current: NodeView,
+    pub current: NodeView,
     /// Every line logged, in order (tests read it).
     pub lines: Vec<String>,
 }
 
 impl Dataplane for LogDataplane {
     fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
-        let mut report = ApplyReport::default();
-        for (fe, old) in &self.current {
-            if view.get(fe) != Some(old) {
-                self.lines
-                    .push(format!("- {fe} {} {:?}", old.service, old.backends));
-                report.frontends_removed += 1;
-            }
-        }
-        for (fe, new) in view {
-            if self.current.get(fe) != Some(new) {
-                self.lines
-                    .push(format!("+ {fe} {} {:?}", new.service, new.backends));
-                report.frontends_written += 1;
-            }
-        }
-        for line in
-            &self.lines[self.lines.len() - report.frontends_removed - report.frontends_written..]
-        {
+        let lines = diff_lines(&self.current, view);
+        let report = ApplyReport {
+            frontends_written: lines.iter().filter(|l| l.starts_with('+')).count(),
+            frontends_removed: lines.iter().filter(|l| l.starts_with('-')).count(),
+            ..Default::default()
+        };
+        for line in &lines {
             tracing::info!("{line}");
         }
+        self.lines.extend(lines);
         self.current = view.clone();
         Ok(report)
     }

@@ -19,4 +19,10 @@ pub struct ApplyReport {
 /// A dataplane: brings itself to the desired view with as few changes as it can.
 pub trait Dataplane {
     fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport>;
+
+    /// Forgets what it believes it programmed and re-reads the real state, so the next
+    /// apply repairs any drift.
+    fn resync(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
 }

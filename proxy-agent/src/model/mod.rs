@@ -165,3 +165,38 @@ pub struct FrontendState {
 
 /// This node's desired dataplane state.
 pub type NodeView = BTreeMap<Frontend, FrontendState>;
+
+/// KPNG-style node log lines: `-` for each frontend state that went away or changed, `+`
+/// for each that appeared or changed.
+pub fn diff_lines(old: &NodeView, new: &NodeView) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (fe, st) in old {
+        if new.get(fe) != Some(st) {
+            lines.push(format!("- {fe} {}", describe(st)));
+        }
+    }
+    for (fe, st) in new {
+        if old.get(fe) != Some(st) {
+            lines.push(format!("+ {fe} {}", describe(st)));
+        }
+    }
+    lines
+}
+
+fn describe(st: &FrontendState) -> String {
+    let set = |b: &BackendSet| {
+        if b.endpoints.is_empty() {
+            format!("none ({:?})", b.when_empty).to_lowercase()
+        } else {
+            b.endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+        }
+    };
+    let mut s = format!("{} {:?} -> {}", st.service, st.kind, set(&st.backends));
+    if let Some(internal) = &st.internal {
+        s.push_str(&format!(" internal -> {}", set(internal)));
+    }
+    if let Some(t) = st.affinity_timeout_s {
+        s.push_str(&format!(" affinity {t}s"));
+    }
+    s
+}

@@ -167,3 +167,45 @@ apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0
         );
     }
 }
+
+/// Publishes the folder's contents now and whenever a file in it changes (bursts of
+/// events are read once). An unreadable folder keeps the last published snapshot.
+pub async fn run(
+    dir: PathBuf,
+    node: crate::model::NodeInfo,
+    tx: tokio::sync::watch::Sender<Option<super::Snapshot>>,
+) -> anyhow::Result<()> {
+    use notify::Watcher as _;
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
+        if ev.is_ok() {
+            let _ = events_tx.send(());
+        }
+    })?;
+    watcher.watch(&dir, notify::RecursiveMode::NonRecursive)?;
+    loop {
+        match load(&dir) {
+            Ok((model, errors)) => {
+                for e in &errors {
+                    tracing::warn!(error = %e, "skipping manifest");
+                }
+                let snapshot = super::Snapshot {
+                    model,
+                    node: node.clone(),
+                };
+                tx.send_if_modified(|current| {
+                    let changed = current.as_ref() != Some(&snapshot);
+                    if changed {
+                        *current = Some(snapshot);
+                    }
+                    changed
+                });
+            }
+            Err(e) => tracing::error!(error = %e, "cannot read manifests; keeping the current state"),
+        }
+        if events.recv().await.is_none() {
+            return Ok(());
+        }
+        while events.try_recv().is_ok() {}
+    }
+}

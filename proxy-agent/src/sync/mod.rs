@@ -1,16 +1,19 @@
-//! The sync loop: rebuilds the node view when the source changes (bursts coalesced by a
-//! minimum interval), resyncs periodically, and hands the view to the dataplane.
+//! The sync loop: turns each new snapshot from a source into the node view and hands it
+//! to the dataplane — bursts coalesced by a minimum interval, a periodic resync that
+//! repairs drift, and retries with backoff when an apply fails.
 
-use std::{path::PathBuf, time::Duration};
+pub mod status;
+
+use std::time::Duration;
 
 use anyhow::Result;
-use notify::Watcher as _;
-use tokio::sync::mpsc;
+use tokio::{sync::watch, time::Instant};
 
+pub use self::status::Status;
 use crate::{
     dataplane::Dataplane,
     model::{NodeInfo, NodeView, ViewConfig, node_view},
-    source::files,
+    source::{Snapshot, files},
 };
 
 /// Timing of the sync loop (kube-proxy's minSyncPeriod / syncPeriod).
@@ -18,6 +21,8 @@ use crate::{
 pub struct SyncTiming {
     pub min_interval: Duration,
     pub resync: Duration,
+    /// First retry delay after a failed apply; doubles up to `resync`.
+    pub retry: Duration,
 }
 
 impl Default for SyncTiming {
@@ -25,6 +30,7 @@ impl Default for SyncTiming {
         Self {
             min_interval: Duration::from_millis(100),
             resync: Duration::from_secs(30),
+            retry: Duration::from_secs(1),
         }
     }
 }
@@ -46,73 +52,90 @@ pub fn view_from_manifests(
     Ok(view)
 }
 
-/// Runs until `shutdown` resolves: programs the view from `manifests` now and on change.
-pub async fn run_files<D: Dataplane>(
-    manifests: PathBuf,
-    node: NodeInfo,
+/// Runs until `shutdown` resolves or the source goes away.
+pub async fn run<D: Dataplane>(
+    mut source: watch::Receiver<Option<Snapshot>>,
     cfg: ViewConfig,
     dataplane: &mut D,
     timing: SyncTiming,
+    status: Status,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let mut watcher = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
-        if ev.is_ok() {
-            let _ = tx.send(());
-        }
-    })?;
-    watcher.watch(&manifests, notify::RecursiveMode::NonRecursive)?;
     tokio::pin!(shutdown);
-    let mut resync = tokio::time::interval(timing.resync);
+    let mut last_sync: Option<Instant> = None;
+    let mut next_resync = Instant::now() + timing.resync;
+    let mut retry_at: Option<Instant> = None;
+    let mut retry_delay = timing.retry;
+    let mut current: Option<NodeView> = None;
+    let mut last_rejections = Vec::new();
     loop {
-        apply_once(&manifests, &node, &cfg, dataplane);
+        let wake = retry_at.map_or(next_resync, |r| r.min(next_resync));
+        let mut forced = false;
         tokio::select! {
             _ = &mut shutdown => return Ok(()),
-            _ = resync.tick() => {}
-            Some(()) = rx.recv() => {
-                // Coalesce a burst of file events into one sync.
-                tokio::time::sleep(timing.min_interval).await;
-                while rx.try_recv().is_ok() {}
+            changed = source.changed() => {
+                if changed.is_err() {
+                    tracing::warn!("source stopped; keeping the programmed state");
+                    return Ok(());
+                }
+            }
+            _ = tokio::time::sleep_until(wake) => forced = true,
+        }
+        // Coalesce: at most one sync per minimum interval.
+        if let Some(last) = last_sync {
+            tokio::time::sleep_until(last + timing.min_interval).await;
+        }
+        let Some(snapshot) = source.borrow_and_update().clone() else {
+            continue; // the source has not seen everything yet
+        };
+        let (view, rejected) = node_view(&snapshot.model, &snapshot.node, &cfg);
+        if rejected != last_rejections {
+            for r in &rejected {
+                tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
+            }
+            status.count_rejections(rejected.len());
+            last_rejections = rejected;
+        }
+        let resync = forced && Instant::now() >= next_resync;
+        if resync {
+            next_resync = Instant::now() + timing.resync;
+            if let Err(e) = dataplane.resync() {
+                tracing::warn!(error = format!("{e:#}"), "re-reading the dataplane failed");
+            }
+        } else if !forced && current.as_ref() == Some(&view) {
+            continue; // nothing this node does changed
+        }
+        last_sync = Some(Instant::now());
+        let started = std::time::Instant::now();
+        let outcome = dataplane.apply(&view);
+        status.record_sync(&snapshot, &view, current.as_ref(), started.elapsed(), &outcome);
+        match outcome {
+            Ok(report) if report.failed.is_empty() => {
+                if report.frontends_written + report.frontends_removed > 0 {
+                    tracing::info!(
+                        written = report.frontends_written,
+                        removed = report.frontends_removed,
+                        backends_removed = report.backends_removed,
+                        frontends = view.len(),
+                        "dataplane synced"
+                    );
+                }
+                retry_at = None;
+                retry_delay = timing.retry;
+            }
+            Ok(report) => {
+                for f in &report.failed {
+                    tracing::error!(frontend = f, "frontend not programmed; will retry");
+                }
+                retry_at = Some(Instant::now() + retry_delay);
+                retry_delay = (retry_delay * 2).min(timing.resync);
+            }
+            Err(e) => {
+                tracing::error!(error = format!("{e:#}"), "dataplane sync failed; will retry");
+                retry_at = Some(Instant::now() + retry_delay);
+                retry_delay = (retry_delay * 2).min(timing.resync);
             }
         }
-    }
-}
-
-fn apply_once<D: Dataplane>(
-    manifests: &std::path::Path,
-    node: &NodeInfo,
-    cfg: &ViewConfig,
-    dataplane: &mut D,
-) {
-    let view = match view_from_manifests(manifests, node, cfg) {
-        Ok(v) => v,
-        Err(e) => {
-            // Keep what is programmed: an unreadable folder must not flush live services.
-            tracing::error!(
-                error = format!("{e:#}"),
-                "cannot read manifests; keeping the current state"
-            );
-            return;
-        }
-    };
-    match dataplane.apply(&view) {
-        Ok(report) => {
-            if report.frontends_written + report.frontends_removed + report.backends_removed > 0 {
-                tracing::info!(
-                    written = report.frontends_written,
-                    removed = report.frontends_removed,
-                    backends_removed = report.backends_removed,
-                    frontends = view.len(),
-                    "dataplane synced"
-                );
-            }
-            for f in &report.failed {
-                tracing::error!(frontend = f, "frontend not programmed");
-            }
-        }
-        Err(e) => tracing::error!(
-            error = format!("{e:#}"),
-            "dataplane sync failed; will retry"
-        ),
+        current = Some(view);
     }
 }

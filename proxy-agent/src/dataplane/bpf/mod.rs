@@ -166,7 +166,38 @@ pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
 
 impl Dataplane for BpfDataplane {
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
-        self.state.apply(&mut self.maps, view)
+        self.maps_dataplane().apply(view)
+    }
+
+    fn resync(&mut self) -> Result<()> {
+        self.state = MapState::adopt(&self.maps)?;
+        Ok(())
+    }
+}
+
+impl BpfDataplane {
+    fn maps_dataplane(&mut self) -> MapsDataplane<'_> {
+        MapsDataplane {
+            maps: &mut self.maps,
+            state: &mut self.state,
+        }
+    }
+}
+
+/// The map-writing half of the dataplane, on any set of maps (pinned or private).
+pub struct MapsDataplane<'a> {
+    pub maps: &'a mut MapSet,
+    pub state: &'a mut MapState,
+}
+
+impl Dataplane for MapsDataplane<'_> {
+    fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
+        self.state.apply(self.maps, view)
+    }
+
+    fn resync(&mut self) -> Result<()> {
+        *self.state = MapState::adopt(self.maps)?;
+        Ok(())
     }
 }
 

@@ -1,0 +1,110 @@
+//! What the sync loop last did, shared with the debug endpoint and metrics: the model, the
+//! node view, counters, and a stream of view diffs for `proxy-agent watch`.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tokio::sync::broadcast;
+
+use crate::{
+    dataplane::ApplyReport,
+    model::{NodeView, diff_lines},
+    source::Snapshot,
+};
+
+/// Counters and the latest state, as the debug endpoint shows them.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Counters {
+    pub syncs_ok: u64,
+    pub syncs_failed: u64,
+    pub frontends_failed: u64,
+    pub objects_rejected: u64,
+    pub last_sync_seconds: f64,
+}
+
+#[derive(Default)]
+struct State {
+    snapshot: Option<Snapshot>,
+    view: NodeView,
+    counters: Counters,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    diffs: broadcast::Sender<String>,
+}
+
+/// A cheap handle; clones share the same state.
+#[derive(Clone)]
+pub struct Status(Arc<Inner>);
+
+impl Default for Status {
+    fn default() -> Self {
+        let (diffs, _) = broadcast::channel(4096);
+        Self(Arc::new(Inner {
+            state: Mutex::new(State::default()),
+            diffs,
+        }))
+    }
+}
+
+impl Status {
+    fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        // A panic elsewhere while holding the lock leaves plain data behind: keep going.
+        let mut guard = self.0.state.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut guard)
+    }
+
+    pub(crate) fn count_rejections(&self, n: usize) {
+        self.with(|s| s.counters.objects_rejected += n as u64);
+    }
+
+    pub(crate) fn record_sync(
+        &self,
+        snapshot: &Snapshot,
+        view: &NodeView,
+        previous: Option<&NodeView>,
+        took: Duration,
+        outcome: &anyhow::Result<ApplyReport>,
+    ) {
+        let empty = NodeView::new();
+        for line in diff_lines(previous.unwrap_or(&empty), view) {
+            // No subscriber is fine.
+            let _ = self.0.diffs.send(line);
+        }
+        self.with(|s| {
+            s.snapshot = Some(snapshot.clone());
+            s.view = view.clone();
+            s.counters.last_sync_seconds = took.as_secs_f64();
+            match outcome {
+                Ok(r) if r.failed.is_empty() => s.counters.syncs_ok += 1,
+                Ok(r) => {
+                    s.counters.syncs_failed += 1;
+                    s.counters.frontends_failed += r.failed.len() as u64;
+                }
+                Err(_) => s.counters.syncs_failed += 1,
+            }
+        });
+    }
+
+    /// The latest snapshot the view was built from.
+    pub fn snapshot(&self) -> Option<Snapshot> {
+        self.with(|s| s.snapshot.clone())
+    }
+
+    /// The latest node view.
+    pub fn view(&self) -> NodeView {
+        self.with(|s| s.view.clone())
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.with(|s| s.counters.clone())
+    }
+
+    /// View diffs (`+`/`-` lines) from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<String> {
+        self.0.diffs.subscribe()
+    }
+}
