@@ -8,6 +8,9 @@ pub mod netns;
 pub mod source;
 pub mod sync;
 
+// Selects rustls' crypto provider (ring) for the API client; nothing to call.
+use rustls as _;
+
 /// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
 pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {
     use anyhow::Context as _;

@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Load, attach and keep the BPF maps in step with the Services and EndpointSlices.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Show what the pinned maps hold (works while the agent is down).
     Dump {
         #[arg(long, default_value = DEFAULT_BPFFS)]
@@ -144,7 +144,7 @@ fn main() -> Result<()> {
         netns::enter(ns)?;
     }
     match cli.cmd {
-        Cmd::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(args)),
+        Cmd::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(*args)),
         Cmd::Dump { bpffs, json } => dump(&bpffs, json),
         Cmd::Cleanup { bpffs } => {
             bpf::cleanup(&bpffs)?;
@@ -207,7 +207,9 @@ async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
         }
-        None => kube::Config::infer().await.context("no in-cluster config or kubeconfig")?,
+        None => kube::Config::infer()
+            .await
+            .context("no in-cluster config or kubeconfig")?,
     };
     kube::Client::try_from(config).context("building the API client")
 }

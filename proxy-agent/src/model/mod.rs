@@ -188,7 +188,11 @@ fn describe(st: &FrontendState) -> String {
         if b.endpoints.is_empty() {
             format!("none ({:?})", b.when_empty).to_lowercase()
         } else {
-            b.endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+            b.endpoints
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
         }
     };
     let mut s = format!("{} {:?} -> {}", st.service, st.kind, set(&st.backends));

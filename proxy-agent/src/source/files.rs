@@ -134,40 +134,6 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn multi_document_and_list_files() {
-        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: a, namespace: x}\nspec: {clusterIP: 10.96.0.1}\n\
----\napiVersion: v1\nkind: List\nitems:\n- apiVersion: discovery.k8s.io/v1\n  kind: EndpointSlice\n  metadata: {name: a-1, namespace: x}\n  addressType: IPv4\n  endpoints: []\n\
----\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: ignored}\n---\n";
-        let mut model = ClusterModel::default();
-        let mut errors = Vec::new();
-        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
-        assert!(errors.is_empty(), "{errors:?}");
-        assert_eq!(model.services.len(), 1);
-        assert_eq!(model.slices.len(), 1);
-    }
-
-    #[test]
-    fn a_malformed_document_is_reported_and_the_rest_load() {
-        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec: {ports: 7}\n---\n\
-apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0.1}\n---\n: : [\n";
-        let mut model = ClusterModel::default();
-        let mut errors = Vec::new();
-        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
-        assert_eq!(model.services.len(), 1);
-        assert!(!errors.is_empty(), "{errors:?}");
-        let first = errors[0].to_string();
-        assert!(
-            first.contains("t.yaml document 0") && first.contains("Service bad"),
-            "{first}"
-        );
-    }
-}
-
 /// Publishes the folder's contents now and whenever a file in it changes (bursts of
 /// events are read once). An unreadable folder keeps the last published snapshot.
 pub async fn run(
@@ -201,11 +167,47 @@ pub async fn run(
                     changed
                 });
             }
-            Err(e) => tracing::error!(error = %e, "cannot read manifests; keeping the current state"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read manifests; keeping the current state")
+            }
         }
         if events.recv().await.is_none() {
             return Ok(());
         }
         while events.try_recv().is_ok() {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multi_document_and_list_files() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: a, namespace: x}\nspec: {clusterIP: 10.96.0.1}\n\
+---\napiVersion: v1\nkind: List\nitems:\n- apiVersion: discovery.k8s.io/v1\n  kind: EndpointSlice\n  metadata: {name: a-1, namespace: x}\n  addressType: IPv4\n  endpoints: []\n\
+---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: ignored}\n---\n";
+        let mut model = ClusterModel::default();
+        let mut errors = Vec::new();
+        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(model.services.len(), 1);
+        assert_eq!(model.slices.len(), 1);
+    }
+
+    #[test]
+    fn a_malformed_document_is_reported_and_the_rest_load() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec: {ports: 7}\n---\n\
+apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0.1}\n---\n: : [\n";
+        let mut model = ClusterModel::default();
+        let mut errors = Vec::new();
+        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
+        assert_eq!(model.services.len(), 1);
+        assert!(!errors.is_empty(), "{errors:?}");
+        let first = errors[0].to_string();
+        assert!(
+            first.contains("t.yaml document 0") && first.contains("Service bad"),
+            "{first}"
+        );
     }
 }

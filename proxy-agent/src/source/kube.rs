@@ -22,9 +22,9 @@ use crate::model::{ClusterModel, NodeInfo, ObjectRef};
 
 /// Which watched resource an event is about.
 enum Update {
-    Service(watcher::Event<Service>),
-    Slice(watcher::Event<EndpointSlice>),
-    Node(watcher::Event<Node>),
+    Service(Box<watcher::Event<Service>>),
+    Slice(Box<watcher::Event<EndpointSlice>>),
+    Node(Box<watcher::Event<Node>>),
 }
 
 /// Objects of one kind, with the buffer a relist fills before it replaces them.
@@ -76,7 +76,9 @@ impl<K: Resource + Clone + PartialEq> Kind<K> {
                 self.objects.insert(key, obj);
                 true
             }
-            watcher::Event::Delete(obj) => self.objects.remove(&ObjectRef::of(obj.meta())).is_some(),
+            watcher::Event::Delete(obj) => {
+                self.objects.remove(&ObjectRef::of(obj.meta())).is_some()
+            }
         }
     }
 }
@@ -114,15 +116,19 @@ impl Store {
 
     fn apply(&mut self, update: Update) -> bool {
         match update {
-            Update::Service(e) => self.services.apply(e),
-            Update::Slice(e) => self.slices.apply(e),
-            Update::Node(e) => self.nodes.apply(e),
+            Update::Service(e) => self.services.apply(*e),
+            Update::Slice(e) => self.slices.apply(*e),
+            Update::Node(e) => self.nodes.apply(*e),
         }
     }
 
     /// The model and this node, as the view needs them.
     pub fn snapshot(&self) -> Snapshot {
-        let node = self.nodes.objects.values().find(|n| n.name_any() == self.node_name);
+        let node = self
+            .nodes
+            .objects
+            .values()
+            .find(|n| n.name_any() == self.node_name);
         Snapshot {
             model: ClusterModel {
                 services: self.services.objects.clone(),
@@ -163,14 +169,14 @@ pub async fn run(client: Client, node_name: String, tx: watch::Sender<Option<Sna
     let cfg = watcher::Config::default();
     let services = watcher(Api::<Service>::all(client.clone()), cfg.clone())
         .default_backoff()
-        .map(|e| e.map(Update::Service));
+        .map(|e| e.map(|e| Update::Service(Box::new(e))));
     let slices = watcher(Api::<EndpointSlice>::all(client.clone()), cfg.clone())
         .default_backoff()
-        .map(|e| e.map(Update::Slice));
+        .map(|e| e.map(|e| Update::Slice(Box::new(e))));
     let node_cfg = cfg.fields(&format!("metadata.name={node_name}"));
     let nodes = watcher(Api::<Node>::all(client), node_cfg)
         .default_backoff()
-        .map(|e| e.map(Update::Node));
+        .map(|e| e.map(|e| Update::Node(Box::new(e))));
     let streams: Vec<BoxStream<'static, Result<Update, watcher::Error>>> =
         vec![services.boxed(), slices.boxed(), nodes.boxed()];
     let mut updates = futures::stream::select_all(streams);
@@ -179,10 +185,11 @@ pub async fn run(client: Client, node_name: String, tx: watch::Sender<Option<Sna
         match update {
             Ok(update) => {
                 let changed = store.apply(update);
-                if store.ready() && (changed || tx.borrow().is_none()) {
-                    if tx.send(Some(store.snapshot())).is_err() {
-                        return;
-                    }
+                if store.ready()
+                    && (changed || tx.borrow().is_none())
+                    && tx.send(Some(store.snapshot())).is_err()
+                {
+                    return;
                 }
             }
             // The backoff wrapper retries; the error is worth a line, not a stop.

@@ -108,7 +108,13 @@ pub async fn run<D: Dataplane>(
         last_sync = Some(Instant::now());
         let started = std::time::Instant::now();
         let outcome = dataplane.apply(&view);
-        status.record_sync(&snapshot, &view, current.as_ref(), started.elapsed(), &outcome);
+        status.record_sync(
+            &snapshot,
+            &view,
+            current.as_ref(),
+            started.elapsed(),
+            &outcome,
+        );
         match outcome {
             Ok(report) if report.failed.is_empty() => {
                 if report.frontends_written + report.frontends_removed > 0 {
@@ -131,7 +137,10 @@ pub async fn run<D: Dataplane>(
                 retry_delay = (retry_delay * 2).min(timing.resync);
             }
             Err(e) => {
-                tracing::error!(error = format!("{e:#}"), "dataplane sync failed; will retry");
+                tracing::error!(
+                    error = format!("{e:#}"),
+                    "dataplane sync failed; will retry"
+                );
                 retry_at = Some(Instant::now() + retry_delay);
                 retry_delay = (retry_delay * 2).min(timing.resync);
             }

@@ -44,6 +44,38 @@ impl MapSet {
         })
     }
 
+    /// A second handle on the same kernel maps (by map id), e.g. for a reader beside the
+    /// writer.
+    pub fn duplicate(&self) -> Result<Self> {
+        use aya::maps::{IterableMap, PerCpuValues};
+        fn id(m: &MapData) -> Result<u32> {
+            Ok(m.info()?.id())
+        }
+        let ids = [
+            (map_names::SERVICES, id(IterableMap::map(&self.services))?),
+            (map_names::BACKEND_SLOTS, id(IterableMap::map(&self.slots))?),
+            (map_names::BACKENDS, id(IterableMap::map(&self.backends))?),
+            (map_names::AFFINITY, id(IterableMap::map(&self.affinity))?),
+            (map_names::REV_NAT, id(IterableMap::map(&self.rev_nat))?),
+            (
+                map_names::SOCK_REV_NAT,
+                id(IterableMap::map(&self.sock_rev_nat))?,
+            ),
+            (map_names::CONNTRACK, id(IterableMap::map(&self.conntrack))?),
+            (
+                map_names::COUNTERS,
+                id(IterableMap::<u32, PerCpuValues<u64>>::map(&self.counters))?,
+            ),
+        ];
+        Self::build(|name| {
+            let (_, id) = ids
+                .iter()
+                .find(|(n, _)| *n == name)
+                .with_context(|| format!("no map {name}"))?;
+            Ok(Map::from_map_data(MapData::from_id(*id)?)?)
+        })
+    }
+
     fn build(mut open: impl FnMut(&str) -> Result<Map>) -> Result<Self> {
         macro_rules! typed {
             ($name:expr) => {

@@ -1,0 +1,299 @@
+//! The API-server source against a fake API server on loopback: initial list (and nothing
+//! programmed before every list arrived), add/modify/delete, no-op updates, a broken
+//! watch, a 410 Gone relist, bookmarks — asserted through the dataplane the sync loop
+//! drives: a recording dataplane, and (as root) the real BPF maps.
+
+mod support;
+
+use std::{net::SocketAddr, time::Duration};
+
+use proxy_agent::{
+    dataplane::{ApplyReport, Dataplane, bpf},
+    model::{Frontend, NodeView, Protocol, ViewConfig},
+    source,
+    sync::{self, Status, SyncTiming},
+};
+use serde_json::{Value, json};
+use support::fake_apiserver::{FakeApiServer, Kind};
+use tokio::sync::mpsc;
+
+fn service(name: &str, ip: &str, port: u16) -> Value {
+    json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+           "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": port, "targetPort": 8080, "protocol": "TCP"}]}})
+}
+
+fn slice(name: &str, svc: &str, addrs: &[&str]) -> Value {
+    let eps: Vec<Value> = addrs
+        .iter()
+        .map(|a| json!({"addresses": [a], "conditions": {"ready": true}}))
+        .collect();
+    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+           "metadata": {"name": name, "namespace": "default", "labels": {"kubernetes.io/service-name": svc}},
+           "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}], "endpoints": eps})
+}
+
+fn node() -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a"}},
+           "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.10"}]}})
+}
+
+fn fe(ip: &str, port: u16) -> Frontend {
+    Frontend {
+        ip: ip.parse().expect("ip"),
+        port,
+        protocol: Protocol::Tcp,
+    }
+}
+
+fn backends(view: &NodeView, ip: &str, port: u16) -> Vec<SocketAddr> {
+    view.get(&fe(ip, port))
+        .map(|s| s.backends.endpoints.iter().copied().collect())
+        .unwrap_or_default()
+}
+
+/// Sends every view the sync loop applies to the test.
+struct Recording(mpsc::UnboundedSender<NodeView>);
+
+impl Dataplane for Recording {
+    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+        let _ = self.0.send(view.clone());
+        Ok(ApplyReport::default())
+    }
+}
+
+fn timing() -> SyncTiming {
+    SyncTiming {
+        min_interval: Duration::from_millis(10),
+        resync: Duration::from_secs(600),
+        retry: Duration::from_millis(100),
+    }
+}
+
+/// Starts the source and the sync loop on `dataplane`; returns the status handle.
+fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, mut dataplane: D) -> Status {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    tokio::spawn(source::kube::run(server.client(), "node-a".into(), tx));
+    let status = Status::default();
+    let st = status.clone();
+    tokio::spawn(async move {
+        let _ = sync::run(
+            rx,
+            ViewConfig::default(),
+            &mut dataplane,
+            timing(),
+            st,
+            std::future::pending(),
+        )
+        .await;
+    });
+    status
+}
+
+/// The next applied view that satisfies `pred` (earlier ones are skipped).
+async fn until(
+    rx: &mut mpsc::UnboundedReceiver<NodeView>,
+    what: &str,
+    pred: impl Fn(&NodeView) -> bool,
+) -> NodeView {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(v)) if pred(&v) => return v,
+            Ok(Some(_)) => continue,
+            _ => panic!("timed out waiting for: {what}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn watcher_drives_the_view_through_every_event_kind() {
+    let server = FakeApiServer::start().await;
+    server.apply(Kind::Services, service("web", "10.96.0.10", 80));
+    server.apply(
+        Kind::EndpointSlices,
+        slice("web-1", "web", &["10.244.1.5", "10.244.2.6"]),
+    );
+    server.apply(Kind::Nodes, node());
+    server.hold_lists(Kind::Nodes);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+
+    // Nothing is programmed until every resource has been listed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rx.try_recv().is_err(),
+        "programmed before the Node list arrived"
+    );
+    server.release_lists();
+    let v = until(&mut rx, "initial view", |v| !v.is_empty()).await;
+    assert_eq!(
+        backends(&v, "10.96.0.10", 80),
+        vec![
+            "10.244.1.5:8080".parse().expect("sa"),
+            "10.244.2.6:8080".parse().expect("sa")
+        ]
+    );
+    assert_eq!(
+        status.snapshot().expect("snapshot").node.addresses,
+        vec!["192.0.2.10".parse::<std::net::IpAddr>().expect("ip")]
+    );
+
+    // Add.
+    server.apply(Kind::Services, service("api", "10.96.0.11", 443));
+    server.apply(Kind::EndpointSlices, slice("api-1", "api", &["10.244.3.7"]));
+    until(&mut rx, "added service", |v| {
+        backends(v, "10.96.0.11", 443).len() == 1
+    })
+    .await;
+
+    // Modify.
+    server.apply(Kind::EndpointSlices, slice("web-1", "web", &["10.244.2.6"]));
+    until(&mut rx, "modified slice", |v| {
+        backends(v, "10.96.0.10", 80).len() == 1
+    })
+    .await;
+
+    // A no-op update (same content, new resourceVersion) programs nothing.
+    server.apply(Kind::EndpointSlices, slice("web-1", "web", &["10.244.2.6"]));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rx.try_recv().is_err(),
+        "a change that nets to nothing was applied"
+    );
+
+    // Delete.
+    server.delete(Kind::Services, "default", "api");
+    until(&mut rx, "deleted service", |v| {
+        !v.contains_key(&fe("10.96.0.11", 443))
+    })
+    .await;
+
+    // A bookmark, then a broken watch: the watcher resumes and sees later changes.
+    server.bookmark();
+    server.break_watches();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.apply(Kind::Services, service("late", "10.96.0.12", 80));
+    until(&mut rx, "change after a broken watch", |v| {
+        v.contains_key(&fe("10.96.0.12", 80))
+    })
+    .await;
+
+    // 410 Gone: a deletion missed during an outage is found by the relist.
+    let lists_before = server.lists_served("services");
+    server.delete_silently(Kind::Services, "default", "late");
+    server.expire_history();
+    server.break_watches();
+    until(&mut rx, "relist after 410 Gone", |v| {
+        !v.contains_key(&fe("10.96.0.12", 80))
+    })
+    .await;
+    assert!(
+        server.lists_served("services") > lists_before,
+        "410 Gone must relist"
+    );
+    assert!(status.counters().syncs_ok >= 5);
+}
+
+fn root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    eprintln!("SKIP {test}: loading BPF maps needs root");
+    false
+}
+
+/// Owns private maps and writes views into them, as the agent's BPF dataplane does.
+struct Maps {
+    maps: bpf::MapSet,
+    state: bpf::MapState,
+    _ebpf: aya::Ebpf,
+    applied: mpsc::UnboundedSender<()>,
+}
+
+impl Dataplane for Maps {
+    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+        let r = bpf::MapsDataplane {
+            maps: &mut self.maps,
+            state: &mut self.state,
+        }
+        .apply(view);
+        let _ = self.applied.send(());
+        r
+    }
+}
+
+/// The frontends (VIP:port) and backend counts the real SERVICES map holds.
+fn programmed(maps: &bpf::MapSet) -> Vec<(SocketAddr, u16)> {
+    let mut v: Vec<(SocketAddr, u16)> = maps
+        .services
+        .iter()
+        .map(|e| {
+            let (k, val) = e.expect("entry");
+            let ip = bpf::sync::words_addr(k.addr, k.family);
+            (SocketAddr::new(ip, u16::from_be(k.port)), val.count)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test]
+async fn services_appear_change_and_disappear_in_the_bpf_maps() {
+    if !root("services_appear_change_and_disappear_in_the_bpf_maps") {
+        return;
+    }
+    let server = FakeApiServer::start().await;
+    server.apply(Kind::Services, service("web", "10.96.0.10", 80));
+    server.apply(
+        Kind::EndpointSlices,
+        slice("web-1", "web", &["10.244.1.5", "10.244.2.6"]),
+    );
+    server.apply(Kind::Nodes, node());
+    let (ebpf, maps) = bpf::load_private(&[]).expect("load");
+    // A second handle on the same maps, for the test to read.
+    let (tx, mut applied) = mpsc::unbounded_channel();
+    let state = bpf::MapState::adopt(&maps).expect("adopt");
+    let reader = maps.duplicate().expect("second handle on the maps");
+    start(
+        &server,
+        Maps {
+            maps,
+            state,
+            _ebpf: ebpf,
+            applied: tx,
+        },
+    );
+
+    let wait = |want: Vec<(SocketAddr, u16)>| {
+        let reader = &reader;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                if programmed(reader) == want {
+                    return;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "maps hold {:?}, want {want:?}",
+                    programmed(reader)
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let sa = |s: &str| s.parse::<SocketAddr>().expect("sa");
+    wait(vec![(sa("10.96.0.10:80"), 2)]).await;
+    server.apply(Kind::EndpointSlices, slice("web-1", "web", &["10.244.1.5"]));
+    wait(vec![(sa("10.96.0.10:80"), 1)]).await;
+    server.apply(Kind::Services, service("api", "10.96.0.11", 443));
+    wait(vec![(sa("10.96.0.10:80"), 1), (sa("10.96.0.11:443"), 0)]).await;
+    server.delete(Kind::Services, "default", "web");
+    wait(vec![(sa("10.96.0.11:443"), 0)]).await;
+    assert!(applied.try_recv().is_ok());
+    assert_eq!(
+        reader.backends.iter().count(),
+        0,
+        "backends of the deleted service are gone"
+    );
+}
