@@ -2,6 +2,7 @@
 //!
 //! `source` → `model` (node view) → `sync` → `dataplane` → BPF maps.
 
+pub mod config;
 pub mod dataplane;
 pub mod model;
 pub mod netns;

@@ -8,6 +8,7 @@ use std::{
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use proxy_agent::{
+    config::Config,
     dataplane::bpf::{self, AttachOptions, BpfDataplane, MapSet, sync::words_addr},
     netns, source,
     sync::{self, SyncTiming},
@@ -49,6 +50,9 @@ const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";
 
 #[derive(Args)]
 struct RunArgs {
+    /// kube-proxy's KubeProxyConfiguration file (plus our `ebpf:` section); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Where Services and EndpointSlices come from.
     #[arg(long, value_enum, default_value = "files")]
     source: SourceKind,
@@ -56,31 +60,87 @@ struct RunArgs {
     /// (`--source files`).
     #[arg(long, default_value = "deploy/examples")]
     manifests: PathBuf,
-    /// kubeconfig for `--source kube`; default: in-cluster config, then ~/.kube/config.
+    /// kubeconfig for `--source kube`; default: the config file's, else in-cluster, else
+    /// ~/.kube/config.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
-    /// Folder on a bpffs where maps and links are pinned.
-    #[arg(long, default_value = DEFAULT_BPFFS)]
-    bpffs: PathBuf,
+    /// Folder on a bpffs where maps and links are pinned [default: /sys/fs/bpf/proxy-agent].
+    #[arg(long)]
+    bpffs: Option<PathBuf>,
     /// cgroup v2 folder for the connect-time hooks; `auto` finds the cgroup2 mount
-    /// (every process on the node), `none` leaves them out.
-    #[arg(long, default_value = "auto")]
-    cgroup: String,
+    /// (every process on the node), `none` leaves them out [default: auto].
+    #[arg(long)]
+    cgroup: Option<String>,
     /// Interfaces for the per-packet classifier (comma-separated); `auto` takes every
-    /// interface except loopback; empty for none.
-    #[arg(long, value_delimiter = ',', default_value = "")]
-    interfaces: Vec<String>,
-    /// Level of log messages from the BPF programs: off, error, warn, info, debug, trace.
-    #[arg(long, default_value = "warn")]
-    bpf_log_level: String,
-    /// Minimum interval between syncs, in milliseconds (coalesces bursts).
-    #[arg(long, default_value_t = 100)]
-    min_sync_ms: u64,
-    /// Periodic full resync, in seconds.
-    #[arg(long, default_value_t = 30)]
-    resync_s: u64,
+    /// interface except loopback [default: none].
+    #[arg(long, value_delimiter = ',')]
+    interfaces: Option<Vec<String>>,
+    /// Level of log messages from the BPF programs: off, error, warn, info, debug, trace
+    /// [default: warn].
+    #[arg(long)]
+    bpf_log_level: Option<String>,
+    /// Minimum interval between syncs, in milliseconds (coalesces bursts) [default: 100].
+    #[arg(long)]
+    min_sync_ms: Option<u64>,
+    /// Periodic full resync, in seconds [default: 30].
+    #[arg(long)]
+    resync_s: Option<u64>,
+    /// Serve only Services labelled service.kubernetes.io/service-proxy-name=NAME (and
+    /// unlabelled ones).
+    #[arg(long)]
+    service_proxy_name: Option<String>,
+    /// Debug endpoint (model, view, watch, metrics); `off` disables [default: 127.0.0.1:10250].
+    #[arg(long)]
+    debug_addr: Option<String>,
     #[command(flatten)]
     node: NodeArgs,
+}
+
+impl RunArgs {
+    /// Defaults, then the config file, then flags.
+    fn config(&self) -> Result<Config> {
+        let mut cfg = match &self.config {
+            Some(path) => {
+                let (cfg, warnings) = Config::from_file(path)?;
+                for w in warnings {
+                    tracing::warn!(config = %path.display(), "{w}");
+                }
+                cfg
+            }
+            None => Config::default(),
+        };
+        if let Some(v) = &self.bpffs {
+            cfg.bpffs = v.display().to_string();
+        }
+        if let Some(v) = &self.cgroup {
+            cfg.cgroup = v.clone();
+        }
+        if let Some(v) = &self.interfaces {
+            cfg.interfaces = v.iter().filter(|s| !s.is_empty()).cloned().collect();
+        }
+        if let Some(v) = &self.bpf_log_level {
+            cfg.bpf_log_level = v.clone();
+        }
+        if let Some(v) = self.min_sync_ms {
+            cfg.min_sync_period = Duration::from_millis(v);
+        }
+        if let Some(v) = self.resync_s {
+            cfg.sync_period = Duration::from_secs(v.max(1));
+        }
+        if let Some(v) = &self.service_proxy_name {
+            cfg.service_proxy_name = Some(v.clone());
+        }
+        if let Some(v) = &self.debug_addr {
+            cfg.debug_bind_address = if v == "off" { String::new() } else { v.clone() };
+        }
+        if let Some(v) = &self.kubeconfig {
+            cfg.kubeconfig = Some(v.display().to_string());
+        }
+        if let Some(v) = &self.node.node_name {
+            cfg.hostname_override = Some(v.clone());
+        }
+        Ok(cfg)
+    }
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -94,7 +154,7 @@ enum SourceKind {
 /// Who this node is, for the file source (the API-server source reads the Node object).
 #[derive(Args)]
 struct NodeArgs {
-    /// This node's name (kube-proxy's hostnameOverride); default: the host name.
+    /// This node's name (kube-proxy's hostnameOverride) [default: the host name].
     #[arg(long)]
     node_name: Option<String>,
     /// This node's addresses, for NodePorts (repeatable).
@@ -112,9 +172,9 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 }
 
 impl NodeArgs {
-    fn info(&self) -> Result<proxy_agent::model::NodeInfo> {
-        let name = match &self.node_name {
-            Some(n) => n.clone(),
+    fn info(&self, name_override: Option<&str>) -> Result<proxy_agent::model::NodeInfo> {
+        let name = match name_override {
+            Some(n) => n.to_string(),
             None => nix::unistd::gethostname()
                 .context("reading the host name (or pass --node-name)")?
                 .to_string_lossy()
@@ -155,18 +215,19 @@ fn main() -> Result<()> {
 }
 
 async fn run(args: RunArgs) -> Result<()> {
+    let cfg = args.config()?;
     let opts = AttachOptions {
-        pin_dir: args.bpffs.clone(),
-        cgroup: resolve_cgroup(&args.cgroup)?,
-        interfaces: resolve_interfaces(&args.interfaces)?,
-        bpf_log_level: log_level(&args.bpf_log_level)?,
+        pin_dir: PathBuf::from(&cfg.bpffs),
+        cgroup: resolve_cgroup(&cfg.cgroup)?,
+        interfaces: resolve_interfaces(&cfg.interfaces)?,
+        bpf_log_level: log_level(&cfg.bpf_log_level)?,
     };
     tracing::info!(cgroup = ?opts.cgroup, interfaces = ?opts.interfaces, "starting");
     let mut dataplane = BpfDataplane::start(&opts)?;
     spawn_program_logger(&mut dataplane.ebpf);
     let timing = SyncTiming {
-        min_interval: Duration::from_millis(args.min_sync_ms),
-        resync: Duration::from_secs(args.resync_s.max(1)),
+        min_interval: cfg.min_sync_period,
+        resync: cfg.sync_period.max(Duration::from_secs(1)),
         ..SyncTiming::default()
     };
     let shutdown = async {
@@ -178,8 +239,12 @@ async fn run(args: RunArgs) -> Result<()> {
         }
         tracing::info!("shutting down; pinned programs keep serving traffic");
     };
-    let node = args.node.info()?;
-    let cfg = proxy_agent::model::ViewConfig::default();
+    let node = args.node.info(cfg.hostname_override.as_deref())?;
+    let view_cfg = proxy_agent::model::ViewConfig {
+        node_port_addresses: cfg.node_port_addresses.clone(),
+        localhost_node_ports: cfg.localhost_node_ports,
+        service_proxy_name: cfg.service_proxy_name.clone(),
+    };
     let (tx, rx) = tokio::sync::watch::channel(None);
     match args.source {
         SourceKind::Files => {
@@ -191,12 +256,12 @@ async fn run(args: RunArgs) -> Result<()> {
             });
         }
         SourceKind::Kube => {
-            let client = kube_client(args.kubeconfig.as_deref()).await?;
+            let client = kube_client(cfg.kubeconfig.as_deref().map(Path::new)).await?;
             tokio::spawn(source::kube::run(client, node.name, tx));
         }
     }
     let status = sync::Status::default();
-    sync::run(rx, cfg, &mut dataplane, timing, status, shutdown).await
+    sync::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
 }
 
 /// A client from `--kubeconfig`, else the in-cluster config, else the local kubeconfig.

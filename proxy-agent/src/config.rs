@@ -1,0 +1,527 @@
+//! The agent's settings: kube-proxy's own `KubeProxyConfiguration` file (the fields that
+//! apply to this proxy) plus our extra fields under `ebpf:`, in one typed config. Fields
+//! we do not know, or know but do not support, are reported — never silently ignored.
+//! Flags override the file.
+
+use std::{collections::BTreeMap, path::Path, time::Duration};
+
+use serde::Deserialize;
+use thiserror::Error;
+
+/// A config file that cannot be used.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+/// The parts of `KubeProxyConfiguration` (kubeproxy.config.k8s.io/v1alpha1) we read.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct KubeProxyConfiguration {
+    api_version: Option<String>,
+    kind: Option<String>,
+    #[serde(rename = "clusterCIDR")]
+    cluster_cidr: Option<String>,
+    detect_local_mode: Option<String>,
+    detect_local: Option<DetectLocal>,
+    node_port_addresses: Option<Vec<String>>,
+    min_sync_period: Option<String>,
+    sync_period: Option<String>,
+    healthz_bind_address: Option<String>,
+    metrics_bind_address: Option<String>,
+    hostname_override: Option<String>,
+    conntrack: Option<Conntrack>,
+    iptables: Option<ModeSection>,
+    nftables: Option<ModeSection>,
+    client_connection: Option<ClientConnection>,
+    ebpf: Option<EbpfSection>,
+    /// Everything else: reported as unknown or unsupported.
+    #[serde(flatten)]
+    rest: BTreeMap<String, serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct DetectLocal {
+    bridge_interface: Option<String>,
+    interface_name_prefix: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ModeSection {
+    masquerade_all: Option<bool>,
+    localhost_node_ports: Option<bool>,
+    min_sync_period: Option<String>,
+    sync_period: Option<String>,
+    #[serde(flatten)]
+    rest: BTreeMap<String, serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Conntrack {
+    tcp_established_timeout: Option<String>,
+    tcp_close_wait_timeout: Option<String>,
+    udp_timeout: Option<String>,
+    udp_stream_timeout: Option<String>,
+    #[serde(flatten)]
+    rest: BTreeMap<String, serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ClientConnection {
+    kubeconfig: Option<String>,
+    #[serde(flatten)]
+    rest: BTreeMap<String, serde_json::Value>,
+}
+
+/// Our own settings, under `ebpf:` in the same file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct EbpfSection {
+    bpffs: Option<String>,
+    cgroup: Option<String>,
+    interfaces: Option<Vec<String>>,
+    bpf_log_level: Option<String>,
+    service_proxy_name: Option<String>,
+    debug_bind_address: Option<String>,
+}
+
+/// How local (pod) traffic is told apart from other traffic.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum LocalDetector {
+    ClusterCidr(Vec<ipnet::IpNet>),
+    BridgeInterface(String),
+    InterfaceNamePrefix(String),
+    /// `detectLocalMode: NodeCIDR` and the rest: not told apart.
+    None,
+}
+
+/// Connection-tracking timeouts.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ConntrackTimeouts {
+    pub tcp_established: Duration,
+    pub tcp_close_wait: Duration,
+    pub udp: Duration,
+    pub udp_stream: Duration,
+}
+
+impl Default for ConntrackTimeouts {
+    fn default() -> Self {
+        Self {
+            tcp_established: Duration::from_secs(86_400),
+            tcp_close_wait: Duration::from_secs(3_600),
+            udp: Duration::from_secs(30),
+            udp_stream: Duration::from_secs(120),
+        }
+    }
+}
+
+/// The agent's settings, after defaults, file and flags.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Config {
+    pub local_detector: LocalDetector,
+    pub masquerade_all: bool,
+    pub localhost_node_ports: bool,
+    pub node_port_addresses: Vec<ipnet::IpNet>,
+    pub min_sync_period: Duration,
+    pub sync_period: Duration,
+    pub healthz_bind_address: String,
+    pub metrics_bind_address: String,
+    pub hostname_override: Option<String>,
+    pub conntrack: ConntrackTimeouts,
+    pub kubeconfig: Option<String>,
+    pub bpffs: String,
+    pub cgroup: String,
+    pub interfaces: Vec<String>,
+    pub bpf_log_level: String,
+    pub service_proxy_name: Option<String>,
+    /// Debug endpoint (model, view, watch); empty disables it.
+    pub debug_bind_address: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            local_detector: LocalDetector::None,
+            masquerade_all: false,
+            localhost_node_ports: true,
+            node_port_addresses: Vec::new(),
+            // kube-proxy defaults to 1s because each iptables sync is costly; a map
+            // update is not, so bursts are coalesced over a much shorter window.
+            min_sync_period: Duration::from_millis(100),
+            sync_period: Duration::from_secs(30),
+            healthz_bind_address: "0.0.0.0:10256".into(),
+            metrics_bind_address: "127.0.0.1:10249".into(),
+            hostname_override: None,
+            conntrack: ConntrackTimeouts::default(),
+            kubeconfig: None,
+            bpffs: "/sys/fs/bpf/proxy-agent".into(),
+            cgroup: "auto".into(),
+            interfaces: Vec::new(),
+            bpf_log_level: "warn".into(),
+            service_proxy_name: None,
+            debug_bind_address: "127.0.0.1:10250".into(),
+        }
+    }
+}
+
+/// Fields that are kube-proxy's but mean nothing for an eBPF proxy.
+const NOT_APPLICABLE: [&str; 12] = [
+    "mode",
+    "ipvs",
+    "winkernel",
+    "bindAddress",
+    "bindAddressHardFail",
+    "oomScoreAdj",
+    "portRange",
+    "configSyncPeriod",
+    "enableProfiling",
+    "showHiddenMetricsForVersion",
+    "featureGates",
+    "logging",
+];
+
+impl Config {
+    /// Reads a config file. Returns the config and a warning for every field that is
+    /// unknown or not supported.
+    pub fn from_file(path: &Path) -> Result<(Self, Vec<String>), ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_text(&text).map_err(|message| ConfigError::Invalid {
+            path: path.display().to_string(),
+            message,
+        })
+    }
+
+    /// Parses the YAML of a config file.
+    pub fn from_text(text: &str) -> Result<(Self, Vec<String>), String> {
+        let file: KubeProxyConfiguration = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        let mut warnings = Vec::new();
+        if let Some(kind) = &file.kind
+            && kind != "KubeProxyConfiguration"
+        {
+            return Err(format!("kind {kind:?}, expected KubeProxyConfiguration"));
+        }
+        if let Some(v) = &file.api_version
+            && !v.starts_with("kubeproxy.config.k8s.io/")
+        {
+            warnings.push(format!("apiVersion {v:?} is not kubeproxy.config.k8s.io"));
+        }
+        let mut cfg = Config::default();
+        for (key, _) in &file.rest {
+            if NOT_APPLICABLE.contains(&key.as_str()) {
+                warnings.push(format!("{key}: not applicable to the eBPF proxy, ignored"));
+            } else {
+                warnings.push(format!("{key}: unknown field, ignored"));
+            }
+        }
+        let cidrs = parse_cidrs(file.cluster_cidr.as_deref().unwrap_or(""), "clusterCIDR")?;
+        let detect = file.detect_local.unwrap_or_default();
+        cfg.local_detector = match file
+            .detect_local_mode
+            .as_deref()
+            .unwrap_or(if cidrs.is_empty() { "" } else { "ClusterCIDR" })
+        {
+            "" => LocalDetector::None,
+            "ClusterCIDR" if cidrs.is_empty() => {
+                return Err("detectLocalMode ClusterCIDR needs clusterCIDR".into());
+            }
+            "ClusterCIDR" => LocalDetector::ClusterCidr(cidrs),
+            "BridgeInterface" => LocalDetector::BridgeInterface(
+                detect
+                    .bridge_interface
+                    .filter(|s| !s.is_empty())
+                    .ok_or("detectLocalMode BridgeInterface needs detectLocal.bridgeInterface")?,
+            ),
+            "InterfaceNamePrefix" => LocalDetector::InterfaceNamePrefix(
+                detect
+                    .interface_name_prefix
+                    .filter(|s| !s.is_empty())
+                    .ok_or(
+                        "detectLocalMode InterfaceNamePrefix needs detectLocal.interfaceNamePrefix",
+                    )?,
+            ),
+            "NodeCIDR" => {
+                warnings.push(
+                    "detectLocalMode NodeCIDR: not supported, local traffic is not told apart"
+                        .into(),
+                );
+                LocalDetector::None
+            }
+            other => return Err(format!("unknown detectLocalMode {other:?}")),
+        };
+        if let Some(list) = &file.node_port_addresses {
+            let mut nets = Vec::new();
+            for entry in list {
+                match entry.as_str() {
+                    // kube-proxy's "primary" keyword: the node's primary addresses.
+                    "primary" => warnings
+                        .push("nodePortAddresses \"primary\": using every node address".into()),
+                    s => nets.extend(parse_cidrs(s, "nodePortAddresses")?),
+                }
+            }
+            cfg.node_port_addresses = nets;
+        }
+        // Mode sections: masqueradeAll and the sync periods apply whichever mode named them.
+        for (name, section) in [("iptables", &file.iptables), ("nftables", &file.nftables)] {
+            let Some(section) = section else { continue };
+            if let Some(m) = section.masquerade_all {
+                cfg.masquerade_all |= m;
+            }
+            if let Some(l) = section.localhost_node_ports {
+                cfg.localhost_node_ports = l;
+            }
+            if let Some(d) = &section.min_sync_period {
+                cfg.min_sync_period =
+                    parse_duration(d).map_err(|e| format!("{name}.minSyncPeriod: {e}"))?;
+            }
+            if let Some(d) = &section.sync_period {
+                cfg.sync_period =
+                    parse_duration(d).map_err(|e| format!("{name}.syncPeriod: {e}"))?;
+            }
+            for key in section.rest.keys() {
+                warnings.push(format!(
+                    "{name}.{key}: not applicable to the eBPF proxy, ignored"
+                ));
+            }
+        }
+        if let Some(d) = &file.min_sync_period {
+            cfg.min_sync_period = parse_duration(d).map_err(|e| format!("minSyncPeriod: {e}"))?;
+        }
+        if let Some(d) = &file.sync_period {
+            cfg.sync_period = parse_duration(d).map_err(|e| format!("syncPeriod: {e}"))?;
+        }
+        if let Some(a) = file.healthz_bind_address {
+            cfg.healthz_bind_address = a;
+        }
+        if let Some(a) = file.metrics_bind_address {
+            cfg.metrics_bind_address = a;
+        }
+        cfg.hostname_override = file.hostname_override.filter(|h| !h.is_empty());
+        if let Some(ct) = file.conntrack {
+            let d =
+                |v: &Option<String>, name: &str, default: Duration| -> Result<Duration, String> {
+                    v.as_deref().map_or(Ok(default), |s| {
+                        parse_duration(s).map_err(|e| format!("conntrack.{name}: {e}"))
+                    })
+                };
+            cfg.conntrack = ConntrackTimeouts {
+                tcp_established: d(
+                    &ct.tcp_established_timeout,
+                    "tcpEstablishedTimeout",
+                    cfg.conntrack.tcp_established,
+                )?,
+                tcp_close_wait: d(
+                    &ct.tcp_close_wait_timeout,
+                    "tcpCloseWaitTimeout",
+                    cfg.conntrack.tcp_close_wait,
+                )?,
+                udp: d(&ct.udp_timeout, "udpTimeout", cfg.conntrack.udp)?,
+                udp_stream: d(
+                    &ct.udp_stream_timeout,
+                    "udpStreamTimeout",
+                    cfg.conntrack.udp_stream,
+                )?,
+            };
+            for key in ct.rest.keys() {
+                warnings.push(format!(
+                    "conntrack.{key}: not applicable (BPF conntrack is sized by the agent), ignored"
+                ));
+            }
+        }
+        if let Some(cc) = file.client_connection {
+            cfg.kubeconfig = cc.kubeconfig.filter(|k| !k.is_empty());
+            for key in cc.rest.keys() {
+                warnings.push(format!("clientConnection.{key}: not supported, ignored"));
+            }
+        }
+        if let Some(e) = file.ebpf {
+            if let Some(v) = e.bpffs {
+                cfg.bpffs = v;
+            }
+            if let Some(v) = e.cgroup {
+                cfg.cgroup = v;
+            }
+            if let Some(v) = e.interfaces {
+                cfg.interfaces = v;
+            }
+            if let Some(v) = e.bpf_log_level {
+                cfg.bpf_log_level = v;
+            }
+            cfg.service_proxy_name = e.service_proxy_name;
+            if let Some(v) = e.debug_bind_address {
+                cfg.debug_bind_address = v;
+            }
+        }
+        Ok((cfg, warnings))
+    }
+}
+
+fn parse_cidrs(s: &str, field: &str) -> Result<Vec<ipnet::IpNet>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(|c| {
+            c.parse()
+                .map_err(|e| format!("{field}: invalid CIDR {c:?}: {e}"))
+        })
+        .collect()
+}
+
+/// Go's `time.Duration` text: `1s`, `500ms`, `1m30s`, `24h0m0s`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let mut total = Duration::ZERO;
+    let mut rest = s.trim();
+    if rest == "0" {
+        return Ok(total);
+    }
+    if rest.is_empty() {
+        return Err("empty duration".into());
+    }
+    while !rest.is_empty() {
+        let num_end = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(rest.len());
+        let (num, tail) = rest.split_at(num_end);
+        let unit_end = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_end);
+        let n: f64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
+        let secs = match unit {
+            "h" => 3600.0,
+            "m" => 60.0,
+            "s" => 1.0,
+            "ms" => 1e-3,
+            "us" | "µs" => 1e-6,
+            "ns" => 1e-9,
+            _ => return Err(format!("invalid duration {s:?}: unit {unit:?}")),
+        };
+        total += Duration::from_secs_f64(n * secs);
+        rest = tail;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations() {
+        for (s, ms) in [
+            ("1s", 1000),
+            ("500ms", 500),
+            ("1m30s", 90_000),
+            ("24h0m0s", 86_400_000),
+            ("0", 0),
+            ("1.5s", 1500),
+        ] {
+            assert_eq!(parse_duration(s), Ok(Duration::from_millis(ms)), "{s}");
+        }
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn a_kube_proxy_config_file() {
+        let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+clusterCIDR: 10.244.0.0/16,fd00:244::/48
+nodePortAddresses: [192.0.2.0/24]
+iptables:
+  masqueradeAll: true
+  masqueradeBit: 14
+  minSyncPeriod: 2s
+  syncPeriod: 1m
+conntrack:
+  tcpEstablishedTimeout: 24h0m0s
+  udpTimeout: 45s
+  maxPerCore: 32768
+healthzBindAddress: 0.0.0.0:10256
+metricsBindAddress: 127.0.0.1:10249
+hostnameOverride: node-a
+clientConnection:
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 5
+someFutureField: true
+ebpf:
+  interfaces: [eth0]
+  serviceProxyName: ebpf-proxy
+";
+        let (cfg, warnings) = Config::from_text(text).expect("valid");
+        assert_eq!(
+            cfg.local_detector,
+            LocalDetector::ClusterCidr(vec![
+                "10.244.0.0/16".parse().expect("cidr"),
+                "fd00:244::/48".parse().expect("cidr")
+            ])
+        );
+        assert!(cfg.masquerade_all);
+        assert_eq!(
+            cfg.node_port_addresses,
+            vec!["192.0.2.0/24".parse::<ipnet::IpNet>().expect("cidr")]
+        );
+        assert_eq!(
+            (cfg.min_sync_period, cfg.sync_period),
+            (Duration::from_secs(2), Duration::from_secs(60))
+        );
+        assert_eq!(cfg.conntrack.udp, Duration::from_secs(45));
+        assert_eq!(cfg.hostname_override.as_deref(), Some("node-a"));
+        assert_eq!(
+            cfg.kubeconfig.as_deref(),
+            Some("/var/lib/kube-proxy/kubeconfig.conf")
+        );
+        assert_eq!(cfg.interfaces, vec!["eth0"]);
+        assert_eq!(cfg.service_proxy_name.as_deref(), Some("ebpf-proxy"));
+        for needle in [
+            "mode: not applicable",
+            "iptables.masqueradeBit",
+            "conntrack.maxPerCore",
+            "clientConnection.qps",
+            "someFutureField: unknown field",
+        ] {
+            assert!(
+                warnings.iter().any(|w| w.contains(needle)),
+                "{needle} not reported in {warnings:?}"
+            );
+        }
+        assert_eq!(warnings.len(), 5, "{warnings:?}");
+    }
+
+    #[test]
+    fn invalid_files_are_refused_with_the_field() {
+        for (text, needle) in [
+            (
+                "kind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/33\n",
+                "clusterCIDR",
+            ),
+            (
+                "kind: KubeProxyConfiguration\nsyncPeriod: soon\n",
+                "syncPeriod",
+            ),
+            (
+                "kind: KubeProxyConfiguration\ndetectLocalMode: ClusterCIDR\n",
+                "needs clusterCIDR",
+            ),
+            ("kind: Deployment\n", "expected KubeProxyConfiguration"),
+            ("kind: KubeProxyConfiguration\nebpf: {bogus: 1}\n", "bogus"),
+        ] {
+            let err = Config::from_text(text).expect_err(text);
+            assert!(err.contains(needle), "{err} lacks {needle}");
+        }
+    }
+}
