@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod dataplane;
+pub mod debug;
 pub mod model;
 pub mod netns;
 pub mod source;

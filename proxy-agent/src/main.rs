@@ -31,13 +31,27 @@ struct Cli {
 enum Cmd {
     /// Load, attach and keep the BPF maps in step with the Services and EndpointSlices.
     Run(Box<RunArgs>),
-    /// Show what the pinned maps hold (works while the agent is down).
+    /// Show what the pinned maps hold (works while the agent is down), or — from a
+    /// running agent's debug endpoint — this node's view (`--view`) or the model (`--model`).
     Dump {
         #[arg(long, default_value = DEFAULT_BPFFS)]
         bpffs: PathBuf,
         /// JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// This node's view, from the running agent.
+        #[arg(long, conflicts_with = "model")]
+        view: bool,
+        /// The cluster-wide model (Services, EndpointSlices, this node), from the running agent.
+        #[arg(long)]
+        model: bool,
+        #[arg(long, default_value = DEFAULT_DEBUG_ADDR)]
+        debug_addr: String,
+    },
+    /// Stream this node's view changes as they happen (`+`/`-` lines), from a running agent.
+    Watch {
+        #[arg(long, default_value = DEFAULT_DEBUG_ADDR)]
+        debug_addr: String,
     },
     /// Detach every program and remove every pin the agent made.
     Cleanup {
@@ -47,6 +61,7 @@ enum Cmd {
 }
 
 const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";
+const DEFAULT_DEBUG_ADDR: &str = "127.0.0.1:10250";
 
 #[derive(Args)]
 struct RunArgs {
@@ -205,7 +220,13 @@ fn main() -> Result<()> {
     }
     match cli.cmd {
         Cmd::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(*args)),
-        Cmd::Dump { bpffs, json } => dump(&bpffs, json),
+        Cmd::Dump { view: true, json, debug_addr, .. } => dump_view(&debug_addr, json),
+        Cmd::Dump { model: true, debug_addr, .. } => {
+            println!("{}", fetch(&debug_addr, "/debug/model")?);
+            Ok(())
+        }
+        Cmd::Dump { bpffs, json, .. } => dump(&bpffs, json),
+        Cmd::Watch { debug_addr } => watch(&debug_addr),
         Cmd::Cleanup { bpffs } => {
             bpf::cleanup(&bpffs)?;
             tracing::info!(bpffs = %bpffs.display(), "removed every pin; programs detached");
@@ -261,6 +282,14 @@ async fn run(args: RunArgs) -> Result<()> {
         }
     }
     let status = sync::Status::default();
+    if !cfg.debug_bind_address.is_empty() {
+        let (addr, st, maps) = (cfg.debug_bind_address.clone(), status.clone(), opts.pin_dir.join("maps"));
+        tokio::spawn(async move {
+            if let Err(e) = proxy_agent::debug::serve(&addr, st, Some(maps)).await {
+                tracing::error!(error = format!("{e:#}"), "debug endpoint unavailable");
+            }
+        });
+    }
     sync::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
 }
 
@@ -342,6 +371,65 @@ fn resolve_interfaces(arg: &[String]) -> Result<Vec<String>> {
     }
     found.sort();
     Ok(found)
+}
+
+fn fetch(addr: &str, path: &str) -> Result<String> {
+    let url = format!("http://{addr}{path}");
+    let mut resp = ureq::get(&url)
+        .call()
+        .with_context(|| format!("asking the agent at {url} (is it running, with --debug-addr {addr}?)"))?;
+    Ok(resp.body_mut().read_to_string()?)
+}
+
+fn dump_view(addr: &str, json: bool) -> Result<()> {
+    let body = fetch(addr, "/debug/view")?;
+    if json {
+        println!("{body}");
+        return Ok(());
+    }
+    let entries: Vec<serde_json::Value> = serde_json::from_str(&body).context("agent's view")?;
+    println!("{:<30} {:<13} {:<28} BACKENDS", "FRONTEND", "KIND", "SERVICE");
+    for e in entries {
+        let st = &e["state"];
+        let set = |b: &serde_json::Value| {
+            let eps: Vec<&str> = b["endpoints"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
+            if eps.is_empty() {
+                format!("none ({})", b["when_empty"].as_str().unwrap_or("?").to_lowercase())
+            } else {
+                eps.join(" ")
+            }
+        };
+        let mut backends = set(&st["backends"]);
+        if !st["internal"].is_null() {
+            backends.push_str(&format!("  | internal: {}", set(&st["internal"])));
+        }
+        println!(
+            "{:<30} {:<13} {:<28} {}",
+            e["frontend"].as_str().unwrap_or(""),
+            st["kind"].as_str().unwrap_or(""),
+            st["service"].as_str().unwrap_or(""),
+            backends
+        );
+    }
+    Ok(())
+}
+
+fn watch(addr: &str) -> Result<()> {
+    use std::io::{BufRead as _, Write as _};
+    let url = format!("http://{addr}/debug/watch");
+    let resp = ureq::get(&url)
+        .config()
+        .timeout_global(None)
+        .build()
+        .call()
+        .with_context(|| format!("asking the agent at {url}"))?;
+    let reader = std::io::BufReader::new(resp.into_body().into_reader());
+    let mut out = std::io::stdout().lock();
+    for line in reader.lines() {
+        writeln!(out, "{}", line?)?;
+        out.flush()?;
+    }
+    Ok(())
 }
 
 fn dump(bpffs: &Path, json: bool) -> Result<()> {

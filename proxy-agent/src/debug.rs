@@ -1,0 +1,125 @@
+//! The agent's local HTTP endpoint: health, Prometheus metrics, and — in KPNG's spirit —
+//! the global model, this node's view, and a live stream of view diffs.
+
+use std::{convert::Infallible, net::SocketAddr, path::PathBuf};
+
+use anyhow::{Context as _, Result};
+use axum::{
+    Json, Router,
+    body::Body,
+    extract::State,
+    http::{StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use prometheus_client::{encoding::text::encode, metrics::gauge::Gauge, registry::Registry};
+use serde_json::json;
+
+use crate::{dataplane::bpf::MapSet, model::NodeView, sync::Status};
+
+#[derive(Clone)]
+struct AppState {
+    status: Status,
+    /// Pinned maps, read per scrape for the BPF counters.
+    maps_dir: Option<PathBuf>,
+}
+
+/// Serves the endpoint on `addr` until the process ends.
+pub async fn serve(addr: &str, status: Status, maps_dir: Option<PathBuf>) -> Result<()> {
+    let addr: SocketAddr = addr
+        .parse()
+        .with_context(|| format!("debug address {addr:?}"))?;
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/debug/model", get(model))
+        .route("/debug/view", get(view))
+        .route("/debug/watch", get(watch))
+        .with_state(AppState { status, maps_dir });
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the debug endpoint on {addr}"))?;
+    tracing::info!(%addr, "debug endpoint listening");
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+async fn healthz(State(s): State<AppState>) -> Response {
+    let c = s.status.counters();
+    let code = if c.syncs_ok > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(json!({"syncsOk": c.syncs_ok, "syncsFailed": c.syncs_failed}))).into_response()
+}
+
+async fn model(State(s): State<AppState>) -> Response {
+    match s.status.snapshot() {
+        Some(snap) => Json(json!({
+            "node": snap.node,
+            "services": snap.model.services.values().collect::<Vec<_>>(),
+            "endpointSlices": snap.model.slices.values().collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "no complete model yet\n").into_response(),
+    }
+}
+
+/// The view as a list (frontends as strings make readable JSON keys).
+pub fn view_json(view: &NodeView) -> serde_json::Value {
+    view.iter()
+        .map(|(fe, st)| json!({"frontend": fe.to_string(), "state": st}))
+        .collect()
+}
+
+async fn view(State(s): State<AppState>) -> Response {
+    Json(view_json(&s.status.view())).into_response()
+}
+
+async fn watch(State(s): State<AppState>) -> Response {
+    let rx = s.status.subscribe();
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        loop {
+            match rx.recv().await {
+                Ok(line) => return Some((Ok::<_, Infallible>(format!("{line}\n")), rx)),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    return Some((Ok(format!("# {n} lines dropped (slow reader)\n")), rx));
+                }
+                Err(_) => return None,
+            }
+        }
+    });
+    ([(header::CONTENT_TYPE, "text/plain")], Body::from_stream(stream)).into_response()
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    let mut registry = Registry::with_prefix("proxy_agent");
+    let c = s.status.counters();
+    let gauge = |registry: &mut Registry, name: &str, help: &str, v: i64| {
+        let g: Gauge = Gauge::default();
+        g.set(v);
+        registry.register(name, help, g);
+    };
+    gauge(&mut registry, "syncs_ok", "Successful dataplane syncs", c.syncs_ok as i64);
+    gauge(&mut registry, "syncs_failed", "Dataplane syncs with a failure", c.syncs_failed as i64);
+    gauge(&mut registry, "frontends_failed", "Frontends that could not be programmed", c.frontends_failed as i64);
+    gauge(&mut registry, "objects_rejected", "Invalid objects left out of the view", c.objects_rejected as i64);
+    gauge(&mut registry, "frontends", "Frontends in this node's view", s.status.view().len() as i64);
+    let millis: Gauge = Gauge::default();
+    millis.set((c.last_sync_seconds * 1e6) as i64);
+    registry.register("last_sync_microseconds", "Duration of the last sync", millis);
+    if let Some(dir) = &s.maps_dir
+        && let Ok(maps) = MapSet::open_pinned(dir)
+        && let Ok(counters) = maps.counters()
+    {
+        for (name, value) in counters {
+            gauge(&mut registry, &format!("bpf_{name}"), "BPF program event counter", value as i64);
+        }
+    }
+    let mut out = String::new();
+    if encode(&mut out, &registry).is_err() {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response();
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
