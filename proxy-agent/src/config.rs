@@ -220,7 +220,7 @@ impl Config {
             warnings.push(format!("apiVersion {v:?} is not kubeproxy.config.k8s.io"));
         }
         let mut cfg = Config::default();
-        for (key, _) in &file.rest {
+        for key in file.rest.keys() {
             if NOT_APPLICABLE.contains(&key.as_str()) {
                 warnings.push(format!("{key}: not applicable to the eBPF proxy, ignored"));
             } else {

@@ -24,22 +24,42 @@ struct AppState {
     maps_dir: Option<PathBuf>,
 }
 
-/// Serves the endpoint on `addr` until the process ends.
-pub async fn serve(addr: &str, status: Status, maps_dir: Option<PathBuf>) -> Result<()> {
+/// What one listening address serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoints {
+    /// kube-proxy's healthzBindAddress: `/healthz`.
+    Healthz,
+    /// kube-proxy's metricsBindAddress: `/metrics` (and `/healthz`).
+    Metrics,
+    /// The local debug endpoint: everything, including model, view and watch.
+    Debug,
+}
+
+/// Serves `endpoints` on `addr` until the process ends.
+pub async fn serve(
+    addr: &str,
+    endpoints: Endpoints,
+    status: Status,
+    maps_dir: Option<PathBuf>,
+) -> Result<()> {
     let addr: SocketAddr = addr
         .parse()
-        .with_context(|| format!("debug address {addr:?}"))?;
-    let app = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
-        .route("/debug/model", get(model))
-        .route("/debug/view", get(view))
-        .route("/debug/watch", get(watch))
-        .with_state(AppState { status, maps_dir });
+        .with_context(|| format!("listen address {addr:?}"))?;
+    let mut app = Router::new().route("/healthz", get(healthz));
+    if endpoints != Endpoints::Healthz {
+        app = app.route("/metrics", get(metrics));
+    }
+    if endpoints == Endpoints::Debug {
+        app = app
+            .route("/debug/model", get(model))
+            .route("/debug/view", get(view))
+            .route("/debug/watch", get(watch));
+    }
+    let app = app.with_state(AppState { status, maps_dir });
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the debug endpoint on {addr}"))?;
-    tracing::info!(%addr, "debug endpoint listening");
+    tracing::info!(%addr, ?endpoints, "listening");
     axum::serve(listener, app).await?;
     Ok(())
 }
@@ -51,7 +71,11 @@ async fn healthz(State(s): State<AppState>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (code, Json(json!({"syncsOk": c.syncs_ok, "syncsFailed": c.syncs_failed}))).into_response()
+    (
+        code,
+        Json(json!({"syncsOk": c.syncs_ok, "syncsFailed": c.syncs_failed})),
+    )
+        .into_response()
 }
 
 async fn model(State(s): State<AppState>) -> Response {
@@ -90,7 +114,11 @@ async fn watch(State(s): State<AppState>) -> Response {
             }
         }
     });
-    ([(header::CONTENT_TYPE, "text/plain")], Body::from_stream(stream)).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain")],
+        Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
@@ -101,20 +129,54 @@ async fn metrics(State(s): State<AppState>) -> Response {
         g.set(v);
         registry.register(name, help, g);
     };
-    gauge(&mut registry, "syncs_ok", "Successful dataplane syncs", c.syncs_ok as i64);
-    gauge(&mut registry, "syncs_failed", "Dataplane syncs with a failure", c.syncs_failed as i64);
-    gauge(&mut registry, "frontends_failed", "Frontends that could not be programmed", c.frontends_failed as i64);
-    gauge(&mut registry, "objects_rejected", "Invalid objects left out of the view", c.objects_rejected as i64);
-    gauge(&mut registry, "frontends", "Frontends in this node's view", s.status.view().len() as i64);
+    gauge(
+        &mut registry,
+        "syncs_ok",
+        "Successful dataplane syncs",
+        c.syncs_ok as i64,
+    );
+    gauge(
+        &mut registry,
+        "syncs_failed",
+        "Dataplane syncs with a failure",
+        c.syncs_failed as i64,
+    );
+    gauge(
+        &mut registry,
+        "frontends_failed",
+        "Frontends that could not be programmed",
+        c.frontends_failed as i64,
+    );
+    gauge(
+        &mut registry,
+        "objects_rejected",
+        "Invalid objects left out of the view",
+        c.objects_rejected as i64,
+    );
+    gauge(
+        &mut registry,
+        "frontends",
+        "Frontends in this node's view",
+        s.status.view().len() as i64,
+    );
     let millis: Gauge = Gauge::default();
     millis.set((c.last_sync_seconds * 1e6) as i64);
-    registry.register("last_sync_microseconds", "Duration of the last sync", millis);
+    registry.register(
+        "last_sync_microseconds",
+        "Duration of the last sync",
+        millis,
+    );
     if let Some(dir) = &s.maps_dir
         && let Ok(maps) = MapSet::open_pinned(dir)
         && let Ok(counters) = maps.counters()
     {
         for (name, value) in counters {
-            gauge(&mut registry, &format!("bpf_{name}"), "BPF program event counter", value as i64);
+            gauge(
+                &mut registry,
+                &format!("bpf_{name}"),
+                "BPF program event counter",
+                value as i64,
+            );
         }
     }
     let mut out = String::new();

@@ -220,8 +220,17 @@ fn main() -> Result<()> {
     }
     match cli.cmd {
         Cmd::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(*args)),
-        Cmd::Dump { view: true, json, debug_addr, .. } => dump_view(&debug_addr, json),
-        Cmd::Dump { model: true, debug_addr, .. } => {
+        Cmd::Dump {
+            view: true,
+            json,
+            debug_addr,
+            ..
+        } => dump_view(&debug_addr, json),
+        Cmd::Dump {
+            model: true,
+            debug_addr,
+            ..
+        } => {
             println!("{}", fetch(&debug_addr, "/debug/model")?);
             Ok(())
         }
@@ -282,11 +291,20 @@ async fn run(args: RunArgs) -> Result<()> {
         }
     }
     let status = sync::Status::default();
-    if !cfg.debug_bind_address.is_empty() {
-        let (addr, st, maps) = (cfg.debug_bind_address.clone(), status.clone(), opts.pin_dir.join("maps"));
+    use proxy_agent::debug::Endpoints;
+    for (addr, endpoints) in [
+        (&cfg.healthz_bind_address, Endpoints::Healthz),
+        (&cfg.metrics_bind_address, Endpoints::Metrics),
+        (&cfg.debug_bind_address, Endpoints::Debug),
+    ] {
+        if addr.is_empty() {
+            continue;
+        }
+        let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
         tokio::spawn(async move {
-            if let Err(e) = proxy_agent::debug::serve(&addr, st, Some(maps)).await {
-                tracing::error!(error = format!("{e:#}"), "debug endpoint unavailable");
+            // An endpoint that cannot listen is reported; proxying goes on without it.
+            if let Err(e) = proxy_agent::debug::serve(&addr, endpoints, st, Some(maps)).await {
+                tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
             }
         });
     }
@@ -375,9 +393,9 @@ fn resolve_interfaces(arg: &[String]) -> Result<Vec<String>> {
 
 fn fetch(addr: &str, path: &str) -> Result<String> {
     let url = format!("http://{addr}{path}");
-    let mut resp = ureq::get(&url)
-        .call()
-        .with_context(|| format!("asking the agent at {url} (is it running, with --debug-addr {addr}?)"))?;
+    let mut resp = ureq::get(&url).call().with_context(|| {
+        format!("asking the agent at {url} (is it running, with --debug-addr {addr}?)")
+    })?;
     Ok(resp.body_mut().read_to_string()?)
 }
 
@@ -388,13 +406,24 @@ fn dump_view(addr: &str, json: bool) -> Result<()> {
         return Ok(());
     }
     let entries: Vec<serde_json::Value> = serde_json::from_str(&body).context("agent's view")?;
-    println!("{:<30} {:<13} {:<28} BACKENDS", "FRONTEND", "KIND", "SERVICE");
+    println!(
+        "{:<30} {:<13} {:<28} BACKENDS",
+        "FRONTEND", "KIND", "SERVICE"
+    );
     for e in entries {
         let st = &e["state"];
         let set = |b: &serde_json::Value| {
-            let eps: Vec<&str> = b["endpoints"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
+            let eps: Vec<&str> = b["endpoints"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_str())
+                .collect();
             if eps.is_empty() {
-                format!("none ({})", b["when_empty"].as_str().unwrap_or("?").to_lowercase())
+                format!(
+                    "none ({})",
+                    b["when_empty"].as_str().unwrap_or("?").to_lowercase()
+                )
             } else {
                 eps.join(" ")
             }

@@ -11,7 +11,11 @@ use proxy_e2e::{Path_, Testbed, agent_bin, require_root, sh, web_manifests};
 
 fn agent(tb: &Testbed, args: &[&str]) -> String {
     let ns = format!("/run/netns/{}", tb.node_ns());
-    let mut argv = vec![agent_bin().to_str().expect("utf-8").to_string(), "--netns".into(), ns];
+    let mut argv = vec![
+        agent_bin().to_str().expect("utf-8").to_string(),
+        "--netns".into(),
+        ns,
+    ];
     argv.extend(args.iter().map(|s| s.to_string()));
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     sh(&argv).expect("proxy-agent")
@@ -23,18 +27,38 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         return;
     }
     let mut tb = Testbed::new(3).expect("testbed");
-    tb.write_manifests(&web_manifests(&[0, 1, 2], None)).expect("manifests");
+    tb.write_manifests(&web_manifests(&[0, 1, 2], None))
+        .expect("manifests");
     tb.start_agent(Path_::ConnectTime, 5).expect("agent");
 
     let view = agent(&tb, &["dump", "--view"]);
-    let line = view.lines().find(|l| l.starts_with("10.96.0.10:80/TCP")).unwrap_or_else(|| panic!("{view}"));
-    for b in ["10.20.0.2:8080", "10.20.1.2:8080", "10.20.2.2:8080", "ClusterIp", "default/web:http"] {
+    let line = view
+        .lines()
+        .find(|l| l.starts_with("10.96.0.10:80/TCP"))
+        .unwrap_or_else(|| panic!("{view}"));
+    for b in [
+        "10.20.0.2:8080",
+        "10.20.1.2:8080",
+        "10.20.2.2:8080",
+        "ClusterIp",
+        "default/web:http",
+    ] {
         assert!(line.contains(b), "{b} missing from {line}");
     }
-    assert!(view.lines().any(|l| l.starts_with("10.96.0.20:80/TCP") && l.contains("none (reject)")), "{view}");
+    assert!(
+        view.lines()
+            .any(|l| l.starts_with("10.96.0.20:80/TCP") && l.contains("none (reject)")),
+        "{view}"
+    );
 
-    let model: serde_json::Value = serde_json::from_str(&agent(&tb, &["dump", "--model"])).expect("json");
-    let names: Vec<&str> = model["services"].as_array().expect("services").iter().filter_map(|s| s["metadata"]["name"].as_str()).collect();
+    let model: serde_json::Value =
+        serde_json::from_str(&agent(&tb, &["dump", "--model"])).expect("json");
+    let names: Vec<&str> = model["services"]
+        .as_array()
+        .expect("services")
+        .iter()
+        .filter_map(|s| s["metadata"]["name"].as_str())
+        .collect();
     assert_eq!(names, vec!["empty", "web"]);
     assert_eq!(model["endpointSlices"].as_array().map(Vec::len), Some(2));
 
@@ -45,7 +69,8 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         .spawn()
         .expect("watch");
     std::thread::sleep(Duration::from_millis(300));
-    tb.write_manifests(&web_manifests(&[0, 1], None)).expect("manifests");
+    tb.write_manifests(&web_manifests(&[0, 1], None))
+        .expect("manifests");
     let mut lines = BufReader::new(watch.stdout.take().expect("stdout")).lines();
     let deadline = Instant::now() + Duration::from_secs(10);
     let (mut minus, mut plus) = (None, None);
@@ -61,11 +86,18 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     let _ = watch.wait();
     let (minus, plus) = (minus.expect("a - line"), plus.expect("a + line"));
     assert!(minus.contains("10.20.2.2:8080"), "{minus}");
-    assert!(!plus.contains("10.20.2.2:8080") && plus.contains("10.20.1.2:8080"), "{plus}");
+    assert!(
+        !plus.contains("10.20.2.2:8080") && plus.contains("10.20.1.2:8080"),
+        "{plus}"
+    );
 
     let metrics = sh(&["ip", "netns", "exec", &tb.node_ns(), "python3", "-c",
         "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10250/metrics').read().decode())"]).expect("metrics");
-    for m in ["proxy_agent_syncs_ok", "proxy_agent_frontends 5", "proxy_agent_bpf_service_hit"] {
+    for m in [
+        "proxy_agent_syncs_ok",
+        "proxy_agent_frontends 5",
+        "proxy_agent_bpf_service_hit",
+    ] {
         assert!(metrics.contains(m), "{m} missing:\n{metrics}");
     }
     let _ = tb.kill_agent();

@@ -39,6 +39,12 @@ enum Cmd {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
+    /// Benchmarks (figures, not pass/fail): control-plane scale of the node view and map diff.
+    Bench {
+        /// Small sizes, for CI smoke runs.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Build, make a namespace testbed, run the agent on deploy/examples, show the spread.
     Demo {
         /// Requests to send.
@@ -64,6 +70,13 @@ fn main() -> Result<()> {
             setup(&root)?;
             build(&root)?;
             test(&root, &args)
+        }
+        Cmd::Bench { quick } => {
+            setup(&root)?;
+            let mut cmd = cargo(&root, STABLE);
+            cmd.args(["bench", "-p", "proxy-agent", "--bench", "node_view", "--"])
+                .arg(if quick { "1000" } else { "10000" });
+            run(&mut cmd)
         }
         Cmd::Demo { requests } => {
             setup(&root)?;

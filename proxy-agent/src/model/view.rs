@@ -3,7 +3,7 @@
 //! session affinity; reject vs drop.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap},
     net::{IpAddr, Ipv4Addr, SocketAddr},
 };
 
@@ -45,6 +45,16 @@ pub fn node_view(
 ) -> (NodeView, Vec<Rejection>) {
     let mut view = NodeView::new();
     let mut rejected = Vec::new();
+    // Slices by the Service they belong to: one pass, not one scan per Service.
+    let mut slices_of: HashMap<(&str, &str), Vec<&EndpointSlice>> = HashMap::new();
+    for (r, s) in &model.slices {
+        if let Some(owner) = owner(s) {
+            slices_of
+                .entry((r.namespace.as_str(), owner.as_str()))
+                .or_default()
+                .push(s);
+        }
+    }
     for (sref, svc) in &model.services {
         let rejection = |reason: String| Rejection {
             kind: "Service",
@@ -80,12 +90,9 @@ pub fn node_view(
             externally_accessible,
         };
         let affinity = affinity_timeout(spec);
-        let slices: Vec<&EndpointSlice> = model
-            .slices
-            .iter()
-            .filter(|(r, s)| r.namespace == sref.namespace && owner(s) == Some(&sref.name))
-            .map(|(_, s)| s)
-            .collect();
+        let slices: &[&EndpointSlice] = slices_of
+            .get(&(sref.namespace.as_str(), sref.name.as_str()))
+            .map_or(&[], Vec::as_slice);
         for port in spec.ports.iter().flatten() {
             let (number, protocol) = match port_and_protocol(port) {
                 Ok(p) => p,
@@ -107,7 +114,7 @@ pub fn node_view(
                     // The Service is not of this family (ipFamilies).
                     continue;
                 }
-                let (eps, bad) = endpoints_for(&slices, port, protocol, v4, &node.name);
+                let (eps, bad) = endpoints_for(slices, port, protocol, v4, &node.name);
                 rejected.extend(bad);
                 let sets = categorize(&eps, policies, &node.name, node.zone());
                 let mut add = |ip: IpAddr, port: u16, kind: FrontendKind| {

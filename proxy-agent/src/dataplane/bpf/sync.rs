@@ -7,7 +7,7 @@
 //! before the backends they used.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     net::{IpAddr, SocketAddr},
 };
 
@@ -96,8 +96,12 @@ struct Programmed {
 pub struct MapState {
     services: BTreeMap<ServiceKey, Programmed>,
     backend_ids: HashMap<Backend, u32>,
-    /// Ids in use, so allocation stays O(1) at any scale.
-    used_backend_ids: HashSet<u32>,
+    backends_by_id: HashMap<u32, Backend>,
+    /// How many live slots point at each backend; a backend is deleted at zero. Keeps
+    /// each sync proportional to what changed, not to the number of backends.
+    refs: HashMap<u32, u32>,
+    /// Backends whose count dropped to zero (or were never used) since the last sweep.
+    maybe_unused: HashSet<u32>,
     used_service_ids: HashSet<u32>,
     next_service_id: u32,
     next_backend_id: u32,
@@ -171,7 +175,9 @@ impl MapState {
         for entry in maps.backends.iter() {
             let (id, be) = entry?;
             state.backend_ids.insert(be, id);
-            state.used_backend_ids.insert(id);
+            state.backends_by_id.insert(id, be);
+            // Swept at the next apply unless a frontend turns out to use it.
+            state.maybe_unused.insert(id);
             state.next_backend_id = state.next_backend_id.max(id.wrapping_add(1));
         }
         for entry in maps.services.iter() {
@@ -191,6 +197,7 @@ impl MapState {
             }
             state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
             state.used_service_ids.insert(value.id);
+            state.hold(&backend_ids);
             state
                 .services
                 .insert(key, Programmed { value, backend_ids });
@@ -231,6 +238,7 @@ impl MapState {
             .collect();
         for key in stale {
             if let Some(old) = self.services.remove(&key) {
+                self.release(&old.backend_ids);
                 remove_ignoring_absent(maps.services.remove(&key))?;
                 for slot in 0..old.backend_ids.len() as u32 {
                     remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
@@ -245,21 +253,16 @@ impl MapState {
             }
         }
         // 3. Backends no frontend uses any more.
-        let used: BTreeSet<u32> = self
-            .services
-            .values()
-            .flat_map(|p| p.backend_ids.iter().copied())
-            .collect();
-        let unused: Vec<(Backend, u32)> = self
-            .backend_ids
-            .iter()
-            .filter(|(_, id)| !used.contains(id))
-            .map(|(b, id)| (*b, *id))
-            .collect();
-        for (be, id) in unused {
+        let candidates: Vec<u32> = self.maybe_unused.drain().collect();
+        for id in candidates {
+            if self.refs.get(&id).copied().unwrap_or(0) > 0 {
+                continue;
+            }
             remove_ignoring_absent(maps.backends.remove(&id))?;
-            self.backend_ids.remove(&be);
-            self.used_backend_ids.remove(&id);
+            if let Some(be) = self.backends_by_id.remove(&id) {
+                self.backend_ids.remove(&be);
+            }
+            self.refs.remove(&id);
             report.backends_removed += 1;
         }
         Ok(report)
@@ -272,12 +275,29 @@ impl MapState {
         key: ServiceKey,
         d: &Desired<'_>,
     ) -> Result<bool> {
+        let flags = d.flags;
+        let timeout = d.state.affinity_timeout_s.unwrap_or(0);
+        // Fast path, the common case at scale: nothing about this entry changed.
+        if let Some(old) = self.services.get(&key)
+            && old.value.flags == flags
+            && old.value.affinity_timeout_s == timeout
+            && old.backend_ids.len() == d.set.endpoints.len()
+            && d.set
+                .endpoints
+                .iter()
+                .zip(&old.backend_ids)
+                .all(|(sa, id)| {
+                    self.backend_ids
+                        .get(&backend_value(*sa, d.frontend.protocol))
+                        == Some(id)
+                })
+        {
+            return Ok(false);
+        }
         let mut backend_ids = Vec::with_capacity(d.set.endpoints.len());
         for sa in &d.set.endpoints {
             backend_ids.push(self.ensure_backend(maps, backend_value(*sa, d.frontend.protocol))?);
         }
-        let flags = d.flags;
-        let timeout = d.state.affinity_timeout_s.unwrap_or(0);
         let count = u16::try_from(backend_ids.len()).map_err(|_| {
             anyhow::anyhow!(
                 "{} backends exceed the 65535 per frontend",
@@ -384,7 +404,10 @@ impl MapState {
                 }))?;
             }
         }
-        self.services.insert(key, Programmed { value, backend_ids });
+        self.hold(&backend_ids);
+        if let Some(old) = self.services.insert(key, Programmed { value, backend_ids }) {
+            self.release(&old.backend_ids);
+        }
         Ok(())
     }
 
@@ -392,13 +415,32 @@ impl MapState {
         if let Some(id) = self.backend_ids.get(&be) {
             return Ok(*id);
         }
-        let id = next_free(&mut self.next_backend_id, &self.used_backend_ids);
+        let id = next_free_key(&mut self.next_backend_id, &self.backends_by_id);
         maps.backends
             .insert(&id, &be, 0)
             .map_err(|e| anyhow::Error::new(e).context("writing backend"))?;
         self.backend_ids.insert(be, id);
-        self.used_backend_ids.insert(id);
+        self.backends_by_id.insert(id, be);
+        // Unused until a frontend write that references it succeeds.
+        self.maybe_unused.insert(id);
         Ok(id)
+    }
+
+    fn hold(&mut self, ids: &[u32]) {
+        for id in ids {
+            *self.refs.entry(*id).or_insert(0) += 1;
+        }
+    }
+
+    fn release(&mut self, ids: &[u32]) {
+        for id in ids {
+            if let Some(n) = self.refs.get_mut(id) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.maybe_unused.insert(*id);
+                }
+            }
+        }
     }
 
     fn allocate_service_id(&mut self) -> u32 {
@@ -410,8 +452,16 @@ impl MapState {
 
 /// The next id from `next` that is neither 0 nor in use; advances `next` past it.
 fn next_free(next: &mut u32, used: &HashSet<u32>) -> u32 {
+    next_free_by(next, |id| used.contains(&id))
+}
+
+fn next_free_key<V>(next: &mut u32, used: &HashMap<u32, V>) -> u32 {
+    next_free_by(next, |id| used.contains_key(&id))
+}
+
+fn next_free_by(next: &mut u32, in_use: impl Fn(u32) -> bool) -> u32 {
     let mut id = (*next).max(1);
-    while used.contains(&id) || id == 0 {
+    while id == 0 || in_use(id) {
         id = id.wrapping_add(1);
     }
     *next = id.wrapping_add(1);
