@@ -104,15 +104,14 @@ async fn view(State(s): State<AppState>) -> Response {
 async fn watch(State(s): State<AppState>) -> Response {
     let rx = s.status.subscribe();
     let stream = futures::stream::unfold(rx, |mut rx| async move {
-        loop {
-            match rx.recv().await {
-                Ok(line) => return Some((Ok::<_, Infallible>(format!("{line}\n")), rx)),
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                    return Some((Ok(format!("# {n} lines dropped (slow reader)\n")), rx));
-                }
-                Err(_) => return None,
+        let line = match rx.recv().await {
+            Ok(line) => format!("{line}\n"),
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                format!("# {n} lines dropped (slow reader)\n")
             }
-        }
+            Err(_) => return None,
+        };
+        Some((Ok::<_, Infallible>(line), rx))
     });
     (
         [(header::CONTENT_TYPE, "text/plain")],
