@@ -271,6 +271,11 @@ async fn run(args: RunArgs) -> Result<()> {
     };
     let node = args.node.info(cfg.hostname_override.as_deref())?;
     let view_cfg = proxy_agent::model::ViewConfig {
+        pod_cidrs: match &cfg.local_detector {
+            proxy_agent::config::LocalDetector::ClusterCidr(nets) => nets.clone(),
+            _ => Vec::new(),
+        },
+        masquerade_all: cfg.masquerade_all,
         node_port_addresses: cfg.node_port_addresses.clone(),
         localhost_node_ports: cfg.localhost_node_ports,
         service_proxy_name: cfg.service_proxy_name.clone(),

@@ -9,13 +9,17 @@ use std::{
 
 use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
-    dataplane::bpf::{MapSet, MapState, load_private},
-    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    dataplane::bpf::{self, MapSet, MapState, load_private},
+    model::{
+        BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
+        WhenEmpty,
+    },
 };
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
+const TC_ACT_REDIRECT: u32 = 7;
 
 fn root(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
@@ -104,6 +108,8 @@ fn frontend(
             },
             internal: None,
             affinity_timeout_s: None,
+            external_local: false,
+            source_ranges: Vec::new(),
         },
     )
 }
@@ -349,20 +355,42 @@ fn packets_not_for_a_service_pass_untouched() {
 }
 
 #[test]
-fn service_without_backends_is_dropped_and_counted() {
-    if !root("service_without_backends_is_dropped_and_counted") {
+fn service_without_backends_rejects_tcp_with_a_reset_and_drops_udp() {
+    if !root("service_without_backends_rejects_tcp_with_a_reset_and_drops_udp") {
         return;
     }
     let mut h = Harness::new(&[]);
-    h.apply(&NodeView::from([frontend(
-        "10.96.0.20",
-        80,
-        Protocol::Tcp,
-        &[],
-    )]));
-    let (verdict, _) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.20:80"), true));
-    assert_eq!(verdict, TC_ACT_SHOT);
-    assert_eq!(h.counter("no_backend_reject"), 1);
+    h.apply(&NodeView::from([
+        frontend("10.96.0.20", 80, Protocol::Tcp, &[]),
+        frontend("10.96.0.20", 53, Protocol::Udp, &[]),
+    ]));
+    let syn = packet(sa("10.244.0.3:40000"), sa("10.96.0.20:80"), true);
+    let (verdict, out) = h.run(&syn);
+    assert_eq!(
+        verdict, TC_ACT_REDIRECT,
+        "a reset goes back out of the interface"
+    );
+    let seen = inspect(&out);
+    assert_eq!(
+        (seen.src, seen.dst),
+        (sa("10.96.0.20:80"), sa("10.244.0.3:40000")),
+        "addresses swapped"
+    );
+    assert_eq!(&out[0..6], &syn[6..12], "back to the sender's MAC");
+    let tcp = &out[34..];
+    assert_eq!(tcp[13], 0x14, "RST|ACK");
+    let seq_in = u32::from_be_bytes([syn[38], syn[39], syn[40], syn[41]]);
+    let payload = 5; // "hello" on the SYN
+    assert_eq!(
+        u32::from_be_bytes([tcp[8], tcp[9], tcp[10], tcp[11]]),
+        seq_in + payload + 1,
+        "acknowledges the SYN and its data"
+    );
+    assert_eq!(out.len(), 14 + 20 + 20, "payload trimmed");
+    assert_eq!(h.counter("reject_sent"), 1);
+    let (verdict, _) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.20:53"), false));
+    assert_eq!(verdict, TC_ACT_SHOT, "UDP without endpoints is dropped");
+    assert_eq!(h.counter("no_backend_reject"), 2);
 }
 
 #[test]
@@ -492,14 +520,35 @@ fn full_map_is_reported_and_other_services_keep_working() {
     );
 }
 
+/// The node of the scenarios: node-a, 192.0.2.10, pod network 10.244.0.0/16.
+fn configure_node(h: &mut Harness, masquerade_all: bool) {
+    bpf::sync::configure(
+        &mut h.maps,
+        &NodeSettings {
+            pod_cidrs: vec![
+                "10.244.0.0/16".parse().expect("cidr"),
+                "fd00:244::/48".parse().expect("cidr"),
+            ],
+            node_addresses: vec![
+                "192.0.2.10".parse().expect("ip"),
+                "2001:db8:a::10".parse().expect("ip"),
+            ],
+            masquerade_all,
+        },
+    )
+    .expect("configure");
+}
+
 #[test]
-fn two_scopes_internal_traffic_uses_the_internal_set() {
-    if !root("two_scopes_internal_traffic_uses_the_internal_set") {
+fn two_scopes_pods_use_the_internal_set_outside_clients_the_external_one() {
+    if !root("two_scopes_pods_use_the_internal_set_outside_clients_the_external_one") {
         return;
     }
     let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
     let (f, mut st) = frontend("203.0.113.7", 80, Protocol::Tcp, &["10.244.1.5:8080"]);
     st.kind = FrontendKind::ExternalIp;
+    st.external_local = true;
     st.internal = Some(BackendSet {
         endpoints: [sa("10.244.2.6:8080")].into(),
         when_empty: WhenEmpty::Reject,
@@ -510,17 +559,172 @@ fn two_scopes_internal_traffic_uses_the_internal_set() {
         2,
         "external and internal scope entries"
     );
-    // The classifier treats what it sees as pod traffic: the internal set.
     for port in 43000..43010 {
-        let out = h
-            .run(&packet(
+        let pod = inspect(
+            &h.run(&packet(
                 SocketAddr::new("10.244.0.3".parse().expect("ip"), port),
                 sa("203.0.113.7:80"),
                 true,
             ))
-            .1;
-        assert_eq!(inspect(&out).dst, sa("10.244.2.6:8080"));
+            .1,
+        );
+        assert_eq!(
+            pod.dst,
+            sa("10.244.2.6:8080"),
+            "pod traffic short-circuits to the internal set"
+        );
+        let outside = inspect(
+            &h.run(&packet(
+                SocketAddr::new("198.51.100.7".parse().expect("ip"), port),
+                sa("203.0.113.7:80"),
+                true,
+            ))
+            .1,
+        );
+        assert_eq!(
+            outside.dst,
+            sa("10.244.1.5:8080"),
+            "outside traffic gets the local endpoints"
+        );
+        assert_eq!(
+            outside.src.ip().to_string(),
+            "198.51.100.7",
+            "eTP Local keeps the client address"
+        );
     }
+}
+
+#[test]
+fn masquerade_rewrites_the_source_and_replies_find_their_way_back() {
+    if !root("masquerade_rewrites_the_source_and_replies_find_their_way_back") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
+    st.kind = FrontendKind::NodePort;
+    h.apply(&NodeView::from([
+        frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"]),
+        (np, st),
+    ]));
+    let node = "192.0.2.10".parse::<std::net::IpAddr>().expect("ip");
+
+    // (client, frontend, masqueraded?) — kube-proxy's rules.
+    let cases = [
+        ("10.244.0.3:40000", "10.96.0.10:80", false), // pod to ClusterIP
+        ("198.51.100.7:40001", "10.96.0.10:80", true), // outside the pod network to ClusterIP
+        ("198.51.100.7:40002", "192.0.2.10:30080", true), // NodePort, eTP Cluster
+        ("10.244.0.3:40003", "192.0.2.10:30080", true), // pod to NodePort, eTP Cluster
+    ];
+    let mut snat_ports = BTreeSet::new();
+    for (client, fe, masq) in cases {
+        let (verdict, out) = h.run(&packet(sa(client), sa(fe), true));
+        assert_eq!(verdict, TC_ACT_OK, "{client} -> {fe}");
+        let seen = inspect(&out);
+        assert_eq!(
+            seen.src.ip() == node,
+            masq,
+            "{client} -> {fe}: masquerade expected {masq}, source {}",
+            seen.src
+        );
+        if !masq {
+            assert_eq!(seen.src, sa(client));
+            continue;
+        }
+        assert!(
+            (32768..=60999).contains(&seen.src.port()),
+            "port from the SNAT range: {}",
+            seen.src
+        );
+        assert!(
+            snat_ports.insert(seen.src.port()),
+            "SNAT ports are never shared"
+        );
+        // The backend answers the node; the reply goes back to the client, from the frontend.
+        let (verdict, back) = h.run(&packet(seen.dst, seen.src, true));
+        assert_eq!(verdict, TC_ACT_OK);
+        let back = inspect(&back);
+        assert_eq!(
+            (back.src, back.dst),
+            (sa(fe), sa(client)),
+            "reply of {client} -> {fe}"
+        );
+        // Later packets of the flow keep the same translation.
+        let again = inspect(&h.run(&packet(sa(client), sa(fe), true)).1);
+        assert_eq!((again.src, again.dst), (seen.src, seen.dst));
+    }
+    assert_eq!(h.counter("snat"), 3);
+}
+
+#[test]
+fn hairpin_and_masquerade_all() {
+    if !root("hairpin_and_masquerade_all") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.0.3:8080"],
+    )]));
+    let seen = inspect(
+        &h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), true))
+            .1,
+    );
+    assert_eq!(
+        seen.src.ip().to_string(),
+        "192.0.2.10",
+        "a pod reaching itself is masqueraded"
+    );
+    configure_node(&mut h, true);
+    let seen = inspect(
+        &h.run(&packet(sa("10.244.7.7:40000"), sa("10.96.0.10:80"), true))
+            .1,
+    );
+    assert_eq!(
+        seen.src.ip().to_string(),
+        "192.0.2.10",
+        "masqueradeAll masquerades pod traffic too"
+    );
+}
+
+#[test]
+fn load_balancer_source_ranges_allow_and_drop() {
+    if !root("load_balancer_source_ranges_allow_and_drop") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let (lb, mut st) = frontend("203.0.113.50", 80, Protocol::Tcp, &["10.244.1.5:8080"]);
+    st.kind = FrontendKind::LoadBalancer;
+    st.source_ranges = vec!["198.51.100.0/25".parse().expect("cidr")];
+    h.apply(&NodeView::from([(lb, st.clone())]));
+    let (verdict, out) = h.run(&packet(
+        sa("198.51.100.7:40000"),
+        sa("203.0.113.50:80"),
+        true,
+    ));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(inspect(&out).dst, sa("10.244.1.5:8080"));
+    let (verdict, _) = h.run(&packet(
+        sa("198.51.100.200:40000"),
+        sa("203.0.113.50:80"),
+        true,
+    ));
+    assert_eq!(verdict, TC_ACT_SHOT, "outside the ranges: dropped");
+    assert_eq!(h.counter("source_range_drop"), 1);
+    // Widening the ranges is a map update, not a reload.
+    st.source_ranges
+        .push("198.51.100.128/25".parse().expect("cidr"));
+    h.apply(&NodeView::from([(lb, st)]));
+    let (verdict, _) = h.run(&packet(
+        sa("198.51.100.200:40001"),
+        sa("203.0.113.50:80"),
+        true,
+    ));
+    assert_eq!(verdict, TC_ACT_OK);
 }
 
 #[test]

@@ -30,6 +30,34 @@ pub const SVC_F_AFFINITY: u16 = 1 << 0;
 pub const SVC_F_TWO_SCOPES: u16 = 1 << 1;
 /// `ServiceValue::flags`: with no backends, drop silently instead of rejecting.
 pub const SVC_F_DROP_NO_BACKENDS: u16 = 1 << 2;
+/// `ServiceValue::flags`: an external frontend (NodePort, external IP, load-balancer IP):
+/// masqueraded like kube-proxy's KUBE-EXT chains.
+pub const SVC_F_EXTERNAL: u16 = 1 << 3;
+/// `ServiceValue::flags`: `externalTrafficPolicy: Local`: outside clients keep their
+/// source address (only traffic the node itself sends is masqueraded).
+pub const SVC_F_EXT_LOCAL: u16 = 1 << 4;
+/// `ServiceValue::flags`: only sources in `SOURCE_RANGES` for this service id may connect.
+pub const SVC_F_SOURCE_RANGES: u16 = 1 << 5;
+
+/// `NodeConfig::flags`: masquerade every service connection (kube-proxy's masqueradeAll).
+pub const CFG_MASQUERADE_ALL: u32 = 1 << 0;
+/// `NodeConfig::flags`: pod traffic can be told apart (`LOCAL_NETS` holds the pod CIDRs).
+pub const CFG_LOCAL_DETECTOR: u32 = 1 << 1;
+
+/// `LpmData::tag` of a pod-network CIDR in `LOCAL_NETS` (or'ed with the family).
+pub const LPM_TAG_POD: u32 = 0;
+/// `LpmData::tag` of one of the node's own addresses in `LOCAL_NETS` (or'ed with the family).
+pub const LPM_TAG_NODE: u32 = 0x100;
+/// Bits of `LpmData::tag` every LPM key matches in full before the address bits.
+pub const LPM_TAG_BITS: u32 = 32;
+
+/// `CtValue::flags`: the flow's source was rewritten to the node (masquerade).
+pub const CT_F_SNAT: u8 = 1 << 0;
+
+/// Ports the masquerade allocates from (kube-proxy leaves the kernel's ephemeral range,
+/// 32768-60999, to SNAT as well).
+pub const SNAT_PORT_MIN: u16 = 32_768;
+pub const SNAT_PORT_MAX: u16 = 60_999;
 
 /// `Backend::state`: receives new connections.
 pub const BACKEND_ACTIVE: u8 = 0;
@@ -57,8 +85,11 @@ pub mod map_names {
     pub const SOCK_REV_NAT: &str = "SOCK_REV_NAT";
     pub const CONNTRACK: &str = "CONNTRACK";
     pub const COUNTERS: &str = "COUNTERS";
+    pub const NODE_CONFIG: &str = "NODE_CONFIG";
+    pub const LOCAL_NETS: &str = "LOCAL_NETS";
+    pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     /// Every map the agent pins, in a stable order.
-    pub const ALL: [&str; 8] = [
+    pub const ALL: [&str; 11] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -67,6 +98,9 @@ pub mod map_names {
         SOCK_REV_NAT,
         CONNTRACK,
         COUNTERS,
+        NODE_CONFIG,
+        LOCAL_NETS,
+        SOURCE_RANGES,
     ];
 }
 
@@ -79,6 +113,8 @@ pub mod capacity {
     pub const REV_NAT: u32 = 65_536;
     pub const SOCK_REV_NAT: u32 = 65_536;
     pub const CONNTRACK: u32 = 131_072;
+    pub const LOCAL_NETS: u32 = 1_024;
+    pub const SOURCE_RANGES: u32 = 16_384;
 }
 
 /// Most backend slots one service entry may reference; bounds the BPF loops.
@@ -232,8 +268,10 @@ pub struct CtKey {
     pub _pad: u8,
 }
 
-/// Connection-tracking value. Forward entries hold the backend the flow was sent to;
-/// reply entries hold the `rev_nat_id` whose frontend replies are rewritten to.
+/// Connection-tracking value. Forward entries hold the backend the flow was sent to and,
+/// when masqueraded, the node address and port it leaves with; reply entries hold the
+/// `rev_nat_id` whose frontend replies come from and, when masqueraded, the client's
+/// address and port to restore.
 #[repr(C)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -241,6 +279,39 @@ pub struct CtValue {
     pub last_seen_ns: u64,
     pub backend_id: u32,
     pub rev_nat_id: u32,
+    pub nat_addr: [u32; 4],
+    /// Network byte order.
+    pub nat_port: u16,
+    /// `CT_F_*`.
+    pub flags: u8,
+    pub _pad: u8,
+    pub _pad2: u32,
+}
+
+/// Node-wide settings of the per-packet path (`NODE_CONFIG`, one entry at index 0).
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// The node address masqueraded IPv4 traffic leaves with (word 0; 0 = none).
+    pub snat_v4: [u32; 4],
+    /// The node address masqueraded IPv6 traffic leaves with (zero = none).
+    pub snat_v6: [u32; 4],
+    /// `CFG_*`.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// Data of an LPM-trie key: a tag matched in full, then the address bits.
+/// `LOCAL_NETS`: tag = `LPM_TAG_POD | family` or `LPM_TAG_NODE | family`.
+/// `SOURCE_RANGES`: tag = the service id.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LpmData {
+    /// Always matched in full (the key's prefix length counts its 32 bits first).
+    pub tag: u32,
+    pub addr: [u32; 4],
 }
 
 /// Indices of the per-CPU `COUNTERS` array: why packets and connections took the path
@@ -255,8 +326,12 @@ pub mod counter {
     pub const SOCK_REV_NAT_FAILED: u32 = 6;
     pub const AFFINITY_HIT: u32 = 7;
     pub const REWRITE_FAILED: u32 = 8;
+    pub const SOURCE_RANGE_DROP: u32 = 9;
+    pub const SNAT: u32 = 10;
+    pub const SNAT_PORTS_EXHAUSTED: u32 = 11;
+    pub const REJECT_SENT: u32 = 12;
     /// Length of the array.
-    pub const COUNT: u32 = 9;
+    pub const COUNT: u32 = 13;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -268,6 +343,10 @@ pub mod counter {
         "sock_rev_nat_failed",
         "affinity_hit",
         "rewrite_failed",
+        "source_range_drop",
+        "snat",
+        "snat_ports_exhausted",
+        "reject_sent",
     ];
 }
 
@@ -295,6 +374,8 @@ mod user {
         SockRevNatValue,
         CtKey,
         CtValue,
+        NodeConfig,
+        LpmData,
     );
 }
 
@@ -317,7 +398,9 @@ mod tests {
         assert_eq!(size_of::<SockRevNatKey>(), 32);
         assert_eq!(size_of::<SockRevNatValue>(), 4);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 16);
+        assert_eq!(size_of::<CtValue>(), 40);
+        assert_eq!(size_of::<NodeConfig>(), 40);
+        assert_eq!(size_of::<LpmData>(), 20);
         // The kernel rejects hash values aligned above 8 bytes.
         assert!(align_of::<AffinityValue>() <= 8 && align_of::<CtValue>() <= 8);
     }
@@ -334,7 +417,8 @@ mod tests {
         assert_eq!(size_of::<RevNatValue>(), 16 + 2 + 1 + 1);
         assert_eq!(size_of::<SockRevNatKey>(), 8 + 16 + 2 + 1 + 5);
         assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
-        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4);
+        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 2 + 1 + 1 + 4);
+        assert_eq!(size_of::<NodeConfig>(), 16 + 16 + 4 + 4);
     }
 
     #[test]

@@ -56,7 +56,8 @@ pub fn lookup_service(
 
 /// Picks a backend for a new connection to `svc`: the client's affinity entry while it is
 /// fresh, otherwise a uniformly random slot (iptables' `statistic mode random` semantics).
-#[inline(always)]
+/// Not inlined: its keys get their own stack frame (the BPF stack is 512 bytes in all).
+#[inline(never)]
 pub fn select_backend(svc: &ServiceValue, client: &Client) -> Result<(u32, Backend), NoBackend> {
     if svc.count == 0 {
         return Err(no_backend(svc));

@@ -5,6 +5,7 @@
 
 mod lb;
 mod maps;
+mod reject;
 mod sock;
 mod tc;
 

@@ -4,12 +4,13 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, RevNatValue,
-    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, capacity, counter,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LpmData,
+    NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, capacity,
+    counter,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -55,6 +56,18 @@ pub static CONNTRACK: LruHashMap<CtKey, CtValue, { capacity::CONNTRACK as usize 
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+
+#[btf_map]
+pub static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
+
+/// The pod network and the node's own addresses: who is "inside".
+#[btf_map]
+pub static LOCAL_NETS: LpmTrie<LpmData, u8, { capacity::LOCAL_NETS as usize }> = LpmTrie::new();
+
+/// `loadBalancerSourceRanges`, per service id.
+#[btf_map]
+pub static SOURCE_RANGES: LpmTrie<LpmData, u8, { capacity::SOURCE_RANGES as usize }> =
+    LpmTrie::new();
 
 /// Counts one event of kind `idx` (a `proxy_common::counter` index).
 #[inline(always)]

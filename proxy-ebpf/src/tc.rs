@@ -1,26 +1,36 @@
 //! Per-packet service NAT (TC ingress): DNAT of packets addressed to a frontend, with
-//! connection tracking so every packet of a flow keeps its backend, and reverse NAT of
-//! the replies. Packets that are not ours pass on untouched (`TCX_NEXT`).
+//! connection tracking so every packet of a flow keeps its backend, masquerade (SNAT to
+//! the node) where kube-proxy would masquerade, reverse NAT of the replies, source-range
+//! filtering, and TCP resets for services without endpoints. Packets that are not ours
+//! pass on untouched (`TCX_NEXT`).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::bpf_ktime_get_ns,
+    EbpfContext as _,
+    bindings::{
+        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
+        TC_ACT_UNSPEC,
+    },
+    btf_maps::lpm_trie::Key,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CtKey, CtValue, FAMILY_V4, FAMILY_V6,
-    PROTO_TCP, PROTO_UDP, counter,
+    AFFINITY_BY_ADDR, Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CT_DIR_FORWARD,
+    CT_DIR_REPLY, CT_F_SNAT, CtKey, CtValue, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE,
+    LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP, PROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, ServiceValue, counter,
 };
 
 use crate::{
-    lb::{self, Client},
-    maps::{CONNTRACK, REV_NAT, count},
+    lb::{self, Client, NoBackend},
+    maps::{CONNTRACK, LOCAL_NETS, NODE_CONFIG, REV_NAT, SOURCE_RANGES, count},
+    reject,
 };
 
-const ETH_HLEN: usize = 14;
+pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
-const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
+pub const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
@@ -30,18 +40,18 @@ const IPV6_HLEN: usize = 40;
 /// Not ours: let the next program (or the stack) have it.
 const PASS_ON: i32 = TC_ACT_UNSPEC;
 const DONE: i32 = TC_ACT_OK as i32;
-const DROP: i32 = TC_ACT_SHOT as i32;
+pub const DROP: i32 = TC_ACT_SHOT as i32;
 
 /// The parts of a TCP/UDP packet the NAT reads and rewrites.
-struct Packet {
-    family: u8,
-    proto: u8,
-    saddr: [u32; 4],
-    daddr: [u32; 4],
+pub struct Packet {
+    pub family: u8,
+    pub proto: u8,
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
     /// Network byte order, as in the packet.
-    sport: u16,
-    dport: u16,
-    l4_off: usize,
+    pub sport: u16,
+    pub dport: u16,
+    pub l4_off: usize,
 }
 
 impl Packet {
@@ -59,64 +69,146 @@ impl Packet {
     }
 }
 
+/// Where a packet comes from, as kube-proxy's local-traffic detector sees it.
+struct Origin {
+    /// From the pod network (`clusterCIDR`).
+    pod: bool,
+    /// Sent by the node itself (one of its addresses, or loopback).
+    node: bool,
+}
+
 pub fn ingress(ctx: &TcContext) -> Result<i32, i32> {
     let Some(pkt) = parse(ctx)? else {
         return Ok(PASS_ON);
     };
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-
-    // A reply of a translated flow: show the frontend as its source.
-    if let Some(ct) = CONNTRACK.get_ptr_mut(&pkt.ct_key(CT_DIR_REPLY)) {
-        // SAFETY: the entry stays valid during this program run (RCU); a racy timestamp
-        // store is harmless.
-        let rev_nat_id = unsafe {
-            (*ct).last_seen_ns = now;
-            (*ct).rev_nat_id
-        };
-        // SAFETY: the value is copied out at once.
-        if let Some(frontend) = unsafe { REV_NAT.get(&rev_nat_id).copied() } {
-            rewrite(ctx, &pkt, Side::Source, frontend.addr, frontend.port)?;
-            count(counter::CT_REPLY_NAT);
-        }
-        return Ok(DONE);
+    if let Some(verdict) = reply(ctx, &pkt, now)? {
+        return Ok(verdict);
     }
+    if let Some(verdict) = established(ctx, &pkt, now)? {
+        return Ok(verdict);
+    }
+    new_flow(ctx, &pkt)
+}
 
-    // A packet of a flow we already translated keeps its backend while that exists.
+// The three paths are separate functions (not inlined) so their locals never share one
+// stack frame: the BPF stack is 512 bytes.
+
+/// A reply of a translated flow: the frontend as source, and the client back as
+/// destination when the flow was masqueraded.
+#[inline(never)]
+fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
+    let Some(ct) = CONNTRACK.get_ptr_mut(&pkt.ct_key(CT_DIR_REPLY)) else {
+        return Ok(None);
+    };
+    // SAFETY: the entry stays valid during this program run (RCU); a racy timestamp
+    // store is harmless.
+    let entry = unsafe {
+        (*ct).last_seen_ns = now;
+        *ct
+    };
+    // SAFETY: the value is copied out at once.
+    if let Some(frontend) = unsafe { REV_NAT.get(&entry.rev_nat_id).copied() } {
+        rewrite(ctx, pkt, Side::Source, &frontend.addr, frontend.port)?;
+        if entry.flags & CT_F_SNAT != 0 {
+            rewrite(ctx, pkt, Side::Destination, &entry.nat_addr, entry.nat_port)?;
+        }
+        count(counter::CT_REPLY_NAT);
+    }
+    Ok(Some(DONE))
+}
+
+/// A packet of a flow we already translated keeps its backend while that exists.
+#[inline(never)]
+fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
     let fwd_key = pkt.ct_key(CT_DIR_FORWARD);
     // SAFETY: the value is copied out at once.
-    if let Some(ct) = unsafe { CONNTRACK.get(&fwd_key).copied() }
-        && let Some(be) = lb::backend(ct.backend_id)
-    {
-        rewrite(ctx, &pkt, Side::Destination, be.addr, be.port)?;
-        if let Some(entry) = CONNTRACK.get_ptr_mut(&fwd_key) {
-            // SAFETY: as above.
-            unsafe { (*entry).last_seen_ns = now };
-        }
-        return Ok(DONE);
+    let Some(ct) = (unsafe { CONNTRACK.get(&fwd_key).copied() }) else {
+        return Ok(None);
+    };
+    let Some(be) = lb::backend(ct.backend_id) else {
+        return Ok(None); // its backend is gone: choose again
+    };
+    if ct.flags & CT_F_SNAT != 0 {
+        rewrite(ctx, pkt, Side::Source, &ct.nat_addr, ct.nat_port)?;
     }
+    rewrite(ctx, pkt, Side::Destination, &be.addr, be.port)?;
+    if let Some(entry) = CONNTRACK.get_ptr_mut(&fwd_key) {
+        // SAFETY: as above.
+        unsafe { (*entry).last_seen_ns = now };
+    }
+    Ok(Some(DONE))
+}
 
-    // Until the local-traffic detector (clusterCIDR) arrives with the external-traffic
-    // path, every packet this classifier sees is treated as internal (pod) traffic.
-    let Some(svc) = lb::lookup_service(pkt.daddr, pkt.dport, pkt.proto, pkt.family, true) else {
+/// A new flow: find the service, check source ranges, choose a backend, decide on
+/// masquerade, record both directions, translate.
+#[inline(never)]
+fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
+    // A reference into the map, not a copy: the BPF stack is small.
+    let default = NodeConfig::default();
+    let cfg = NODE_CONFIG.get(0).unwrap_or(&default);
+    let origin = origin(pkt, cfg);
+    let internal = origin.pod || origin.node;
+    let Some(svc) = lb::lookup_service(pkt.daddr, pkt.dport, pkt.proto, pkt.family, internal)
+    else {
         return Ok(PASS_ON);
     };
     count(counter::SVC_HIT);
+    if svc.flags & SVC_F_SOURCE_RANGES != 0 && !source_allowed(svc.id, pkt) {
+        count(counter::SOURCE_RANGE_DROP);
+        return Err(DROP);
+    }
     let client = Client {
         id: pkt.saddr,
         kind: AFFINITY_BY_ADDR,
         family: pkt.family,
     };
-    // No usable backend: the per-packet path drops (ICMP reject belongs to the
-    // external-traffic path); the reason is counted by `select_backend`.
-    let (backend_id, be) = lb::select_backend(&svc, &client).map_err(|_| DROP)?;
-
-    let entry = CtValue {
-        last_seen_ns: now,
+    let (backend_id, be) = match lb::select_backend(&svc, &client) {
+        Ok(found) => found,
+        Err(NoBackend::Reject) => return reject::refuse(ctx, pkt),
+        Err(NoBackend::Drop) => return Err(DROP),
+    };
+    let snat = if masquerade(&svc, cfg, &origin, pkt, &be) {
+        let addr = if pkt.family == FAMILY_V4 {
+            cfg.snat_v4
+        } else {
+            cfg.snat_v6
+        };
+        (addr != [0; 4]).then_some(addr)
+    } else {
+        None
+    };
+    let mut entry = CtValue {
         backend_id,
         rev_nat_id: svc.rev_nat_id,
+        nat_addr: snat.unwrap_or_default(),
+        ..CtValue::default()
     };
-    let reply_key = CtKey {
+    record(pkt, &be, &mut entry)?;
+    if entry.flags & CT_F_SNAT != 0 {
+        rewrite(ctx, pkt, Side::Source, &entry.nat_addr, entry.nat_port)?;
+    }
+    rewrite(ctx, pkt, Side::Destination, &be.addr, be.port)?;
+    Ok(DONE)
+}
+
+/// Writes the flow's forward and reply entries. `entry` arrives with the backend, the
+/// reverse-NAT id and — to masquerade — the node address in `nat_addr`; with masquerade a
+/// source port is claimed and `entry` leaves with `CT_F_SNAT` and `nat_port` set.
+/// (Few, scalar-or-pointer arguments: the verifier takes no stack-passed ones.)
+#[inline(never)]
+fn record(pkt: &Packet, be: &Backend, entry: &mut CtValue) -> Result<(), i32> {
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    entry.last_seen_ns = now;
+    let mut reply = CtValue {
+        last_seen_ns: now,
+        backend_id: entry.backend_id,
+        rev_nat_id: entry.rev_nat_id,
+        ..CtValue::default()
+    };
+    let mut reply_key = CtKey {
         saddr: be.addr,
         daddr: pkt.saddr,
         sport: be.port,
@@ -126,15 +218,104 @@ pub fn ingress(ctx: &TcContext) -> Result<i32, i32> {
         dir: CT_DIR_REPLY,
         _pad: 0,
     };
-    // Both entries or neither: a forward entry without its reply entry would leave
-    // replies untranslated. The packet is translated either way.
-    if CONNTRACK.insert(&reply_key, &entry, 0).is_err()
-        || CONNTRACK.insert(&fwd_key, &entry, 0).is_err()
+    if entry.nat_addr != [0; 4] {
+        reply.flags = CT_F_SNAT;
+        reply.nat_addr = pkt.saddr;
+        reply.nat_port = pkt.sport;
+        reply_key.daddr = entry.nat_addr;
+        let Some(port) = allocate_port(&mut reply_key, &reply) else {
+            count(counter::SNAT_PORTS_EXHAUSTED);
+            return Err(DROP);
+        };
+        entry.flags = CT_F_SNAT;
+        entry.nat_port = port;
+        count(counter::SNAT);
+    } else if CONNTRACK.insert(&reply_key, &reply, 0).is_err() {
+        count(counter::CT_CREATE_FAILED);
+    }
+    // A forward entry without its reply entry would leave replies untranslated; the
+    // packet is translated either way.
+    if CONNTRACK
+        .insert(&pkt.ct_key(CT_DIR_FORWARD), entry, 0)
+        .is_err()
     {
         count(counter::CT_CREATE_FAILED);
     }
-    rewrite(ctx, &pkt, Side::Destination, be.addr, be.port)?;
-    Ok(DONE)
+    Ok(())
+}
+
+/// kube-proxy's masquerade rules: `masqueradeAll`; hairpin (a pod reaching itself);
+/// external frontends always with `externalTrafficPolicy: Cluster`, only for traffic the
+/// node sends with `Local`; ClusterIPs for traffic from outside the pod network.
+fn masquerade(
+    svc: &ServiceValue,
+    cfg: &NodeConfig,
+    origin: &Origin,
+    pkt: &Packet,
+    be: &Backend,
+) -> bool {
+    if cfg.flags & CFG_MASQUERADE_ALL != 0 || be.addr == pkt.saddr {
+        return true;
+    }
+    if svc.flags & SVC_F_EXTERNAL != 0 {
+        return svc.flags & SVC_F_EXT_LOCAL == 0 || origin.node;
+    }
+    cfg.flags & CFG_LOCAL_DETECTOR != 0 && !origin.pod
+}
+
+fn lpm_key(tag: u32, family: u8, addr: [u32; 4]) -> Key<LpmData> {
+    let bits = if family == FAMILY_V4 { 32 } else { 128 };
+    Key::new(LPM_TAG_BITS + bits, LpmData { tag, addr })
+}
+
+fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
+    let family = u32::from(pkt.family);
+    let pod = cfg.flags & CFG_LOCAL_DETECTOR != 0
+        && LOCAL_NETS
+            .get(&lpm_key(LPM_TAG_POD | family, pkt.family, pkt.saddr))
+            .is_some();
+    let loopback = if pkt.family == FAMILY_V4 {
+        pkt.saddr[0].to_ne_bytes()[0] == 127
+    } else {
+        pkt.saddr == [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
+    };
+    let node = loopback
+        || LOCAL_NETS
+            .get(&lpm_key(LPM_TAG_NODE | family, pkt.family, pkt.saddr))
+            .is_some();
+    Origin { pod, node }
+}
+
+fn source_allowed(service_id: u32, pkt: &Packet) -> bool {
+    SOURCE_RANGES
+        .get(&lpm_key(service_id, pkt.family, pkt.saddr))
+        .is_some()
+}
+
+/// Finds a free masquerade port: claims the reply tuple with `BPF_NOEXIST`, so two flows
+/// never share one. Returns the port in network byte order.
+#[inline(never)]
+fn allocate_port(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
+    let range = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
+    // SAFETY: no preconditions.
+    let start = unsafe { bpf_get_prandom_u32() } % range;
+    for i in 0..8u32 {
+        let port = (SNAT_PORT_MIN as u32 + (start + i * 7919) % range) as u16;
+        reply_key.dport = port.to_be();
+        if CONNTRACK
+            .insert(reply_key, reply, u64::from(BPF_NOEXIST))
+            .is_ok()
+        {
+            return Some(port.to_be());
+        }
+    }
+    None
+}
+
+/// The interface a packet arrived on.
+pub fn ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: the context is a valid __sk_buff; ifindex is a plain readable field.
+    unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ifindex }
 }
 
 /// Reads the 5-tuple; `None` for anything that is not unfragmented TCP/UDP over IP.
@@ -187,12 +368,12 @@ enum Side {
 
 /// Rewrites one side's address and port, keeping the IPv4 header checksum and the L4
 /// checksum (whose pseudo-header covers the addresses) valid.
-#[inline(always)]
+#[inline(never)]
 fn rewrite(
     ctx: &TcContext,
     pkt: &Packet,
     side: Side,
-    addr: [u32; 4],
+    addr: &[u32; 4],
     port: u16,
 ) -> Result<(), i32> {
     let (old_addr, old_port, port_off) = match side {
@@ -229,7 +410,7 @@ fn rewrite(
             ctx.l4_csum_replace(csum_off, u64::from(old_addr[i]), u64::from(addr[i]), pseudo)
                 .map_err(fail)?;
         }
-        ctx.store(addr_off, &addr, 0).map_err(fail)?;
+        ctx.store(addr_off, addr, 0).map_err(fail)?;
     }
     ctx.l4_csum_replace(
         csum_off,

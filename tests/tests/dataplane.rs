@@ -223,13 +223,10 @@ fn per_packet_backend_removal_is_hitless() {
     }
 }
 
-/// A Service without endpoints refuses at once (kube-proxy's REJECT), never hangs.
-#[test]
-fn connect_time_no_endpoints_refuses_quickly() {
-    if !require_root("connect_time_no_endpoints_refuses_quickly") {
-        return;
-    }
-    let tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
+/// A Service without endpoints refuses at once (kube-proxy's REJECT), never hangs: at
+/// connect time with ECONNREFUSED, per packet with a TCP reset.
+fn no_endpoints_refuses_quickly(path: Path_) {
+    let tb = testbed(path, &[0, 1, 2], None);
     let attempts = tb
         .client(&[
             "--target",
@@ -242,16 +239,36 @@ fn connect_time_no_endpoints_refuses_quickly() {
         .expect("client");
     for a in &attempts {
         assert!(!a.ok);
-        assert_eq!(a.error.as_deref(), Some("ConnectionRefused"), "{a:?}");
-        assert!(a.ms < 500.0, "refusal took {} ms", a.ms);
+        assert_eq!(
+            a.error.as_deref(),
+            Some("ConnectionRefused"),
+            "{path:?}: {a:?}"
+        );
+        assert!(a.ms < 500.0, "{path:?}: refusal took {} ms", a.ms);
     }
-    // The program's own log line (aya-log, enabled at debug here) reaches the agent's log.
-    thread::sleep(Duration::from_millis(200));
-    let log = tb.agent_log();
-    assert!(
-        log.contains("has no usable backends: refused"),
-        "no BPF log in:\n{log}"
-    );
+    if path == Path_::ConnectTime {
+        // The program's own log line (aya-log, enabled at debug here) reaches the agent's log.
+        thread::sleep(Duration::from_millis(200));
+        let log = tb.agent_log();
+        assert!(
+            log.contains("has no usable backends: refused"),
+            "no BPF log in:\n{log}"
+        );
+    }
+}
+
+#[test]
+fn connect_time_no_endpoints_refuses_quickly() {
+    if require_root("connect_time_no_endpoints_refuses_quickly") {
+        no_endpoints_refuses_quickly(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_no_endpoints_refuses_quickly() {
+    if require_root("per_packet_no_endpoints_refuses_quickly") {
+        no_endpoints_refuses_quickly(Path_::PerPacket);
+    }
 }
 
 /// `proxy-agent cleanup` detaches every program and removes every pin: the ClusterIP is

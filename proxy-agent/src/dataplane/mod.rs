@@ -3,7 +3,7 @@
 pub mod bpf;
 pub mod log;
 
-use crate::model::NodeView;
+use crate::model::{NodeSettings, NodeView};
 
 /// What one apply changed, and what it could not.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -19,6 +19,11 @@ pub struct ApplyReport {
 /// A dataplane: brings itself to the desired view with as few changes as it can.
 pub trait Dataplane {
     fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport>;
+
+    /// Tells the dataplane who this node is (addresses, pod network, masquerade).
+    fn configure(&mut self, _node: &NodeSettings) -> anyhow::Result<()> {
+        Ok(())
+    }
 
     /// Forgets what it believes it programmed and re-reads the real state, so the next
     /// apply repairs any drift.

@@ -65,9 +65,14 @@ impl NodeInfo {
     }
 }
 
-/// Settings that change the view (kube-proxy's, where it has them).
+/// This node's proxy settings (kube-proxy's, where it has them).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ViewConfig {
+    /// The pod network (`clusterCIDR` with `detectLocalMode: ClusterCIDR`); empty when
+    /// pod traffic cannot be told apart.
+    pub pod_cidrs: Vec<ipnet::IpNet>,
+    /// kube-proxy's `masqueradeAll`.
+    pub masquerade_all: bool,
     /// CIDRs whose node addresses get NodePorts; empty: every node address.
     pub node_port_addresses: Vec<ipnet::IpNet>,
     /// `127.0.0.1:<nodePort>` works (IPv4 only).
@@ -80,6 +85,8 @@ pub struct ViewConfig {
 impl Default for ViewConfig {
     fn default() -> Self {
         Self {
+            pod_cidrs: Vec::new(),
+            masquerade_all: false,
             node_port_addresses: Vec::new(),
             localhost_node_ports: true,
             service_proxy_name: None,
@@ -161,6 +168,29 @@ pub struct FrontendState {
     pub internal: Option<BackendSet>,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout_s: Option<u32>,
+    /// `externalTrafficPolicy: Local` on an external frontend: outside clients keep their
+    /// source address.
+    pub external_local: bool,
+    /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
+    pub source_ranges: Vec<ipnet::IpNet>,
+}
+
+/// What the per-packet path needs to know about this node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct NodeSettings {
+    pub pod_cidrs: Vec<ipnet::IpNet>,
+    pub node_addresses: Vec<IpAddr>,
+    pub masquerade_all: bool,
+}
+
+impl NodeSettings {
+    pub fn new(node: &NodeInfo, cfg: &ViewConfig) -> Self {
+        Self {
+            pod_cidrs: cfg.pod_cidrs.clone(),
+            node_addresses: node.addresses.clone(),
+            masquerade_all: cfg.masquerade_all,
+        }
+    }
 }
 
 /// This node's desired dataplane state.

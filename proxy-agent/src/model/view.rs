@@ -90,6 +90,8 @@ pub fn node_view(
             externally_accessible,
         };
         let affinity = affinity_timeout(spec);
+        let (source_ranges, bad) = parse_cidrs(spec.load_balancer_source_ranges.iter().flatten());
+        rejected.extend(bad.into_iter().map(rejection));
         let slices: &[&EndpointSlice] = slices_of
             .get(&(sref.namespace.as_str(), sref.name.as_str()))
             .map_or(&[], Vec::as_slice);
@@ -118,10 +120,15 @@ pub fn node_view(
                 rejected.extend(bad);
                 let sets = categorize(&eps, policies, &node.name, node.zone());
                 let mut add = |ip: IpAddr, port: u16, kind: FrontendKind| {
-                    view.insert(
-                        Frontend { ip, port, protocol },
-                        frontend_state(&service, kind, &sets, policies, affinity),
-                    );
+                    let mut st = frontend_state(&service, kind, &sets, policies, affinity);
+                    if kind == FrontendKind::LoadBalancer {
+                        st.source_ranges = source_ranges
+                            .iter()
+                            .copied()
+                            .filter(|n| n.addr().is_ipv4() == v4)
+                            .collect();
+                    }
+                    view.insert(Frontend { ip, port, protocol }, st);
                 };
                 for ip in cips {
                     add(ip, number, FrontendKind::ClusterIp);
@@ -173,7 +180,22 @@ fn frontend_state(
         backends,
         internal,
         affinity_timeout_s: affinity,
+        external_local: kind != FrontendKind::ClusterIp && policies.external_local,
+        source_ranges: Vec::new(),
     }
+}
+
+/// `loadBalancerSourceRanges`; the invalid ones are left out and described.
+fn parse_cidrs<'a>(raw: impl Iterator<Item = &'a String>) -> (Vec<ipnet::IpNet>, Vec<String>) {
+    let mut nets = Vec::new();
+    let mut bad = Vec::new();
+    for s in raw {
+        match s.trim().parse() {
+            Ok(n) => nets.push(n),
+            Err(e) => bad.push(format!("invalid loadBalancerSourceRange {s:?}: {e}")),
+        }
+    }
+    (nets, bad)
 }
 
 /// kube-proxy serves unlabelled Services; a labelled one only if it names this proxy.

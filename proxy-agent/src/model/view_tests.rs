@@ -513,7 +513,7 @@ fn node_port_addresses_and_localhost() {
         let cfg = ViewConfig {
             node_port_addresses: cidrs.iter().map(|c| c.parse().expect("cidr")).collect(),
             localhost_node_ports: localhost,
-            service_proxy_name: None,
+            ..ViewConfig::default()
         };
         let (view, _) = node_view(&m, &node_a(), &cfg);
         let got: Vec<String> = view

@@ -12,7 +12,7 @@ use tokio::{sync::watch, time::Instant};
 pub use self::status::Status;
 use crate::{
     dataplane::Dataplane,
-    model::{NodeInfo, NodeView, ViewConfig, node_view},
+    model::{NodeInfo, NodeSettings, NodeView, ViewConfig, node_view},
     source::{Snapshot, files},
 };
 
@@ -68,6 +68,7 @@ pub async fn run<D: Dataplane>(
     let mut retry_delay = timing.retry;
     let mut current: Option<NodeView> = None;
     let mut last_rejections = Vec::new();
+    let mut settings: Option<NodeSettings> = None;
     loop {
         let wake = retry_at.map_or(next_resync, |r| r.min(next_resync));
         let mut forced = false;
@@ -88,6 +89,16 @@ pub async fn run<D: Dataplane>(
         let Some(snapshot) = source.borrow_and_update().clone() else {
             continue; // the source has not seen everything yet
         };
+        let wanted = NodeSettings::new(&snapshot.node, &cfg);
+        if settings.as_ref() != Some(&wanted) {
+            match dataplane.configure(&wanted) {
+                Ok(()) => settings = Some(wanted),
+                Err(e) => tracing::error!(
+                    error = format!("{e:#}"),
+                    "configuring the node settings failed; will retry"
+                ),
+            }
+        }
         let (view, rejected) = node_view(&snapshot.model, &snapshot.node, &cfg);
         if rejected != last_rejections {
             for r in &rejected {

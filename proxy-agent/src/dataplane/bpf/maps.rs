@@ -6,11 +6,11 @@ use std::path::Path;
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
-    maps::{HashMap, Map, MapData, PerCpuArray},
+    maps::{Array, HashMap, Map, MapData, PerCpuArray, lpm_trie::LpmTrie},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, RevNatValue,
-    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, map_names,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LpmData,
+    NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, map_names,
 };
 
 /// Every map of the proxy, typed.
@@ -23,6 +23,9 @@ pub struct MapSet {
     pub sock_rev_nat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     pub counters: PerCpuArray<MapData, u64>,
+    pub node_config: Array<MapData, NodeConfig>,
+    pub local_nets: LpmTrie<MapData, LpmData, u8>,
+    pub source_ranges: LpmTrie<MapData, LpmData, u8>,
 }
 
 impl MapSet {
@@ -66,6 +69,22 @@ impl MapSet {
                 map_names::COUNTERS,
                 id(IterableMap::<u32, PerCpuValues<u64>>::map(&self.counters))?,
             ),
+            (
+                map_names::NODE_CONFIG,
+                id(IterableMap::<u32, NodeConfig>::map(&self.node_config))?,
+            ),
+            (
+                map_names::LOCAL_NETS,
+                id(IterableMap::<aya::maps::lpm_trie::Key<LpmData>, u8>::map(
+                    &self.local_nets,
+                ))?,
+            ),
+            (
+                map_names::SOURCE_RANGES,
+                id(IterableMap::<aya::maps::lpm_trie::Key<LpmData>, u8>::map(
+                    &self.source_ranges,
+                ))?,
+            ),
         ];
         Self::build(|name| {
             let (_, id) = ids
@@ -93,6 +112,9 @@ impl MapSet {
             sock_rev_nat: typed!(map_names::SOCK_REV_NAT),
             conntrack: typed!(map_names::CONNTRACK),
             counters: typed!(map_names::COUNTERS),
+            node_config: typed!(map_names::NODE_CONFIG),
+            local_nets: typed!(map_names::LOCAL_NETS),
+            source_ranges: typed!(map_names::SOURCE_RANGES),
         })
     }
 

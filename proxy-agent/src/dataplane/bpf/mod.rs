@@ -173,6 +173,10 @@ impl Dataplane for BpfDataplane {
         self.state = MapState::adopt(&self.maps)?;
         Ok(())
     }
+
+    fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
+        sync::configure(&mut self.maps, node)
+    }
 }
 
 impl BpfDataplane {
@@ -198,6 +202,10 @@ impl Dataplane for MapsDataplane<'_> {
     fn resync(&mut self) -> Result<()> {
         *self.state = MapState::adopt(self.maps)?;
         Ok(())
+    }
+
+    fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
+        sync::configure(self.maps, node)
     }
 }
 

@@ -12,17 +12,22 @@ use std::{
 };
 
 use anyhow::Result;
-use aya::maps::MapError;
+use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
-    BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, FAMILY_V4, FAMILY_V6, PROTO_TCP,
+    BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
+    FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP,
     PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS,
-    SVC_F_TWO_SCOPES, ServiceKey, ServiceValue,
+    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, ServiceKey,
+    ServiceValue,
 };
 
 use super::maps::MapSet;
 use crate::{
     dataplane::ApplyReport,
-    model::{BackendSet, Frontend, FrontendState, NodeView, Protocol, WhenEmpty},
+    model::{
+        BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
+        WhenEmpty,
+    },
 };
 
 /// One service-map entry the view asks for.
@@ -31,6 +36,8 @@ struct Desired<'a> {
     state: &'a FrontendState,
     set: &'a BackendSet,
     flags: u16,
+    /// Source ranges (external scope only: pods and the node are not filtered).
+    ranges: &'a [ipnet::IpNet],
 }
 
 /// The service-map entries of a view: the external (or only) scope of each frontend, and
@@ -56,13 +63,28 @@ fn desired_entries(view: &NodeView) -> BTreeMap<ServiceKey, Desired<'_>> {
         } else {
             0
         };
+        let external = if st.kind == FrontendKind::ClusterIp {
+            0
+        } else {
+            SVC_F_EXTERNAL
+        } | if st.external_local {
+            SVC_F_EXT_LOCAL
+        } else {
+            0
+        };
+        let ranges = if st.source_ranges.is_empty() {
+            0
+        } else {
+            SVC_F_SOURCE_RANGES
+        };
         out.insert(
             key,
             Desired {
                 frontend: fe,
                 state: st,
                 set: &st.backends,
-                flags: flags(&st.backends) | two,
+                flags: flags(&st.backends) | two | external | ranges,
+                ranges: &st.source_ranges,
             },
         );
         if let Some(internal) = &st.internal {
@@ -76,7 +98,8 @@ fn desired_entries(view: &NodeView) -> BTreeMap<ServiceKey, Desired<'_>> {
                     frontend: fe,
                     state: st,
                     set: internal,
-                    flags: flags(internal),
+                    flags: flags(internal) | external,
+                    ranges: &[],
                 },
             );
         }
@@ -89,6 +112,7 @@ fn desired_entries(view: &NodeView) -> BTreeMap<ServiceKey, Desired<'_>> {
 struct Programmed {
     value: ServiceValue,
     backend_ids: Vec<u32>,
+    ranges: Vec<ipnet::IpNet>,
 }
 
 /// The agent's mirror of the maps' service, slot and backend entries.
@@ -180,6 +204,20 @@ impl MapState {
             state.maybe_unused.insert(id);
             state.next_backend_id = state.next_backend_id.max(id.wrapping_add(1));
         }
+        let mut ranges_by_id: HashMap<u32, Vec<ipnet::IpNet>> = HashMap::new();
+        for key in maps.source_ranges.keys() {
+            let key = key?;
+            let data = key.data();
+            let (family, bits) =
+                if data.addr[1..] == [0, 0, 0] && key.prefix_len() <= LPM_TAG_BITS + 32 {
+                    (FAMILY_V4, key.prefix_len() - LPM_TAG_BITS)
+                } else {
+                    (FAMILY_V6, key.prefix_len() - LPM_TAG_BITS)
+                };
+            if let Ok(net) = ipnet::IpNet::new(words_addr(data.addr, family), bits as u8) {
+                ranges_by_id.entry(data.tag).or_default().push(net);
+            }
+        }
         for entry in maps.services.iter() {
             let (key, value) = entry?;
             let mut backend_ids = Vec::with_capacity(usize::from(value.count));
@@ -198,9 +236,15 @@ impl MapState {
             state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
             state.used_service_ids.insert(value.id);
             state.hold(&backend_ids);
-            state
-                .services
-                .insert(key, Programmed { value, backend_ids });
+            let ranges = ranges_by_id.remove(&value.id).unwrap_or_default();
+            state.services.insert(
+                key,
+                Programmed {
+                    value,
+                    backend_ids,
+                    ranges,
+                },
+            );
         }
         Ok(state)
     }
@@ -248,6 +292,11 @@ impl MapState {
                     }))?;
                 }
                 remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
+                for net in &old.ranges {
+                    remove_ignoring_absent(
+                        maps.source_ranges.remove(&range_key(old.value.id, net)),
+                    )?;
+                }
                 self.used_service_ids.remove(&old.value.id);
                 report.frontends_removed += 1;
             }
@@ -281,6 +330,7 @@ impl MapState {
         if let Some(old) = self.services.get(&key)
             && old.value.flags == flags
             && old.value.affinity_timeout_s == timeout
+            && old.ranges == d.ranges
             && old.backend_ids.len() == d.set.endpoints.len()
             && d.set
                 .endpoints
@@ -309,6 +359,7 @@ impl MapState {
             && old.backend_ids == backend_ids
             && old.value.flags == flags
             && old.value.affinity_timeout_s == timeout
+            && old.ranges == d.ranges
         {
             return Ok(false);
         }
@@ -325,6 +376,7 @@ impl MapState {
             flags,
             timeout,
             count,
+            d.ranges,
         );
         if written.is_err() && old.is_none() {
             self.used_service_ids.remove(&id);
@@ -347,6 +399,7 @@ impl MapState {
         flags: u16,
         timeout: u32,
         count: u16,
+        ranges: &[ipnet::IpNet],
     ) -> Result<()> {
         let rev = old.map_or(1, |o| o.value.rev.wrapping_add(1));
         let value = ServiceValue {
@@ -391,6 +444,12 @@ impl MapState {
         maps.rev_nat
             .insert(&id, &rev_nat, 0)
             .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
+        let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges.as_slice());
+        for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {
+            maps.source_ranges
+                .insert(&range_key(id, net), &1, 0)
+                .map_err(|e| anyhow::Error::new(e).context("writing a source range"))?;
+        }
         // The flip: one update makes the new set visible.
         maps.services
             .insert(&key, &value, 0)
@@ -403,9 +462,20 @@ impl MapState {
                     slot,
                 }))?;
             }
+            for net in old.ranges.iter().filter(|n| !ranges.contains(n)) {
+                remove_ignoring_absent(maps.source_ranges.remove(&range_key(id, net)))?;
+            }
         }
         self.hold(&backend_ids);
-        if let Some(old) = self.services.insert(key, Programmed { value, backend_ids }) {
+        let ranges = ranges.to_vec();
+        if let Some(old) = self.services.insert(
+            key,
+            Programmed {
+                value,
+                backend_ids,
+                ranges,
+            },
+        ) {
             self.release(&old.backend_ids);
         }
         Ok(())
@@ -466,6 +536,71 @@ fn next_free_by(next: &mut u32, in_use: impl Fn(u32) -> bool) -> u32 {
     }
     *next = id.wrapping_add(1);
     id
+}
+
+/// The `SOURCE_RANGES` key of one CIDR of one service.
+fn range_key(service_id: u32, net: &ipnet::IpNet) -> LpmKey<LpmData> {
+    lpm_key(service_id, net)
+}
+
+fn lpm_key(tag: u32, net: &ipnet::IpNet) -> LpmKey<LpmData> {
+    let (addr, _) = addr_words(net.network());
+    LpmKey::new(
+        LPM_TAG_BITS + u32::from(net.prefix_len()),
+        LpmData { tag, addr },
+    )
+}
+
+/// Writes the node settings: the masquerade addresses and flags, the pod network and the
+/// node's own addresses (who is "inside").
+pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
+    let first = |v4: bool| {
+        node.node_addresses
+            .iter()
+            .find(|a| a.is_ipv4() == v4)
+            .map_or([0; 4], |a| addr_words(*a).0)
+    };
+    let mut flags = 0;
+    if node.masquerade_all {
+        flags |= CFG_MASQUERADE_ALL;
+    }
+    if !node.pod_cidrs.is_empty() {
+        flags |= CFG_LOCAL_DETECTOR;
+    }
+    let cfg = NodeConfig {
+        snat_v4: first(true),
+        snat_v6: first(false),
+        flags,
+        _pad: 0,
+    };
+    maps.node_config.set(0, &cfg, 0)?;
+    let mut wanted = Vec::new();
+    for net in &node.pod_cidrs {
+        let family = if net.addr().is_ipv4() {
+            FAMILY_V4
+        } else {
+            FAMILY_V6
+        };
+        wanted.push(lpm_key(LPM_TAG_POD | u32::from(family), net));
+    }
+    for ip in &node.node_addresses {
+        let family = if ip.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 };
+        let net = ipnet::IpNet::from(*ip);
+        wanted.push(lpm_key(LPM_TAG_NODE | u32::from(family), &net));
+    }
+    let present: Vec<LpmKey<LpmData>> = maps.local_nets.keys().filter_map(|k| k.ok()).collect();
+    for key in &wanted {
+        maps.local_nets.insert(key, &1, 0)?;
+    }
+    for key in present {
+        let still = wanted
+            .iter()
+            .any(|w| w.prefix_len() == key.prefix_len() && w.data() == key.data());
+        if !still {
+            remove_ignoring_absent(maps.local_nets.remove(&key))?;
+        }
+    }
+    Ok(())
 }
 
 fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
