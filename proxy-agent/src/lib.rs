@@ -9,6 +9,7 @@ pub mod model;
 pub mod netns;
 pub mod source;
 pub mod sync;
+pub mod trace;
 
 // Selects rustls' crypto provider (ring) for the API client; nothing to call.
 use rustls as _;

@@ -53,6 +53,8 @@ enum Cmd {
         #[arg(long, default_value = DEFAULT_DEBUG_ADDR)]
         debug_addr: String,
     },
+    /// What happens to a packet: runs packets through the real programs on private maps.
+    Trace(TraceArgs),
     /// Detach every program and remove every pin the agent made.
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS)]
@@ -158,6 +160,33 @@ impl RunArgs {
     }
 }
 
+#[derive(Args)]
+struct TraceArgs {
+    /// A scenario file (../shared/scenarios/README.md); exit status 1 if any packet
+    /// differs from its `expect`.
+    #[arg(long, conflicts_with_all = ["objects", "packet"])]
+    scenario: Option<PathBuf>,
+    /// Services and EndpointSlices (a folder or file of manifests), for `--packet`.
+    #[arg(long, requires = "packet")]
+    objects: Option<PathBuf>,
+    /// One packet: `tcp 10.244.0.3:40000 -> 10.96.0.10:80`.
+    #[arg(long, requires = "objects")]
+    packet: Option<String>,
+    /// JSON lines instead of text.
+    #[arg(long)]
+    json: bool,
+    /// The node's addresses (for `--packet`; repeatable).
+    #[arg(long = "node-ip")]
+    node_ips: Vec<std::net::IpAddr>,
+    /// The pod network (for `--packet`; repeatable); none: pod traffic is not told apart.
+    #[arg(long = "cluster-cidr")]
+    cluster_cidrs: Vec<ipnet::IpNet>,
+    #[arg(long)]
+    masquerade_all: bool,
+    #[arg(long, default_value = "node-a")]
+    node_name: String,
+}
+
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum SourceKind {
     /// A folder of YAML manifests (the embedded default; no cluster needed).
@@ -236,6 +265,7 @@ fn main() -> Result<()> {
         }
         Cmd::Dump { bpffs, json, .. } => dump(&bpffs, json),
         Cmd::Watch { debug_addr } => watch(&debug_addr),
+        Cmd::Trace(args) => trace(args),
         Cmd::Cleanup { bpffs } => {
             bpf::cleanup(&bpffs)?;
             tracing::info!(bpffs = %bpffs.display(), "removed every pin; programs detached");
@@ -394,6 +424,77 @@ fn resolve_interfaces(arg: &[String]) -> Result<Vec<String>> {
     }
     found.sort();
     Ok(found)
+}
+
+/// Exit status for a scenario file that cannot be used at all.
+const EXIT_BAD_SCENARIO: i32 = 2;
+
+fn trace(args: TraceArgs) -> Result<()> {
+    use proxy_agent::trace::{self, scenario};
+    let cases = match (&args.scenario, &args.packet, &args.objects) {
+        (Some(path), _, _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            match scenario::parse(&text) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{}: {e}", path.display());
+                    std::process::exit(EXIT_BAD_SCENARIO);
+                }
+            }
+        }
+        (None, Some(spec), Some(objects)) => {
+            let packet = trace::parse_packet_spec(spec).map_err(anyhow::Error::msg)?;
+            let (model, errors) = source::files::load(objects)?;
+            for e in errors {
+                tracing::warn!(error = %e, "skipping manifest");
+            }
+            vec![scenario::Case {
+                id: "packet".into(),
+                node: scenario::Node {
+                    info: proxy_agent::model::NodeInfo {
+                        name: args.node_name.clone(),
+                        labels: Default::default(),
+                        addresses: args.node_ips.clone(),
+                    },
+                    view: proxy_agent::model::ViewConfig {
+                        pod_cidrs: args.cluster_cidrs.clone(),
+                        masquerade_all: args.masquerade_all,
+                        ..Default::default()
+                    },
+                },
+                model,
+                packets: vec![packet],
+            }]
+        }
+        _ => anyhow::bail!("give --scenario FILE, or --objects DIR and --packet SPEC"),
+    };
+    let outcomes = trace::run(&cases)?;
+    let packets: Vec<&scenario::Packet> = cases.iter().flat_map(|c| &c.packets).collect();
+    let mut current_case = "";
+    for (o, p) in outcomes.iter().zip(&packets) {
+        if args.json {
+            println!("{}", serde_json::to_string(o)?);
+            continue;
+        }
+        if o.case != current_case {
+            println!("case {} (path: {})", o.case, o.path);
+            current_case = &o.case;
+        }
+        println!("{}", trace::describe(o, Some(p)));
+    }
+    let failed = outcomes.iter().filter(|o| !o.ok()).count();
+    if !args.json {
+        println!(
+            "\n{} packets, {} as expected, {failed} differ",
+            outcomes.len(),
+            outcomes.len() - failed
+        );
+    }
+    if failed > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 fn fetch(addr: &str, path: &str) -> Result<String> {

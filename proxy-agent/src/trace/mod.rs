@@ -1,0 +1,313 @@
+//! `proxy-agent trace`: what happens to a packet, answered by the real programs. Each case
+//! gets a private set of maps (never the live pinned ones), the node settings and the
+//! objects' node view are written into them, and every packet is run through the real
+//! per-packet classifier with `BPF_PROG_TEST_RUN`.
+//!
+//! Reported path: the per-packet (TC) path, whose outcome is kube-proxy's. The connect-time
+//! path reaches the same backends without NAT on the wire (see the README's differences).
+
+pub mod packet;
+pub mod scenario;
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, SocketAddr},
+};
+
+use anyhow::{Context as _, Result};
+use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
+
+use self::scenario::{Case, Expect, Packet, Verdict};
+use crate::{
+    dataplane::bpf::{self, MapSet, MapState, TC_PROGRAM},
+    model::{NodeSettings, NodeView, Protocol, node_view},
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+const TCP_RST: u8 = 0x04;
+
+/// What the programs did with one packet.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Outcome {
+    pub case: String,
+    pub packet: String,
+    /// Which datapath produced the outcome.
+    pub path: &'static str,
+    pub verdict: Verdict,
+    /// Every endpoint new flows were sent to (`dnat` only).
+    pub endpoints: Vec<SocketAddr>,
+    pub masquerade: bool,
+    /// The Service port whose frontend matched, if any.
+    pub service: Option<String>,
+    /// Differences from the file's `expect`; empty when it matched (or said nothing).
+    pub mismatches: Vec<String>,
+}
+
+impl Outcome {
+    pub fn ok(&self) -> bool {
+        self.mismatches.is_empty()
+    }
+}
+
+/// One case's private dataplane.
+struct Bench {
+    ebpf: Ebpf,
+    nodes: Vec<IpAddr>,
+    view: NodeView,
+}
+
+impl Bench {
+    fn new(case: &Case) -> Result<Self> {
+        let (mut ebpf, mut maps) = bpf::load_private(&[])?;
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(TC_PROGRAM)
+            .context("BPF object has no classifier")?
+            .try_into()?;
+        prog.load().context("loading the classifier")?;
+        let mut state = MapState::adopt(&maps)?;
+        bpf::sync::configure(
+            &mut maps,
+            &NodeSettings::new(&case.node.info, &case.node.view),
+        )?;
+        let (view, rejected) = node_view(&case.model, &case.node.info, &case.node.view);
+        for r in rejected {
+            tracing::warn!(case = case.id, object = %r.object, reason = r.reason, "object left out");
+        }
+        let report = state.apply(&mut maps, &view)?;
+        anyhow::ensure!(
+            report.failed.is_empty(),
+            "programming the case failed: {:?}",
+            report.failed
+        );
+        drop::<MapSet>(maps);
+        Ok(Self {
+            ebpf,
+            nodes: case.node.info.addresses.clone(),
+            view,
+        })
+    }
+
+    fn run(&self, data: &[u8]) -> Result<(u32, Vec<u8>)> {
+        let prog: &SchedClassifier = self
+            .ebpf
+            .program(TC_PROGRAM)
+            .context("BPF object has no classifier")?
+            .try_into()?;
+        let mut out = vec![0u8; data.len() + 256];
+        let res = prog.test_run(TestRunOptions {
+            data_in: Some(data),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })?;
+        out.truncate(res.data_size_out as usize);
+        Ok((res.return_value, out))
+    }
+
+    fn is_node_address(&self, ip: IpAddr) -> bool {
+        ip.is_loopback() || self.nodes.contains(&ip)
+    }
+
+    /// Runs `p`: the first flow decides the verdict; for `dnat`, more new flows (other
+    /// source ports) show the whole endpoint set.
+    fn trace(&self, case: &str, p: &Packet) -> Result<Outcome> {
+        let tcp = p.protocol == Protocol::Tcp;
+        let first_port = p.src_port.unwrap_or(40_000);
+        let src = SocketAddr::new(p.src, first_port);
+        let (ret, out) = self.run(&packet::build(src, p.dst, tcp))?;
+        let mut endpoints = BTreeSet::new();
+        let mut masquerade = false;
+        let verdict = match ret {
+            TC_ACT_SHOT => Verdict::Drop,
+            TC_ACT_REDIRECT => {
+                let seen = packet::inspect(&out).map_err(anyhow::Error::msg)?;
+                anyhow::ensure!(seen.tcp_flags & TCP_RST != 0, "redirected without a reset");
+                Verdict::Reject
+            }
+            TC_ACT_OK => {
+                let seen = packet::inspect(&out).map_err(anyhow::Error::msg)?;
+                if seen.dst == p.dst {
+                    Verdict::Accept
+                } else {
+                    masquerade = seen.src.ip() != p.src && self.is_node_address(seen.src.ip());
+                    endpoints.insert(seen.dst);
+                    Verdict::Dnat
+                }
+            }
+            // Not ours: what the stack does with it.
+            _ if self.is_node_address(p.dst.ip()) => Verdict::Local,
+            _ => Verdict::Accept,
+        };
+        if verdict == Verdict::Dnat {
+            let want = p.expect.as_ref().map_or(0, |e| e.endpoints.len()).max(2);
+            let tries = 16 + 24 * want as u16;
+            for i in 1..=tries {
+                let port = first_port.wrapping_add(i).max(1024);
+                let (ret, out) =
+                    self.run(&packet::build(SocketAddr::new(p.src, port), p.dst, tcp))?;
+                if ret == TC_ACT_OK {
+                    endpoints.insert(packet::inspect(&out).map_err(anyhow::Error::msg)?.dst);
+                }
+            }
+        }
+        let service = self
+            .view
+            .iter()
+            .find(|(fe, _)| {
+                fe.ip == p.dst.ip() && fe.port == p.dst.port() && fe.protocol == p.protocol
+            })
+            .map(|(_, st)| st.service.clone());
+        let mut outcome = Outcome {
+            case: case.to_string(),
+            packet: p.name.clone(),
+            path: "per-packet (tc_ingress)",
+            verdict,
+            endpoints: endpoints.into_iter().collect(),
+            masquerade,
+            service,
+            mismatches: Vec::new(),
+        };
+        if let Some(expect) = &p.expect {
+            outcome.mismatches = compare(expect, &outcome);
+        }
+        Ok(outcome)
+    }
+}
+
+fn compare(expect: &Expect, got: &Outcome) -> Vec<String> {
+    let mut m = Vec::new();
+    if expect.verdict != got.verdict {
+        m.push(
+            format!(
+                "verdict: expected {:?}, got {:?}",
+                expect.verdict, got.verdict
+            )
+            .to_lowercase(),
+        );
+    }
+    if expect.verdict == Verdict::Dnat && got.verdict == Verdict::Dnat {
+        let want: BTreeSet<SocketAddr> = expect.endpoints.iter().copied().collect();
+        let have: BTreeSet<SocketAddr> = got.endpoints.iter().copied().collect();
+        let missing: Vec<String> = want.difference(&have).map(ToString::to_string).collect();
+        let extra: Vec<String> = have.difference(&want).map(ToString::to_string).collect();
+        if !missing.is_empty() {
+            m.push(format!("endpoints never chosen: {}", missing.join(", ")));
+        }
+        if !extra.is_empty() {
+            m.push(format!("endpoints not expected: {}", extra.join(", ")));
+        }
+    }
+    if let Some(masq) = expect.masquerade
+        && masq != got.masquerade
+    {
+        m.push(format!(
+            "masquerade: expected {masq}, got {}",
+            got.masquerade
+        ));
+    }
+    m
+}
+
+/// Runs every case of a parsed scenario file.
+pub fn run(cases: &[Case]) -> Result<Vec<Outcome>> {
+    let mut out = Vec::new();
+    for case in cases {
+        let bench = Bench::new(case).with_context(|| format!("case {:?}", case.id))?;
+        for p in &case.packets {
+            out.push(
+                bench
+                    .trace(&case.id, p)
+                    .with_context(|| format!("case {:?} packet {:?}", case.id, p.name))?,
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Parses `tcp 10.244.0.3:40000 -> 10.96.0.10:80` (the source port may be left out).
+pub fn parse_packet_spec(spec: &str) -> Result<Packet, String> {
+    let (proto, rest) = spec
+        .trim()
+        .split_once(char::is_whitespace)
+        .ok_or("expected `PROTO SRC -> DST`")?;
+    let protocol = match proto.to_ascii_lowercase().as_str() {
+        "tcp" => Protocol::Tcp,
+        "udp" => Protocol::Udp,
+        other => return Err(format!("unsupported protocol {other:?}")),
+    };
+    let (src, dst) = rest.split_once("->").ok_or("expected `SRC -> DST`")?;
+    let (src, src_port) = match src.trim().parse::<SocketAddr>() {
+        Ok(sa) => (sa.ip(), Some(sa.port())),
+        Err(_) => (
+            src.trim()
+                .parse::<IpAddr>()
+                .map_err(|e| format!("source {src:?}: {e}"))?,
+            None,
+        ),
+    };
+    let dst: SocketAddr = dst
+        .trim()
+        .parse()
+        .map_err(|e| format!("destination {dst:?}: {e}"))?;
+    if src.is_ipv4() != dst.is_ipv4() {
+        return Err("source and destination are of different families".into());
+    }
+    Ok(Packet {
+        name: spec.trim().to_string(),
+        protocol,
+        src,
+        src_port,
+        dst,
+        expect: None,
+    })
+}
+
+/// Human-readable report lines for one outcome.
+pub fn describe(o: &Outcome, p: Option<&Packet>) -> String {
+    let what = match o.verdict {
+        Verdict::Dnat => format!(
+            "dnat -> {} masquerade={}",
+            o.endpoints
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            if o.masquerade { "yes" } else { "no" }
+        ),
+        v => format!("{v:?}").to_lowercase(),
+    };
+    let svc = o
+        .service
+        .as_deref()
+        .map(|s| format!("  [{s}]"))
+        .unwrap_or_default();
+    let mut s = format!(
+        "  {} {}: {what}{svc}",
+        if o.ok() { "ok  " } else { "FAIL" },
+        o.packet
+    );
+    if let Some(e) = p.and_then(|p| p.expect.as_ref())
+        && !o.ok()
+    {
+        let want = match e.verdict {
+            Verdict::Dnat => format!(
+                "dnat -> {} masquerade={}",
+                e.endpoints
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                e.masquerade.map_or("any", |m| if m { "yes" } else { "no" })
+            ),
+            v => format!("{v:?}").to_lowercase(),
+        };
+        s.push_str(&format!(
+            "\n       - expected: {want}\n       + got:      {what}"
+        ));
+        for m in &o.mismatches {
+            s.push_str(&format!("\n         ({m})"));
+        }
+    }
+    s
+}
