@@ -14,6 +14,7 @@ use proxy_agent::{
         BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
         WhenEmpty,
     },
+    trace,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -114,129 +115,14 @@ fn frontend(
     )
 }
 
-// ---- packet crafting and checking -------------------------------------------------
-
-fn sum16(data: &[u8], mut acc: u32) -> u32 {
-    for chunk in data.chunks(2) {
-        let word = u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]);
-        acc += u32::from(word);
-    }
-    acc
-}
-
-fn fold(mut acc: u32) -> u16 {
-    while acc > 0xffff {
-        acc = (acc & 0xffff) + (acc >> 16);
-    }
-    !(acc as u16)
-}
-
-/// Ethernet + IP + TCP (SYN) or UDP with valid checksums.
+/// Ethernet + IP + TCP SYN (or UDP) with valid checksums.
 fn packet(src: SocketAddr, dst: SocketAddr, tcp: bool) -> Vec<u8> {
-    let payload = b"hello";
-    let l4_len = if tcp { 20 } else { 8 } + payload.len();
-    let mut l4 = vec![0u8; l4_len];
-    l4[0..2].copy_from_slice(&src.port().to_be_bytes());
-    l4[2..4].copy_from_slice(&dst.port().to_be_bytes());
-    if tcp {
-        l4[4..8].copy_from_slice(&1000u32.to_be_bytes());
-        l4[12] = 5 << 4;
-        l4[13] = 0x02; // SYN
-        l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
-        l4[20..].copy_from_slice(payload);
-    } else {
-        l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
-        l4[8..].copy_from_slice(payload);
-    }
-    let proto = if tcp { 6u8 } else { 17 };
-    let mut pkt = vec![0u8; 12];
-    pkt[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
-    pkt[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 2]);
-    match (src.ip(), dst.ip()) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            pkt.extend_from_slice(&0x0800u16.to_be_bytes());
-            let mut ip = vec![0u8; 20];
-            ip[0] = 0x45;
-            ip[2..4].copy_from_slice(&((20 + l4_len) as u16).to_be_bytes());
-            ip[8] = 64;
-            ip[9] = proto;
-            ip[12..16].copy_from_slice(&s.octets());
-            ip[16..20].copy_from_slice(&d.octets());
-            let c = fold(sum16(&ip, 0));
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            pkt.extend_from_slice(&ip);
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            pkt.extend_from_slice(&0x86DDu16.to_be_bytes());
-            let mut ip = vec![0u8; 40];
-            ip[0] = 0x60;
-            ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
-            ip[6] = proto;
-            ip[7] = 64;
-            ip[8..24].copy_from_slice(&s.octets());
-            ip[24..40].copy_from_slice(&d.octets());
-            pkt.extend_from_slice(&ip);
-        }
-        _ => panic!("mixed families"),
-    }
-    let csum_off = if tcp { 16 } else { 6 };
-    let c = l4_checksum(&pkt, &l4);
-    l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
-    pkt.extend_from_slice(&l4);
-    pkt
+    trace::packet::build(src, dst, tcp)
 }
 
-fn l4_checksum(pkt_with_ip: &[u8], l4: &[u8]) -> u16 {
-    let v4 = pkt_with_ip[12..14] == [0x08, 0x00];
-    let (proto, pseudo) = if v4 {
-        let ip = &pkt_with_ip[14..34];
-        (ip[9], sum16(&ip[12..20], 0))
-    } else {
-        let ip = &pkt_with_ip[14..54];
-        (ip[6], sum16(&ip[8..40], 0))
-    };
-    let acc = pseudo + u32::from(proto) + l4.len() as u32;
-    let c = fold(sum16(l4, acc));
-    if c == 0 && proto == 17 { 0xffff } else { c }
-}
-
-/// Parsed view of a packet the program returned, with checksums verified.
-struct Seen {
-    src: SocketAddr,
-    dst: SocketAddr,
-}
-
-fn inspect(pkt: &[u8]) -> Seen {
-    let v4 = pkt[12..14] == [0x08, 0x00];
-    let (src_ip, dst_ip, l4_off, proto): (IpAddr, IpAddr, usize, u8) = if v4 {
-        let ip = &pkt[14..34];
-        assert_eq!(fold(sum16(ip, 0)), 0, "IPv4 header checksum invalid");
-        let s: [u8; 4] = ip[12..16].try_into().expect("4");
-        let d: [u8; 4] = ip[16..20].try_into().expect("4");
-        (s.into(), d.into(), 34, ip[9])
-    } else {
-        let ip = &pkt[14..54];
-        let s: [u8; 16] = ip[8..24].try_into().expect("16");
-        let d: [u8; 16] = ip[24..40].try_into().expect("16");
-        (s.into(), d.into(), 54, ip[6])
-    };
-    let l4 = &pkt[l4_off..];
-    let csum_off = if proto == 6 { 16 } else { 6 };
-    let stored = u16::from_be_bytes([l4[csum_off], l4[csum_off + 1]]);
-    if !(proto == 17 && v4 && stored == 0) {
-        let mut zeroed = l4.to_vec();
-        zeroed[csum_off] = 0;
-        zeroed[csum_off + 1] = 0;
-        assert_eq!(
-            l4_checksum(&pkt[..l4_off], &zeroed),
-            stored,
-            "L4 checksum invalid"
-        );
-    }
-    Seen {
-        src: SocketAddr::new(src_ip, u16::from_be_bytes([l4[0], l4[1]])),
-        dst: SocketAddr::new(dst_ip, u16::from_be_bytes([l4[2], l4[3]])),
-    }
+/// The packet's addresses, its checksums verified.
+fn inspect(pkt: &[u8]) -> trace::packet::Seen {
+    trace::packet::inspect(pkt).unwrap_or_else(|e| panic!("bad packet: {e}"))
 }
 
 fn sa(s: &str) -> SocketAddr {
@@ -355,8 +241,8 @@ fn packets_not_for_a_service_pass_untouched() {
 }
 
 #[test]
-fn service_without_backends_rejects_tcp_with_a_reset_and_drops_udp() {
-    if !root("service_without_backends_rejects_tcp_with_a_reset_and_drops_udp") {
+fn service_without_backends_rejects_tcp_with_a_reset_and_udp_with_icmp() {
+    if !root("service_without_backends_rejects_tcp_with_a_reset_and_udp_with_icmp") {
         return;
     }
     let mut h = Harness::new(&[]);
@@ -388,8 +274,18 @@ fn service_without_backends_rejects_tcp_with_a_reset_and_drops_udp() {
     );
     assert_eq!(out.len(), 14 + 20 + 20, "payload trimmed");
     assert_eq!(h.counter("reject_sent"), 1);
-    let (verdict, _) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.20:53"), false));
-    assert_eq!(verdict, TC_ACT_SHOT, "UDP without endpoints is dropped");
+    let (verdict, icmp) = h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.20:53"), false));
+    assert_eq!(
+        verdict, TC_ACT_REDIRECT,
+        "UDP without endpoints: ICMP port unreachable"
+    );
+    assert_eq!(
+        trace::packet::is_refusal(&icmp),
+        Ok(true),
+        "valid ICMP port unreachable"
+    );
+    assert_eq!(&icmp[26..30], &[10, 96, 0, 20], "from the service address");
+    assert_eq!(&icmp[30..34], &[10, 244, 0, 3], "to the client");
     assert_eq!(h.counter("no_backend_reject"), 2);
 }
 

@@ -1,14 +1,14 @@
 //! kube-proxy's REJECT for a service without endpoints, on the per-packet path: a TCP
-//! packet is turned into a reset and sent back out of the interface it came in on, so the
-//! client fails at once instead of waiting for a timeout. Other protocols are dropped
-//! (ICMP unreachables come with the external-traffic path).
+//! packet is turned into a reset, a UDP one into an ICMP (or ICMPv6) port unreachable,
+//! and either is sent back out of the interface it came in on, so the client fails at
+//! once instead of waiting for a timeout.
 
 use aya_ebpf::{
-    bindings::TC_ACT_REDIRECT,
+    bindings::{TC_ACT_REDIRECT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
     helpers::{bpf_csum_diff, bpf_redirect},
     programs::TcContext,
 };
-use proxy_common::{FAMILY_V4, PROTO_TCP, counter};
+use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, counter};
 
 use crate::{
     maps::count,
@@ -21,12 +21,104 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 const TCP_HLEN: usize = 20;
 
-/// Answers `pkt` with a TCP reset (or drops it), as the verdict for a refused connection.
-#[inline(never)]
+/// Answers `pkt` with a TCP reset or an ICMP port unreachable, as the verdict for a
+/// refused connection.
 pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
-    if pkt.proto != PROTO_TCP {
-        return Err(DROP);
+    match pkt.proto {
+        PROTO_TCP => tcp_reset(ctx, pkt),
+        PROTO_UDP => port_unreachable(ctx, pkt),
+        _ => Err(DROP),
     }
+}
+
+/// The quoted packet in an ICMP error: the original IP header and 8 bytes of UDP.
+const QUOTE_V4: usize = 20 + 8;
+const QUOTE_V6: usize = 40 + 8;
+const ICMP_HLEN: usize = 8;
+
+/// ICMP type 3 code 3 (IPv4) or ICMPv6 type 1 code 4, quoting the packet. Room for the
+/// new headers is opened in front of the original ones, which become the quote.
+#[inline(never)]
+fn port_unreachable(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
+    let v4 = pkt.family == FAMILY_V4;
+    if v4 && pkt.l4_off != ETH_HLEN + 20 {
+        return Err(DROP); // IP options: not worth an error
+    }
+    let (ip_hlen, quote) = if v4 { (20, QUOTE_V4) } else { (40, QUOTE_V6) };
+    let room = ip_hlen + ICMP_HLEN;
+    ctx.adjust_room(room as i32, BPF_ADJ_ROOM_MAC, 0)
+        .map_err(|_| DROP)?;
+    ctx.change_tail((ETH_HLEN + room + quote) as u32, 0)
+        .map_err(|_| DROP)?;
+    swap_macs(ctx)?;
+    let icmp_off = ETH_HLEN + ip_hlen;
+    let payload_len = (ICMP_HLEN + quote) as u16;
+    // Type and code, checksum zero, unused word zero.
+    let (kind, code): (u8, u8) = if v4 { (3, 3) } else { (1, 4) };
+    let icmp_head = [u32::from_ne_bytes([kind, code, 0, 0]), 0];
+    ctx.store(icmp_off, &icmp_head, 0).map_err(|_| DROP)?;
+    let mut sum: u64 = u64::from(icmp_head[0]);
+    if v4 {
+        let ip = [
+            u32::from_ne_bytes([0x45, 0, 0, 0])
+                | u32::from((ip_hlen as u16 + payload_len).to_be()) << 16,
+            0,
+            u32::from_ne_bytes([64, 1, 0, 0]),
+            pkt.daddr[0],
+            pkt.saddr[0],
+        ];
+        let csum = fold(csum_diff(&ip)?);
+        let ip = [ip[0], ip[1], ip[2] | u32::from(csum) << 16, ip[3], ip[4]];
+        ctx.store(ETH_HLEN, &ip, 0).map_err(|_| DROP)?;
+    } else {
+        let len_nh_hop = u32::from(payload_len.to_be()) | u32::from_ne_bytes([0, 0, 58, 64]);
+        ctx.store(ETH_HLEN, &u32::from_ne_bytes([0x60, 0, 0, 0]), 0)
+            .map_err(|_| DROP)?;
+        ctx.store(ETH_HLEN + 4, &len_nh_hop, 0).map_err(|_| DROP)?;
+        ctx.store(ETH_HLEN + 8, &pkt.daddr, 0).map_err(|_| DROP)?;
+        ctx.store(ETH_HLEN + 24, &pkt.saddr, 0).map_err(|_| DROP)?;
+        // ICMPv6's checksum covers a pseudo-header.
+        for i in 0..4 {
+            sum += u64::from(pkt.daddr[i]) + u64::from(pkt.saddr[i]);
+        }
+        sum += u64::from(u32::from(payload_len).to_be());
+        sum += u64::from(u32::from_ne_bytes([0, 0, 0, 58]));
+    }
+    // The quote, word by word from the packet (no large stack buffer).
+    let quote_off = icmp_off + ICMP_HLEN;
+    for i in 0..QUOTE_V6 / 4 {
+        if i * 4 >= quote {
+            break;
+        }
+        sum += u64::from(ctx.load::<u32>(quote_off + i * 4).map_err(|_| DROP)?);
+    }
+    ctx.store(icmp_off + 2, &fold(sum), 0).map_err(|_| DROP)?;
+    count(counter::REJECT_SENT);
+    send_back(ctx)
+}
+
+fn swap_macs(ctx: &TcContext) -> Result<(), i32> {
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| DROP)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    ctx.store(0, &swapped, 0).map_err(|_| DROP)
+}
+
+/// Sends the rewritten packet back out of the interface it came in on.
+fn send_back(ctx: &TcContext) -> Result<i32, i32> {
+    // SAFETY: helper with no memory arguments.
+    let verdict = unsafe { bpf_redirect(ifindex(ctx), 0) };
+    if verdict == i64::from(TC_ACT_REDIRECT) {
+        Ok(TC_ACT_REDIRECT as i32)
+    } else {
+        Err(DROP)
+    }
+}
+
+/// A TCP reset answering `pkt`.
+#[inline(never)]
+fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     let l4 = pkt.l4_off;
     let flags: u8 = ctx.load(l4 + 13).map_err(|_| DROP)?;
     if flags & TCP_RST != 0 {
@@ -59,11 +151,7 @@ pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     // Keep only the headers, then rewrite them in place, swapped.
     let new_len = (l4 + TCP_HLEN) as u32;
     ctx.change_tail(new_len, 0).map_err(|_| DROP)?;
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| DROP)?;
-    let mut swapped = [0u8; 12];
-    swapped[..6].copy_from_slice(&macs[6..]);
-    swapped[6..].copy_from_slice(&macs[..6]);
-    ctx.store(0, &swapped, 0).map_err(|_| DROP)?;
+    swap_macs(ctx)?;
 
     let tcp = TcpHeader {
         sport: pkt.dport,
@@ -116,13 +204,7 @@ pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     let tcp = TcpHeader { csum, ..tcp };
     ctx.store(l4, &tcp, 0).map_err(|_| DROP)?;
     count(counter::REJECT_SENT);
-    // SAFETY: helper with no memory arguments; back out of the interface it came in on.
-    let verdict = unsafe { bpf_redirect(ifindex(ctx), 0) };
-    if verdict == i64::from(TC_ACT_REDIRECT) {
-        Ok(TC_ACT_REDIRECT as i32)
-    } else {
-        Err(DROP)
-    }
+    send_back(ctx)
 }
 
 #[repr(C)]

@@ -26,7 +26,6 @@ use crate::{
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
-const TCP_RST: u8 = 0x04;
 
 /// What the programs did with one packet.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -121,8 +120,10 @@ impl Bench {
         let verdict = match ret {
             TC_ACT_SHOT => Verdict::Drop,
             TC_ACT_REDIRECT => {
-                let seen = packet::inspect(&out).map_err(anyhow::Error::msg)?;
-                anyhow::ensure!(seen.tcp_flags & TCP_RST != 0, "redirected without a reset");
+                anyhow::ensure!(
+                    packet::is_refusal(&out).map_err(anyhow::Error::msg)?,
+                    "redirected, but not a reset or an ICMP unreachable"
+                );
                 Verdict::Reject
             }
             TC_ACT_OK => {
@@ -130,7 +131,9 @@ impl Bench {
                 if seen.dst == p.dst {
                     Verdict::Accept
                 } else {
-                    masquerade = seen.src.ip() != p.src && self.is_node_address(seen.src.ip());
+                    // Rewritten to a node address (when the node itself sent it, the
+                    // address stays and only the port is reallocated).
+                    masquerade = seen.src != src && self.is_node_address(seen.src.ip());
                     endpoints.insert(seen.dst);
                     Verdict::Dnat
                 }

@@ -135,3 +135,35 @@ pub fn inspect(pkt: &[u8]) -> Result<Seen, String> {
         tcp_flags: if proto == 6 { l4[13] } else { 0 },
     })
 }
+
+/// Whether `pkt` is a refusal sent back to a client: a TCP reset, an ICMP port
+/// unreachable or an ICMPv6 port unreachable, with valid checksums.
+pub fn is_refusal(pkt: &[u8]) -> Result<bool, String> {
+    if pkt.len() < 14 + 20 + 8 {
+        return Err(format!("{} bytes: too short", pkt.len()));
+    }
+    let v4 = pkt[12..14] == [0x08, 0x00];
+    let (proto, l4_off) = if v4 { (pkt[23], 34) } else { (pkt[20], 54) };
+    match proto {
+        6 => Ok(inspect(pkt)?.tcp_flags & 0x04 != 0),
+        1 if v4 => {
+            if fold(sum16(&pkt[14..34], 0)) != 0 {
+                return Err("IPv4 header checksum invalid".into());
+            }
+            let icmp = &pkt[l4_off..];
+            if fold(sum16(icmp, 0)) != 0 {
+                return Err("ICMP checksum invalid".into());
+            }
+            Ok(icmp[0] == 3 && icmp[1] == 3)
+        }
+        58 if !v4 => {
+            let icmp = &pkt[l4_off..];
+            let pseudo = sum16(&pkt[22..54], 0) + 58 + icmp.len() as u32;
+            if fold(sum16(icmp, pseudo)) != 0 {
+                return Err("ICMPv6 checksum invalid".into());
+            }
+            Ok(icmp[0] == 1 && icmp[1] == 4)
+        }
+        _ => Ok(false),
+    }
+}

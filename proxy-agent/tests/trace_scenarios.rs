@@ -1,0 +1,138 @@
+//! `proxy-agent trace` on the scenario corpus (tests/scenarios/*.json, including the
+//! shared examples) through the real classifier, and its exit statuses. Root only.
+
+use std::{path::PathBuf, process::Command};
+
+use proxy_agent::trace::{self, scenario};
+
+fn root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    eprintln!("SKIP {test}: loading BPF programs and BPF_PROG_TEST_RUN need root");
+    false
+}
+
+fn scenario_files() -> Vec<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("tests/scenarios")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    // The steering repository's copy, when this checkout sits beside it.
+    let shared =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/scenarios/examples.json");
+    if shared.exists() {
+        files.push(shared);
+    }
+    files.sort();
+    files
+}
+
+#[test]
+fn every_scenario_packet_behaves_as_kube_proxy_does() {
+    if !root("every_scenario_packet_behaves_as_kube_proxy_does") {
+        return;
+    }
+    let mut total = 0;
+    let mut failures = Vec::new();
+    for file in scenario_files() {
+        let text = std::fs::read_to_string(&file).expect("read");
+        let cases = scenario::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let packets: Vec<_> = cases.iter().flat_map(|c| &c.packets).collect();
+        let outcomes = trace::run(&cases).unwrap_or_else(|e| panic!("{}: {e:#}", file.display()));
+        for (o, p) in outcomes.iter().zip(packets) {
+            total += 1;
+            if !o.ok() {
+                failures.push(format!(
+                    "{} {}\n{}",
+                    file.display(),
+                    o.case,
+                    trace::describe(o, Some(p))
+                ));
+            }
+        }
+    }
+    eprintln!("{total} scenario packets traced");
+    assert!(total >= 90, "the corpus shrank: {total} packets");
+    assert!(
+        failures.is_empty(),
+        "{} packets differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn agent() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_proxy-agent"))
+}
+
+#[test]
+fn trace_exit_statuses_and_diff() {
+    if !root("trace_exit_statuses_and_diff") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("trace-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    // A wrong expectation: exit 1, with a diff-like explanation.
+    let examples =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios/shared-examples.json");
+    let text = std::fs::read_to_string(examples).expect("examples");
+    let wrong = text.replacen("\"verdict\": \"reject\"", "\"verdict\": \"drop\"", 1);
+    assert_ne!(wrong, text);
+    std::fs::write(dir.join("wrong.json"), wrong).expect("write");
+    let out = agent()
+        .args(["trace", "--scenario"])
+        .arg(dir.join("wrong.json"))
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("FAIL")
+            && stdout.contains("- expected: drop")
+            && stdout.contains("+ got:      reject"),
+        "{stdout}"
+    );
+
+    // A malformed file: refused before anything is loaded, naming case and field.
+    std::fs::write(dir.join("bad.json"), r#"{"cases": [{"id": "broken", "packets": [{"name": "p", "proto": "TCP", "src_ip": "10.0.0.1", "dst_ip": "10.96.0.1", "dst_port": 99999}]}]}"#).expect("write");
+    let out = agent()
+        .args(["trace", "--scenario"])
+        .arg(dir.join("bad.json"))
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("case \"broken\"") && stderr.contains("dst_port"),
+        "{stderr}"
+    );
+
+    // The single-packet form, JSON.
+    let manifests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    let out = agent()
+        .args([
+            "trace",
+            "--json",
+            "--cluster-cidr",
+            "10.0.0.0/8",
+            "--objects",
+        ])
+        .arg(&manifests)
+        .args(["--packet", "tcp 10.244.0.3:40000 -> 10.96.0.10:80"])
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let o: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(o["verdict"], "dnat");
+    assert_eq!(o["endpoints"].as_array().map(Vec::len), Some(3));
+    assert_eq!(o["service"], "default/web:http");
+    let _ = std::fs::remove_dir_all(dir);
+}
