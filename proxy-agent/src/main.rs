@@ -167,11 +167,17 @@ struct TraceArgs {
     #[arg(long, conflicts_with_all = ["objects", "packet"])]
     scenario: Option<PathBuf>,
     /// Services and EndpointSlices (a folder or file of manifests), for `--packet`.
-    #[arg(long, requires = "packet")]
+    #[arg(long, requires = "packet", conflicts_with = "live")]
     objects: Option<PathBuf>,
     /// One packet: `tcp 10.244.0.3:40000 -> 10.96.0.10:80`.
-    #[arg(long, requires = "objects")]
+    #[arg(long)]
     packet: Option<String>,
+    /// Trace `--packet` against a running node's maps (copied from its pins; never written).
+    #[arg(long, requires = "packet")]
+    live: bool,
+    /// The running node's pin folder, for `--live`.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    bpffs: PathBuf,
     /// JSON lines instead of text.
     #[arg(long)]
     json: bool,
@@ -431,6 +437,19 @@ const EXIT_BAD_SCENARIO: i32 = 2;
 
 fn trace(args: TraceArgs) -> Result<()> {
     use proxy_agent::trace::{self, scenario};
+    if args.live {
+        let spec = args.packet.as_deref().context("--live needs --packet")?;
+        let packet = trace::parse_packet_spec(spec).map_err(anyhow::Error::msg)?;
+        let outcomes = trace::run_live(&args.bpffs, std::slice::from_ref(&packet))?;
+        for o in &outcomes {
+            if args.json {
+                println!("{}", serde_json::to_string(o)?);
+            } else {
+                println!("path: {}\n{}", o.path, trace::describe(o, None));
+            }
+        }
+        return Ok(());
+    }
     let cases = match (&args.scenario, &args.packet, &args.objects) {
         (Some(path), _, _) => {
             let text = std::fs::read_to_string(path)

@@ -2,10 +2,7 @@
 //! agent's own sync code: verdicts, rewritten bytes, valid checksums, connection tracking,
 //! and a full map that is reported without touching other services. Root only.
 
-use std::{
-    collections::BTreeSet,
-    net::{IpAddr, SocketAddr},
-};
+use std::{collections::BTreeSet, net::SocketAddr};
 
 use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{

@@ -100,5 +100,46 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     ] {
         assert!(metrics.contains(m), "{m} missing:\n{metrics}");
     }
+    // trace --live: the running node's maps, copied, with the packet's fate.
+    let pins = tb.pin_dir();
+    let traced: serde_json::Value = serde_json::from_str(&agent(
+        &tb,
+        &[
+            "trace",
+            "--live",
+            "--json",
+            "--bpffs",
+            pins.to_str().expect("utf-8"),
+            "--packet",
+            "tcp 10.10.0.2:40000 -> 10.96.0.10:80",
+        ],
+    ))
+    .expect("json");
+    assert_eq!(traced["verdict"], "dnat", "{traced}");
+    let eps: Vec<&str> = traced["endpoints"]
+        .as_array()
+        .expect("endpoints")
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    assert_eq!(
+        eps,
+        vec!["10.20.0.2:8080", "10.20.1.2:8080"],
+        "the live view after backend-2 left"
+    );
+    let refused: serde_json::Value = serde_json::from_str(&agent(
+        &tb,
+        &[
+            "trace",
+            "--live",
+            "--json",
+            "--bpffs",
+            pins.to_str().expect("utf-8"),
+            "--packet",
+            "tcp 10.10.0.2:40000 -> 10.96.0.20:80",
+        ],
+    ))
+    .expect("json");
+    assert_eq!(refused["verdict"], "reject", "{refused}");
     let _ = tb.kill_agent();
 }

@@ -88,6 +88,53 @@ impl Bench {
         })
     }
 
+    /// A private copy of a running node's maps (read from its pins, never written), so a
+    /// trace cannot disturb live traffic.
+    fn from_live(pin_dir: &std::path::Path) -> Result<Self> {
+        let live = MapSet::open_pinned(&pin_dir.join("maps"))?;
+        let (mut ebpf, mut maps) = bpf::load_private(&[])?;
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(TC_PROGRAM)
+            .context("BPF object has no classifier")?
+            .try_into()?;
+        prog.load().context("loading the classifier")?;
+        macro_rules! copy {
+            ($field:ident) => {
+                for entry in live.$field.iter() {
+                    let (k, v) = entry?;
+                    maps.$field.insert(&k, &v, 0)?;
+                }
+            };
+        }
+        copy!(services);
+        copy!(slots);
+        copy!(backends);
+        copy!(rev_nat);
+        for entry in live.local_nets.iter() {
+            let (k, v) = entry?;
+            maps.local_nets.insert(&k, &v, 0)?;
+        }
+        for entry in live.source_ranges.iter() {
+            let (k, v) = entry?;
+            maps.source_ranges.insert(&k, &v, 0)?;
+        }
+        let cfg = live.node_config.get(&0, 0)?;
+        maps.node_config.set(0, &cfg, 0)?;
+        let nodes = [
+            (cfg.snat_v4, proxy_common::FAMILY_V4),
+            (cfg.snat_v6, proxy_common::FAMILY_V6),
+        ]
+        .into_iter()
+        .filter(|(a, _)| *a != [0; 4])
+        .map(|(a, f)| bpf::sync::words_addr(a, f))
+        .collect();
+        Ok(Self {
+            ebpf,
+            nodes,
+            view: NodeView::new(),
+        })
+    }
+
     fn run(&self, data: &[u8]) -> Result<(u32, Vec<u8>)> {
         let prog: &SchedClassifier = self
             .ebpf
@@ -224,6 +271,19 @@ pub fn run(cases: &[Case]) -> Result<Vec<Outcome>> {
                     .with_context(|| format!("case {:?} packet {:?}", case.id, p.name))?,
             );
         }
+    }
+    Ok(out)
+}
+
+/// Runs packets against a copy of a running node's pinned maps (read-only).
+pub fn run_live(pin_dir: &std::path::Path, packets: &[Packet]) -> Result<Vec<Outcome>> {
+    let bench = Bench::from_live(pin_dir)
+        .with_context(|| format!("reading the maps pinned under {}", pin_dir.display()))?;
+    let mut out = Vec::new();
+    for p in packets {
+        let mut o = bench.trace("live", p)?;
+        o.path = "per-packet (tc_ingress), live maps (copied, read-only)";
+        out.push(o);
     }
     Ok(out)
 }
