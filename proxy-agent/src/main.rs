@@ -55,6 +55,9 @@ enum Cmd {
     },
     /// What happens to a packet: runs packets through the real programs on private maps.
     Trace(TraceArgs),
+    /// (Internal) the child side of `trace --path connect`.
+    #[command(hide = true)]
+    TraceProbe,
     /// Detach every program and remove every pin the agent made.
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS)]
@@ -181,6 +184,10 @@ struct TraceArgs {
     /// JSON lines instead of text.
     #[arg(long)]
     json: bool,
+    /// Which datapath: the per-packet classifier (`tc`), real connects through the
+    /// connect-time hooks (`connect`, pod- and node-sourced packets), or `both`.
+    #[arg(long, value_enum, default_value = "tc")]
+    path: TracePath,
     /// The node's addresses (for `--packet`; repeatable).
     #[arg(long = "node-ip")]
     node_ips: Vec<std::net::IpAddr>,
@@ -191,6 +198,13 @@ struct TraceArgs {
     masquerade_all: bool,
     #[arg(long, default_value = "node-a")]
     node_name: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum TracePath {
+    Tc,
+    Connect,
+    Both,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -272,6 +286,7 @@ fn main() -> Result<()> {
         Cmd::Dump { bpffs, json, .. } => dump(&bpffs, json),
         Cmd::Watch { debug_addr } => watch(&debug_addr),
         Cmd::Trace(args) => trace(args),
+        Cmd::TraceProbe => proxy_agent::trace::connect::probe_main(),
         Cmd::Cleanup { bpffs } => {
             bpf::cleanup(&bpffs)?;
             tracing::info!(bpffs = %bpffs.display(), "removed every pin; programs detached");
@@ -488,21 +503,30 @@ fn trace(args: TraceArgs) -> Result<()> {
         }
         _ => anyhow::bail!("give --scenario FILE, or --objects DIR and --packet SPEC"),
     };
-    let outcomes = trace::run(&cases)?;
+    let opts = trace::TraceOptions {
+        connect_probe: (args.path != TracePath::Tc)
+            .then(std::env::current_exe)
+            .transpose()
+            .context("locating this executable for the connect probe")?,
+        skip_tc: args.path == TracePath::Connect,
+    };
+    let outcomes = trace::run(&cases, &opts)?;
     let packets: Vec<&scenario::Packet> = cases.iter().flat_map(|c| &c.packets).collect();
-    let mut current_case = "";
-    for (o, p) in outcomes.iter().zip(&packets) {
+    let mut current_case = String::new();
+    for (i, o) in &outcomes {
+        let p = packets.get(*i).copied();
         if args.json {
             println!("{}", serde_json::to_string(o)?);
             continue;
         }
-        if o.case != current_case {
-            println!("case {} (path: {})", o.case, o.path);
-            current_case = &o.case;
+        let heading = format!("case {} (path: {})", o.case, o.path);
+        if heading != current_case {
+            println!("{heading}");
+            current_case = heading;
         }
-        println!("{}", trace::describe(o, Some(p)));
+        println!("{}", trace::describe(o, p));
     }
-    let failed = outcomes.iter().filter(|o| !o.ok()).count();
+    let failed = outcomes.iter().filter(|(_, o)| !o.ok()).count();
     if !args.json {
         println!(
             "\n{} packets, {} as expected, {failed} differ",

@@ -42,8 +42,14 @@ fn every_scenario_packet_behaves_as_kube_proxy_does() {
         let text = std::fs::read_to_string(&file).expect("read");
         let cases = scenario::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let packets: Vec<_> = cases.iter().flat_map(|c| &c.packets).collect();
-        let outcomes = trace::run(&cases).unwrap_or_else(|e| panic!("{}: {e:#}", file.display()));
-        for (o, p) in outcomes.iter().zip(packets) {
+        let opts = trace::TraceOptions {
+            connect_probe: Some(PathBuf::from(env!("CARGO_BIN_EXE_proxy-agent"))),
+            skip_tc: false,
+        };
+        let outcomes =
+            trace::run(&cases, &opts).unwrap_or_else(|e| panic!("{}: {e:#}", file.display()));
+        for (i, o) in &outcomes {
+            let p = packets[*i];
             total += 1;
             if !o.ok() {
                 failures.push(format!(
@@ -56,7 +62,10 @@ fn every_scenario_packet_behaves_as_kube_proxy_does() {
         }
     }
     eprintln!("{total} scenario packets traced");
-    assert!(total >= 90, "the corpus shrank: {total} packets");
+    assert!(
+        total >= 90 + 50,
+        "the corpus shrank: {total} outcomes over both paths"
+    );
     assert!(
         failures.is_empty(),
         "{} packets differ:\n{}",

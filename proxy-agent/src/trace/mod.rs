@@ -6,6 +6,7 @@
 //! Reported path: the per-packet (TC) path, whose outcome is kube-proxy's. The connect-time
 //! path reaches the same backends without NAT on the wire (see the README's differences).
 
+pub mod connect;
 pub mod packet;
 pub mod scenario;
 
@@ -65,6 +66,15 @@ impl Bench {
             .context("BPF object has no classifier")?
             .try_into()?;
         prog.load().context("loading the classifier")?;
+        // Load the connect hooks now too: loading relocates map references, and the map
+        // handles are not kept.
+        for name in ["connect4", "connect6"] {
+            let prog: &mut aya::programs::CgroupSockAddr = ebpf
+                .program_mut(name)
+                .with_context(|| format!("BPF object has no {name}"))?
+                .try_into()?;
+            prog.load().with_context(|| format!("loading {name}"))?;
+        }
         let mut state = MapState::adopt(&maps)?;
         bpf::sync::configure(
             &mut maps,
@@ -259,20 +269,129 @@ fn compare(expect: &Expect, got: &Outcome) -> Vec<String> {
     m
 }
 
-/// Runs every case of a parsed scenario file.
-pub fn run(cases: &[Case]) -> Result<Vec<Outcome>> {
+/// Which datapaths a trace runs.
+#[derive(Clone, Debug, Default)]
+pub struct TraceOptions {
+    /// Also (or only, with `skip_tc`) the connect-time path: real connects by a probe
+    /// child, this executable run as `<exe> trace-probe`.
+    pub connect_probe: Option<std::path::PathBuf>,
+    pub skip_tc: bool,
+}
+
+const CONNECT_PATH: &str = "connect-time (cgroup connect4/6)";
+
+/// Runs every case of a parsed scenario file. Outcomes come with the index of their
+/// packet (over all cases); per case, the per-packet path first.
+pub fn run(cases: &[Case], opts: &TraceOptions) -> Result<Vec<(usize, Outcome)>> {
     let mut out = Vec::new();
-    for case in cases {
-        let bench = Bench::new(case).with_context(|| format!("case {:?}", case.id))?;
-        for p in &case.packets {
-            out.push(
-                bench
+    let mut index = 0;
+    for (n, case) in cases.iter().enumerate() {
+        let mut bench = Bench::new(case).with_context(|| format!("case {:?}", case.id))?;
+        if !opts.skip_tc {
+            for (i, p) in case.packets.iter().enumerate() {
+                let o = bench
                     .trace(&case.id, p)
-                    .with_context(|| format!("case {:?} packet {:?}", case.id, p.name))?,
-            );
+                    .with_context(|| format!("case {:?} packet {:?}", case.id, p.name))?;
+                out.push((index + i, o));
+            }
         }
+        if let Some(exe) = &opts.connect_probe {
+            let outcomes = bench
+                .connect_trace(case, exe, n)
+                .with_context(|| format!("case {:?}: connect-time path", case.id))?;
+            out.extend(outcomes.into_iter().map(|(i, o)| (index + i, o)));
+        }
+        index += case.packets.len();
     }
     Ok(out)
+}
+
+impl Bench {
+    /// Pod- and node-sourced packets as real connects (outside clients never meet the
+    /// connect-time hooks). Masquerade does not apply: nothing is rewritten on the wire.
+    fn connect_trace(
+        &mut self,
+        case: &Case,
+        exe: &std::path::Path,
+        n: usize,
+    ) -> Result<Vec<(usize, Outcome)>> {
+        let inside = |ip: IpAddr| {
+            self.is_node_address(ip) || case.node.view.pod_cidrs.iter().any(|c| c.contains(&ip))
+        };
+        let picked: Vec<(usize, &Packet)> = case
+            .packets
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| inside(p.src))
+            .collect();
+        if picked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut listen: BTreeSet<SocketAddr> = BTreeSet::new();
+        for st in self.view.values() {
+            listen.extend(st.backends.endpoints.iter().copied());
+            if let Some(i) = &st.internal {
+                listen.extend(i.endpoints.iter().copied());
+            }
+        }
+        let probes: Vec<connect::Probe> = picked
+            .iter()
+            .map(|(_, p)| {
+                listen.insert(p.dst);
+                let want = p.expect.as_ref().map_or(0, |e| e.endpoints.len()).max(2) as u32;
+                connect::Probe {
+                    udp: p.protocol == Protocol::Udp,
+                    dst: p.dst,
+                    tries: 16 + 24 * want,
+                }
+            })
+            .collect();
+        let cgroup = connect::HookedCgroup::new(&mut self.ebpf, &n.to_string())?;
+        let results = connect::run_probes(exe, &cgroup.path, &listen, &probes)?;
+        let mut out = Vec::new();
+        for ((i, p), r) in picked.into_iter().zip(results) {
+            let (verdict, endpoints) = match r.error.as_deref() {
+                Some("ECONNREFUSED") => (Verdict::Reject, vec![]),
+                Some("EPERM") => (Verdict::Drop, vec![]),
+                Some(other) => anyhow::bail!("packet {:?}: connect failed: {other}", p.name),
+                None if r.peers == [p.dst] && self.is_node_address(p.dst.ip()) => {
+                    (Verdict::Local, vec![])
+                }
+                None if r.peers == [p.dst] => (Verdict::Accept, vec![]),
+                None => (Verdict::Dnat, r.peers),
+            };
+            let mut o = Outcome {
+                case: case.id.clone(),
+                packet: p.name.clone(),
+                path: CONNECT_PATH,
+                verdict,
+                endpoints,
+                masquerade: false,
+                service: self.service_of(p),
+                mismatches: Vec::new(),
+            };
+            if let Some(e) = &p.expect {
+                // By design the connect-time path never masquerades: compare the rest.
+                let e = Expect {
+                    masquerade: None,
+                    ..e.clone()
+                };
+                o.mismatches = compare(&e, &o);
+            }
+            out.push((i, o));
+        }
+        Ok(out)
+    }
+
+    /// The Service port whose frontend `p` is addressed to.
+    fn service_of(&self, p: &Packet) -> Option<String> {
+        self.view
+            .iter()
+            .find(|(fe, _)| {
+                fe.ip == p.dst.ip() && fe.port == p.dst.port() && fe.protocol == p.protocol
+            })
+            .map(|(_, st)| st.service.clone())
+    }
 }
 
 /// Runs packets against a copy of a running node's pinned maps (read-only).
