@@ -5,6 +5,7 @@
 pub mod config;
 pub mod dataplane;
 pub mod debug;
+pub mod health;
 pub mod model;
 pub mod netns;
 pub mod source;

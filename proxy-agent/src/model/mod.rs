@@ -6,7 +6,7 @@
 mod endpoints;
 mod view;
 
-pub use view::{Rejection, node_view};
+pub use view::{HealthCheck, Rejection, health_checks, node_view};
 
 use std::{
     collections::{BTreeMap, BTreeSet},

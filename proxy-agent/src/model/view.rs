@@ -3,7 +3,7 @@
 //! session affinity; reject vs drop.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::{IpAddr, Ipv4Addr, SocketAddr},
 };
 
@@ -148,6 +148,44 @@ pub fn node_view(
         }
     }
     (view, rejected)
+}
+
+/// A `healthCheckNodePort` of an `externalTrafficPolicy: Local` Service: load balancers
+/// ask it whether this node has local endpoints.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct HealthCheck {
+    pub service: ObjectRef,
+    pub local_endpoints: usize,
+}
+
+/// Health-check ports of this node, by port: kube-proxy answers 200 with the number of
+/// local endpoints, 503 without.
+pub fn health_checks(model: &ClusterModel, node: &NodeInfo, cfg: &ViewConfig) -> BTreeMap<u16, HealthCheck> {
+    let mut out = BTreeMap::new();
+    for (sref, svc) in &model.services {
+        let Some(spec) = &svc.spec else { continue };
+        let Some(port) = spec.health_check_node_port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
+            continue;
+        };
+        if !is_ours(svc, cfg) || spec.external_traffic_policy.as_deref() != Some("Local") {
+            continue;
+        }
+        // Ready local endpoints, counted once per address (as kube-proxy counts them).
+        let mut local = BTreeSet::new();
+        for (r, slice) in &model.slices {
+            if r.namespace != sref.namespace || owner(slice) != Some(&sref.name) {
+                continue;
+            }
+            for ep in &slice.endpoints {
+                let ready = ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+                if ready && ep.node_name.as_deref() == Some(node.name.as_str()) {
+                    local.extend(ep.addresses.iter().cloned());
+                }
+            }
+        }
+        out.insert(port, HealthCheck { service: sref.clone(), local_endpoints: local.len() });
+    }
+    out
 }
 
 /// The backends each kind of traffic uses, per kube-proxy's policies.

@@ -687,3 +687,26 @@ fn single_stack_ipv6_service_uses_only_ipv6() {
             .all(|s| s.backends.endpoints == set(&["[fd00:244::5]:8080"]))
     );
 }
+
+#[test]
+fn health_check_node_ports_count_ready_local_endpoints() {
+    let mut spec = nodeport_spec("Local");
+    spec["healthCheckNodePort"] = json!(32000);
+    let cluster = {
+        let mut s = nodeport_spec("Cluster");
+        s["clusterIP"] = json!("10.96.0.11");
+        s["healthCheckNodePort"] = json!(32001);
+        s
+    };
+    let eps = json!([
+        ep_on("10.244.1.5", "node-a", &[], &[]),
+        ep_cond("10.244.1.6", "node-a", false, true, true),
+        ep_on("10.244.2.6", "node-b", &[], &[])
+    ]);
+    let m = model(&[svc("web", spec), svc("other", cluster)], &[slice("web-1", "web", "IPv4", http_ports(), eps)]);
+    let checks = health_checks(&m, &node_a(), &ViewConfig::default());
+    assert_eq!(checks.keys().copied().collect::<Vec<_>>(), vec![32000], "only eTP Local Services have one");
+    assert_eq!(checks[&32000].local_endpoints, 1, "ready local endpoints only");
+    let node_c = NodeInfo { name: "node-c".into(), ..node_a() };
+    assert_eq!(health_checks(&m, &node_c, &ViewConfig::default())[&32000].local_endpoints, 0);
+}

@@ -12,7 +12,8 @@ use tokio::{sync::watch, time::Instant};
 pub use self::status::Status;
 use crate::{
     dataplane::Dataplane,
-    model::{NodeInfo, NodeSettings, NodeView, ViewConfig, node_view},
+    health::HealthServers,
+    model::{NodeInfo, NodeSettings, NodeView, ViewConfig, health_checks, node_view},
     source::{Snapshot, files},
 };
 
@@ -69,6 +70,7 @@ pub async fn run<D: Dataplane>(
     let mut current: Option<NodeView> = None;
     let mut last_rejections = Vec::new();
     let mut settings: Option<NodeSettings> = None;
+    let mut health = HealthServers::default();
     loop {
         let wake = retry_at.map_or(next_resync, |r| r.min(next_resync));
         let mut forced = false;
@@ -99,6 +101,7 @@ pub async fn run<D: Dataplane>(
                 ),
             }
         }
+        health.update(&health_checks(&snapshot.model, &snapshot.node, &cfg));
         let (view, rejected) = node_view(&snapshot.model, &snapshot.node, &cfg);
         if rejected != last_rejections {
             for r in &rejected {
