@@ -39,7 +39,9 @@ impl HealthServers {
                 continue;
             }
             let state: Shared = Arc::new(RwLock::new(Some(check.clone())));
-            let app = Router::new().fallback(get(answer)).with_state(state.clone());
+            let app = Router::new()
+                .fallback(get(answer))
+                .with_state(state.clone());
             let port = *port;
             let task = tokio::spawn(async move {
                 match tokio::net::TcpListener::bind(("0.0.0.0", port)).await {
@@ -62,7 +64,11 @@ async fn answer(State(state): State<Shared>) -> impl IntoResponse {
     let Some(check) = check else {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({}))).into_response();
     };
-    let code = if check.local_endpoints > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let code = if check.local_endpoints > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let body = json!({
         "service": {"namespace": check.service.namespace, "name": check.service.name},
         "localEndpoints": check.local_endpoints,

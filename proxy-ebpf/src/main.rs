@@ -6,6 +6,7 @@
 mod lb;
 mod maps;
 mod reject;
+mod route;
 mod sock;
 mod tc;
 

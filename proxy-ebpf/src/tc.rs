@@ -24,7 +24,7 @@ use proxy_common::{
 use crate::{
     lb::{self, Client, NoBackend},
     maps::{CONNTRACK, LOCAL_NETS, NODE_CONFIG, REV_NAT, SOURCE_RANGES, count},
-    reject,
+    reject, route,
 };
 
 pub const ETH_HLEN: usize = 14;
@@ -36,6 +36,23 @@ const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 const IPV6_HLEN: usize = 40;
+
+/// Where a translated packet goes next.
+pub enum Verdict {
+    /// On through the stack (routing, local delivery).
+    Stack,
+    /// Already sent out of an interface: return this code.
+    Redirected(i32),
+}
+
+impl Verdict {
+    fn code(self) -> i32 {
+        match self {
+            Verdict::Stack => DONE,
+            Verdict::Redirected(code) => code,
+        }
+    }
+}
 
 /// Not ours: let the next program (or the stack) have it.
 const PASS_ON: i32 = TC_ACT_UNSPEC;
@@ -109,12 +126,20 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
         *ct
     };
     // SAFETY: the value is copied out at once.
-    if let Some(frontend) = unsafe { REV_NAT.get(&entry.rev_nat_id).copied() } {
-        rewrite(ctx, pkt, Side::Source, &frontend.addr, frontend.port)?;
-        if entry.flags & CT_F_SNAT != 0 {
-            rewrite(ctx, pkt, Side::Destination, &entry.nat_addr, entry.nat_port)?;
-        }
-        count(counter::CT_REPLY_NAT);
+    let Some(frontend) = (unsafe { REV_NAT.get(&entry.rev_nat_id).copied() }) else {
+        return Ok(Some(DONE));
+    };
+    rewrite(ctx, pkt, Side::Source, &frontend.addr, frontend.port)?;
+    let snat = entry.flags & CT_F_SNAT != 0;
+    if snat {
+        rewrite(ctx, pkt, Side::Destination, &entry.nat_addr, entry.nat_port)?;
+    }
+    count(counter::CT_REPLY_NAT);
+    let dst = if snat { &entry.nat_addr } else { &pkt.daddr };
+    if snat || is_node_address(pkt.family, &frontend.addr) {
+        return Ok(Some(
+            route::forward(ctx, pkt.family, &frontend.addr, dst).code(),
+        ));
     }
     Ok(Some(DONE))
 }
@@ -137,6 +162,11 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
     if let Some(entry) = CONNTRACK.get_ptr_mut(&fwd_key) {
         // SAFETY: as above.
         unsafe { (*entry).last_seen_ns = now };
+    }
+    if ct.flags & CT_F_SNAT != 0 {
+        return Ok(Some(
+            route::forward(ctx, pkt.family, &ct.nat_addr, &be.addr).code(),
+        ));
     }
     Ok(Some(DONE))
 }
@@ -190,6 +220,9 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         rewrite(ctx, pkt, Side::Source, &entry.nat_addr, entry.nat_port)?;
     }
     rewrite(ctx, pkt, Side::Destination, &be.addr, be.port)?;
+    if entry.flags & CT_F_SNAT != 0 {
+        return Ok(route::forward(ctx, pkt.family, &entry.nat_addr, &be.addr).code());
+    }
     Ok(DONE)
 }
 
@@ -284,6 +317,13 @@ fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
             .get(&lpm_key(LPM_TAG_NODE | family, pkt.family, pkt.saddr))
             .is_some();
     Origin { pod, node }
+}
+
+/// One of the node's own addresses (or loopback).
+fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
+    LOCAL_NETS
+        .get(&lpm_key(LPM_TAG_NODE | u32::from(family), family, *addr))
+        .is_some()
 }
 
 fn source_allowed(service_id: u32, pkt: &Packet) -> bool {

@@ -17,6 +17,9 @@ pub struct Attempt {
     pub ok: bool,
     /// Identity of the backend that answered.
     pub backend: Option<String>,
+    /// The client address the backend saw (masquerade shows here).
+    #[serde(default)]
+    pub seen_as: Option<String>,
     /// Peer as the application sees it: getpeername (TCP) or the reply's source (UDP).
     pub peer: Option<String>,
     /// Error kind, e.g. "ConnectionRefused" or "TimedOut".
@@ -41,6 +44,8 @@ pub struct Run {
     pub udp: bool,
     /// UDP through a connected socket (connect4/6 + recvmsg) instead of sendto.
     pub connected: bool,
+    /// One connected UDP socket for every attempt (one flow, like a DNS stub resolver).
+    pub reuse: bool,
     pub count: u32,
     pub interval: Duration,
     pub timeout: Duration,
@@ -49,21 +54,42 @@ pub struct Run {
 /// Runs the attempts, printing each as a JSON line as soon as it ends.
 pub fn run(opts: &Run) -> Result<()> {
     let start = Instant::now();
+    let shared = if opts.reuse {
+        Some(udp_socket(opts)?)
+    } else {
+        None
+    };
+    if let Some(s) = &shared {
+        s.connect(opts.target)?;
+    }
     let stdout = std::io::stdout();
     for seq in 0..opts.count {
         let t0 = Instant::now();
         let at_ms = start.elapsed().as_secs_f64() * 1e3;
         let result = match (opts.udp, opts.connected) {
+            _ if shared.is_some() => shared.as_ref().map_or_else(
+                || unreachable_socket(),
+                |s| {
+                    s.send(b"who")?;
+                    let mut buf = [0u8; 256];
+                    let n = s.recv(&mut buf)?;
+                    Ok((
+                        String::from_utf8_lossy(&buf[..n]).trim().to_string(),
+                        s.peer_addr()?,
+                    ))
+                },
+            ),
             (false, _) => tcp_once(opts),
             (true, false) => udp_once(opts),
             (true, true) => udp_connected_once(opts),
         };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let attempt = match result {
-            Ok((backend, peer)) => Attempt {
+            Ok((answer, peer)) => Attempt {
                 seq,
                 ok: true,
-                backend: Some(backend),
+                seen_as: answer.split_whitespace().nth(1).map(str::to_string),
+                backend: answer.split_whitespace().next().map(str::to_string),
                 peer: Some(peer.to_string()),
                 error: None,
                 ms,
@@ -73,6 +99,7 @@ pub fn run(opts: &Run) -> Result<()> {
                 seq,
                 ok: false,
                 backend: None,
+                seen_as: None,
                 peer: None,
                 error: Some(format!("{:?}", e.kind())),
                 ms,
@@ -97,6 +124,10 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     let mut buf = String::new();
     s.read_to_string(&mut buf)?;
     Ok((buf.trim().to_string(), peer))
+}
+
+fn unreachable_socket() -> std::io::Result<(String, SocketAddr)> {
+    Err(std::io::Error::other("no shared socket"))
 }
 
 /// A UDP socket of the target's family on an ephemeral port.

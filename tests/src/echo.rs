@@ -1,5 +1,5 @@
-//! An echo backend: answers every TCP connection and UDP datagram with its identity, on
-//! IPv4 and IPv6.
+//! An echo backend: answers every TCP connection and UDP datagram with its identity and
+//! the client address it saw, on IPv4 and IPv6.
 
 use std::{
     io::Write as _,
@@ -17,10 +17,14 @@ pub fn serve(id: &str, tcp: u16, udp: u16) -> Result<()> {
         Ipv6Addr::UNSPECIFIED.into(),
     ] {
         let listener = bind_tcp(SocketAddr::new(ip, tcp))?;
-        let name = format!("{id}\n");
+        let name = id.to_string();
         threads.push(thread::spawn(move || {
             for mut stream in listener.incoming().flatten() {
-                let _ = stream.write_all(name.as_bytes());
+                let peer = stream
+                    .peer_addr()
+                    .map(|p| p.ip().to_string())
+                    .unwrap_or_default();
+                let _ = stream.write_all(format!("{name} {peer}\n").as_bytes());
             }
         }));
         let sock = bind_udp(SocketAddr::new(ip, udp))?;
@@ -28,7 +32,7 @@ pub fn serve(id: &str, tcp: u16, udp: u16) -> Result<()> {
         threads.push(thread::spawn(move || {
             let mut buf = [0u8; 1500];
             while let Ok((_, from)) = sock.recv_from(&mut buf) {
-                let _ = sock.send_to(name.as_bytes(), from);
+                let _ = sock.send_to(format!("{name} {}", from.ip()).as_bytes(), from);
             }
         }));
     }

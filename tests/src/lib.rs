@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod echo;
+pub mod multinode;
 
 use std::{
     collections::BTreeMap,
@@ -57,8 +58,30 @@ pub fn sh(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// A namespace with loopback up and without IPv6 duplicate address detection, whose
+/// tentative link-local addresses would stall neighbour discovery for a second or two.
+pub(crate) fn add_namespace(ns: &str) -> Result<()> {
+    sh(&["ip", "netns", "add", ns])?;
+    sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+    for key in [
+        "net.ipv6.conf.all.accept_dad",
+        "net.ipv6.conf.default.accept_dad",
+    ] {
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "sysctl",
+            "-qw",
+            &format!("{key}=0"),
+        ])?;
+    }
+    Ok(())
+}
+
 /// `ip -n NS ARGS...`, with ARGS split on spaces.
-fn ip(ns: &str, args: &str) -> Result<String> {
+pub(crate) fn ip(ns: &str, args: &str) -> Result<String> {
     let mut argv = vec!["ip", "-n", ns];
     argv.extend(args.split_whitespace());
     sh(&argv)
@@ -82,7 +105,7 @@ pub fn agent_bin() -> PathBuf {
 
 /// Binaries of the workspace's target folder (e2e-echo, e2e-client, proxy-agent), found
 /// from the running executable (which may sit in `deps/`).
-fn helper_bin(name: &str) -> PathBuf {
+pub(crate) fn helper_bin(name: &str) -> PathBuf {
     let mut p = std::env::current_exe().unwrap_or_default();
     p.pop();
     if p.ends_with("deps") {
@@ -226,26 +249,9 @@ impl Testbed {
         Ok(())
     }
 
-    /// A namespace with loopback up and without IPv6 duplicate address detection, whose
-    /// tentative link-local addresses would stall neighbour discovery for a second or two.
     fn add_namespace(&mut self, ns: &str) -> Result<()> {
-        sh(&["ip", "netns", "add", ns])?;
+        add_namespace(ns)?;
         self.namespaces.push(ns.to_string());
-        sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
-        for key in [
-            "net.ipv6.conf.all.accept_dad",
-            "net.ipv6.conf.default.accept_dad",
-        ] {
-            sh(&[
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "sysctl",
-                "-qw",
-                &format!("{key}=0"),
-            ])?;
-        }
         Ok(())
     }
 

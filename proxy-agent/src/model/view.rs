@@ -160,11 +160,19 @@ pub struct HealthCheck {
 
 /// Health-check ports of this node, by port: kube-proxy answers 200 with the number of
 /// local endpoints, 503 without.
-pub fn health_checks(model: &ClusterModel, node: &NodeInfo, cfg: &ViewConfig) -> BTreeMap<u16, HealthCheck> {
+pub fn health_checks(
+    model: &ClusterModel,
+    node: &NodeInfo,
+    cfg: &ViewConfig,
+) -> BTreeMap<u16, HealthCheck> {
     let mut out = BTreeMap::new();
     for (sref, svc) in &model.services {
         let Some(spec) = &svc.spec else { continue };
-        let Some(port) = spec.health_check_node_port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
+        let Some(port) = spec
+            .health_check_node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0)
+        else {
             continue;
         };
         if !is_ours(svc, cfg) || spec.external_traffic_policy.as_deref() != Some("Local") {
@@ -183,7 +191,13 @@ pub fn health_checks(model: &ClusterModel, node: &NodeInfo, cfg: &ViewConfig) ->
                 }
             }
         }
-        out.insert(port, HealthCheck { service: sref.clone(), local_endpoints: local.len() });
+        out.insert(
+            port,
+            HealthCheck {
+                service: sref.clone(),
+                local_endpoints: local.len(),
+            },
+        );
     }
     out
 }

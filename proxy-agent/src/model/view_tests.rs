@@ -703,10 +703,26 @@ fn health_check_node_ports_count_ready_local_endpoints() {
         ep_cond("10.244.1.6", "node-a", false, true, true),
         ep_on("10.244.2.6", "node-b", &[], &[])
     ]);
-    let m = model(&[svc("web", spec), svc("other", cluster)], &[slice("web-1", "web", "IPv4", http_ports(), eps)]);
+    let m = model(
+        &[svc("web", spec), svc("other", cluster)],
+        &[slice("web-1", "web", "IPv4", http_ports(), eps)],
+    );
     let checks = health_checks(&m, &node_a(), &ViewConfig::default());
-    assert_eq!(checks.keys().copied().collect::<Vec<_>>(), vec![32000], "only eTP Local Services have one");
-    assert_eq!(checks[&32000].local_endpoints, 1, "ready local endpoints only");
-    let node_c = NodeInfo { name: "node-c".into(), ..node_a() };
-    assert_eq!(health_checks(&m, &node_c, &ViewConfig::default())[&32000].local_endpoints, 0);
+    assert_eq!(
+        checks.keys().copied().collect::<Vec<_>>(),
+        vec![32000],
+        "only eTP Local Services have one"
+    );
+    assert_eq!(
+        checks[&32000].local_endpoints, 1,
+        "ready local endpoints only"
+    );
+    let node_c = NodeInfo {
+        name: "node-c".into(),
+        ..node_a()
+    };
+    assert_eq!(
+        health_checks(&m, &node_c, &ViewConfig::default())[&32000].local_endpoints,
+        0
+    );
 }

@@ -1,0 +1,370 @@
+//! The multi-node testbed: two node namespaces and an external client on a bridge
+//! namespace (the "LAN"), a pod namespace behind each node, one agent per node (its own
+//! pins, no cgroup hooks, the classifier on every node interface). Nothing routes out of
+//! the testbed: nodes know each other's pod networks and nothing else.
+//!
+//! ```text
+//!   client 192.168.50.100 ─┐
+//!   node-a 192.168.50.10  ─┼─ br0 (bridge ns)        node-a ── pod-a 10.244.1.2
+//!   node-b 192.168.50.11  ─┘                          node-b ── pod-b 10.244.2.2
+//! ```
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{Attempt, add_namespace, agent_bin, client, helper_bin, ip, sh};
+
+pub const NODE_A: &str = "192.168.50.10";
+pub const NODE_B: &str = "192.168.50.11";
+pub const CLIENT: &str = "192.168.50.100";
+pub const POD_A: &str = "10.244.1.2";
+pub const POD_B: &str = "10.244.2.2";
+/// Addresses "load balancers" send to node A (routed there from the client).
+pub const LB_IPS: [&str; 3] = ["203.0.113.50", "203.0.113.51", "203.0.113.7"];
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// One node: its namespace, interfaces, agent.
+struct Node {
+    ns: String,
+    interfaces: Vec<String>,
+    agent: Option<Child>,
+}
+
+pub struct MultiNode {
+    pub id: String,
+    root: PathBuf,
+    namespaces: Vec<String>,
+    nodes: BTreeMap<&'static str, Node>,
+    echoes: Vec<Child>,
+    manifests: PathBuf,
+    bpffs: PathBuf,
+}
+
+impl MultiNode {
+    pub fn new() -> Result<Self> {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{:04x}{n:x}", std::process::id() & 0xffff);
+        let root = std::env::temp_dir().join(format!("pxm-{id}"));
+        let mut tb = MultiNode {
+            manifests: root.join("manifests"),
+            bpffs: root.join("bpffs"),
+            root,
+            id,
+            namespaces: Vec::new(),
+            nodes: BTreeMap::new(),
+            echoes: Vec::new(),
+        };
+        tb.build()
+            .with_context(|| format!("building multi-node testbed {}", tb.id))?;
+        Ok(tb)
+    }
+
+    fn ns(&self, name: &str) -> String {
+        format!("pxm{}{name}", self.id)
+    }
+
+    fn add_ns(&mut self, name: &str) -> Result<String> {
+        let ns = self.ns(name);
+        add_namespace(&ns)?;
+        self.namespaces.push(ns.clone());
+        Ok(ns)
+    }
+
+    fn build(&mut self) -> Result<()> {
+        fs::create_dir_all(&self.manifests)?;
+        fs::create_dir_all(&self.bpffs)?;
+        sh(&[
+            "mount",
+            "-t",
+            "bpf",
+            "bpf",
+            self.bpffs.to_str().context("utf-8")?,
+        ])?;
+        let lan = self.add_ns("lan")?;
+        ip(&lan, "link add br0 type bridge")?;
+        ip(&lan, "link set br0 up")?;
+        let client_ns = self.add_ns("cl")?;
+        // The client's LAN port; "load balancers" deliver their IPs to node A.
+        self.lan_port(&lan, "c", &client_ns, CLIENT)?;
+        for lb in LB_IPS {
+            ip(&client_ns, &format!("route add {lb}/32 via {NODE_A}"))?;
+        }
+        for (name, addr, pod_net, pod, other_net, other) in [
+            ("a", NODE_A, "10.244.1", POD_A, "10.244.2.0/24", NODE_B),
+            ("b", NODE_B, "10.244.2", POD_B, "10.244.1.0/24", NODE_A),
+        ] {
+            let node_ns = self.add_ns(&format!("n{name}"))?;
+            for (k, v) in [
+                ("net.ipv4.ip_forward", "1"),
+                ("net.ipv4.conf.all.rp_filter", "0"),
+                ("net.ipv4.conf.default.rp_filter", "0"),
+            ] {
+                sh(&[
+                    "ip",
+                    "netns",
+                    "exec",
+                    &node_ns,
+                    "sysctl",
+                    "-qw",
+                    &format!("{k}={v}"),
+                ])?;
+            }
+            self.lan_port(&lan, name, &node_ns, addr)?;
+            ip(&node_ns, &format!("route add {other_net} via {other}"))?;
+            // The pod behind this node.
+            let pod_ns = self.add_ns(&format!("p{name}"))?;
+            let pod_if = format!("p{name}{}", self.id);
+            ip(
+                &node_ns,
+                &format!("link add {pod_if} type veth peer name eth0 netns {pod_ns}"),
+            )?;
+            ip(&node_ns, &format!("addr add {pod_net}.1/24 dev {pod_if}"))?;
+            ip(&node_ns, &format!("link set {pod_if} up"))?;
+            ip(&pod_ns, &format!("addr add {pod}/24 dev eth0"))?;
+            ip(&pod_ns, "link set eth0 up")?;
+            ip(&pod_ns, &format!("route add default via {pod_net}.1"))?;
+            let echo = Command::new("ip")
+                .args(["netns", "exec", &pod_ns])
+                .arg(helper_bin("e2e-echo"))
+                .args([
+                    "--id",
+                    &format!("pod-{name}"),
+                    "--tcp",
+                    "8080",
+                    "--udp",
+                    "5353",
+                ])
+                .stdout(Stdio::null())
+                .spawn()
+                .context("starting an echo pod")?;
+            self.echoes.push(echo);
+            let key = if name == "a" { "node-a" } else { "node-b" };
+            self.nodes.insert(
+                key,
+                Node {
+                    ns: node_ns,
+                    interfaces: vec![format!("l{name}{}", self.id), pod_if],
+                    agent: None,
+                },
+            );
+        }
+        // Wait for both pods, from the client through the nodes' plain routing... the
+        // client has no route to pods; ask from each node instead.
+        for (node, pod) in [("node-a", POD_A), ("node-b", POD_B)] {
+            let ns = self.nodes[node].ns.clone();
+            self.wait(&ns, &format!("{pod}:8080"))?;
+        }
+        Ok(())
+    }
+
+    /// A veth from `peer_ns` (`eth0`, `addr`/24) into the LAN bridge.
+    fn lan_port(&self, lan: &str, name: &str, peer_ns: &str, addr: &str) -> Result<()> {
+        let lan_if = format!("b{name}{}", self.id);
+        let peer_if = if name == "c" {
+            "eth0".to_string()
+        } else {
+            format!("l{name}{}", self.id)
+        };
+        ip(
+            lan,
+            &format!("link add {lan_if} type veth peer name {peer_if} netns {peer_ns}"),
+        )?;
+        ip(lan, &format!("link set {lan_if} master br0"))?;
+        ip(lan, &format!("link set {lan_if} up"))?;
+        ip(peer_ns, &format!("addr add {addr}/24 dev {peer_if}"))?;
+        ip(peer_ns, &format!("link set {peer_if} up"))?;
+        Ok(())
+    }
+
+    fn wait(&self, ns: &str, target: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if self
+                .client_in(
+                    ns,
+                    &["--target", target, "--count", "1", "--timeout-ms", "300"],
+                )
+                .is_ok_and(|a| a.first().is_some_and(|a| a.ok))
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{target} did not come up in {ns}");
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Writes the manifests both agents read.
+    pub fn write_manifests(&self, yaml: &str) -> Result<()> {
+        let tmp = self.manifests.join(".services.tmp");
+        fs::write(&tmp, yaml)?;
+        fs::rename(tmp, self.manifests.join("services.yaml"))?;
+        Ok(())
+    }
+
+    /// Starts both agents; returns once each has programmed `frontends` frontends.
+    pub fn start_agents(&mut self, frontends: usize) -> Result<()> {
+        let config = self.root.join("config.yaml");
+        fs::write(
+            &config,
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nminSyncPeriod: 20ms\n",
+        )?;
+        for (name, addr) in [("node-a", NODE_A), ("node-b", NODE_B)] {
+            let pins = self.bpffs.join(name);
+            let log = fs::File::create(self.root.join(format!("{name}.log")))?;
+            let node = self.nodes.get_mut(name).context("node")?;
+            let agent = Command::new(agent_bin())
+                .arg("--netns")
+                .arg(format!("/run/netns/{}", node.ns))
+                .arg("run")
+                .arg("--config")
+                .arg(&config)
+                .arg("--manifests")
+                .arg(&self.manifests)
+                .arg("--bpffs")
+                .arg(&pins)
+                .args([
+                    "--cgroup",
+                    "none",
+                    "--interfaces",
+                    &node.interfaces.join(","),
+                    "--node-name",
+                    name,
+                    "--node-ip",
+                    addr,
+                ])
+                .stdout(log.try_clone()?)
+                .stderr(log)
+                .spawn()
+                .context("starting an agent")?;
+            node.agent = Some(agent);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for name in ["node-a", "node-b"] {
+            let pins = self.bpffs.join(name);
+            loop {
+                let out = sh(&[
+                    agent_bin().to_str().context("utf-8")?,
+                    "dump",
+                    "--json",
+                    "--bpffs",
+                    pins.to_str().context("utf-8")?,
+                ]);
+                if let Ok(out) = out
+                    && let Ok(v) = serde_json::from_str::<serde_json::Value>(&out)
+                    && v["services"].as_array().map(Vec::len) == Some(frontends)
+                {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "{name} did not program {frontends} frontends:\n{}",
+                        self.log(name)
+                    );
+                }
+                thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn log(&self, node: &str) -> String {
+        fs::read_to_string(self.root.join(format!("{node}.log"))).unwrap_or_default()
+    }
+
+    fn client_in(&self, ns: &str, args: &[&str]) -> Result<Vec<Attempt>> {
+        let out = Command::new(helper_bin("e2e-client"))
+            .arg("--netns")
+            .arg(format!("/run/netns/{ns}"))
+            .args(args)
+            .output()
+            .context("running e2e-client")?;
+        if !out.status.success() {
+            bail!(
+                "e2e-client {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
+    }
+
+    /// The external client, in the background.
+    pub fn spawn_client(&self, args: &[&str]) -> Result<Child> {
+        Command::new(helper_bin("e2e-client"))
+            .arg("--netns")
+            .arg(format!("/run/netns/{}", self.ns("cl")))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting e2e-client")
+    }
+
+    /// The external client.
+    pub fn client(&self, args: &[&str]) -> Result<Vec<Attempt>> {
+        self.client_in(&self.ns("cl"), args)
+    }
+
+    /// A pod (`"a"` or `"b"`).
+    pub fn from_pod(&self, pod: &str, args: &[&str]) -> Result<Vec<Attempt>> {
+        self.client_in(&self.ns(&format!("p{pod}")), args)
+    }
+
+    /// An HTTP GET from the external client: status code and body.
+    pub fn http_get(&self, url: &str) -> Result<(u16, String)> {
+        let script = format!(
+            "import urllib.request,urllib.error\ntry:\n r=urllib.request.urlopen('{url}',timeout=3);print(r.status);print(r.read().decode())\nexcept urllib.error.HTTPError as e:\n print(e.code);print(e.read().decode())"
+        );
+        let out = sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.ns("cl"),
+            "python3",
+            "-c",
+            &script,
+        ])?;
+        let (code, body) = out.split_once('\n').unwrap_or((out.as_str(), ""));
+        Ok((
+            code.trim().parse().context("status code")?,
+            body.to_string(),
+        ))
+    }
+}
+
+impl Drop for MultiNode {
+    fn drop(&mut self) {
+        for node in self.nodes.values_mut() {
+            if let Some(mut a) = node.agent.take() {
+                let _ = a.kill();
+                let _ = a.wait();
+            }
+        }
+        for e in &mut self.echoes {
+            let _ = e.kill();
+            let _ = e.wait();
+        }
+        for name in ["node-a", "node-b"] {
+            let _ = Command::new(agent_bin())
+                .args(["cleanup", "--bpffs"])
+                .arg(self.bpffs.join(name))
+                .stderr(Stdio::null())
+                .status();
+        }
+        for ns in self.namespaces.drain(..) {
+            let _ = sh(&["ip", "netns", "del", &ns]);
+        }
+        let _ = sh(&["umount", self.bpffs.to_str().unwrap_or("")]);
+        let _ = fs::remove_dir_all(&self.root);
+    }
+}
