@@ -66,22 +66,11 @@ pub fn run(opts: &Run) -> Result<()> {
     for seq in 0..opts.count {
         let t0 = Instant::now();
         let at_ms = start.elapsed().as_secs_f64() * 1e3;
-        let result = match (opts.udp, opts.connected) {
-            _ if shared.is_some() => shared.as_ref().map_or_else(
-                || unreachable_socket(),
-                |s| {
-                    s.send(b"who")?;
-                    let mut buf = [0u8; 256];
-                    let n = s.recv(&mut buf)?;
-                    Ok((
-                        String::from_utf8_lossy(&buf[..n]).trim().to_string(),
-                        s.peer_addr()?,
-                    ))
-                },
-            ),
-            (false, _) => tcp_once(opts),
-            (true, false) => udp_once(opts),
-            (true, true) => udp_connected_once(opts),
+        let result = match (opts.udp, opts.connected, &shared) {
+            (_, _, Some(s)) => exchange(s),
+            (false, _, None) => tcp_once(opts),
+            (true, false, None) => udp_once(opts),
+            (true, true, None) => udp_connected_once(opts),
         };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let attempt = match result {
@@ -126,8 +115,15 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     Ok((buf.trim().to_string(), peer))
 }
 
-fn unreachable_socket() -> std::io::Result<(String, SocketAddr)> {
-    Err(std::io::Error::other("no shared socket"))
+/// One request and its answer on a connected UDP socket.
+fn exchange(s: &UdpSocket) -> std::io::Result<(String, SocketAddr)> {
+    s.send(b"who")?;
+    let mut buf = [0u8; 256];
+    let n = s.recv(&mut buf)?;
+    Ok((
+        String::from_utf8_lossy(&buf[..n]).trim().to_string(),
+        s.peer_addr()?,
+    ))
 }
 
 /// A UDP socket of the target's family on an ephemeral port.
@@ -154,13 +150,7 @@ fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
 fn udp_connected_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     let s = udp_socket(opts)?;
     s.connect(opts.target)?;
-    s.send(b"who")?;
-    let mut buf = [0u8; 256];
-    let n = s.recv(&mut buf)?;
-    Ok((
-        String::from_utf8_lossy(&buf[..n]).trim().to_string(),
-        s.peer_addr()?,
-    ))
+    exchange(&s)
 }
 
 /// A `sockaddr_storage` for `addr`, and its length.
