@@ -109,6 +109,8 @@ pub enum LocalDetector {
 /// Connection-tracking timeouts.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct ConntrackTimeouts {
+    /// TCP flows the backend has not answered yet.
+    pub tcp_syn: Duration,
     pub tcp_established: Duration,
     pub tcp_close_wait: Duration,
     pub udp: Duration,
@@ -118,6 +120,7 @@ pub struct ConntrackTimeouts {
 impl Default for ConntrackTimeouts {
     fn default() -> Self {
         Self {
+            tcp_syn: Duration::from_secs(60),
             tcp_established: Duration::from_secs(86_400),
             tcp_close_wait: Duration::from_secs(3_600),
             udp: Duration::from_secs(30),
@@ -318,6 +321,7 @@ impl Config {
                     })
                 };
             cfg.conntrack = ConntrackTimeouts {
+                tcp_syn: cfg.conntrack.tcp_syn,
                 tcp_established: d(
                     &ct.tcp_established_timeout,
                     "tcpEstablishedTimeout",

@@ -327,6 +327,7 @@ async fn run(args: RunArgs) -> Result<()> {
             _ => Vec::new(),
         },
         masquerade_all: cfg.masquerade_all,
+        conntrack: cfg.conntrack.clone(),
         node_port_addresses: cfg.node_port_addresses.clone(),
         localhost_node_ports: cfg.localhost_node_ports,
         service_proxy_name: cfg.service_proxy_name.clone(),

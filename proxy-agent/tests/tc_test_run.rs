@@ -415,9 +415,14 @@ fn full_map_is_reported_and_other_services_keep_working() {
 
 /// The node of the scenarios: node-a, 192.0.2.10, pod network 10.244.0.0/16.
 fn configure_node(h: &mut Harness, masquerade_all: bool) {
+    configure_node_with(h, masquerade_all, Default::default());
+}
+
+fn configure_node_with(h: &mut Harness, masquerade_all: bool, conntrack: proxy_agent::config::ConntrackTimeouts) {
     bpf::sync::configure(
         &mut h.maps,
         &NodeSettings {
+            conntrack,
             pod_cidrs: vec![
                 "10.244.0.0/16".parse().expect("cidr"),
                 "fd00:244::/48".parse().expect("cidr"),
@@ -635,4 +640,51 @@ fn drop_when_policy_leaves_no_endpoint_here() {
         (h.counter("no_backend_drop"), h.counter("no_backend_reject")),
         (1, 0)
     );
+}
+
+/// TCP with a packet's flags (SYN for new flows, then ACK, FIN...).
+fn tcp_with_flags(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
+    let mut p = packet(src, dst, true);
+    let l4 = if src.is_ipv4() { 34 } else { 54 };
+    let old = p[l4 + 13];
+    p[l4 + 13] = flags;
+    // Keep the checksum valid: the flags byte is the low byte of its 16-bit word.
+    let csum = u16::from_be_bytes([p[l4 + 16], p[l4 + 17]]);
+    let sum = u32::from(!csum) + u32::from(!u16::from(old) ) + u32::from(u16::from(flags));
+    let sum = (sum & 0xffff) + (sum >> 16);
+    let sum = (sum & 0xffff) + (sum >> 16);
+    p[l4 + 16..l4 + 18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    p
+}
+
+#[test]
+fn conntrack_states_and_timeouts() {
+    if !root("conntrack_states_and_timeouts") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node_with(
+        &mut h,
+        false,
+        proxy_agent::config::ConntrackTimeouts {
+            tcp_close_wait: std::time::Duration::from_secs(1),
+            ..Default::default()
+        },
+    );
+    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"])]));
+    let (client, vip, be) = (sa("10.244.0.3:40000"), sa("10.96.0.10:80"), sa("10.244.1.5:8080"));
+    let replied = |h: &Harness| {
+        h.maps.conntrack.iter().filter_map(Result::ok).any(|(k, v)| k.dir == 0 && v.flags & 2 != 0)
+    };
+    assert_eq!(h.run(&tcp_with_flags(client, vip, 0x02)).0, TC_ACT_OK);
+    assert!(!replied(&h), "no answer yet");
+    assert_eq!(inspect(&h.run(&tcp_with_flags(be, client, 0x12)).1).src, vip, "SYN-ACK translated");
+    assert!(replied(&h), "the forward entry knows the backend answered");
+    // Both sides close; after the closing timeout the flow's entries are stale.
+    h.run(&tcp_with_flags(client, vip, 0x11));
+    assert_eq!(inspect(&h.run(&tcp_with_flags(be, client, 0x11)).1).src, vip);
+    std::thread::sleep(std::time::Duration::from_millis(1300));
+    let (verdict, out) = h.run(&tcp_with_flags(be, client, 0x10));
+    assert_eq!(verdict, TC_ACT_UNSPEC, "an expired reply entry translates nothing");
+    assert_eq!(inspect(&out).src, be);
 }

@@ -53,6 +53,10 @@ pub const LPM_TAG_BITS: u32 = 32;
 
 /// `CtValue::flags`: the flow's source was rewritten to the node (masquerade).
 pub const CT_F_SNAT: u8 = 1 << 0;
+/// `CtValue::flags` (forward entries): the backend has answered.
+pub const CT_F_REPLIED: u8 = 1 << 1;
+/// `CtValue::flags`: a TCP FIN or RST was seen: the flow is closing.
+pub const CT_F_CLOSING: u8 = 1 << 2;
 
 /// Ports the masquerade allocates from (kube-proxy leaves the kernel's ephemeral range,
 /// 32768-60999, to SNAT as well).
@@ -299,7 +303,37 @@ pub struct NodeConfig {
     pub snat_v6: [u32; 4],
     /// `CFG_*`.
     pub flags: u32,
-    pub _pad: u32,
+    /// Connection-tracking timeouts, in seconds, by state (0 = the built-in default).
+    pub timeouts: CtTimeouts,
+}
+
+/// Seconds an idle flow is kept, by state (kube-proxy's conntrack settings, where it has
+/// them). An expired entry is ignored and replaced: the flow is balanced again.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtTimeouts {
+    /// TCP before the backend answered.
+    pub tcp_syn: u32,
+    /// TCP after it did (`conntrack.tcpEstablishedTimeout`).
+    pub tcp_established: u32,
+    /// TCP after a FIN or RST (`conntrack.tcpCloseWaitTimeout`).
+    pub tcp_closing: u32,
+    /// UDP before an answer (`conntrack.udpTimeout`).
+    pub udp: u32,
+    /// UDP after one (`conntrack.udpStreamTimeout`).
+    pub udp_stream: u32,
+}
+
+impl CtTimeouts {
+    /// Built-in defaults: kube-proxy's conntrack defaults, 60 s for unanswered TCP.
+    pub const DEFAULT: Self = Self {
+        tcp_syn: 60,
+        tcp_established: 86_400,
+        tcp_closing: 3_600,
+        udp: 30,
+        udp_stream: 120,
+    };
 }
 
 /// Data of an LPM-trie key: a tag matched in full, then the address bits.
@@ -375,6 +409,7 @@ mod user {
         CtKey,
         CtValue,
         NodeConfig,
+        CtTimeouts,
         LpmData,
     );
 }
@@ -399,7 +434,8 @@ mod tests {
         assert_eq!(size_of::<SockRevNatValue>(), 4);
         assert_eq!(size_of::<CtKey>(), 40);
         assert_eq!(size_of::<CtValue>(), 40);
-        assert_eq!(size_of::<NodeConfig>(), 40);
+        assert_eq!(size_of::<NodeConfig>(), 56);
+        assert_eq!(size_of::<CtTimeouts>(), 20);
         assert_eq!(size_of::<LpmData>(), 20);
         // The kernel rejects hash values aligned above 8 bytes.
         assert!(align_of::<AffinityValue>() <= 8 && align_of::<CtValue>() <= 8);
@@ -418,7 +454,7 @@ mod tests {
         assert_eq!(size_of::<SockRevNatKey>(), 8 + 16 + 2 + 1 + 5);
         assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
         assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 2 + 1 + 1 + 4);
-        assert_eq!(size_of::<NodeConfig>(), 16 + 16 + 4 + 4);
+        assert_eq!(size_of::<NodeConfig>(), 16 + 16 + 4 + 20);
     }
 
     #[test]

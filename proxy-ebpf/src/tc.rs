@@ -16,7 +16,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AFFINITY_BY_ADDR, Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CT_DIR_FORWARD,
-    CT_DIR_REPLY, CT_F_SNAT, CtKey, CtValue, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE,
+    CT_DIR_REPLY, CT_F_CLOSING, CT_F_REPLIED, CT_F_SNAT, CtKey, CtTimeouts, CtValue, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE,
     LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP, PROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, ServiceValue, counter,
 };
@@ -36,6 +36,8 @@ const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 const IPV6_HLEN: usize = 40;
+const TCP_FIN: u8 = 0x01;
+const TCP_RST: u8 = 0x04;
 
 /// Where a translated packet goes next.
 pub enum Verdict {
@@ -119,16 +121,23 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
     let Some(ct) = CONNTRACK.get_ptr_mut(&pkt.ct_key(CT_DIR_REPLY)) else {
         return Ok(None);
     };
-    // SAFETY: the entry stays valid during this program run (RCU); a racy timestamp
-    // store is harmless.
-    let entry = unsafe {
+    let closing = closing_flag(ctx, pkt);
+    // SAFETY: the entry stays valid during this program run (RCU); racy stores of the
+    // timestamp and state bits are harmless.
+    let entry = unsafe { *ct };
+    if expired(&entry, pkt.proto, now) {
+        return Ok(None);
+    }
+    // SAFETY: as above.
+    unsafe {
         (*ct).last_seen_ns = now;
-        *ct
-    };
+        (*ct).flags |= closing;
+    }
     // SAFETY: the value is copied out at once.
     let Some(frontend) = (unsafe { REV_NAT.get(&entry.rev_nat_id).copied() }) else {
         return Ok(Some(DONE));
     };
+    mark_replied(pkt, &entry, &frontend.addr, frontend.port, closing);
     rewrite(ctx, pkt, Side::Source, &frontend.addr, frontend.port)?;
     let snat = entry.flags & CT_F_SNAT != 0;
     if snat {
@@ -152,16 +161,23 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
     let Some(ct) = (unsafe { CONNTRACK.get(&fwd_key).copied() }) else {
         return Ok(None);
     };
+    if expired(&ct, pkt.proto, now) {
+        return Ok(None); // idle too long: balanced again
+    }
     let Some(be) = lb::backend(ct.backend_id) else {
         return Ok(None); // its backend is gone: choose again
     };
+    let closing = closing_flag(ctx, pkt);
     if ct.flags & CT_F_SNAT != 0 {
         rewrite(ctx, pkt, Side::Source, &ct.nat_addr, ct.nat_port)?;
     }
     rewrite(ctx, pkt, Side::Destination, &be.addr, be.port)?;
     if let Some(entry) = CONNTRACK.get_ptr_mut(&fwd_key) {
         // SAFETY: as above.
-        unsafe { (*entry).last_seen_ns = now };
+        unsafe {
+            (*entry).last_seen_ns = now;
+            (*entry).flags |= closing;
+        }
     }
     if ct.flags & CT_F_SNAT != 0 {
         return Ok(Some(
@@ -317,6 +333,59 @@ fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
             .get(&lpm_key(LPM_TAG_NODE | family, pkt.family, pkt.saddr))
             .is_some();
     Origin { pod, node }
+}
+
+/// `CT_F_CLOSING` for a TCP segment carrying FIN or RST, else 0.
+fn closing_flag(ctx: &TcContext, pkt: &Packet) -> u8 {
+    if pkt.proto != PROTO_TCP {
+        return 0;
+    }
+    match ctx.load::<u8>(pkt.l4_off + 13) {
+        Ok(flags) if flags & (TCP_FIN | TCP_RST) != 0 => CT_F_CLOSING,
+        _ => 0,
+    }
+}
+
+/// Whether an entry has been idle longer than its state allows.
+fn expired(ct: &CtValue, proto: u8, now: u64) -> bool {
+    let t = NODE_CONFIG.get(0).map(|c| c.timeouts).unwrap_or(CtTimeouts::DEFAULT);
+    let pick = |v: u32, default: u32| if v == 0 { default } else { v };
+    let d = CtTimeouts::DEFAULT;
+    let secs = if proto == PROTO_TCP {
+        if ct.flags & CT_F_CLOSING != 0 {
+            pick(t.tcp_closing, d.tcp_closing)
+        } else if ct.flags & CT_F_REPLIED != 0 {
+            pick(t.tcp_established, d.tcp_established)
+        } else {
+            pick(t.tcp_syn, d.tcp_syn)
+        }
+    } else if ct.flags & CT_F_REPLIED != 0 {
+        pick(t.udp_stream, d.udp_stream)
+    } else {
+        pick(t.udp, d.udp)
+    };
+    now.wrapping_sub(ct.last_seen_ns) > u64::from(secs) * 1_000_000_000
+}
+
+/// Marks the forward entry of the flow a reply belongs to as answered (and closing).
+/// Reply entries are always "answered": they exist because a forward packet went out.
+#[inline(never)]
+fn mark_replied(pkt: &Packet, reply: &CtValue, frontend: &[u32; 4], frontend_port: u16, closing: u8) {
+    let snat = reply.flags & CT_F_SNAT != 0;
+    let key = CtKey {
+        saddr: if snat { reply.nat_addr } else { pkt.daddr },
+        daddr: *frontend,
+        sport: if snat { reply.nat_port } else { pkt.dport },
+        dport: frontend_port,
+        proto: pkt.proto,
+        family: pkt.family,
+        dir: CT_DIR_FORWARD,
+        _pad: 0,
+    };
+    if let Some(fwd) = CONNTRACK.get_ptr_mut(&key) {
+        // SAFETY: as for every entry update: valid for this run, racy bits harmless.
+        unsafe { (*fwd).flags |= CT_F_REPLIED | closing };
+    }
 }
 
 /// One of the node's own addresses (or loopback).

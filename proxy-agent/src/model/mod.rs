@@ -73,6 +73,8 @@ pub struct ViewConfig {
     pub pod_cidrs: Vec<ipnet::IpNet>,
     /// kube-proxy's `masqueradeAll`.
     pub masquerade_all: bool,
+    /// Connection-tracking timeouts of the per-packet path.
+    pub conntrack: crate::config::ConntrackTimeouts,
     /// CIDRs whose node addresses get NodePorts; empty: every node address.
     pub node_port_addresses: Vec<ipnet::IpNet>,
     /// `127.0.0.1:<nodePort>` works (IPv4 only).
@@ -87,6 +89,7 @@ impl Default for ViewConfig {
         Self {
             pod_cidrs: Vec::new(),
             masquerade_all: false,
+            conntrack: Default::default(),
             node_port_addresses: Vec::new(),
             localhost_node_ports: true,
             service_proxy_name: None,
@@ -181,6 +184,7 @@ pub struct NodeSettings {
     pub pod_cidrs: Vec<ipnet::IpNet>,
     pub node_addresses: Vec<IpAddr>,
     pub masquerade_all: bool,
+    pub conntrack: crate::config::ConntrackTimeouts,
 }
 
 impl NodeSettings {
@@ -189,6 +193,7 @@ impl NodeSettings {
             pod_cidrs: cfg.pod_cidrs.clone(),
             node_addresses: node.addresses.clone(),
             masquerade_all: cfg.masquerade_all,
+            conntrack: cfg.conntrack.clone(),
         }
     }
 }

@@ -207,7 +207,7 @@ fn node_settings(raw: serde_json::Map<String, serde_json::Value>) -> Result<Node
             masquerade_all: raw.masquerade_all.unwrap_or(false),
             node_port_addresses: nets(raw.node_port_addresses, "nodePortAddresses")?,
             localhost_node_ports: raw.localhost_node_ports.unwrap_or(true),
-            service_proxy_name: None,
+            ..ViewConfig::default()
         },
     })
 }

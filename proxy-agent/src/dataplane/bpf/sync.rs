@@ -15,6 +15,7 @@ use anyhow::Result;
 use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
+    CtTimeouts,
     FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP,
     PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, ServiceKey,
@@ -567,11 +568,19 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
     if !node.pod_cidrs.is_empty() {
         flags |= CFG_LOCAL_DETECTOR;
     }
+    let secs = |d: std::time::Duration| u32::try_from(d.as_secs().max(1)).unwrap_or(u32::MAX);
+    let ct = &node.conntrack;
     let cfg = NodeConfig {
         snat_v4: first(true),
         snat_v6: first(false),
         flags,
-        _pad: 0,
+        timeouts: CtTimeouts {
+            tcp_syn: secs(ct.tcp_syn),
+            tcp_established: secs(ct.tcp_established),
+            tcp_closing: secs(ct.tcp_close_wait),
+            udp: secs(ct.udp),
+            udp_stream: secs(ct.udp_stream),
+        },
     };
     maps.node_config.set(0, &cfg, 0)?;
     let mut wanted = Vec::new();
