@@ -418,7 +418,11 @@ fn configure_node(h: &mut Harness, masquerade_all: bool) {
     configure_node_with(h, masquerade_all, Default::default());
 }
 
-fn configure_node_with(h: &mut Harness, masquerade_all: bool, conntrack: proxy_agent::config::ConntrackTimeouts) {
+fn configure_node_with(
+    h: &mut Harness,
+    masquerade_all: bool,
+    conntrack: proxy_agent::config::ConntrackTimeouts,
+) {
     bpf::sync::configure(
         &mut h.maps,
         &NodeSettings {
@@ -650,7 +654,7 @@ fn tcp_with_flags(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
     p[l4 + 13] = flags;
     // Keep the checksum valid: the flags byte is the low byte of its 16-bit word.
     let csum = u16::from_be_bytes([p[l4 + 16], p[l4 + 17]]);
-    let sum = u32::from(!csum) + u32::from(!u16::from(old) ) + u32::from(u16::from(flags));
+    let sum = u32::from(!csum) + u32::from(!u16::from(old)) + u32::from(u16::from(flags));
     let sum = (sum & 0xffff) + (sum >> 16);
     let sum = (sum & 0xffff) + (sum >> 16);
     p[l4 + 16..l4 + 18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
@@ -671,20 +675,73 @@ fn conntrack_states_and_timeouts() {
             ..Default::default()
         },
     );
-    h.apply(&NodeView::from([frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"])]));
-    let (client, vip, be) = (sa("10.244.0.3:40000"), sa("10.96.0.10:80"), sa("10.244.1.5:8080"));
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.1.5:8080"],
+    )]));
+    let (client, vip, be) = (
+        sa("10.244.0.3:40000"),
+        sa("10.96.0.10:80"),
+        sa("10.244.1.5:8080"),
+    );
     let replied = |h: &Harness| {
-        h.maps.conntrack.iter().filter_map(Result::ok).any(|(k, v)| k.dir == 0 && v.flags & 2 != 0)
+        h.maps
+            .conntrack
+            .iter()
+            .filter_map(Result::ok)
+            .any(|(k, v)| k.dir == 0 && v.flags & 2 != 0)
     };
     assert_eq!(h.run(&tcp_with_flags(client, vip, 0x02)).0, TC_ACT_OK);
     assert!(!replied(&h), "no answer yet");
-    assert_eq!(inspect(&h.run(&tcp_with_flags(be, client, 0x12)).1).src, vip, "SYN-ACK translated");
+    assert_eq!(
+        inspect(&h.run(&tcp_with_flags(be, client, 0x12)).1).src,
+        vip,
+        "SYN-ACK translated"
+    );
     assert!(replied(&h), "the forward entry knows the backend answered");
     // Both sides close; after the closing timeout the flow's entries are stale.
     h.run(&tcp_with_flags(client, vip, 0x11));
-    assert_eq!(inspect(&h.run(&tcp_with_flags(be, client, 0x11)).1).src, vip);
+    assert_eq!(
+        inspect(&h.run(&tcp_with_flags(be, client, 0x11)).1).src,
+        vip
+    );
     std::thread::sleep(std::time::Duration::from_millis(1300));
     let (verdict, out) = h.run(&tcp_with_flags(be, client, 0x10));
-    assert_eq!(verdict, TC_ACT_UNSPEC, "an expired reply entry translates nothing");
+    assert_eq!(
+        verdict, TC_ACT_UNSPEC,
+        "an expired reply entry translates nothing"
+    );
     assert_eq!(inspect(&out).src, be);
+}
+
+#[test]
+fn refusals_are_rate_limited() {
+    if !root("refusals_are_rate_limited") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.20",
+        80,
+        Protocol::Tcp,
+        &[],
+    )]));
+    let syn = packet(sa("10.244.0.3:40000"), sa("10.96.0.20:80"), true);
+    // One bucket of 100 per CPU (the test thread may move between CPUs), refilled at 1
+    // per ms.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let started = std::time::Instant::now();
+    let verdicts: Vec<u32> = (0..300).map(|_| h.run(&syn).0).collect();
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    let sent = verdicts.iter().filter(|v| **v == TC_ACT_REDIRECT).count() as u64;
+    assert!(sent >= 100, "the burst goes out: {sent}");
+    assert!(
+        sent <= 100 * cpus + elapsed_ms * cpus + 5,
+        "{sent} refusals in {elapsed_ms} ms"
+    );
+    assert!(sent < 300, "some refusals were held back");
+    assert_eq!(h.counter("reject_sent"), sent);
+    assert_eq!(h.counter("reject_rate_limited"), 300 - sent);
 }

@@ -364,8 +364,9 @@ pub mod counter {
     pub const SNAT: u32 = 10;
     pub const SNAT_PORTS_EXHAUSTED: u32 = 11;
     pub const REJECT_SENT: u32 = 12;
+    pub const REJECT_RATE_LIMITED: u32 = 13;
     /// Length of the array.
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 14;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -381,6 +382,7 @@ pub mod counter {
         "snat",
         "snat_ports_exhausted",
         "reject_sent",
+        "reject_rate_limited",
     ];
 }
 

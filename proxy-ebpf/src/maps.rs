@@ -69,6 +69,10 @@ pub static LOCAL_NETS: LpmTrie<LpmData, u8, { capacity::LOCAL_NETS as usize }> =
 pub static SOURCE_RANGES: LpmTrie<LpmData, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
 
+/// Per-CPU credit for refusals (resets and ICMP errors), in nanoseconds.
+#[btf_map]
+pub static REJECT_CREDIT: PerCpuArray<[u64; 2], 1> = PerCpuArray::new();
+
 /// Counts one event of kind `idx` (a `proxy_common::counter` index).
 #[inline(always)]
 pub fn count(idx: u32) {

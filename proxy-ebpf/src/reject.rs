@@ -21,14 +21,42 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 const TCP_HLEN: usize = 20;
 
+/// Refusals a CPU may send in a burst, and how fast its credit refills (one per
+/// `REFUSAL_COST_NS`): 1000 per second per CPU, like the kernel's own ICMP rate limit.
+const REFUSAL_BURST: u64 = 100;
+const REFUSAL_COST_NS: u64 = 1_000_000;
+
 /// Answers `pkt` with a TCP reset or an ICMP port unreachable, as the verdict for a
-/// refused connection.
+/// refused connection; past the rate limit the packet is dropped (and counted).
 pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
+    if !take_credit() {
+        count(counter::REJECT_RATE_LIMITED);
+        return Err(DROP);
+    }
     match pkt.proto {
         PROTO_TCP => tcp_reset(ctx, pkt),
         PROTO_UDP => port_unreachable(ctx, pkt),
         _ => Err(DROP),
     }
+}
+
+/// A per-CPU token bucket: [credit in ns, last refill time].
+fn take_credit() -> bool {
+    let Some(slot) = crate::maps::REJECT_CREDIT.get_ptr_mut(0) else {
+        return true;
+    };
+    // SAFETY: per-CPU slot, no concurrent writer on this CPU; no preconditions for ktime.
+    unsafe {
+        let now = aya_ebpf::helpers::bpf_ktime_get_ns();
+        let [credit, last] = *slot;
+        let credit = (credit + now.saturating_sub(last)).min(REFUSAL_BURST * REFUSAL_COST_NS);
+        if credit < REFUSAL_COST_NS {
+            *slot = [credit, now];
+            return false;
+        }
+        *slot = [credit - REFUSAL_COST_NS, now];
+    }
+    true
 }
 
 /// The quoted packet in an ICMP error: the original IP header and 8 bytes of UDP.

@@ -16,9 +16,10 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AFFINITY_BY_ADDR, Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CT_DIR_FORWARD,
-    CT_DIR_REPLY, CT_F_CLOSING, CT_F_REPLIED, CT_F_SNAT, CtKey, CtTimeouts, CtValue, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE,
-    LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP, PROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN,
-    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, ServiceValue, counter,
+    CT_DIR_REPLY, CT_F_CLOSING, CT_F_REPLIED, CT_F_SNAT, CtKey, CtTimeouts, CtValue, FAMILY_V4,
+    FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP, PROTO_UDP,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES,
+    ServiceValue, counter,
 };
 
 use crate::{
@@ -348,7 +349,10 @@ fn closing_flag(ctx: &TcContext, pkt: &Packet) -> u8 {
 
 /// Whether an entry has been idle longer than its state allows.
 fn expired(ct: &CtValue, proto: u8, now: u64) -> bool {
-    let t = NODE_CONFIG.get(0).map(|c| c.timeouts).unwrap_or(CtTimeouts::DEFAULT);
+    let t = NODE_CONFIG
+        .get(0)
+        .map(|c| c.timeouts)
+        .unwrap_or(CtTimeouts::DEFAULT);
     let pick = |v: u32, default: u32| if v == 0 { default } else { v };
     let d = CtTimeouts::DEFAULT;
     let secs = if proto == PROTO_TCP {
@@ -370,7 +374,13 @@ fn expired(ct: &CtValue, proto: u8, now: u64) -> bool {
 /// Marks the forward entry of the flow a reply belongs to as answered (and closing).
 /// Reply entries are always "answered": they exist because a forward packet went out.
 #[inline(never)]
-fn mark_replied(pkt: &Packet, reply: &CtValue, frontend: &[u32; 4], frontend_port: u16, closing: u8) {
+fn mark_replied(
+    pkt: &Packet,
+    reply: &CtValue,
+    frontend: &[u32; 4],
+    frontend_port: u16,
+    closing: u8,
+) {
     let snat = reply.flags & CT_F_SNAT != 0;
     let key = CtKey {
         saddr: if snat { reply.nat_addr } else { pkt.daddr },

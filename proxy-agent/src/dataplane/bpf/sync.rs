@@ -15,11 +15,10 @@ use anyhow::Result;
 use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
-    CtTimeouts,
-    FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP,
-    PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS,
-    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, ServiceKey,
-    ServiceValue,
+    CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig,
+    PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY,
+    SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES,
+    ServiceKey, ServiceValue,
 };
 
 use super::maps::MapSet;
