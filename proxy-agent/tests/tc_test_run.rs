@@ -745,3 +745,59 @@ fn refusals_are_rate_limited() {
     assert_eq!(h.counter("reject_sent"), sent);
     assert_eq!(h.counter("reject_rate_limited"), 300 - sent);
 }
+
+#[test]
+fn flows_of_removed_backends_are_cleared() {
+    if !root("flows_of_removed_backends_are_cleared") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    let both = ["10.244.1.5:5353", "10.244.2.6:5353"];
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.53",
+        53,
+        Protocol::Udp,
+        &both,
+    )]));
+    for port in 41000..41020 {
+        h.run(&packet(
+            SocketAddr::new("10.244.0.3".parse().expect("ip"), port),
+            sa("10.96.0.53:53"),
+            false,
+        ));
+    }
+    let count_to = |h: &Harness, ip: &str| {
+        let id = h
+            .maps
+            .backends
+            .iter()
+            .filter_map(Result::ok)
+            .find(|(_, b)| bpf::sync::words_addr(b.addr, b.family).to_string() == ip)
+            .map(|(id, _)| id);
+        h.maps
+            .conntrack
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| Some(v.backend_id) == id)
+            .count()
+    };
+    assert!(count_to(&h, "10.244.1.5") > 0 && count_to(&h, "10.244.2.6") > 0);
+    let before_other = count_to(&h, "10.244.2.6");
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.53",
+        53,
+        Protocol::Udp,
+        &["10.244.2.6:5353"],
+    )]));
+    let left: Vec<_> = h.maps.conntrack.iter().filter_map(Result::ok).collect();
+    assert!(
+        left.iter()
+            .all(|(_, v)| h.maps.backends.get(&v.backend_id, 0).is_ok()),
+        "no entry points at a removed backend"
+    );
+    assert_eq!(
+        count_to(&h, "10.244.2.6"),
+        before_other,
+        "other flows untouched"
+    );
+}

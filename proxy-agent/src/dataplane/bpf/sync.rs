@@ -303,6 +303,7 @@ impl MapState {
         }
         // 3. Backends no frontend uses any more.
         let candidates: Vec<u32> = self.maybe_unused.drain().collect();
+        let mut removed = HashSet::new();
         for id in candidates {
             if self.refs.get(&id).copied().unwrap_or(0) > 0 {
                 continue;
@@ -312,7 +313,26 @@ impl MapState {
                 self.backend_ids.remove(&be);
             }
             self.refs.remove(&id);
+            removed.insert(id);
             report.backends_removed += 1;
+        }
+        // 4. Flows pinned to removed backends: their entries go now, so a UDP client
+        // (which never closes its flow) is rebalanced on its next packet even if a new
+        // backend later reuses the id.
+        if !removed.is_empty() {
+            let stale: Vec<_> = maps
+                .conntrack
+                .iter()
+                .filter_map(Result::ok)
+                .filter(|(_, v)| removed.contains(&v.backend_id))
+                .map(|(k, _)| k)
+                .collect();
+            for key in &stale {
+                remove_ignoring_absent(maps.conntrack.remove(key))?;
+            }
+            if !stale.is_empty() {
+                tracing::debug!(entries = stale.len(), "flows of removed backends cleared");
+            }
         }
         Ok(report)
     }
