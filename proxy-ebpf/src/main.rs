@@ -63,6 +63,13 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     }
 }
 
+/// Does nothing but pass the packet on: the baseline `cargo xtask bench` measures the
+/// classifier against.
+#[classifier]
+pub fn tc_pass(_ctx: TcContext) -> i32 {
+    aya_ebpf::bindings::TC_ACT_OK as i32
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

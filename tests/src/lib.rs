@@ -3,6 +3,7 @@
 //! under test. Everything lives in namespaces, a cgroup and a bpffs mount the testbed
 //! creates, with unique names, and is removed on drop — also when a test fails.
 
+pub mod bench;
 pub mod client;
 pub mod echo;
 pub mod multinode;
@@ -161,7 +162,13 @@ impl Testbed {
         format!("pxy{}c", self.id)
     }
 
-    fn backend_ns(&self, i: usize) -> String {
+    /// The testbed's cgroup (the connect-time hooks' attach point).
+    pub fn cgroup_path(&self) -> &Path {
+        &self.cgroup
+    }
+
+    /// Backend `i`'s namespace.
+    pub fn backend_ns(&self, i: usize) -> String {
         format!("pxy{}b{i}", self.id)
     }
 
@@ -394,6 +401,11 @@ impl Testbed {
         self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
         self.agent_path = Some(path);
         self.wait_frontends(frontends)
+    }
+
+    /// The running agent's process id.
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent.as_ref().map(Child::id)
     }
 
     /// Everything the agent logged so far.

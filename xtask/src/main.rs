@@ -73,9 +73,33 @@ fn main() -> Result<()> {
         }
         Cmd::Bench { quick } => {
             setup(&root)?;
+            build(&root)?;
+            // Control-plane scale of the node view and map diff.
             let mut cmd = cargo(&root, STABLE);
             cmd.args(["bench", "-p", "proxy-agent", "--bench", "node_view", "--"])
                 .arg(if quick { "1000" } else { "10000" });
+            run(&mut cmd)?;
+            // Side by side with kube-proxy's iptables and nftables rules, with the
+            // release agent.
+            run(cargo(&root, STABLE).args(["build", "--release", "-p", "proxy-agent", "--bins"]))?;
+            let mut cmd = cargo(&root, STABLE);
+            cmd.args([
+                "run",
+                "--quiet",
+                "--release",
+                "-p",
+                "proxy-e2e",
+                "--bin",
+                "bench",
+                "--",
+            ])
+            .arg("--agent")
+            .arg(root.join("target/release/proxy-agent"))
+            .arg("--out")
+            .arg(root.join("target/bench"));
+            if quick {
+                cmd.arg("--quick");
+            }
             run(&mut cmd)
         }
         Cmd::Demo { requests } => {

@@ -1,0 +1,372 @@
+//! Side-by-side benchmark pieces: kube-proxy-shaped iptables and nftables rules for the
+//! same Services, Services as manifests for our agent, the per-packet cost of the real
+//! classifier, and parsing wrk's report.
+
+use std::{fmt::Write as _, net::SocketAddr, time::Instant};
+
+use anyhow::{Context as _, Result};
+use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
+use proxy_agent::{
+    dataplane::bpf::{self, MapState},
+    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    trace::packet,
+};
+
+/// The measured Service: its VIP, port and the three backend pods (nginx on 8081).
+pub const VIP: &str = "10.96.0.10";
+pub const BACKEND_PORT: u16 = 8081;
+
+pub fn measured_endpoints() -> Vec<String> {
+    (0..3)
+        .map(|i| format!("{}:{BACKEND_PORT}", crate::Testbed::backend_ip4(i)))
+        .collect()
+}
+
+/// Filler Service `i`: its VIP and its two (never contacted) endpoints.
+fn filler(i: usize) -> (String, [String; 2]) {
+    let vip = format!("10.97.{}.{}", i / 250, i % 250 + 1);
+    let ep = |k: usize| format!("10.{}.{}.{}:{BACKEND_PORT}", 100 + k, i / 250, i % 250 + 1);
+    (vip, [ep(0), ep(1)])
+}
+
+/// The services of one scale: `n` in all, the measured one in the middle.
+pub fn services(n: usize) -> Vec<(String, Vec<String>)> {
+    let mut out: Vec<(String, Vec<String>)> = (0..n.saturating_sub(1))
+        .map(|i| {
+            let (vip, eps) = filler(i);
+            (vip, eps.to_vec())
+        })
+        .collect();
+    out.insert(out.len() / 2, (VIP.to_string(), measured_endpoints()));
+    out
+}
+
+/// Manifests for our agent.
+pub fn manifests(svcs: &[(String, Vec<String>)]) -> String {
+    let mut y = String::with_capacity(svcs.len() * 600);
+    for (i, (vip, eps)) in svcs.iter().enumerate() {
+        let _ = write!(
+            y,
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: bench}}\nspec: {{clusterIP: {vip}, ports: [{{name: http, protocol: TCP, port: 80, targetPort: {BACKEND_PORT}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: bench, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, protocol: TCP, port: {BACKEND_PORT}}}]\nendpoints:\n"
+        );
+        for ep in eps {
+            let ip = ep.rsplit_once(':').map_or(ep.as_str(), |(ip, _)| ip);
+            let _ = writeln!(
+                y,
+                "- {{addresses: [\"{ip}\"], conditions: {{ready: true}}}}"
+            );
+        }
+    }
+    y
+}
+
+fn chain_id(prefix: &str, i: usize, j: Option<usize>) -> String {
+    // kube-proxy hashes names into 16 characters; any unique 16-character tag will do.
+    match j {
+        Some(j) => format!("{prefix}-{:010X}{j:02X}", i),
+        None => format!("{prefix}-{:012X}", i),
+    }
+}
+
+/// kube-proxy's iptables mode: KUBE-SERVICES → KUBE-SVC-… (statistic mode random) →
+/// KUBE-SEP-… (KUBE-MARK-MASQ for hairpin, DNAT), with KUBE-MARK-MASQ for traffic from
+/// outside the pod network. A full iptables-restore input.
+pub fn iptables_rules(svcs: &[(String, Vec<String>)]) -> String {
+    let mut r = String::with_capacity(svcs.len() * 700);
+    r.push_str("*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n");
+    for (i, (_, eps)) in svcs.iter().enumerate() {
+        let _ = writeln!(r, ":{} - [0:0]", chain_id("KUBE-SVC", i, None));
+        for j in 0..eps.len() {
+            let _ = writeln!(r, ":{} - [0:0]", chain_id("KUBE-SEP", i, Some(j)));
+        }
+    }
+    r.push_str(
+        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
+    );
+    r.push_str("-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
+    r.push_str("-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n");
+    r.push_str("-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n");
+    r.push_str("-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n");
+    r.push_str("-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n");
+    r.push_str("-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n");
+    for (i, (vip, eps)) in svcs.iter().enumerate() {
+        let svc = chain_id("KUBE-SVC", i, None);
+        let _ = writeln!(
+            r,
+            "-A KUBE-SERVICES -d {vip}/32 -p tcp -m comment --comment \"bench/s{i}:http cluster IP\" -m tcp --dport 80 -j {svc}"
+        );
+        let _ = writeln!(
+            r,
+            "-A {svc} ! -s 10.0.0.0/8 -d {vip}/32 -p tcp -m tcp --dport 80 -j KUBE-MARK-MASQ"
+        );
+        let n = eps.len();
+        for (j, ep) in eps.iter().enumerate() {
+            let sep = chain_id("KUBE-SEP", i, Some(j));
+            if j + 1 < n {
+                let p = 1.0 / (n - j) as f64;
+                let _ = writeln!(
+                    r,
+                    "-A {svc} -m statistic --mode random --probability {p:.11} -j {sep}"
+                );
+            } else {
+                let _ = writeln!(r, "-A {svc} -j {sep}");
+            }
+            let ip = ep.rsplit_once(':').map_or(ep.as_str(), |(ip, _)| ip);
+            let _ = writeln!(r, "-A {sep} -s {ip}/32 -j KUBE-MARK-MASQ");
+            let _ = writeln!(r, "-A {sep} -p tcp -m tcp -j DNAT --to-destination {ep}");
+        }
+    }
+    r.push_str("COMMIT\n");
+    r
+}
+
+/// What kube-proxy's iptables partial sync writes for one changed Service: KUBE-SERVICES
+/// in full (it always is) and the changed Service's chains.
+pub fn iptables_one_change(svcs: &[(String, Vec<String>)], changed: usize) -> String {
+    let mut r = String::from("*nat\n:KUBE-SERVICES - [0:0]\n");
+    let svc = chain_id("KUBE-SVC", changed, None);
+    let _ = writeln!(r, ":{svc} - [0:0]");
+    for (i, (vip, _)) in svcs.iter().enumerate() {
+        let _ = writeln!(
+            r,
+            "-A KUBE-SERVICES -d {vip}/32 -p tcp -m tcp --dport 80 -j {}",
+            chain_id("KUBE-SVC", i, None)
+        );
+    }
+    let (vip, eps) = &svcs[changed];
+    let _ = writeln!(
+        r,
+        "-A {svc} ! -s 10.0.0.0/8 -d {vip}/32 -p tcp -m tcp --dport 80 -j KUBE-MARK-MASQ"
+    );
+    // One endpoint fewer.
+    let _ = writeln!(
+        r,
+        "-A {svc} -j {}",
+        chain_id("KUBE-SEP", changed, Some(eps.len() - 1))
+    );
+    r.push_str("COMMIT\n");
+    r
+}
+
+/// kube-proxy's nftables mode: a `service-ips` verdict map jumping to per-Service chains
+/// that pick an endpoint with `numgen random mod N vmap`, endpoint chains that DNAT.
+pub fn nft_rules(svcs: &[(String, Vec<String>)]) -> String {
+    let mut r = String::with_capacity(svcs.len() * 600);
+    r.push_str("table ip kube-proxy {\n");
+    // nft 1.0 wants a `;` before each closing brace of a one-line block.
+    r.push_str(" chain mark-for-masquerade { meta mark set meta mark | 0x4000; }\n");
+    r.push_str(" chain masquerading { type nat hook postrouting priority srcnat; meta mark & 0x4000 == 0 return; meta mark set meta mark ^ 0x4000; masquerade fully-random; }\n");
+    for (i, (vip, eps)) in svcs.iter().enumerate() {
+        let svc = format!("service-{i}");
+        let mut picks = Vec::new();
+        for (j, ep) in eps.iter().enumerate() {
+            let sep = format!("endpoint-{i}-{j}");
+            let ip = ep.rsplit_once(':').map_or(ep.as_str(), |(ip, _)| ip);
+            let _ = writeln!(
+                r,
+                " chain {sep} {{ ip saddr {ip} jump mark-for-masquerade; meta l4proto tcp dnat to {ep}; }}"
+            );
+            picks.push(format!("{j} : goto {sep}"));
+        }
+        let _ = writeln!(
+            r,
+            " chain {svc} {{ ip daddr {vip} tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade; numgen random mod {} vmap {{ {} }}; }}",
+            eps.len(),
+            picks.join(", ")
+        );
+    }
+    r.push_str(
+        " map service-ips { type ipv4_addr . inet_proto . inet_service : verdict; elements = { ",
+    );
+    let elems: Vec<String> = svcs
+        .iter()
+        .enumerate()
+        .map(|(i, (vip, _))| format!("{vip} . tcp . 80 : goto service-{i}"))
+        .collect();
+    r.push_str(&elems.join(", "));
+    r.push_str(" }; }\n");
+    r.push_str(" chain services { ip daddr . meta l4proto . th dport vmap @service-ips; }\n");
+    r.push_str(
+        " chain nat-prerouting { type nat hook prerouting priority dstnat; jump services; }\n",
+    );
+    r.push_str(" chain nat-output { type nat hook output priority -100; jump services; }\n");
+    r.push_str("}\n");
+    r
+}
+
+/// What kube-proxy's nftables mode writes for one changed Service: its chain, flushed and
+/// rewritten with one endpoint fewer.
+pub fn nft_one_change(svcs: &[(String, Vec<String>)], changed: usize) -> String {
+    let (vip, eps) = &svcs[changed];
+    let n = eps.len() - 1;
+    let picks: Vec<String> = (0..n)
+        .map(|j| format!("{j} : goto endpoint-{changed}-{j}"))
+        .collect();
+    format!(
+        "flush chain ip kube-proxy service-{changed}\nadd rule ip kube-proxy service-{changed} ip daddr {vip} tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade\nadd rule ip kube-proxy service-{changed} numgen random mod {n} vmap {{ {} }}\n",
+        picks.join(", ")
+    )
+}
+
+/// wrk's figures.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct WrkResult {
+    pub requests_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub errors: u64,
+}
+
+fn duration_ms(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| c.is_alphabetic())?);
+    let v: f64 = num.parse().ok()?;
+    Some(match unit {
+        "us" => v / 1000.0,
+        "ms" => v,
+        "s" => v * 1000.0,
+        "m" => v * 60_000.0,
+        _ => return None,
+    })
+}
+
+/// Parses `wrk --latency` output.
+pub fn parse_wrk(out: &str) -> Result<WrkResult> {
+    let mut r = WrkResult::default();
+    for line in out.lines() {
+        let t = line.trim();
+        if let Some(v) = t.strip_prefix("Requests/sec:") {
+            r.requests_per_s = v.trim().parse().context("Requests/sec")?;
+        } else if let Some(v) = t.strip_prefix("50%") {
+            r.p50_ms = duration_ms(v).unwrap_or(0.0);
+        } else if let Some(v) = t.strip_prefix("99%") {
+            r.p99_ms = duration_ms(v).unwrap_or(0.0);
+        } else if t.starts_with("Socket errors:") || t.starts_with("Non-2xx") {
+            r.errors += t
+                .split(|c: char| !c.is_ascii_digit())
+                .filter_map(|n| n.parse::<u64>().ok())
+                .sum::<u64>();
+        }
+    }
+    anyhow::ensure!(
+        r.requests_per_s > 0.0,
+        "no Requests/sec in wrk output:\n{out}"
+    );
+    Ok(r)
+}
+
+/// Mean nanoseconds per run of the real classifier (established flow and new flows) and of
+/// a pass-through program, with `n` Services in the maps.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PerPacket {
+    pub established_ns: f64,
+    pub new_flow_ns: f64,
+    pub pass_through_ns: f64,
+}
+
+pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
+    let (mut ebpf, mut maps) = bpf::load_private(&[])?;
+    for name in ["tc_ingress", "tc_pass"] {
+        let prog: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
+        prog.load()?;
+    }
+    let mut view = NodeView::new();
+    for (vip, eps) in services(n) {
+        view.insert(
+            Frontend {
+                ip: vip.parse()?,
+                port: 80,
+                protocol: Protocol::Tcp,
+            },
+            FrontendState {
+                service: vip.clone(),
+                kind: FrontendKind::ClusterIp,
+                backends: BackendSet {
+                    endpoints: eps.iter().map(|e| e.parse()).collect::<Result<_, _>>()?,
+                    when_empty: WhenEmpty::Reject,
+                },
+                internal: None,
+                affinity_timeout_s: None,
+                external_local: false,
+                source_ranges: Vec::new(),
+            },
+        );
+    }
+    let mut state = MapState::adopt(&maps)?;
+    state.apply(&mut maps, &view)?;
+    let vip: SocketAddr = format!("{VIP}:80").parse()?;
+    let mean = |prog: &str, vary_port: bool| -> Result<f64> {
+        let p: &SchedClassifier = ebpf.program(prog).context("program")?.try_into()?;
+        let mut total = 0u128;
+        let mut out = vec![0u8; 256];
+        for i in 0..runs {
+            let port = if vary_port {
+                1024 + (i % 60_000) as u16
+            } else {
+                40_000
+            };
+            let src: SocketAddr = format!("10.244.0.3:{port}").parse()?;
+            let data = packet::build(src, vip, true);
+            let res = p.test_run(TestRunOptions {
+                data_in: Some(&data),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })?;
+            total += res.duration.as_nanos();
+        }
+        Ok(total as f64 / f64::from(runs))
+    };
+    // Alternate the contenders so drift hits all alike.
+    let mut pp = PerPacket::default();
+    let rounds = 2;
+    for _ in 0..rounds {
+        pp.pass_through_ns += mean("tc_pass", false)? / f64::from(rounds);
+        pp.established_ns += mean("tc_ingress", false)? / f64::from(rounds);
+        pp.new_flow_ns += mean("tc_ingress", true)? / f64::from(rounds);
+    }
+    drop(maps);
+    Ok(pp)
+}
+
+/// Ours: programming all Services into (private) maps, and one endpoint change.
+pub fn our_control_plane(n: usize) -> Result<(f64, f64)> {
+    let (_ebpf, mut maps) = bpf::load_private(&[])?;
+    let mut state = MapState::adopt(&maps)?;
+    let svcs = services(n);
+    let to_view = |svcs: &[(String, Vec<String>)]| -> Result<NodeView> {
+        let mut view = NodeView::new();
+        for (vip, eps) in svcs {
+            view.insert(
+                Frontend {
+                    ip: vip.parse()?,
+                    port: 80,
+                    protocol: Protocol::Tcp,
+                },
+                FrontendState {
+                    service: vip.clone(),
+                    kind: FrontendKind::ClusterIp,
+                    backends: BackendSet {
+                        endpoints: eps.iter().map(|e| e.parse()).collect::<Result<_, _>>()?,
+                        when_empty: WhenEmpty::Reject,
+                    },
+                    internal: None,
+                    affinity_timeout_s: None,
+                    external_local: false,
+                    source_ranges: Vec::new(),
+                },
+            );
+        }
+        Ok(view)
+    };
+    let view = to_view(&svcs)?;
+    let t = Instant::now();
+    state.apply(&mut maps, &view)?;
+    let all = t.elapsed().as_secs_f64() * 1e3;
+    let mut changed = svcs.clone();
+    let last = changed.len() - 1;
+    changed[last].1.pop();
+    let view = to_view(&changed)?;
+    let t = Instant::now();
+    state.apply(&mut maps, &view)?;
+    Ok((all, t.elapsed().as_secs_f64() * 1e3))
+}

@@ -1,0 +1,450 @@
+//! `cargo xtask bench`: our dataplane against kube-proxy-shaped iptables and nftables
+//! rules, side by side, in one run on the same machine. Every contender gets its own
+//! namespace testbed (client → node → three nginx pods); contenders alternate (A B A B …)
+//! and report connection rates as ratios to the pods reached directly. Figures only.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::Parser;
+use proxy_e2e::{
+    Path_, Testbed,
+    bench::{self, PerPacket, WrkResult},
+    sh,
+};
+
+#[derive(Parser)]
+struct Args {
+    /// Small sizes and short runs: keeps the harness working in CI.
+    #[arg(long)]
+    quick: bool,
+    /// The agent binary.
+    #[arg(long)]
+    agent: PathBuf,
+    /// Where the JSON and the plot go.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+enum Contender {
+    Direct,
+    ConnectTime,
+    PerPacket,
+    Iptables,
+    Nftables,
+}
+
+/// Largest scale each netfilter contender is built for: loading kube-proxy-shaped rules is
+/// super-linear here (BENCH-NOTES.md: nft -f ~50 s at 10k, iptables-restore minutes).
+const IPTABLES_MAX: usize = 10_000;
+const NFT_MAX: usize = 5_000;
+
+#[derive(Default, serde::Serialize)]
+struct Scale {
+    services: usize,
+    per_packet: PerPacket,
+    /// Connection rate, latency, per contender (means over rounds).
+    wrk: BTreeMap<String, WrkResult>,
+    /// Connection rate as a ratio to direct.
+    ratio: BTreeMap<String, f64>,
+    /// Milliseconds to program every Service / to apply one endpoint change.
+    program_all_ms: BTreeMap<String, f64>,
+    one_change_ms: BTreeMap<String, f64>,
+    agent_rss_mib: f64,
+    bpf_map_mib: f64,
+}
+
+struct Bed {
+    contender: Contender,
+    tb: Testbed,
+    nginx: Vec<Child>,
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        for n in &mut self.nginx {
+            let _ = n.kill();
+            let _ = n.wait();
+        }
+    }
+}
+
+fn nginx_conf(dir: &Path, i: usize) -> Result<PathBuf> {
+    let conf = dir.join(format!("nginx-{i}.conf"));
+    std::fs::write(
+        &conf,
+        format!(
+            "master_process off;\nworker_processes 1;\npid {d}/nginx-{i}.pid;\nerror_log {d}/nginx-{i}.err;\nevents {{ worker_connections 4096; }}\nhttp {{ access_log off; client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n server {{ listen {port} reuseport backlog=4096; location / {{ return 200 \"ok\\n\"; }} }} }}\n",
+            d = dir.display(),
+            port = bench::BACKEND_PORT
+        ),
+    )?;
+    Ok(conf)
+}
+
+fn bed(contender: Contender, n: usize, work: &Path, scale: &mut Scale) -> Result<Bed> {
+    // Owned by the Bed from the start, so a failed setup still stops what it started.
+    let mut bed = Bed {
+        contender,
+        tb: Testbed::new(3)?,
+        nginx: Vec::new(),
+    };
+    let dir = work.join(format!("{contender:?}-{n}"));
+    std::fs::create_dir_all(&dir)?;
+    for i in 0..3 {
+        let conf = nginx_conf(&dir, i)?;
+        bed.nginx.push(
+            Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &bed.tb.backend_ns(i),
+                    "taskset",
+                    "-c",
+                    "1",
+                    "nginx",
+                    "-c",
+                ])
+                .arg(&conf)
+                .args(["-g", "daemon off;"])
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting nginx")?,
+        );
+    }
+    let tb = &mut bed.tb;
+    let client = tb.client_ns();
+    for (k, v) in [
+        ("net.ipv4.ip_local_port_range", "1024 65000"),
+        ("net.ipv4.tcp_tw_reuse", "1"),
+    ] {
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &client,
+            "sysctl",
+            "-qw",
+            &format!("{k}={v}"),
+        ])?;
+    }
+    let svcs = bench::services(n);
+    let node = tb.node_ns();
+    let label = format!("{contender:?}");
+    match contender {
+        Contender::Direct => {}
+        Contender::ConnectTime | Contender::PerPacket => {
+            tb.write_manifests(&BTreeMap::from([(
+                "services.yaml",
+                bench::manifests(&svcs),
+            )]))?;
+            let t = Instant::now();
+            let path = if contender == Contender::ConnectTime {
+                Path_::ConnectTime
+            } else {
+                Path_::PerPacket
+            };
+            tb.start_agent(path, n)?;
+            scale.program_all_ms.insert(
+                format!("{label} (agent, end to end)"),
+                t.elapsed().as_secs_f64() * 1e3,
+            );
+            if contender == Contender::ConnectTime {
+                let (rss, maps) = agent_memory(tb)?;
+                scale.agent_rss_mib = rss;
+                scale.bpf_map_mib = maps;
+            }
+        }
+        Contender::Iptables => {
+            let rules = dir.join("rules.iptables");
+            std::fs::write(&rules, bench::iptables_rules(&svcs))?;
+            let t = Instant::now();
+            restore(&node, "iptables-restore", &[], &rules)?;
+            scale
+                .program_all_ms
+                .insert(label.clone(), t.elapsed().as_secs_f64() * 1e3);
+            let change = dir.join("change.iptables");
+            std::fs::write(&change, bench::iptables_one_change(&svcs, svcs.len() - 1))?;
+            let t = Instant::now();
+            restore(&node, "iptables-restore", &["--noflush"], &change)?;
+            scale
+                .one_change_ms
+                .insert(label, t.elapsed().as_secs_f64() * 1e3);
+            // Put the changed Service back as it was (it may be the measured one).
+            restore(&node, "iptables-restore", &[], &rules)?;
+        }
+        Contender::Nftables => {
+            let rules = dir.join("rules.nft");
+            std::fs::write(&rules, bench::nft_rules(&svcs))?;
+            let t = Instant::now();
+            restore(&node, "nft", &["-f"], &rules)?;
+            scale
+                .program_all_ms
+                .insert(label.clone(), t.elapsed().as_secs_f64() * 1e3);
+            let change = dir.join("change.nft");
+            std::fs::write(&change, bench::nft_one_change(&svcs, svcs.len() - 1))?;
+            let t = Instant::now();
+            restore(&node, "nft", &["-f"], &change)?;
+            scale
+                .one_change_ms
+                .insert(label, t.elapsed().as_secs_f64() * 1e3);
+            sh(&["ip", "netns", "exec", &node, "nft", "flush", "ruleset"])?;
+            restore(&node, "nft", &["-f"], &rules)?;
+        }
+    }
+    Ok(bed)
+}
+
+fn restore(ns: &str, tool: &str, args: &[&str], file: &Path) -> Result<()> {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, tool]).args(args);
+    let out = if tool == "nft" {
+        cmd.arg(file).output()?
+    } else {
+        cmd.stdin(std::fs::File::open(file)?).output()?
+    };
+    if !out.status.success() {
+        bail!("{tool} in {ns}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// The agent's RSS and the memory of its BPF maps (from the fdinfo of its map fds).
+fn agent_memory(tb: &Testbed) -> Result<(f64, f64)> {
+    let pid = tb.agent_pid().context("agent running")?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let rss_kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    let mut memlock = 0u64;
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))? {
+        let info = std::fs::read_to_string(fd?.path()).unwrap_or_default();
+        if info.contains("map_type:") {
+            memlock += info
+                .lines()
+                .find_map(|l| l.strip_prefix("memlock:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Ok((rss_kib / 1024.0, memlock as f64 / (1024.0 * 1024.0)))
+}
+
+fn wrk(bed: &Bed, secs: u32) -> Result<WrkResult> {
+    let target = match bed.contender {
+        Contender::Direct => format!(
+            "http://{}:{}/",
+            Testbed::backend_ip4(1),
+            bench::BACKEND_PORT
+        ),
+        _ => format!("http://{}:80/", bench::VIP),
+    };
+    let wrk = format!(
+        "ip netns exec {} taskset -c 0 wrk -t1 -c8 -d{secs}s --latency -H 'Connection: close' {target}",
+        bed.tb.client_ns()
+    );
+    let script = if bed.contender == Contender::ConnectTime {
+        format!(
+            "echo $$ > {}/cgroup.procs && exec {wrk}",
+            bed.tb.cgroup_path().display()
+        )
+    } else {
+        format!("exec {wrk}")
+    };
+    let out = Command::new("sh")
+        .args(["-c", &script])
+        .output()
+        .context("running wrk")?;
+    if !out.status.success() {
+        bail!("wrk: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    bench::parse_wrk(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    // SAFETY: single-threaded here; the harness reads it to find the agent.
+    unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
+    if !proxy_e2e::require_root("bench") {
+        bail!("the benchmark needs root");
+    }
+    let (scales, secs, rounds, runs): (Vec<usize>, u32, u32, u32) = if args.quick {
+        (vec![1, 100], 1, 1, 2_000)
+    } else {
+        (vec![1, 1_000, 10_000, 100_000], 5, 2, 200_000)
+    };
+    std::fs::create_dir_all(&args.out)?;
+    let work = std::env::temp_dir().join(format!("pxy-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let mut results = Vec::new();
+    for &n in &scales {
+        eprintln!("bench: {n} Services");
+        let mut scale = Scale {
+            services: n,
+            ..Default::default()
+        };
+        scale.per_packet = bench::per_packet(n, runs)?;
+        let (all, one) = bench::our_control_plane(n)?;
+        scale.program_all_ms.insert("ours (maps)".into(), all);
+        scale.one_change_ms.insert("ours (maps)".into(), one);
+        let mut contenders = vec![
+            Contender::Direct,
+            Contender::ConnectTime,
+            Contender::PerPacket,
+        ];
+        if n <= IPTABLES_MAX {
+            contenders.push(Contender::Iptables);
+        }
+        if n <= NFT_MAX {
+            contenders.push(Contender::Nftables);
+        }
+        let mut beds = Vec::new();
+        for c in contenders {
+            beds.push(bed(c, n, &work, &mut scale).with_context(|| format!("{c:?} at {n}"))?);
+        }
+        let mut sums: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
+        for _ in 0..rounds {
+            for b in &beds {
+                let r = wrk(b, secs).with_context(|| format!("{:?} at {n}", b.contender))?;
+                sums.entry(format!("{:?}", b.contender))
+                    .or_default()
+                    .push(r);
+            }
+        }
+        for (name, rs) in sums {
+            let k = rs.len() as f64;
+            let mean = WrkResult {
+                requests_per_s: rs.iter().map(|r| r.requests_per_s).sum::<f64>() / k,
+                p50_ms: rs.iter().map(|r| r.p50_ms).sum::<f64>() / k,
+                p99_ms: rs.iter().map(|r| r.p99_ms).sum::<f64>() / k,
+                errors: rs.iter().map(|r| r.errors).sum(),
+            };
+            scale.wrk.insert(name, mean);
+        }
+        let direct = scale.wrk.get("Direct").map_or(1.0, |r| r.requests_per_s);
+        scale.ratio = scale
+            .wrk
+            .iter()
+            .map(|(k, r)| (k.clone(), r.requests_per_s / direct))
+            .collect();
+        drop(beds);
+        print_scale(&scale);
+        results.push(scale);
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    let json = serde_json::json!({
+        "date": sh(&["date", "-u", "+%Y-%m-%dT%H:%M:%SZ"])?.trim(),
+        "kernel": sh(&["uname", "-r"])?.trim(),
+        "cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "iptables": sh(&["iptables", "--version"]).unwrap_or_default().trim(),
+        "nft": sh(&["nft", "--version"]).unwrap_or_default().trim(),
+        "wrk": "wrk -t1 -c8 --latency -H 'Connection: close' (pinned to CPU 0; nginx on CPU 1)",
+        "quick": args.quick,
+        "scales": results,
+    });
+    let json_path = args.out.join("bench.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
+    let svg = args.out.join("bench.svg");
+    plot(&results, &svg)?;
+    println!("\nwrote {} and {}", json_path.display(), svg.display());
+    Ok(())
+}
+
+fn print_scale(s: &Scale) {
+    println!("\n{} Services", s.services);
+    println!(
+        "  {:<14} {:>10} {:>7} {:>9} {:>9}",
+        "contender", "conn/s", "ratio", "p50 ms", "p99 ms"
+    );
+    for (k, r) in &s.wrk {
+        println!(
+            "  {k:<14} {:>10.0} {:>7.2} {:>9.3} {:>9.3}",
+            r.requests_per_s,
+            s.ratio.get(k).copied().unwrap_or(0.0),
+            r.p50_ms,
+            r.p99_ms
+        );
+    }
+    let pp = &s.per_packet;
+    println!(
+        "  per packet (BPF_PROG_TEST_RUN): established {:.0} ns, new flow {:.0} ns, pass-through {:.0} ns ({:.2}x)",
+        pp.established_ns,
+        pp.new_flow_ns,
+        pp.pass_through_ns,
+        pp.established_ns / pp.pass_through_ns.max(1.0)
+    );
+    for (k, v) in &s.program_all_ms {
+        println!("  program all    {k:<32} {v:>10.1} ms");
+    }
+    for (k, v) in &s.one_change_ms {
+        println!("  one change     {k:<32} {v:>10.3} ms");
+    }
+    println!(
+        "  agent RSS {:.1} MiB, BPF maps {:.1} MiB",
+        s.agent_rss_mib, s.bpf_map_mib
+    );
+}
+
+/// Connection rate (ratio to direct) against the number of Services, one line per
+/// contender.
+fn plot(results: &[Scale], path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max_n = results
+        .iter()
+        .map(|s| s.services)
+        .max()
+        .unwrap_or(1)
+        .max(10) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "New connections/s, as a ratio to reaching the pod directly",
+            ("sans-serif", 20),
+        )
+        .margin(20)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d((1f64..max_n).log_scale(), 0f64..1.2f64)?;
+    chart
+        .configure_mesh()
+        .x_desc("Services")
+        .y_desc("ratio to direct")
+        .draw()?;
+    let names = ["Direct", "ConnectTime", "PerPacket", "Iptables", "Nftables"];
+    for (i, name) in names.iter().enumerate() {
+        let points: Vec<(f64, f64)> = results
+            .iter()
+            .filter_map(|s| s.ratio.get(*name).map(|r| (s.services.max(1) as f64, *r)))
+            .collect();
+        if points.is_empty() {
+            continue;
+        }
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart.draw_series(
+            points
+                .into_iter()
+                .map(|p| Circle::new(p, 3, color.filled())),
+        )?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
