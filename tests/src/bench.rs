@@ -255,23 +255,10 @@ pub fn parse_wrk(out: &str) -> Result<WrkResult> {
     Ok(r)
 }
 
-/// Mean nanoseconds per run of the real classifier (established flow and new flows) and of
-/// a pass-through program, with `n` Services in the maps.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct PerPacket {
-    pub established_ns: f64,
-    pub new_flow_ns: f64,
-    pub pass_through_ns: f64,
-}
-
-pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
-    let (mut ebpf, mut maps) = bpf::load_private(&[])?;
-    for name in ["tc_ingress", "tc_pass"] {
-        let prog: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
-        prog.load()?;
-    }
+/// The node view of `svcs` (ClusterIPs on port 80).
+fn view_of(svcs: &[(String, Vec<String>)]) -> Result<NodeView> {
     let mut view = NodeView::new();
-    for (vip, eps) in services(n) {
+    for (vip, eps) in svcs {
         view.insert(
             Frontend {
                 ip: vip.parse()?,
@@ -292,6 +279,25 @@ pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
             },
         );
     }
+    Ok(view)
+}
+
+/// Mean nanoseconds per run of the real classifier (established flow and new flows) and of
+/// a pass-through program, with `n` Services in the maps.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PerPacket {
+    pub established_ns: f64,
+    pub new_flow_ns: f64,
+    pub pass_through_ns: f64,
+}
+
+pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
+    let (mut ebpf, mut maps) = bpf::load_private(&[])?;
+    for name in ["tc_ingress", "tc_pass"] {
+        let prog: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
+        prog.load()?;
+    }
+    let view = view_of(&services(n))?;
     let mut state = MapState::adopt(&maps)?;
     state.apply(&mut maps, &view)?;
     let vip: SocketAddr = format!("{VIP}:80").parse()?;
@@ -333,39 +339,14 @@ pub fn our_control_plane(n: usize) -> Result<(f64, f64)> {
     let (_ebpf, mut maps) = bpf::load_private(&[])?;
     let mut state = MapState::adopt(&maps)?;
     let svcs = services(n);
-    let to_view = |svcs: &[(String, Vec<String>)]| -> Result<NodeView> {
-        let mut view = NodeView::new();
-        for (vip, eps) in svcs {
-            view.insert(
-                Frontend {
-                    ip: vip.parse()?,
-                    port: 80,
-                    protocol: Protocol::Tcp,
-                },
-                FrontendState {
-                    service: vip.clone(),
-                    kind: FrontendKind::ClusterIp,
-                    backends: BackendSet {
-                        endpoints: eps.iter().map(|e| e.parse()).collect::<Result<_, _>>()?,
-                        when_empty: WhenEmpty::Reject,
-                    },
-                    internal: None,
-                    affinity_timeout_s: None,
-                    external_local: false,
-                    source_ranges: Vec::new(),
-                },
-            );
-        }
-        Ok(view)
-    };
-    let view = to_view(&svcs)?;
+    let view = view_of(&svcs)?;
     let t = Instant::now();
     state.apply(&mut maps, &view)?;
     let all = t.elapsed().as_secs_f64() * 1e3;
     let mut changed = svcs.clone();
     let last = changed.len() - 1;
     changed[last].1.pop();
-    let view = to_view(&changed)?;
+    let view = view_of(&changed)?;
     let t = Instant::now();
     state.apply(&mut maps, &view)?;
     Ok((all, t.elapsed().as_secs_f64() * 1e3))

@@ -81,7 +81,15 @@ fn main() -> Result<()> {
             run(&mut cmd)?;
             // Side by side with kube-proxy's iptables and nftables rules, with the
             // release agent.
-            run(cargo(&root, STABLE).args(["build", "--release", "-p", "proxy-agent", "--bins"]))?;
+            run(cargo(&root, STABLE).args([
+                "build",
+                "--release",
+                "-p",
+                "proxy-agent",
+                "-p",
+                "proxy-e2e",
+                "--bins",
+            ]))?;
             let mut cmd = cargo(&root, STABLE);
             cmd.args([
                 "run",

@@ -445,20 +445,25 @@ pub fn parse_packet_spec(spec: &str) -> Result<Packet, String> {
     })
 }
 
-/// Human-readable report lines for one outcome.
-pub fn describe(o: &Outcome, p: Option<&Packet>) -> String {
-    let what = match o.verdict {
+/// `dnat -> a, b masquerade=yes`, or the verdict's name.
+fn outcome_text(verdict: Verdict, endpoints: &[SocketAddr], masquerade: Option<bool>) -> String {
+    match verdict {
         Verdict::Dnat => format!(
             "dnat -> {} masquerade={}",
-            o.endpoints
+            endpoints
                 .iter()
                 .map(ToString::to_string)
                 .collect::<Vec<_>>()
                 .join(", "),
-            if o.masquerade { "yes" } else { "no" }
+            masquerade.map_or("any", |m| if m { "yes" } else { "no" })
         ),
         v => format!("{v:?}").to_lowercase(),
-    };
+    }
+}
+
+/// Human-readable report lines for one outcome.
+pub fn describe(o: &Outcome, p: Option<&Packet>) -> String {
+    let what = outcome_text(o.verdict, &o.endpoints, Some(o.masquerade));
     let svc = o
         .service
         .as_deref()
@@ -472,18 +477,7 @@ pub fn describe(o: &Outcome, p: Option<&Packet>) -> String {
     if let Some(e) = p.and_then(|p| p.expect.as_ref())
         && !o.ok()
     {
-        let want = match e.verdict {
-            Verdict::Dnat => format!(
-                "dnat -> {} masquerade={}",
-                e.endpoints
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                e.masquerade.map_or("any", |m| if m { "yes" } else { "no" })
-            ),
-            v => format!("{v:?}").to_lowercase(),
-        };
+        let want = outcome_text(e.verdict, &e.endpoints, e.masquerade);
         s.push_str(&format!(
             "\n       - expected: {want}\n       + got:      {what}"
         ));
