@@ -24,8 +24,10 @@ pub fn measured_endpoints() -> Vec<String> {
 
 /// Filler Service `i`: its VIP and its two (never contacted) endpoints.
 fn filler(i: usize) -> (String, [String; 2]) {
-    let vip = format!("10.97.{}.{}", i / 250, i % 250 + 1);
-    let ep = |k: usize| format!("10.{}.{}.{}:{BACKEND_PORT}", 100 + k, i / 250, i % 250 + 1);
+    // 62 500 addresses per /16: 100k Services span two of them.
+    let (hi, mid, lo) = (i / 62_500, (i / 250) % 250, i % 250 + 1);
+    let vip = format!("10.{}.{mid}.{lo}", 97 + hi);
+    let ep = |k: usize| format!("10.{}.{mid}.{lo}:{BACKEND_PORT}", 100 + 2 * k + hi);
     (vip, [ep(0), ep(1)])
 }
 

@@ -139,7 +139,7 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
 pub async fn run(
     dir: PathBuf,
     node: crate::model::NodeInfo,
-    tx: tokio::sync::watch::Sender<Option<super::Snapshot>>,
+    tx: tokio::sync::watch::Sender<Option<super::SharedSnapshot>>,
 ) -> anyhow::Result<()> {
     use notify::Watcher as _;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
@@ -160,9 +160,9 @@ pub async fn run(
                     node: node.clone(),
                 };
                 tx.send_if_modified(|current| {
-                    let changed = current.as_ref() != Some(&snapshot);
+                    let changed = current.as_deref() != Some(&snapshot);
                     if changed {
-                        *current = Some(snapshot);
+                        *current = Some(std::sync::Arc::new(snapshot));
                     }
                     changed
                 });

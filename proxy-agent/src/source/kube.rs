@@ -165,7 +165,11 @@ pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
 
 /// Watches the API server and publishes a snapshot after the first full list of every
 /// resource, then after every change. Runs until the receiver is dropped.
-pub async fn run(client: Client, node_name: String, tx: watch::Sender<Option<Snapshot>>) {
+pub async fn run(
+    client: Client,
+    node_name: String,
+    tx: watch::Sender<Option<super::SharedSnapshot>>,
+) {
     let cfg = watcher::Config::default();
     let services = watcher(Api::<Service>::all(client.clone()), cfg.clone())
         .default_backoff()
@@ -187,7 +191,9 @@ pub async fn run(client: Client, node_name: String, tx: watch::Sender<Option<Sna
                 let changed = store.apply(update);
                 if store.ready()
                     && (changed || tx.borrow().is_none())
-                    && tx.send(Some(store.snapshot())).is_err()
+                    && tx
+                        .send(Some(std::sync::Arc::new(store.snapshot())))
+                        .is_err()
                 {
                     return;
                 }

@@ -7,6 +7,10 @@ pub mod kube;
 
 use crate::model::{ClusterModel, NodeInfo};
 
+/// What sources publish: shared, so the runner and the debug endpoint hold the same
+/// model rather than copies of it.
+pub type SharedSnapshot = std::sync::Arc<Snapshot>;
+
 /// The cluster model and this node, as of one moment.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Snapshot {

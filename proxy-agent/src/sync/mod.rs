@@ -14,7 +14,7 @@ use crate::{
     dataplane::Dataplane,
     health::HealthServers,
     model::{NodeInfo, NodeSettings, NodeView, ViewConfig, health_checks, node_view},
-    source::{Snapshot, files},
+    source::{SharedSnapshot, files},
 };
 
 /// Timing of the sync loop (kube-proxy's minSyncPeriod / syncPeriod).
@@ -55,7 +55,7 @@ pub fn view_from_manifests(
 
 /// Runs until `shutdown` resolves or the source goes away.
 pub async fn run<D: Dataplane>(
-    mut source: watch::Receiver<Option<Snapshot>>,
+    mut source: watch::Receiver<Option<SharedSnapshot>>,
     cfg: ViewConfig,
     dataplane: &mut D,
     timing: SyncTiming,

@@ -11,7 +11,7 @@ use tokio::sync::broadcast;
 use crate::{
     dataplane::ApplyReport,
     model::{NodeView, diff_lines},
-    source::Snapshot,
+    source::SharedSnapshot,
 };
 
 /// Counters and the latest state, as the debug endpoint shows them.
@@ -26,7 +26,7 @@ pub struct Counters {
 
 #[derive(Default)]
 struct State {
-    snapshot: Option<Snapshot>,
+    snapshot: Option<SharedSnapshot>,
     view: NodeView,
     counters: Counters,
 }
@@ -63,7 +63,7 @@ impl Status {
 
     pub(crate) fn record_sync(
         &self,
-        snapshot: &Snapshot,
+        snapshot: &SharedSnapshot,
         view: &NodeView,
         previous: Option<&NodeView>,
         took: Duration,
@@ -75,7 +75,7 @@ impl Status {
             let _ = self.0.diffs.send(line);
         }
         self.with(|s| {
-            s.snapshot = Some(snapshot.clone());
+            s.snapshot = Some(SharedSnapshot::clone(snapshot));
             s.view = view.clone();
             s.counters.last_sync_seconds = took.as_secs_f64();
             match outcome {
@@ -90,7 +90,7 @@ impl Status {
     }
 
     /// The latest snapshot the view was built from.
-    pub fn snapshot(&self) -> Option<Snapshot> {
+    pub fn snapshot(&self) -> Option<SharedSnapshot> {
         self.with(|s| s.snapshot.clone())
     }
 
