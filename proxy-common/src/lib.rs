@@ -108,13 +108,16 @@ pub mod map_names {
     ];
 }
 
-/// Default capacities; the agent may override them at load time.
+/// Default capacities; the agent may override them at load time. The hash maps that the
+/// agent writes are not preallocated: an unused entry costs only its bucket.
 pub mod capacity {
-    pub const SERVICES: u32 = 65_536;
-    pub const BACKEND_SLOTS: u32 = 262_144;
-    pub const BACKENDS: u32 = 262_144;
+    /// Frontends × scopes: 100k Services with room to spare.
+    pub const SERVICES: u32 = 262_144;
+    /// Two generations of every backend set live for a moment during a flip.
+    pub const BACKEND_SLOTS: u32 = 1_048_576;
+    pub const BACKENDS: u32 = 524_288;
     pub const AFFINITY: u32 = 65_536;
-    pub const REV_NAT: u32 = 65_536;
+    pub const REV_NAT: u32 = 262_144;
     pub const SOCK_REV_NAT: u32 = 65_536;
     pub const CONNTRACK: u32 = 131_072;
     pub const LOCAL_NETS: u32 = 1_024;
