@@ -185,7 +185,9 @@ fn run_probe(probe: &Probe) -> ProbeResult {
                 s.peer_addr()
             })
         } else {
-            TcpStream::connect_timeout(&probe.dst, Duration::from_millis(500))
+            // Generous: on a loaded machine the listener's backlog can overflow for a
+            // moment, and a dropped SYN is retried after a second.
+            TcpStream::connect_timeout(&probe.dst, Duration::from_secs(5))
                 .and_then(|s| s.peer_addr())
         };
         match peer {
