@@ -14,7 +14,10 @@ use proxy_agent::{
     sync::{self, Status, SyncTiming},
 };
 use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, Kind};
+use support::{
+    fake_apiserver::{FakeApiServer, Kind},
+    root,
+};
 use tokio::sync::mpsc;
 
 fn service(name: &str, ip: &str, port: u16) -> Value {
@@ -192,15 +195,6 @@ async fn watcher_drives_the_view_through_every_event_kind() {
         "410 Gone must relist"
     );
     assert!(status.counters().syncs_ok >= 5);
-}
-
-fn root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    eprintln!("SKIP {test}: loading BPF maps needs root");
-    false
 }
 
 /// Owns private maps and writes views into them, as the agent's BPF dataplane does.

@@ -2,6 +2,10 @@
 //! agent's own sync code: verdicts, rewritten bytes, valid checksums, connection tracking,
 //! and a full map that is reported without touching other services. Root only.
 
+mod support;
+
+use support::root;
+
 use std::{collections::BTreeSet, net::SocketAddr};
 
 use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
@@ -18,15 +22,6 @@ const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
 const TC_ACT_REDIRECT: u32 = 7;
-
-fn root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    eprintln!("SKIP {test}: loading BPF programs and BPF_PROG_TEST_RUN need root");
-    false
-}
 
 struct Harness {
     ebpf: Ebpf,

@@ -1,18 +1,13 @@
 //! `proxy-agent trace` on the scenario corpus (tests/scenarios/*.json, including the
 //! shared examples) through the real classifier, and its exit statuses. Root only.
 
+mod support;
+
+use support::root;
+
 use std::{path::PathBuf, process::Command};
 
 use proxy_agent::trace::{self, scenario};
-
-fn root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    eprintln!("SKIP {test}: loading BPF programs and BPF_PROG_TEST_RUN need root");
-    false
-}
 
 fn scenario_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios");

@@ -102,19 +102,17 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     }
     // trace --live: the running node's maps, copied, with the packet's fate.
     let pins = tb.pin_dir();
-    let traced: serde_json::Value = serde_json::from_str(&agent(
-        &tb,
-        &[
-            "trace",
-            "--live",
-            "--json",
-            "--bpffs",
-            pins.to_str().expect("utf-8"),
-            "--packet",
-            "tcp 10.10.0.2:40000 -> 10.96.0.10:80",
-        ],
-    ))
-    .expect("json");
+    let trace_live = |packet: &str| -> serde_json::Value {
+        let pins = pins.to_str().expect("utf-8");
+        let out = agent(
+            &tb,
+            &[
+                "trace", "--live", "--json", "--bpffs", pins, "--packet", packet,
+            ],
+        );
+        serde_json::from_str(&out).expect("json")
+    };
+    let traced = trace_live("tcp 10.10.0.2:40000 -> 10.96.0.10:80");
     assert_eq!(traced["verdict"], "dnat", "{traced}");
     let eps: Vec<&str> = traced["endpoints"]
         .as_array()
@@ -127,19 +125,7 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         vec!["10.20.0.2:8080", "10.20.1.2:8080"],
         "the live view after backend-2 left"
     );
-    let refused: serde_json::Value = serde_json::from_str(&agent(
-        &tb,
-        &[
-            "trace",
-            "--live",
-            "--json",
-            "--bpffs",
-            pins.to_str().expect("utf-8"),
-            "--packet",
-            "tcp 10.10.0.2:40000 -> 10.96.0.20:80",
-        ],
-    ))
-    .expect("json");
+    let refused = trace_live("tcp 10.10.0.2:40000 -> 10.96.0.20:80");
     assert_eq!(refused["verdict"], "reject", "{refused}");
     let _ = tb.kill_agent();
 }

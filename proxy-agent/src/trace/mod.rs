@@ -58,23 +58,28 @@ struct Bench {
     view: NodeView,
 }
 
+/// The object with private maps and the programs a trace runs already loaded (loading
+/// relocates map references, and the map handles are not kept for long).
+fn load_programs() -> Result<(Ebpf, MapSet)> {
+    let (mut ebpf, maps) = bpf::load_private(&[])?;
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(TC_PROGRAM)
+        .context("BPF object has no classifier")?
+        .try_into()?;
+    prog.load().context("loading the classifier")?;
+    for name in ["connect4", "connect6"] {
+        let prog: &mut aya::programs::CgroupSockAddr = ebpf
+            .program_mut(name)
+            .with_context(|| format!("BPF object has no {name}"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("loading {name}"))?;
+    }
+    Ok((ebpf, maps))
+}
+
 impl Bench {
     fn new(case: &Case) -> Result<Self> {
-        let (mut ebpf, mut maps) = bpf::load_private(&[])?;
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(TC_PROGRAM)
-            .context("BPF object has no classifier")?
-            .try_into()?;
-        prog.load().context("loading the classifier")?;
-        // Load the connect hooks now too: loading relocates map references, and the map
-        // handles are not kept.
-        for name in ["connect4", "connect6"] {
-            let prog: &mut aya::programs::CgroupSockAddr = ebpf
-                .program_mut(name)
-                .with_context(|| format!("BPF object has no {name}"))?
-                .try_into()?;
-            prog.load().with_context(|| format!("loading {name}"))?;
-        }
+        let (ebpf, mut maps) = load_programs()?;
         let mut state = MapState::adopt(&maps)?;
         bpf::sync::configure(
             &mut maps,
@@ -102,12 +107,7 @@ impl Bench {
     /// trace cannot disturb live traffic.
     fn from_live(pin_dir: &std::path::Path) -> Result<Self> {
         let live = MapSet::open_pinned(&pin_dir.join("maps"))?;
-        let (mut ebpf, mut maps) = bpf::load_private(&[])?;
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(TC_PROGRAM)
-            .context("BPF object has no classifier")?
-            .try_into()?;
-        prog.load().context("loading the classifier")?;
+        let (ebpf, mut maps) = load_programs()?;
         macro_rules! copy {
             ($field:ident) => {
                 for entry in live.$field.iter() {
