@@ -154,6 +154,12 @@ async fn metrics(State(s): State<AppState>) -> Response {
     );
     gauge(
         &mut registry,
+        "udp_sockets_destroyed",
+        "Connected UDP sockets destroyed because their backend went away",
+        c.udp_sockets_destroyed as i64,
+    );
+    gauge(
+        &mut registry,
         "frontends",
         "Frontends in this node's view",
         s.status.view().len() as i64,

@@ -287,12 +287,16 @@ pub struct CtValue {
     pub backend_id: u32,
     pub rev_nat_id: u32,
     pub nat_addr: [u32; 4],
+    /// Forward entries: the backend's address, so an established flow keeps reaching a
+    /// backend that left its Service (a terminating pod), as kube-proxy's conntrack does.
+    pub backend_addr: [u32; 4],
     /// Network byte order.
     pub nat_port: u16,
+    /// Network byte order.
+    pub backend_port: u16,
     /// `CT_F_*`.
     pub flags: u8,
-    pub _pad: u8,
-    pub _pad2: u32,
+    pub _pad: [u8; 3],
 }
 
 /// Node-wide settings of the per-packet path (`NODE_CONFIG`, one entry at index 0).
@@ -438,7 +442,7 @@ mod tests {
         assert_eq!(size_of::<SockRevNatKey>(), 32);
         assert_eq!(size_of::<SockRevNatValue>(), 4);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 40);
+        assert_eq!(size_of::<CtValue>(), 56);
         assert_eq!(size_of::<NodeConfig>(), 56);
         assert_eq!(size_of::<CtTimeouts>(), 20);
         assert_eq!(size_of::<LpmData>(), 20);
@@ -458,7 +462,7 @@ mod tests {
         assert_eq!(size_of::<RevNatValue>(), 16 + 2 + 1 + 1);
         assert_eq!(size_of::<SockRevNatKey>(), 8 + 16 + 2 + 1 + 5);
         assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
-        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 2 + 1 + 1 + 4);
+        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3);
         assert_eq!(size_of::<NodeConfig>(), 16 + 16 + 4 + 20);
     }
 

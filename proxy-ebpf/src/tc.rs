@@ -24,7 +24,10 @@ use proxy_common::{
 
 use crate::{
     lb::{self, Client, NoBackend},
-    maps::{CONNTRACK, LOCAL_NETS, NODE_CONFIG, REV_NAT, SOURCE_RANGES, count},
+    maps::{
+        CONNTRACK, LOCAL_NETS, NODE_CONFIG, REV_NAT, SCRATCH_FORWARD, SCRATCH_REPLY, SOURCE_RANGES,
+        count, ct_scratch,
+    },
     reject, route,
 };
 
@@ -157,32 +160,39 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
 /// A packet of a flow we already translated keeps its backend while that exists.
 #[inline(never)]
 fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
-    let fwd_key = pkt.ct_key(CT_DIR_FORWARD);
-    // SAFETY: the value is copied out at once.
-    let Some(ct) = (unsafe { CONNTRACK.get(&fwd_key).copied() }) else {
+    // A reference into the map, not a copy: the BPF stack is small. Other CPUs only
+    // touch `last_seen_ns` and `flags` of a live entry.
+    let Some(ct) = CONNTRACK.get_ptr_mut(&pkt.ct_key(CT_DIR_FORWARD)) else {
         return Ok(None);
     };
-    if expired(&ct, pkt.proto, now) {
+    // SAFETY: the pointer stays valid memory for the program's run (RCU); under eviction
+    // pressure the LRU may recycle the entry meanwhile, which at worst misroutes this
+    // one packet.
+    let ct = unsafe { &mut *ct };
+    if expired(ct, pkt.proto, now) {
         return Ok(None); // idle too long: balanced again
     }
-    let Some(be) = lb::backend(ct.backend_id) else {
-        return Ok(None); // its backend is gone: choose again
-    };
+    // TCP keeps its backend to the end (a terminating pod finishes its connections); a
+    // datagram flow whose backend is gone is balanced again.
+    if pkt.proto != PROTO_TCP && lb::backend(ct.backend_id).is_none() {
+        return Ok(None);
+    }
     let closing = closing_flag(ctx, pkt);
     if ct.flags & CT_F_SNAT != 0 {
         rewrite(ctx, pkt, Side::Source, &ct.nat_addr, ct.nat_port)?;
     }
-    rewrite(ctx, pkt, Side::Destination, &be.addr, be.port)?;
-    if let Some(entry) = CONNTRACK.get_ptr_mut(&fwd_key) {
-        // SAFETY: as above.
-        unsafe {
-            (*entry).last_seen_ns = now;
-            (*entry).flags |= closing;
-        }
-    }
+    rewrite(
+        ctx,
+        pkt,
+        Side::Destination,
+        &ct.backend_addr,
+        ct.backend_port,
+    )?;
+    ct.last_seen_ns = now;
+    ct.flags |= closing;
     if ct.flags & CT_F_SNAT != 0 {
         return Ok(Some(
-            route::forward(ctx, pkt.family, &ct.nat_addr, &be.addr).code(),
+            route::forward(ctx, pkt.family, &ct.nat_addr, &ct.backend_addr).code(),
         ));
     }
     Ok(Some(DONE))
@@ -193,8 +203,9 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
 #[inline(never)]
 fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     // A reference into the map, not a copy: the BPF stack is small.
-    let default = NodeConfig::default();
-    let cfg = NODE_CONFIG.get(0).unwrap_or(&default);
+    let Some(cfg) = NODE_CONFIG.get(0) else {
+        return Ok(PASS_ON); // unreachable: index 0 of a one-entry array
+    };
     let origin = origin(pkt, cfg);
     let internal = origin.pod || origin.node;
     let Some(svc) = lb::lookup_service(pkt.daddr, pkt.dport, pkt.proto, pkt.family, internal)
@@ -216,23 +227,22 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         Err(NoBackend::Reject) => return reject::refuse(ctx, pkt),
         Err(NoBackend::Drop) => return Err(DROP),
     };
-    let snat = if masquerade(&svc, cfg, &origin, pkt, &be) {
-        let addr = if pkt.family == FAMILY_V4 {
+    let Some(entry) = ct_scratch(SCRATCH_FORWARD) else {
+        return Err(DROP); // unreachable: a valid index
+    };
+    entry.backend_id = backend_id;
+    entry.backend_addr = be.addr;
+    entry.backend_port = be.port;
+    entry.rev_nat_id = svc.rev_nat_id;
+    if masquerade(&svc, cfg, &origin, pkt, &be) {
+        // A zero address (none configured for the family) means no masquerade.
+        entry.nat_addr = if pkt.family == FAMILY_V4 {
             cfg.snat_v4
         } else {
             cfg.snat_v6
         };
-        (addr != [0; 4]).then_some(addr)
-    } else {
-        None
-    };
-    let mut entry = CtValue {
-        backend_id,
-        rev_nat_id: svc.rev_nat_id,
-        nat_addr: snat.unwrap_or_default(),
-        ..CtValue::default()
-    };
-    record(pkt, &be, &mut entry)?;
+    }
+    record(pkt, &be, entry)?;
     if entry.flags & CT_F_SNAT != 0 {
         rewrite(ctx, pkt, Side::Source, &entry.nat_addr, entry.nat_port)?;
     }
@@ -252,12 +262,12 @@ fn record(pkt: &Packet, be: &Backend, entry: &mut CtValue) -> Result<(), i32> {
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     entry.last_seen_ns = now;
-    let mut reply = CtValue {
-        last_seen_ns: now,
-        backend_id: entry.backend_id,
-        rev_nat_id: entry.rev_nat_id,
-        ..CtValue::default()
+    let Some(reply) = ct_scratch(SCRATCH_REPLY) else {
+        return Err(DROP); // unreachable: a valid index
     };
+    reply.last_seen_ns = now;
+    reply.backend_id = entry.backend_id;
+    reply.rev_nat_id = entry.rev_nat_id;
     let mut reply_key = CtKey {
         saddr: be.addr,
         daddr: pkt.saddr,
@@ -273,14 +283,14 @@ fn record(pkt: &Packet, be: &Backend, entry: &mut CtValue) -> Result<(), i32> {
         reply.nat_addr = pkt.saddr;
         reply.nat_port = pkt.sport;
         reply_key.daddr = entry.nat_addr;
-        let Some(port) = allocate_port(&mut reply_key, &reply) else {
+        let Some(port) = allocate_port(&mut reply_key, reply) else {
             count(counter::SNAT_PORTS_EXHAUSTED);
             return Err(DROP);
         };
         entry.flags = CT_F_SNAT;
         entry.nat_port = port;
         count(counter::SNAT);
-    } else if CONNTRACK.insert(&reply_key, &reply, 0).is_err() {
+    } else if CONNTRACK.insert(&reply_key, reply, 0).is_err() {
         count(counter::CT_CREATE_FAILED);
     }
     // A forward entry without its reply entry would leave replies untranslated; the

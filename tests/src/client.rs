@@ -2,7 +2,7 @@
 //! per attempt with the backend that answered and the peer address the socket reports.
 
 use std::{
-    io::{Read as _, Write as _},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{SocketAddr, TcpStream, UdpSocket},
     time::{Duration, Instant},
 };
@@ -44,7 +44,9 @@ pub struct Run {
     pub udp: bool,
     /// UDP through a connected socket (connect4/6 + recvmsg) instead of sendto.
     pub connected: bool,
-    /// One connected UDP socket for every attempt (one flow, like a DNS stub resolver).
+    /// One socket for every attempt: a connected UDP socket (one flow, like a DNS stub
+    /// resolver) or one TCP connection asking again and again. After a failed attempt the
+    /// socket connects again, as an application that handles errors would.
     pub reuse: bool,
     pub count: u32,
     pub interval: Duration,
@@ -54,20 +56,17 @@ pub struct Run {
 /// Runs the attempts, printing each as a JSON line as soon as it ends.
 pub fn run(opts: &Run) -> Result<()> {
     let start = Instant::now();
-    let shared = if opts.reuse {
-        Some(udp_socket(opts)?)
+    let mut shared = if opts.reuse {
+        Some(Session::open(opts)?)
     } else {
         None
     };
-    if let Some(s) = &shared {
-        s.connect(opts.target)?;
-    }
     let stdout = std::io::stdout();
     for seq in 0..opts.count {
         let t0 = Instant::now();
         let at_ms = start.elapsed().as_secs_f64() * 1e3;
-        let result = match (opts.udp, opts.connected, &shared) {
-            (_, _, Some(s)) => exchange(s),
+        let result = match (opts.udp, opts.connected, &mut shared) {
+            (_, _, Some(s)) => s.ask(opts),
             (false, _, None) => tcp_once(opts),
             (true, false, None) => udp_once(opts),
             (true, true, None) => udp_connected_once(opts),
@@ -110,9 +109,64 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     let mut s = TcpStream::connect_timeout(&opts.target, opts.timeout)?;
     s.set_read_timeout(Some(opts.timeout))?;
     let peer = s.peer_addr()?;
+    // Nothing to ask: the greeting is the answer, and the echo closes on our FIN.
+    s.shutdown(std::net::Shutdown::Write)?;
     let mut buf = String::new();
     s.read_to_string(&mut buf)?;
     Ok((buf.trim().to_string(), peer))
+}
+
+/// One socket used for every attempt.
+enum Session {
+    Udp(UdpSocket),
+    /// The connection, and whether its greeting still waits to be read.
+    Tcp(BufReader<TcpStream>, bool),
+}
+
+impl Session {
+    fn open(opts: &Run) -> std::io::Result<Self> {
+        if opts.udp {
+            let s = udp_socket(opts)?;
+            s.connect(opts.target)?;
+            Ok(Self::Udp(s))
+        } else {
+            let s = TcpStream::connect_timeout(&opts.target, opts.timeout)?;
+            s.set_read_timeout(Some(opts.timeout))?;
+            Ok(Self::Tcp(BufReader::new(s), true))
+        }
+    }
+
+    /// One question and its answer; after a failure the next attempt connects again.
+    fn ask(&mut self, opts: &Run) -> std::io::Result<(String, SocketAddr)> {
+        let result = match self {
+            Self::Udp(s) => exchange(s),
+            Self::Tcp(r, greeting) => {
+                if !std::mem::take(greeting) {
+                    r.get_mut().write_all(b"who\n")?;
+                }
+                let mut line = String::new();
+                if r.read_line(&mut line)? == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                Ok((line.trim().to_string(), r.get_ref().peer_addr()?))
+            }
+        };
+        if result.is_err() {
+            match self {
+                // Connecting the same socket again goes through connect4/6 again.
+                Self::Udp(s) => {
+                    let _ = s.take_error(); // a pending ECONNABORTED belongs to the old flow
+                    let _ = s.connect(opts.target);
+                }
+                Self::Tcp(..) => {
+                    if let Ok(fresh) = Self::open(opts) {
+                        *self = fresh;
+                    }
+                }
+            }
+        }
+        result
+    }
 }
 
 /// One request and its answer on a connected UDP socket.

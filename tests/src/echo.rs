@@ -2,8 +2,8 @@
 //! the client address it saw, on IPv4 and IPv6.
 
 use std::{
-    io::Write as _,
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, UdpSocket},
+    io::{BufRead as _, BufReader, Write as _},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     thread,
 };
 
@@ -19,12 +19,9 @@ pub fn serve(id: &str, tcp: u16, udp: u16) -> Result<()> {
         let listener = bind_tcp(SocketAddr::new(ip, tcp))?;
         let name = id.to_string();
         threads.push(thread::spawn(move || {
-            for mut stream in listener.incoming().flatten() {
-                let peer = stream
-                    .peer_addr()
-                    .map(|p| p.ip().to_string())
-                    .unwrap_or_default();
-                let _ = stream.write_all(format!("{name} {peer}\n").as_bytes());
+            for stream in listener.incoming().flatten() {
+                let name = name.clone();
+                thread::spawn(move || converse(&name, stream));
             }
         }));
         let sock = bind_udp(SocketAddr::new(ip, udp))?;
@@ -40,6 +37,27 @@ pub fn serve(id: &str, tcp: u16, udp: u16) -> Result<()> {
         let _ = t.join();
     }
     Ok(())
+}
+
+/// Greets with identity and client address, then greets again for every line the
+/// client sends, until it closes: one connection can ask many times.
+fn converse(name: &str, mut stream: TcpStream) {
+    let peer = stream
+        .peer_addr()
+        .map(|p| p.ip().to_string())
+        .unwrap_or_default();
+    let greeting = format!("{name} {peer}\n");
+    let Ok(reader) = stream.try_clone() else {
+        return;
+    };
+    if stream.write_all(greeting.as_bytes()).is_err() {
+        return;
+    }
+    for line in BufReader::new(reader).lines() {
+        if line.is_err() || stream.write_all(greeting.as_bytes()).is_err() {
+            return;
+        }
+    }
 }
 
 /// IPv6 sockets are v6-only so the v4 ones can bind beside them.

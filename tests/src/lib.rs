@@ -504,6 +504,31 @@ impl Testbed {
 }
 
 /// Collects a background client's attempts.
+/// Waits for a background client's first attempt (reading byte by byte, so
+/// `finish_client` still gets every later line): lets a test change things only once the
+/// client is surely under way, however slowly it started.
+pub fn first_attempt(child: &mut Child) -> Result<Attempt> {
+    use std::io::Read as _;
+    let out = child
+        .stdout
+        .as_mut()
+        .context("the client's output is not piped")?;
+    let mut line = Vec::new();
+    // Unbuffered on purpose: a buffer would swallow lines meant for `finish_client`.
+    #[allow(clippy::unbuffered_bytes)]
+    for byte in out.bytes() {
+        let byte = byte?;
+        if byte == b'\n' {
+            break;
+        }
+        line.push(byte);
+    }
+    let mut attempts = client::parse_attempts(&String::from_utf8_lossy(&line))?;
+    attempts
+        .pop()
+        .context("the client ended before its first attempt")
+}
+
 pub fn finish_client(child: Child) -> Result<Vec<Attempt>> {
     let out = child.wait_with_output()?;
     client::parse_attempts(&String::from_utf8_lossy(&out.stdout))

@@ -6,7 +6,7 @@ use std::{thread, time::Duration};
 
 use proxy_e2e::{
     EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, chi_square_uniform, finish_client,
-    require_root, spread, target, web_manifests,
+    first_attempt, require_root, spread, target, web_manifests,
 };
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
@@ -220,6 +220,137 @@ fn connect_time_backend_removal_is_hitless() {
 fn per_packet_backend_removal_is_hitless() {
     if require_root("per_packet_backend_removal_is_hitless") {
         backend_removal_is_hitless(Path_::PerPacket);
+    }
+}
+
+/// A backend leaving its Service (a terminating pod) keeps the connections it has, as
+/// kube-proxy's conntrack does: one TCP connection asks every 20 ms while the Service
+/// moves from backend-0 to backends 1 and 2, and backend-0 answers every time; new
+/// connections go to the new backends.
+fn established_tcp_outlives_backend_removal(path: Path_) {
+    let tb = testbed(path, &[0], None);
+    let t = target(VIP4, TCP_PORT);
+    let mut session = tb
+        .spawn_client(&[
+            "--target",
+            &t,
+            "--reuse-socket",
+            "--count",
+            "150",
+            "--interval-ms",
+            "20",
+        ])
+        .expect("client");
+    let first = first_attempt(&mut session).expect("first answer");
+    thread::sleep(Duration::from_millis(300));
+    tb.write_manifests(&web_manifests(&[1, 2], None))
+        .expect("manifests");
+    let mut attempts = finish_client(session).expect("client output");
+    attempts.insert(0, first);
+    let other: Vec<_> = attempts
+        .iter()
+        .filter(|a| !a.ok || a.backend.as_deref() != Some("backend-0"))
+        .collect();
+    assert!(
+        other.is_empty(),
+        "{path:?}: the established connection lost its backend: {other:?}\n{}",
+        tb.agent_log()
+    );
+    let fresh = tb
+        .client(&["--target", &t, "--count", "20"])
+        .expect("client");
+    let s = spread(&fresh);
+    assert!(
+        fresh.iter().all(|a| a.ok) && !s.contains_key("backend-0"),
+        "{path:?}: new connections after the move: {s:?} {fresh:?}"
+    );
+}
+
+#[test]
+fn connect_time_established_tcp_outlives_backend_removal() {
+    if require_root("connect_time_established_tcp_outlives_backend_removal") {
+        established_tcp_outlives_backend_removal(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_established_tcp_outlives_backend_removal() {
+    if require_root("per_packet_established_tcp_outlives_backend_removal") {
+        established_tcp_outlives_backend_removal(Path_::PerPacket);
+    }
+}
+
+/// A connected UDP socket (a DNS-like client) whose backend leaves the Service moves to a
+/// live backend, as kube-proxy's stale-UDP cleanup makes it: the connect-time path
+/// destroys the socket (the application sees ECONNABORTED once and connects again), the
+/// per-packet path forgets the flow so its next datagram is balanced again.
+fn connected_udp_moves_off_a_removed_backend(path: Path_) {
+    let tb = testbed(path, &[0], None);
+    let t = target(VIP4, UDP_PORT);
+    let mut session = tb
+        .spawn_client(&[
+            "--target",
+            &t,
+            "--proto",
+            "udp-connected",
+            "--reuse-socket",
+            "--count",
+            "120",
+            "--interval-ms",
+            "25",
+            "--timeout-ms",
+            "500",
+        ])
+        .expect("client");
+    let first = first_attempt(&mut session).expect("first answer");
+    thread::sleep(Duration::from_millis(300));
+    let moved_at = first.at_ms + 300.0;
+    tb.write_manifests(&web_manifests(&[1, 2], None))
+        .expect("manifests");
+    let mut attempts = finish_client(session).expect("client output");
+    attempts.insert(0, first);
+    let log = tb.agent_log();
+    assert!(
+        attempts.first().and_then(|a| a.backend.as_deref()) == Some("backend-0"),
+        "{path:?}: {attempts:?}"
+    );
+    // Well after the change: only the new backends answer, and answer every time.
+    let late: Vec<_> = attempts
+        .iter()
+        .filter(|a| a.at_ms > moved_at + 1500.0)
+        .collect();
+    assert!(
+        !late.is_empty()
+            && late
+                .iter()
+                .all(|a| a.ok && a.backend.as_deref() != Some("backend-0")),
+        "{path:?}: the UDP socket stayed on the removed backend: {late:?}\n{log}"
+    );
+    // The move costs the application at most the one aborted exchange.
+    let failed = attempts.iter().filter(|a| !a.ok).count();
+    assert!(
+        failed <= 1,
+        "{path:?}: {failed} failed exchanges: {attempts:?}"
+    );
+    if path == Path_::ConnectTime {
+        assert!(
+            log.contains("udp_sockets_destroyed=1"),
+            "the socket was not destroyed by the agent:\n{log}"
+        );
+    }
+}
+
+#[test]
+fn connect_time_connected_udp_moves_off_a_removed_backend() {
+    if require_root("connect_time_connected_udp_moves_off_a_removed_backend") {
+        connected_udp_moves_off_a_removed_backend(Path_::ConnectTime);
+    }
+}
+
+#[test]
+fn per_packet_connected_udp_moves_off_a_removed_backend() {
+    if require_root("per_packet_connected_udp_moves_off_a_removed_backend") {
+        connected_udp_moves_off_a_removed_backend(Path_::PerPacket);
     }
 }
 

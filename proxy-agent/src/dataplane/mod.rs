@@ -12,6 +12,8 @@ pub struct ApplyReport {
     pub frontends_removed: usize,
     pub backends_written: usize,
     pub backends_removed: usize,
+    /// Connected UDP sockets destroyed because their backend went away.
+    pub udp_sockets_destroyed: usize,
     /// Frontends left as they were because writing them failed (full map, ...).
     pub failed: Vec<String>,
 }

@@ -136,6 +136,7 @@ pub async fn run<D: Dataplane>(
                         written = report.frontends_written,
                         removed = report.frontends_removed,
                         backends_removed = report.backends_removed,
+                        udp_sockets_destroyed = report.udp_sockets_destroyed,
                         frontends = view.len(),
                         "dataplane synced"
                     );

@@ -21,6 +21,7 @@ pub struct Counters {
     pub syncs_failed: u64,
     pub frontends_failed: u64,
     pub objects_rejected: u64,
+    pub udp_sockets_destroyed: u64,
     pub last_sync_seconds: f64,
 }
 
@@ -79,7 +80,10 @@ impl Status {
             s.view = view.clone();
             s.counters.last_sync_seconds = took.as_secs_f64();
             match outcome {
-                Ok(r) if r.failed.is_empty() => s.counters.syncs_ok += 1,
+                Ok(r) if r.failed.is_empty() => {
+                    s.counters.syncs_ok += 1;
+                    s.counters.udp_sockets_destroyed += r.udp_sockets_destroyed as u64;
+                }
                 Ok(r) => {
                     s.counters.syncs_failed += 1;
                     s.counters.frontends_failed += r.failed.len() as u64;

@@ -20,7 +20,8 @@ struct Args {
     interval_ms: u64,
     #[arg(long, default_value_t = 2000)]
     timeout_ms: u64,
-    /// UDP: one connected socket for all attempts (one flow).
+    /// One socket for all attempts: one UDP flow or one TCP connection (reconnected
+    /// after a failure).
     #[arg(long)]
     reuse_socket: bool,
 }
@@ -32,7 +33,7 @@ fn main() -> anyhow::Result<()> {
         target: a.target,
         udp: a.proto.starts_with("udp"),
         connected: a.proto == "udp-connected",
-        reuse: a.reuse_socket && a.proto.starts_with("udp"),
+        reuse: a.reuse_socket,
         count: a.count,
         interval: Duration::from_millis(a.interval_ms),
         timeout: Duration::from_millis(a.timeout_ms),

@@ -7,6 +7,7 @@
 //! traffic never sees a gap.
 
 pub mod maps;
+mod sockets;
 pub mod sync;
 
 use std::{
@@ -71,6 +72,8 @@ pub struct BpfDataplane {
     pub ebpf: Ebpf,
     pub maps: MapSet,
     pub state: MapState,
+    /// Where the connect-time hooks are attached (whose sockets may need destroying).
+    cgroup: Option<PathBuf>,
 }
 
 fn maps_dir(pin_dir: &Path) -> PathBuf {
@@ -147,7 +150,12 @@ impl BpfDataplane {
             adopted_frontends = state.frontends(),
             "BPF dataplane ready"
         );
-        Ok(Self { ebpf, maps, state })
+        Ok(Self {
+            ebpf,
+            maps,
+            state,
+            cgroup: opts.cgroup.clone(),
+        })
     }
 }
 
@@ -166,7 +174,22 @@ pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
 
 impl Dataplane for BpfDataplane {
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
-        self.maps_dataplane().apply(view)
+        let mut report = self.maps_dataplane().apply(view)?;
+        let removed = self.state.take_removed_udp();
+        if let Some(cgroup) = &self.cgroup
+            && !removed.is_empty()
+        {
+            let cookies = sockets::cookies_of(&self.maps.sock_rev_nat, &removed);
+            // Failing to reach a socket leaves it as it was; the maps are already right.
+            match sockets::destroy(cgroup, &cookies) {
+                Ok(n) => report.udp_sockets_destroyed = n,
+                Err(e) => tracing::warn!(
+                    error = format!("{e:#}"),
+                    "connected UDP sockets of removed backends not destroyed"
+                ),
+            }
+        }
+        Ok(report)
     }
 
     fn resync(&mut self) -> Result<()> {

@@ -127,6 +127,8 @@ pub struct MapState {
     /// Backends whose count dropped to zero (or were never used) since the last sweep.
     maybe_unused: HashSet<u32>,
     used_service_ids: HashSet<u32>,
+    /// UDP backends removed by the syncs since `take_removed_udp` last ran.
+    removed_udp: Vec<Backend>,
     next_service_id: u32,
     next_backend_id: u32,
 }
@@ -311,20 +313,23 @@ impl MapState {
             remove_ignoring_absent(maps.backends.remove(&id))?;
             if let Some(be) = self.backends_by_id.remove(&id) {
                 self.backend_ids.remove(&be);
+                if be.proto == PROTO_UDP {
+                    self.removed_udp.push(be);
+                }
             }
             self.refs.remove(&id);
             removed.insert(id);
             report.backends_removed += 1;
         }
-        // 4. Flows pinned to removed backends: their entries go now, so a UDP client
+        // 4. UDP flows pinned to removed backends: their entries go now, so a UDP client
         // (which never closes its flow) is rebalanced on its next packet even if a new
-        // backend later reuses the id.
+        // backend later reuses the id. TCP flows stay: a terminating pod finishes them.
         if !removed.is_empty() {
             let stale: Vec<_> = maps
                 .conntrack
                 .iter()
                 .filter_map(Result::ok)
-                .filter(|(_, v)| removed.contains(&v.backend_id))
+                .filter(|(k, v)| k.proto == PROTO_UDP && removed.contains(&v.backend_id))
                 .map(|(k, _)| k)
                 .collect();
             for key in &stale {
@@ -335,6 +340,12 @@ impl MapState {
             }
         }
         Ok(report)
+    }
+
+    /// The UDP backends removed since the last call (their connected sockets may need
+    /// destroying).
+    pub fn take_removed_udp(&mut self) -> Vec<Backend> {
+        std::mem::take(&mut self.removed_udp)
     }
 
     /// Writes one frontend if it differs from what is programmed; `Ok(false)` if not.

@@ -1,0 +1,275 @@
+//! Connected UDP sockets that the connect-time path aimed at a backend which is gone.
+//!
+//! connect4/6 rewrite a connected UDP socket's destination to a backend once; the kernel
+//! then sends straight there, so removing the backend from the maps does not move the
+//! socket (kube-proxy's equivalent is flushing the UDP conntrack entries). Such sockets
+//! are destroyed with sock_diag's SOCK_DESTROY: the application sees ECONNABORTED and
+//! connects again — through the hooks, to a live backend.
+//!
+//! Which sockets: those `SOCK_REV_NAT` remembers (by cookie) as sent to a removed backend
+//! on a Service's behalf — never a socket that connected to the pod address itself.
+//! Where: sock_diag only sees its own network namespace, so the namespaces of the
+//! processes in the hooked cgroup are visited, each from a short-lived thread.
+
+use std::{
+    collections::{HashMap, HashSet},
+    net::IpAddr,
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::maps::{HashMap as BpfHashMap, MapData};
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_sock_diag::{
+    SockDiagMessage,
+    constants::{AF_INET, AF_INET6, IPPROTO_UDP},
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+use proxy_common::{Backend, PROTO_UDP, SockRevNatKey, SockRevNatValue};
+
+/// sock_diag's destroy request (`linux/sock_diag.h`).
+const SOCK_DESTROY: u16 = 21;
+
+/// Cookies of the sockets that connect-time balancing sent to one of `gone`.
+pub fn cookies_of(
+    sock_rev_nat: &BpfHashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    gone: &[Backend],
+) -> HashSet<u64> {
+    let gone: HashSet<_> = gone
+        .iter()
+        .filter(|b| b.proto == PROTO_UDP)
+        .map(|b| (b.addr, b.port, b.family))
+        .collect();
+    if gone.is_empty() {
+        return HashSet::new();
+    }
+    sock_rev_nat
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| gone.contains(&(k.addr, k.port, k.family)))
+        .map(|k| k.cookie)
+        .collect()
+}
+
+/// Destroys the connected UDP sockets with these cookies in the network namespaces of
+/// the processes under `cgroup`. Returns how many were destroyed.
+pub fn destroy(cgroup: &Path, cookies: &HashSet<u64>) -> Result<usize> {
+    if cookies.is_empty() {
+        return Ok(0);
+    }
+    let mut destroyed = 0;
+    for netns in namespaces_under(cgroup)? {
+        let cookies = cookies.clone();
+        let path = netns.clone();
+        let joined = std::thread::Builder::new()
+            .name("sock-destroy".into())
+            .spawn(move || destroy_in(&path, &cookies))
+            .context("starting the socket-destroy thread")?
+            .join();
+        match joined {
+            Ok(Ok(n)) => destroyed += n,
+            // A process may exit while we look: its namespace is simply skipped.
+            Ok(Err(e)) => tracing::debug!(
+                netns = %netns.display(),
+                error = format!("{e:#}"),
+                "sockets of this namespace not checked"
+            ),
+            Err(_) => bail!("the socket-destroy thread panicked"),
+        }
+    }
+    Ok(destroyed)
+}
+
+/// One `/proc/<pid>/ns/net` per distinct network namespace of the processes in the
+/// cgroup subtree.
+fn namespaces_under(cgroup: &Path) -> Result<Vec<PathBuf>> {
+    let mut seen = HashMap::new();
+    let mut dirs = vec![cgroup.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let procs = dir.join("cgroup.procs");
+        let text = match std::fs::read_to_string(&procs) {
+            Ok(t) => t,
+            // A child cgroup removed while we walk.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", procs.display())),
+        };
+        for pid in text.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+            let ns = PathBuf::from(format!("/proc/{pid}/ns/net"));
+            if let Ok(meta) = std::fs::metadata(&ns) {
+                seen.entry((meta.dev(), meta.ino())).or_insert(ns);
+            }
+        }
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("listing {}", dir.display())),
+        };
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                dirs.push(entry.path());
+            }
+        }
+    }
+    Ok(seen.into_values().collect())
+}
+
+/// In the calling thread (which it moves into the namespace at `netns`): finds the
+/// connected UDP sockets with one of `cookies` and destroys them.
+fn destroy_in(netns: &Path, cookies: &HashSet<u64>) -> Result<usize> {
+    crate::netns::enter(netns)?;
+    let mut diag = Diag::open()?;
+    let mut destroyed = 0;
+    for family in [AF_INET, AF_INET6] {
+        for id in diag.connected_udp(family)? {
+            if !cookies.contains(&cookie(&id)) {
+                continue;
+            }
+            let peer = (id.destination_address, id.destination_port);
+            match diag.destroy(family, id) {
+                Ok(()) => {
+                    destroyed += 1;
+                    tracing::debug!(
+                        backend = %format_peer(peer),
+                        "connected UDP socket of a removed backend destroyed"
+                    );
+                }
+                Err(e) => tracing::warn!(
+                    backend = %format_peer(peer),
+                    error = format!("{e:#}"),
+                    "could not destroy a connected UDP socket of a removed backend"
+                ),
+            }
+        }
+    }
+    Ok(destroyed)
+}
+
+fn format_peer((ip, port): (IpAddr, u16)) -> std::net::SocketAddr {
+    std::net::SocketAddr::new(ip, port)
+}
+
+/// The kernel's socket cookie, from inet_diag's two host-order words (low word first).
+fn cookie(id: &SocketId) -> u64 {
+    let c = id.cookie;
+    let lo = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+    let hi = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]);
+    u64::from(lo) | (u64::from(hi) << 32)
+}
+
+/// A sock_diag netlink socket in the current thread's network namespace.
+struct Diag {
+    socket: Socket,
+    seq: u32,
+}
+
+impl Diag {
+    fn open() -> Result<Self> {
+        let mut socket = Socket::new(NETLINK_SOCK_DIAG).context("opening a sock_diag socket")?;
+        socket.bind_auto().context("binding the sock_diag socket")?;
+        socket
+            .connect(&SocketAddr::new(0, 0))
+            .context("connecting the sock_diag socket")?;
+        Ok(Self { socket, seq: 0 })
+    }
+
+    fn send(&mut self, message_type: Option<u16>, flags: u16, request: InetRequest) -> Result<u32> {
+        self.seq += 1;
+        let mut header = NetlinkHeader::default();
+        header.flags = flags;
+        header.sequence_number = self.seq;
+        let mut packet = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
+        packet.finalize();
+        if let Some(t) = message_type {
+            packet.header.message_type = t;
+        }
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        self.socket.send(&buf, 0).context("sending to sock_diag")?;
+        Ok(self.seq)
+    }
+
+    /// Connected (ESTABLISHED) UDP sockets of one family.
+    fn connected_udp(&mut self, family: u8) -> Result<Vec<SocketId>> {
+        let seq = self.send(
+            None,
+            NLM_F_REQUEST | NLM_F_DUMP,
+            InetRequest {
+                family,
+                protocol: IPPROTO_UDP,
+                extensions: ExtensionFlags::empty(),
+                states: StateFlags::ESTABLISHED,
+                socket_id: if family == AF_INET {
+                    SocketId::new_v4()
+                } else {
+                    SocketId::new_v6()
+                },
+            },
+        )?;
+        let mut found = Vec::new();
+        self.receive(seq, |payload| match payload {
+            NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
+                found.push(r.header.socket_id.clone());
+                Ok(false)
+            }
+            NetlinkPayload::Done(_) => Ok(true),
+            NetlinkPayload::Error(e) => Err(anyhow::anyhow!("sock_diag dump failed: {e}")),
+            _ => Ok(false),
+        })?;
+        Ok(found)
+    }
+
+    fn destroy(&mut self, family: u8, socket_id: SocketId) -> Result<()> {
+        let seq = self.send(
+            Some(SOCK_DESTROY),
+            NLM_F_REQUEST | NLM_F_ACK,
+            InetRequest {
+                family,
+                protocol: IPPROTO_UDP,
+                extensions: ExtensionFlags::empty(),
+                states: StateFlags::all(),
+                socket_id,
+            },
+        )?;
+        self.receive(seq, |payload| match payload {
+            NetlinkPayload::Error(e) if e.code.is_some() => {
+                Err(anyhow::anyhow!("SOCK_DESTROY refused: {e}"))
+            }
+            NetlinkPayload::Error(_) | NetlinkPayload::Done(_) => Ok(true),
+            _ => Ok(false),
+        })
+    }
+
+    /// Reads messages of request `seq` until `each` says the answer is complete.
+    fn receive(
+        &mut self,
+        seq: u32,
+        mut each: impl FnMut(NetlinkPayload<SockDiagMessage>) -> Result<bool>,
+    ) -> Result<()> {
+        loop {
+            let (buf, _) = self
+                .socket
+                .recv_from_full()
+                .context("reading from sock_diag")?;
+            let mut offset = 0;
+            while offset < buf.len() {
+                let msg = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[offset..])
+                    .context("decoding a sock_diag message")?;
+                let len = msg.header.length as usize;
+                if len == 0 {
+                    bail!("sock_diag message of length 0");
+                }
+                offset += (len + 3) & !3; // NLMSG_ALIGN
+                if msg.header.sequence_number != seq {
+                    continue;
+                }
+                if each(msg.payload)? {
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
