@@ -6,7 +6,7 @@ use std::{thread, time::Duration};
 
 use proxy_e2e::{
     EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, chi_square_uniform, finish_client,
-    first_attempt, require_root, spread, target, web_manifests,
+    first_attempt, require_root, sh, spread, target, web_manifests,
 };
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
@@ -284,9 +284,41 @@ fn per_packet_established_tcp_outlives_backend_removal() {
 /// live backend, as kube-proxy's stale-UDP cleanup makes it: the connect-time path
 /// destroys the socket (the application sees ECONNABORTED once and connects again), the
 /// per-packet path forgets the flow so its next datagram is balanced again.
+///
+/// Per packet, the node also tracks connections in the kernel (an nftables `ct` rule, as
+/// a CNI's would): its entry towards the removed backend is deleted too.
 fn connected_udp_moves_off_a_removed_backend(path: Path_) {
     let tb = testbed(path, &[0], None);
     let t = target(VIP4, UDP_PORT);
+    let node = tb.node_ns();
+    let kernel_flows_to_backend_0 = || {
+        let table = sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &node,
+            "cat",
+            "/proc/net/nf_conntrack",
+        ])
+        .expect("conntrack table");
+        let to = format!("dst={} ", Testbed::backend_ip4(0));
+        table
+            .lines()
+            .filter(|l| l.contains(" udp ") && l.contains(&to))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    if path == Path_::PerPacket {
+        for rule in [
+            "add table inet pxyct",
+            "add chain inet pxyct pre { type filter hook prerouting priority 0 ; }",
+            "add rule inet pxyct pre ct state new counter",
+        ] {
+            let mut args = vec!["ip", "netns", "exec", &node, "nft"];
+            args.extend(rule.split(' '));
+            sh(&args).expect("nft");
+        }
+    }
     let mut session = tb
         .spawn_client(&[
             "--target",
@@ -305,6 +337,12 @@ fn connected_udp_moves_off_a_removed_backend(path: Path_) {
     let first = first_attempt(&mut session).expect("first answer");
     thread::sleep(Duration::from_millis(300));
     let moved_at = first.at_ms + 300.0;
+    if path == Path_::PerPacket {
+        assert!(
+            !kernel_flows_to_backend_0().is_empty(),
+            "the kernel should track the flow to backend-0"
+        );
+    }
     tb.write_manifests(&web_manifests(&[1, 2], None))
         .expect("manifests");
     let mut attempts = finish_client(session).expect("client output");
@@ -332,6 +370,13 @@ fn connected_udp_moves_off_a_removed_backend(path: Path_) {
         failed <= 1,
         "{path:?}: {failed} failed exchanges: {attempts:?}"
     );
+    if path == Path_::PerPacket {
+        let stale = kernel_flows_to_backend_0();
+        assert!(
+            stale.is_empty(),
+            "kernel conntrack still holds flows to the removed backend: {stale:?}\n{log}"
+        );
+    }
     if path == Path_::ConnectTime {
         assert!(
             log.contains("udp_sockets_destroyed=1"),

@@ -144,7 +144,8 @@ pub async fn run(
     use notify::Watcher as _;
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     let mut watcher = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
-        if ev.is_ok() {
+        // Our own reads raise access events: reacting to them would reload forever.
+        if ev.is_ok_and(|e| !matches!(e.kind, notify::EventKind::Access(_))) {
             let _ = events_tx.send(());
         }
     })?;

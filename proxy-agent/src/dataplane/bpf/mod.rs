@@ -6,7 +6,9 @@
 //! swaps its freshly loaded programs into those links atomically (`bpf_link_update`), so
 //! traffic never sees a gap.
 
+mod conntrack;
 pub mod maps;
+mod netlink;
 mod sockets;
 pub mod sync;
 
@@ -176,6 +178,19 @@ impl Dataplane for BpfDataplane {
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
         let mut report = self.maps_dataplane().apply(view)?;
         let removed = self.state.take_removed_udp();
+        if !removed.is_empty() {
+            match conntrack::forget_udp_flows_to(&removed) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    entries = n,
+                    "kernel conntrack: UDP flows of removed backends deleted"
+                ),
+                Err(e) => tracing::warn!(
+                    error = format!("{e:#}"),
+                    "kernel conntrack entries of removed backends not deleted"
+                ),
+            }
+        }
         if let Some(cgroup) = &self.cgroup
             && !removed.is_empty()
         {

@@ -20,16 +20,16 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{HashMap as BpfHashMap, MapData};
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
+use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_sock_diag::{
     SockDiagMessage,
     constants::{AF_INET, AF_INET6, IPPROTO_UDP},
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+use netlink_sys::protocols::NETLINK_SOCK_DIAG;
 use proxy_common::{Backend, PROTO_UDP, SockRevNatKey, SockRevNatValue};
+
+use super::netlink::Channel;
 
 /// sock_diag's destroy request (`linux/sock_diag.h`).
 const SOCK_DESTROY: u16 = 21;
@@ -160,44 +160,20 @@ fn cookie(id: &SocketId) -> u64 {
     u64::from(lo) | (u64::from(hi) << 32)
 }
 
-/// A sock_diag netlink socket in the current thread's network namespace.
-struct Diag {
-    socket: Socket,
-    seq: u32,
-}
+/// sock_diag requests in the current thread's network namespace.
+struct Diag(Channel);
 
 impl Diag {
     fn open() -> Result<Self> {
-        let mut socket = Socket::new(NETLINK_SOCK_DIAG).context("opening a sock_diag socket")?;
-        socket.bind_auto().context("binding the sock_diag socket")?;
-        socket
-            .connect(&SocketAddr::new(0, 0))
-            .context("connecting the sock_diag socket")?;
-        Ok(Self { socket, seq: 0 })
-    }
-
-    fn send(&mut self, message_type: Option<u16>, flags: u16, request: InetRequest) -> Result<u32> {
-        self.seq += 1;
-        let mut header = NetlinkHeader::default();
-        header.flags = flags;
-        header.sequence_number = self.seq;
-        let mut packet = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
-        packet.finalize();
-        if let Some(t) = message_type {
-            packet.header.message_type = t;
-        }
-        let mut buf = vec![0; packet.buffer_len()];
-        packet.serialize(&mut buf);
-        self.socket.send(&buf, 0).context("sending to sock_diag")?;
-        Ok(self.seq)
+        Ok(Self(Channel::open(NETLINK_SOCK_DIAG, "sock_diag")?))
     }
 
     /// Connected (ESTABLISHED) UDP sockets of one family.
     fn connected_udp(&mut self, family: u8) -> Result<Vec<SocketId>> {
-        let seq = self.send(
-            None,
+        let seq = self.0.send(
             NLM_F_REQUEST | NLM_F_DUMP,
-            InetRequest {
+            None,
+            SockDiagMessage::InetRequest(InetRequest {
                 family,
                 protocol: IPPROTO_UDP,
                 extensions: ExtensionFlags::empty(),
@@ -207,10 +183,10 @@ impl Diag {
                 } else {
                     SocketId::new_v6()
                 },
-            },
+            }),
         )?;
         let mut found = Vec::new();
-        self.receive(seq, |payload| match payload {
+        self.0.receive(seq, |payload| match payload {
             NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
                 found.push(r.header.socket_id.clone());
                 Ok(false)
@@ -223,53 +199,18 @@ impl Diag {
     }
 
     fn destroy(&mut self, family: u8, socket_id: SocketId) -> Result<()> {
-        let seq = self.send(
-            Some(SOCK_DESTROY),
-            NLM_F_REQUEST | NLM_F_ACK,
-            InetRequest {
-                family,
-                protocol: IPPROTO_UDP,
-                extensions: ExtensionFlags::empty(),
-                states: StateFlags::all(),
-                socket_id,
-            },
-        )?;
-        self.receive(seq, |payload| match payload {
-            NetlinkPayload::Error(e) if e.code.is_some() => {
-                Err(anyhow::anyhow!("SOCK_DESTROY refused: {e}"))
-            }
-            NetlinkPayload::Error(_) | NetlinkPayload::Done(_) => Ok(true),
-            _ => Ok(false),
-        })
-    }
-
-    /// Reads messages of request `seq` until `each` says the answer is complete.
-    fn receive(
-        &mut self,
-        seq: u32,
-        mut each: impl FnMut(NetlinkPayload<SockDiagMessage>) -> Result<bool>,
-    ) -> Result<()> {
-        loop {
-            let (buf, _) = self
-                .socket
-                .recv_from_full()
-                .context("reading from sock_diag")?;
-            let mut offset = 0;
-            while offset < buf.len() {
-                let msg = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[offset..])
-                    .context("decoding a sock_diag message")?;
-                let len = msg.header.length as usize;
-                if len == 0 {
-                    bail!("sock_diag message of length 0");
-                }
-                offset += (len + 3) & !3; // NLMSG_ALIGN
-                if msg.header.sequence_number != seq {
-                    continue;
-                }
-                if each(msg.payload)? {
-                    return Ok(());
-                }
-            }
-        }
+        self.0
+            .act(
+                0,
+                Some(SOCK_DESTROY),
+                SockDiagMessage::InetRequest(InetRequest {
+                    family,
+                    protocol: IPPROTO_UDP,
+                    extensions: ExtensionFlags::empty(),
+                    states: StateFlags::all(),
+                    socket_id,
+                }),
+            )
+            .context("SOCK_DESTROY refused")
     }
 }

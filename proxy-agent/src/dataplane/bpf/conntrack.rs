@@ -1,0 +1,162 @@
+//! The kernel's own connection tracking: UDP entries towards a removed backend are
+//! deleted (ctnetlink), as kube-proxy does after a UDP endpoint goes away.
+//!
+//! Our programs never leave their NAT decision in the kernel's table (the per-packet path
+//! translates before netfilter sees the packet), but other NAT on the node does: a
+//! CNI's hostPort or masquerade rules, or kube-proxy's rules from before the switch. A
+//! stale entry there keeps a UDP client pinned to a dead pod until it idles out.
+
+use std::{collections::HashSet, net::IpAddr};
+
+use anyhow::{Context as _, Result};
+use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkPayload};
+use netlink_packet_netfilter::{
+    NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
+    conntrack::{ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol, Tuple},
+};
+use netlink_sys::protocols::NETLINK_NETFILTER;
+use proxy_common::{Backend, PROTO_UDP};
+
+use super::{netlink::Channel, sync::words_addr};
+
+/// Deletes the UDP entries of the current network namespace whose original destination
+/// or reply source is one of `gone`. Returns how many went.
+pub fn forget_udp_flows_to(gone: &[Backend]) -> Result<usize> {
+    let gone: HashSet<(IpAddr, u16)> = gone
+        .iter()
+        .filter(|b| b.proto == PROTO_UDP)
+        .map(|b| (words_addr(b.addr, b.family), u16::from_be(b.port)))
+        .collect();
+    if gone.is_empty() {
+        return Ok(0);
+    }
+    let mut nl = Channel::open(NETLINK_NETFILTER, "ctnetlink")?;
+    let mut deleted = 0;
+    for family in [NetfilterProtoFamily::IPv4, NetfilterProtoFamily::IPv6] {
+        for orig in udp_entries(&mut nl, family, &gone)? {
+            let request = NetfilterMessage::new(
+                NetfilterHeader::new(family, 0, 0),
+                ConntrackMessage::Delete(vec![ConntrackAttribute::CtaTupleOrig(orig)]),
+            );
+            // Already gone (timed out meanwhile) is fine.
+            match nl.act(0, None, request) {
+                Ok(()) => deleted += 1,
+                Err(e) => tracing::debug!(error = format!("{e:#}"), "conntrack entry not deleted"),
+            }
+        }
+    }
+    Ok(deleted)
+}
+
+/// The original tuples of the UDP entries of one family that involve a `gone` backend.
+fn udp_entries(
+    nl: &mut Channel,
+    family: NetfilterProtoFamily,
+    gone: &HashSet<(IpAddr, u16)>,
+) -> Result<Vec<Vec<Tuple>>> {
+    let seq = nl.send(
+        NLM_F_REQUEST | NLM_F_DUMP,
+        None,
+        NetfilterMessage::new(
+            NetfilterHeader::new(family, 0, 0),
+            ConntrackMessage::Get(Vec::new()),
+        ),
+    )?;
+    let mut found = Vec::new();
+    nl.receive::<NetfilterMessage>(seq, |payload| match payload {
+        NetlinkPayload::InnerMessage(NetfilterMessage {
+            inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
+            ..
+        }) => {
+            let mut orig = None;
+            let mut hit = false;
+            for attr in attrs {
+                match attr {
+                    ConntrackAttribute::CtaTupleOrig(t) => {
+                        let e = endpoints(&t);
+                        hit |= e.udp && e.dst.is_some_and(|d| gone.contains(&d));
+                        orig = Some(t);
+                    }
+                    ConntrackAttribute::CtaTupleReply(t) => {
+                        let e = endpoints(&t);
+                        hit |= e.udp && e.src.is_some_and(|s| gone.contains(&s));
+                    }
+                    _ => {}
+                }
+            }
+            if let (true, Some(orig)) = (hit, orig) {
+                found.push(orig);
+            }
+            Ok(false)
+        }
+        NetlinkPayload::Done(_) => Ok(true),
+        NetlinkPayload::Error(e) => Err(anyhow::anyhow!("conntrack dump failed: {e}")),
+        _ => Ok(false),
+    })
+    .context("listing the kernel's conntrack entries")?;
+    Ok(found)
+}
+
+/// One direction of an entry: its protocol and its two ends.
+struct Ends {
+    udp: bool,
+    src: Option<(IpAddr, u16)>,
+    dst: Option<(IpAddr, u16)>,
+}
+
+fn endpoints(tuple: &[Tuple]) -> Ends {
+    let (mut saddr, mut daddr, mut sport, mut dport, mut udp) = (None, None, None, None, false);
+    for part in tuple {
+        match part {
+            Tuple::Ip(ips) => {
+                for ip in ips {
+                    match ip {
+                        IPTuple::SourceAddress(a) => saddr = Some(*a),
+                        IPTuple::DestinationAddress(a) => daddr = Some(*a),
+                        _ => {}
+                    }
+                }
+            }
+            Tuple::Proto(protos) => {
+                for p in protos {
+                    match p {
+                        ProtoTuple::Protocol(Protocol::Udp) => udp = true,
+                        ProtoTuple::SourcePort(p) => sport = Some(*p),
+                        ProtoTuple::DestinationPort(p) => dport = Some(*p),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ends {
+        udp,
+        src: saddr.zip(sport),
+        dst: daddr.zip(dport),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ends_of_a_udp_tuple() {
+        let t = vec![
+            Tuple::Ip(vec![
+                IPTuple::SourceAddress("10.0.0.1".parse().unwrap()),
+                IPTuple::DestinationAddress("10.0.0.2".parse().unwrap()),
+            ]),
+            Tuple::Proto(vec![
+                ProtoTuple::Protocol(Protocol::Udp),
+                ProtoTuple::SourcePort(5353),
+                ProtoTuple::DestinationPort(53),
+            ]),
+        ];
+        let e = endpoints(&t);
+        assert!(e.udp);
+        assert_eq!(e.src, Some(("10.0.0.1".parse().unwrap(), 5353)));
+        assert_eq!(e.dst, Some(("10.0.0.2".parse().unwrap(), 53)));
+    }
+}
