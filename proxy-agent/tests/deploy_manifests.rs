@@ -11,6 +11,13 @@ fn deploy_yaml_parses() {
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let v: serde_json::Value = serde::Deserialize::deserialize(doc).expect("valid YAML");
             kinds.push(v["kind"].as_str().expect("kind").to_string());
+            if v["kind"] == "DaemonSet" {
+                // The node's network (its interfaces, its conntrack) and its processes
+                // (pods' network namespaces, for stale connected UDP sockets).
+                let pod = &v["spec"]["template"]["spec"];
+                assert_eq!(pod["hostNetwork"], true, "{pod}");
+                assert_eq!(pod["hostPID"], true, "{pod}");
+            }
         }
     }
     for k in [
