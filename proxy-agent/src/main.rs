@@ -635,7 +635,11 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
         }
         rows.push(serde_json::json!({
             "frontend": std::net::SocketAddr::new(words_addr(key.addr, key.family), u16::from_be(key.port)).to_string(),
-            "protocol": if key.proto == proxy_common::PROTO_UDP { "UDP" } else { "TCP" },
+            "protocol": match key.proto {
+                proxy_common::PROTO_UDP => "UDP",
+                proxy_common::PROTO_SCTP => "SCTP",
+                _ => "TCP",
+            },
             "id": value.id,
             "rev": value.rev,
             "affinity_timeout_s": value.affinity_timeout_s,

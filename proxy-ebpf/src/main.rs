@@ -58,9 +58,16 @@ pub fn getpeername6(ctx: SockAddrContext) -> i32 {
 
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    match tc::ingress(&ctx) {
+    let verdict = match tc::ingress(&ctx) {
         Ok(v) | Err(v) => v,
-    }
+    };
+    tc::finish(&ctx, verdict)
+}
+
+/// Tail call of `tc_ingress` for SCTP packets whose ports it rewrote: their CRC32c.
+#[classifier]
+pub fn tc_sctp_crc(ctx: TcContext) -> i32 {
+    tc::sctp_checksum(&ctx)
 }
 
 /// Does nothing but pass the packet on: the baseline `cargo xtask bench` measures the

@@ -4,13 +4,13 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
     macros::btf_map,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LpmData,
-    NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, capacity,
-    counter,
+    NodeConfig, RevNatValue, SctpPending, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -72,6 +72,20 @@ pub static SOURCE_RANGES: LpmTrie<LpmData, u8, { capacity::SOURCE_RANGES as usiz
 /// Per-CPU credit for refusals (resets and ICMP errors), in nanoseconds.
 #[btf_map]
 pub static REJECT_CREDIT: PerCpuArray<[u64; 2], 1> = PerCpuArray::new();
+
+/// `crc32c::zeros(len)` at index `len`, filled by the agent before anything is
+/// attached: the CRC32c shift an SCTP port rewrite needs.
+#[btf_map]
+pub static SCTP_ZEROS: Array<u32, { crc32c::TABLE_LEN as usize }> = Array::new();
+
+/// The classifier's tail calls: `TAIL_SCTP_CRC` finishes SCTP checksums in a program of
+/// its own, which the verifier walks once (inline, its arithmetic would be walked on
+/// every path of the classifier).
+#[btf_map]
+pub static TC_TAIL: ProgramArray<1> = ProgramArray::new();
+
+#[btf_map]
+pub static SCTP_PENDING: PerCpuArray<SctpPending, 1> = PerCpuArray::new();
 
 /// Per-CPU room for a new flow's two conntrack values while they are built (forward at
 /// `SCRATCH_FORWARD`, reply at `SCRATCH_REPLY`): the 512-byte BPF stack has none to spare

@@ -8,7 +8,7 @@ use aya_ebpf::{
     helpers::{bpf_csum_diff, bpf_redirect},
     programs::TcContext,
 };
-use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, counter};
+use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
 
 use crate::{
     maps::count,
@@ -35,7 +35,8 @@ pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     }
     match pkt.proto {
         PROTO_TCP => tcp_reset(ctx, pkt),
-        PROTO_UDP => port_unreachable(ctx, pkt),
+        // kube-proxy's REJECT answers UDP and SCTP alike.
+        PROTO_UDP | PROTO_SCTP => port_unreachable(ctx, pkt),
         _ => Err(DROP),
     }
 }

@@ -9,7 +9,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    AFFINITY_BY_NETNS, FAMILY_V4, PROTO_TCP, PROTO_UDP, SockRevNatKey, SockRevNatValue, counter,
+    AFFINITY_BY_NETNS, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SockRevNatKey, SockRevNatValue,
+    counter,
 };
 
 use crate::{
@@ -33,6 +34,8 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
     let proto = match raw_proto {
         6 => PROTO_TCP,
         17 => PROTO_UDP,
+        // Kernels with SCTP run these hooks for its connect() too.
+        132 => PROTO_SCTP,
         _ => return ALLOW,
     };
     let addr = read_addr(ctx, family);

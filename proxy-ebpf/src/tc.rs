@@ -17,16 +17,16 @@ use aya_ebpf::{
 use proxy_common::{
     AFFINITY_BY_ADDR, Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CT_DIR_FORWARD,
     CT_DIR_REPLY, CT_F_CLOSING, CT_F_REPLIED, CT_F_SNAT, CtKey, CtTimeouts, CtValue, FAMILY_V4,
-    FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_TCP, PROTO_UDP,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES,
-    ServiceValue, counter,
+    FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_SCTP, PROTO_TCP,
+    PROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES,
+    ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
 };
 
 use crate::{
     lb::{self, Client, NoBackend},
     maps::{
-        CONNTRACK, LOCAL_NETS, NODE_CONFIG, REV_NAT, SCRATCH_FORWARD, SCRATCH_REPLY, SOURCE_RANGES,
-        count, ct_scratch,
+        CONNTRACK, LOCAL_NETS, NODE_CONFIG, REV_NAT, SCRATCH_FORWARD, SCRATCH_REPLY, SCTP_PENDING,
+        SCTP_ZEROS, SOURCE_RANGES, TC_TAIL, count, ct_scratch,
     },
     reject, route,
 };
@@ -172,9 +172,9 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
     if expired(ct, pkt.proto, now) {
         return Ok(None); // idle too long: balanced again
     }
-    // TCP keeps its backend to the end (a terminating pod finishes its connections); a
-    // datagram flow whose backend is gone is balanced again.
-    if pkt.proto != PROTO_TCP && lb::backend(ct.backend_id).is_none() {
+    // TCP and SCTP keep their backend to the end (a terminating pod finishes its
+    // connections); a UDP flow whose backend is gone is balanced again.
+    if pkt.proto == PROTO_UDP && lb::backend(ct.backend_id).is_none() {
         return Ok(None);
     }
     let closing = closing_flag(ctx, pkt);
@@ -365,7 +365,9 @@ fn expired(ct: &CtValue, proto: u8, now: u64) -> bool {
         .unwrap_or(CtTimeouts::DEFAULT);
     let pick = |v: u32, default: u32| if v == 0 { default } else { v };
     let d = CtTimeouts::DEFAULT;
-    let secs = if proto == PROTO_TCP {
+    // SCTP has no FIN to watch: its associations age like TCP connections that never
+    // close.
+    let secs = if proto == PROTO_TCP || proto == PROTO_SCTP {
         if ct.flags & CT_F_CLOSING != 0 {
             pick(t.tcp_closing, d.tcp_closing)
         } else if ct.flags & CT_F_REPLIED != 0 {
@@ -474,7 +476,7 @@ fn parse(ctx: &TcContext) -> Result<Option<Packet>, i32> {
         }
         _ => return Ok(None),
     };
-    if proto != PROTO_TCP && proto != PROTO_UDP {
+    if proto != PROTO_TCP && proto != PROTO_UDP && proto != PROTO_SCTP {
         return Ok(None);
     }
     let sport: u16 = ctx.load(l4_off).map_err(|_| PASS_ON)?;
@@ -509,6 +511,9 @@ fn rewrite(
         Side::Source => (pkt.saddr, pkt.sport, pkt.l4_off),
         Side::Destination => (pkt.daddr, pkt.dport, pkt.l4_off + 2),
     };
+    if pkt.proto == PROTO_SCTP {
+        return rewrite_sctp(ctx, pkt, side, addr, port);
+    }
     let (csum_off, zero_flag) = if pkt.proto == PROTO_TCP {
         (pkt.l4_off + 16, 0)
     } else {
@@ -550,4 +555,105 @@ fn rewrite(
     .map_err(fail)?;
     ctx.store(port_off, &port, 0).map_err(fail)?;
     Ok(())
+}
+
+/// SCTP's checksum (CRC32c) covers no addresses, only the packet: addresses change with
+/// the IPv4 header checksum alone, ports with an in-place CRC update.
+#[inline(never)]
+fn rewrite_sctp(
+    ctx: &TcContext,
+    pkt: &Packet,
+    side: Side,
+    addr: &[u32; 4],
+    port: u16,
+) -> Result<(), i32> {
+    let fail = |_| {
+        count(counter::REWRITE_FAILED);
+        DROP
+    };
+    let (old_port, port_off, source) = match side {
+        Side::Source => (pkt.sport, pkt.l4_off, true),
+        Side::Destination => (pkt.dport, pkt.l4_off + 2, false),
+    };
+    let len = if pkt.family == FAMILY_V4 {
+        let addr_off = match side {
+            Side::Source => IPV4_SADDR_OFF,
+            Side::Destination => IPV4_DADDR_OFF,
+        };
+        let old_addr = if source { pkt.saddr[0] } else { pkt.daddr[0] };
+        ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old_addr), u64::from(addr[0]), 4)
+            .map_err(fail)?;
+        ctx.store(addr_off, &addr[0], 0).map_err(fail)?;
+        let total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).map_err(fail)?);
+        u32::from(total).wrapping_sub((pkt.l4_off - ETH_HLEN) as u32)
+    } else {
+        let addr_off = match side {
+            Side::Source => IPV6_SADDR_OFF,
+            Side::Destination => IPV6_DADDR_OFF,
+        };
+        ctx.store(addr_off, addr, 0).map_err(fail)?;
+        u32::from(u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).map_err(fail)?))
+    };
+    if port == old_port {
+        return Ok(());
+    }
+    ctx.store(port_off, &port, 0).map_err(fail)?;
+    // The checksum is finished once per packet, by the tail call `finish` makes.
+    let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
+        return Err(DROP); // unreachable: index 0 of a one-entry array
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let p = unsafe { &mut *p };
+    // Ports as loaded are the little-endian halves of the packet's first word.
+    p.delta ^= u32::from(old_port ^ port) << if source { 0 } else { 16 };
+    p.len = len;
+    p.sum_off = (pkt.l4_off + 8) as u32;
+    Ok(())
+}
+
+/// The classifier's last step: an SCTP packet whose ports changed goes on to the
+/// checksum tail call with the verdict; anything else ends here.
+#[inline(always)]
+pub fn finish(ctx: &TcContext, verdict: i32) -> i32 {
+    let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
+        return verdict;
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let p = unsafe { &mut *p };
+    if p.delta == 0 {
+        return verdict;
+    }
+    p.verdict = verdict;
+    // SAFETY: a valid context and program array; returns only if the call fails.
+    unsafe { TC_TAIL.tail_call(ctx, TAIL_SCTP_CRC) };
+    p.delta = 0;
+    count(counter::REWRITE_FAILED);
+    DROP // a wrong checksum would be dropped by the receiver anyway
+}
+
+/// The tail call: applies the pending port change to the SCTP checksum, returns the
+/// classifier's verdict.
+pub fn sctp_checksum(ctx: &TcContext) -> i32 {
+    let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
+        return DROP;
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let p = unsafe { &mut *p };
+    let (delta, verdict) = (p.delta, p.verdict);
+    p.delta = 0;
+    // Beyond the table: an offloaded segment, whose CRC the kernel computes later.
+    let Some(zeros) = SCTP_ZEROS.get(p.len) else {
+        return verdict;
+    };
+    let off = p.sum_off as usize;
+    let Ok(sum) = ctx.load::<u32>(off) else {
+        count(counter::REWRITE_FAILED);
+        return DROP;
+    };
+    let sum = crc32c::after_first_word_change(sum, delta, *zeros);
+    if ctx.store(off, &sum, 0).is_err() {
+        count(counter::REWRITE_FAILED);
+        return DROP;
+    }
+    verdict
 }

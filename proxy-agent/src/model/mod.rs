@@ -102,6 +102,7 @@ impl Default for ViewConfig {
 pub enum Protocol {
     Tcp,
     Udp,
+    Sctp,
 }
 
 impl fmt::Display for Protocol {
@@ -109,6 +110,7 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         })
     }
 }

@@ -363,6 +363,7 @@ fn protocol(raw: Option<&str>) -> Result<Protocol, String> {
     match raw.unwrap_or("TCP") {
         "TCP" => Ok(Protocol::Tcp),
         "UDP" => Ok(Protocol::Udp),
+        "SCTP" => Ok(Protocol::Sctp),
         other => Err(other.to_string()),
     }
 }

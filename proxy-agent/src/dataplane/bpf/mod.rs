@@ -51,6 +51,8 @@ pub const CGROUP_PROGRAMS: [&str; 8] = [
 ];
 /// The per-packet classifier.
 pub const TC_PROGRAM: &str = "tc_ingress";
+/// Its tail call for SCTP checksums.
+pub const TC_SCTP_PROGRAM: &str = "tc_sctp_crc";
 
 /// bpffs magic number (`statfs.f_type`).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -140,6 +142,7 @@ impl BpfDataplane {
             .load(BPF_OBJECT)
             .context("loading the BPF object (is this kernel eBPF-capable, are we root?)")?;
 
+        prepare_sctp(&mut ebpf)?;
         if let Some(cgroup) = &opts.cgroup {
             attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
@@ -170,8 +173,40 @@ pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
         loader.map_max_entries(name, *size);
     }
     let mut ebpf = loader.load(BPF_OBJECT).context("loading the BPF object")?;
+    prepare_sctp(&mut ebpf)?;
     let maps = MapSet::take(&mut ebpf)?;
     Ok((ebpf, maps))
+}
+
+/// Readies the SCTP checksum tail call before any program can run: the CRC32c shift
+/// table, and `tc_sctp_crc` in `TC_TAIL`.
+fn prepare_sctp(ebpf: &mut Ebpf) -> Result<()> {
+    let map = ebpf
+        .map_mut(map_names::SCTP_ZEROS)
+        .context("the BPF object has no SCTP_ZEROS map")?;
+    let mut table: aya::maps::Array<_, u32> =
+        aya::maps::Array::try_from(map).context("SCTP_ZEROS is not an array of u32")?;
+    let x8 = proxy_common::crc32c::zeros(1);
+    let mut z = proxy_common::crc32c::zeros(0);
+    for len in 0..proxy_common::crc32c::TABLE_LEN {
+        table
+            .set(len, &z, 0)
+            .with_context(|| format!("filling SCTP_ZEROS[{len}]"))?;
+        z = proxy_common::crc32c::mul(x8, z);
+    }
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(TC_SCTP_PROGRAM)
+        .context("the BPF object has no tc_sctp_crc program")?
+        .try_into()?;
+    prog.load().context("loading tc_sctp_crc")?;
+    let fd = prog.fd()?.try_clone()?;
+    let map = ebpf
+        .map_mut(map_names::TC_TAIL)
+        .context("the BPF object has no TC_TAIL map")?;
+    let mut tail = aya::maps::ProgramArray::try_from(map).context("TC_TAIL")?;
+    tail.set(proxy_common::TAIL_SCTP_CRC, &fd, 0)
+        .context("installing the SCTP checksum tail call")?;
+    Ok(())
 }
 
 impl Dataplane for BpfDataplane {

@@ -16,7 +16,7 @@ use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
     CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig,
-    PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY,
+    PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY,
     SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES,
     ServiceKey, ServiceValue,
 };
@@ -162,6 +162,7 @@ fn proto_number(p: Protocol) -> u8 {
     match p {
         Protocol::Tcp => PROTO_TCP,
         Protocol::Udp => PROTO_UDP,
+        Protocol::Sctp => PROTO_SCTP,
     }
 }
 
