@@ -109,7 +109,8 @@ fn frontend(
 
 /// Ethernet + IP + TCP SYN (or UDP) with valid checksums.
 fn packet(src: SocketAddr, dst: SocketAddr, tcp: bool) -> Vec<u8> {
-    trace::packet::build(src, dst, tcp)
+    let proto = if tcp { Protocol::Tcp } else { Protocol::Udp };
+    trace::packet::build(src, dst, proto)
 }
 
 /// The packet's addresses, its checksums verified.
@@ -799,104 +800,14 @@ fn flows_of_removed_backends_are_cleared() {
 
 // ---- SCTP --------------------------------------------------------------------------
 
-/// CRC32c of an SCTP packet, its checksum field taken as zero (RFC 4960, appendix B),
-/// bit by bit: independent of the incremental update the program uses.
-fn sctp_crc(sctp: &[u8]) -> u32 {
-    let mut c = !0u32;
-    for (i, &b) in sctp.iter().enumerate() {
-        c ^= u32::from(if (8..12).contains(&i) { 0 } else { b });
-        for _ in 0..8 {
-            c = (c >> 1) ^ (0x82F6_3B78 & (c & 1).wrapping_neg());
-        }
-    }
-    !c
-}
-
-fn ipv4_header_sum(h: &[u8]) -> u16 {
-    let mut sum: u32 = h
-        .chunks(2)
-        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// Ethernet + IP + SCTP with one DATA chunk and a valid CRC32c.
 fn sctp_packet(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
-    let mut sctp = Vec::new();
-    sctp.extend(src.port().to_be_bytes());
-    sctp.extend(dst.port().to_be_bytes());
-    sctp.extend(0x1234_5678u32.to_be_bytes()); // verification tag
-    sctp.extend([0; 4]); // checksum
-    let data = b"diameter-ping-01";
-    sctp.extend([0, 3]); // DATA, beginning and end of a message
-    sctp.extend(((16 + data.len()) as u16).to_be_bytes());
-    sctp.extend(7u32.to_be_bytes()); // TSN
-    sctp.extend([0; 8]); // stream, sequence, payload protocol
-    sctp.extend(data);
-    let crc = sctp_crc(&sctp);
-    sctp[8..12].copy_from_slice(&crc.to_le_bytes());
-    let mut pkt = vec![0x02, 0, 0, 0, 0, 0x0b, 0x02, 0, 0, 0, 0, 0x0a];
-    match (src.ip(), dst.ip()) {
-        (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) => {
-            pkt.extend(0x0800u16.to_be_bytes());
-            let mut ip = vec![0x45, 0];
-            ip.extend(((20 + sctp.len()) as u16).to_be_bytes());
-            ip.extend([0, 0, 0x40, 0, 64, 132, 0, 0]);
-            ip.extend(s.octets());
-            ip.extend(d.octets());
-            let sum = ipv4_header_sum(&ip);
-            ip[10..12].copy_from_slice(&sum.to_be_bytes());
-            pkt.extend(ip);
-        }
-        (std::net::IpAddr::V6(s), std::net::IpAddr::V6(d)) => {
-            pkt.extend(0x86ddu16.to_be_bytes());
-            pkt.extend([0x60, 0, 0, 0]);
-            pkt.extend((sctp.len() as u16).to_be_bytes());
-            pkt.extend([132, 64]);
-            pkt.extend(s.octets());
-            pkt.extend(d.octets());
-        }
-        _ => panic!("mixed families"),
-    }
-    pkt.extend(sctp);
-    pkt
+    trace::packet::build(src, dst, Protocol::Sctp)
 }
 
 /// The packet's SCTP addresses, its IPv4 header checksum and CRC32c verified.
 fn inspect_sctp(pkt: &[u8]) -> (SocketAddr, SocketAddr) {
-    let (src, dst, l4) = match u16::from_be_bytes([pkt[12], pkt[13]]) {
-        0x0800 => {
-            let ip = &pkt[14..34];
-            assert_eq!(ip[9], 132, "still SCTP");
-            assert_eq!(ipv4_header_sum(ip), 0, "IPv4 header checksum");
-            let s: [u8; 4] = ip[12..16].try_into().expect("4");
-            let d: [u8; 4] = ip[16..20].try_into().expect("4");
-            (
-                std::net::IpAddr::from(s),
-                std::net::IpAddr::from(d),
-                &pkt[34..],
-            )
-        }
-        0x86dd => {
-            let s: [u8; 16] = pkt[22..38].try_into().expect("16");
-            let d: [u8; 16] = pkt[38..54].try_into().expect("16");
-            (
-                std::net::IpAddr::from(s),
-                std::net::IpAddr::from(d),
-                &pkt[54..],
-            )
-        }
-        other => panic!("not IP: {other:#x}"),
-    };
-    let stored = u32::from_le_bytes([l4[8], l4[9], l4[10], l4[11]]);
-    assert_eq!(stored, sctp_crc(l4), "SCTP CRC32c");
-    (
-        SocketAddr::new(src, u16::from_be_bytes([l4[0], l4[1]])),
-        SocketAddr::new(dst, u16::from_be_bytes([l4[2], l4[3]])),
-    )
+    let seen = inspect(pkt);
+    (seen.src, seen.dst)
 }
 
 /// DNAT to a backend on another port, and the reply back from the frontend, both

@@ -88,6 +88,27 @@ pub mod crc32c {
         checksum ^ mul(zeros_len, delta)
     }
 
+    /// The checksum SCTP stores (as a little-endian word) for `packet` (the SCTP header
+    /// and chunks), its checksum field taken as zero. Bit by bit: for tools and tests.
+    pub fn sctp_checksum(packet: &[u8]) -> u32 {
+        let mut c = !0u32;
+        let mut i = 0;
+        while i < packet.len() {
+            c ^= if i >= 8 && i < 12 {
+                0
+            } else {
+                packet[i] as u32
+            };
+            let mut bit = 0;
+            while bit < 8 {
+                c = (c >> 1) ^ (POLY & (c & 1).wrapping_neg());
+                bit += 1;
+            }
+            i += 1;
+        }
+        !c
+    }
+
     /// Entries of the `SCTP_ZEROS` table (`zeros(len)` at index `len`): SCTP packets shorter
     /// than this get their ports rewritten with a valid checksum. (Longer ones only come
     /// as offloaded segments whose CRC the kernel computes later.)
@@ -530,17 +551,7 @@ mod user {
 
 #[cfg(test)]
 mod tests {
-    /// Plain bitwise CRC32c with SCTP's checksum field (bytes 8..12) taken as zero.
-    fn sctp_crc(packet: &[u8]) -> u32 {
-        let mut c = !0u32;
-        for (i, &b) in packet.iter().enumerate() {
-            c ^= u32::from(if (8..12).contains(&i) { 0 } else { b });
-            for _ in 0..8 {
-                c = (c >> 1) ^ (super::crc32c::POLY & (c & 1).wrapping_neg());
-            }
-        }
-        !c
-    }
+    use super::crc32c::sctp_checksum as sctp_crc;
 
     #[test]
     fn crc32c_known_value_and_port_rewrite() {

@@ -343,6 +343,19 @@ cases.append(case("dual-stack-one-family-of-endpoints", [dual], [eps("dual", [ep
     pkt("IPv6 ClusterIP has no IPv6 endpoint: rejected", POD6, "fd00:96::40", 80, "reject"),
 ]))
 
+diameter = svc("diameter", {"clusterIP": "10.96.0.50", "ports": [port(3868, 3869, "diameter", "SCTP", node_port=30868)],
+                            "type": "NodePort"})
+cases.append(case("sctp", [diameter, svc("sctp-empty", {"clusterIP": "10.96.0.51", "ports": [port(3868, 3868, "d", "SCTP")]})],
+                  [eps("diameter", [ep("10.244.1.5"), ep("10.244.2.6", node="node-c")],
+                       ports=[{"name": "diameter", "protocol": "SCTP", "port": 3869}])], [
+    pkt("pod to an SCTP ClusterIP, port rewritten (CRC32c kept valid)", POD, "10.96.0.50", 3868, "dnat",
+        ["10.244.1.5:3869", "10.244.2.6:3869"], proto="SCTP"),
+    pkt("SCTP NodePort from outside, masqueraded", OUTSIDE, NODE_IP, 30868, "dnat",
+        ["10.244.1.5:3869", "10.244.2.6:3869"], True, proto="SCTP"),
+    pkt("TCP on the SCTP port is not ours", POD, "10.96.0.50", 3868, "accept"),
+    pkt("SCTP Service without endpoints: rejected (ICMP port unreachable)", POD, "10.96.0.51", 3868, "reject", proto="SCTP"),
+]))
+
 out = {"node": NODE, "cases": cases}
 path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kube-proxy-parity.json")
 with open(path, "w") as f:

@@ -314,7 +314,7 @@ pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
                 40_000
             };
             let src: SocketAddr = format!("10.244.0.3:{port}").parse()?;
-            let data = packet::build(src, vip, true);
+            let data = packet::build(src, vip, proxy_agent::model::Protocol::Tcp);
             let res = p.test_run(TestRunOptions {
                 data_in: Some(&data),
                 data_out: Some(&mut out),

@@ -168,10 +168,10 @@ impl Bench {
     /// Runs `p`: the first flow decides the verdict; for `dnat`, more new flows (other
     /// source ports) show the whole endpoint set.
     fn trace(&self, case: &str, p: &Packet) -> Result<Outcome> {
-        let tcp = p.protocol == Protocol::Tcp;
+        let proto = p.protocol;
         let first_port = p.src_port.unwrap_or(40_000);
         let src = SocketAddr::new(p.src, first_port);
-        let (ret, out) = self.run(&packet::build(src, p.dst, tcp))?;
+        let (ret, out) = self.run(&packet::build(src, p.dst, proto))?;
         let mut endpoints = BTreeSet::new();
         let mut masquerade = false;
         let verdict = match ret {
@@ -205,7 +205,7 @@ impl Bench {
             for i in 1..=tries {
                 let port = first_port.wrapping_add(i).max(1024);
                 let (ret, out) =
-                    self.run(&packet::build(SocketAddr::new(p.src, port), p.dst, tcp))?;
+                    self.run(&packet::build(SocketAddr::new(p.src, port), p.dst, proto))?;
                 if ret == TC_ACT_OK {
                     endpoints.insert(packet::inspect(&out).map_err(anyhow::Error::msg)?.dst);
                 }
@@ -322,7 +322,9 @@ impl Bench {
             .packets
             .iter()
             .enumerate()
-            .filter(|(_, p)| inside(p.src))
+            // SCTP needs the kernel's SCTP stack for a real connect; the per-packet path
+            // checks it with crafted packets.
+            .filter(|(_, p)| inside(p.src) && p.protocol != Protocol::Sctp)
             .collect();
         if picked.is_empty() {
             return Ok(Vec::new());
@@ -416,6 +418,7 @@ pub fn parse_packet_spec(spec: &str) -> Result<Packet, String> {
     let protocol = match proto.to_ascii_lowercase().as_str() {
         "tcp" => Protocol::Tcp,
         "udp" => Protocol::Udp,
+        "sctp" => Protocol::Sctp,
         other => return Err(format!("unsupported protocol {other:?}")),
     };
     let (src, dst) = rest.split_once("->").ok_or("expected `SRC -> DST`")?;

@@ -1,7 +1,11 @@
-//! Crafting test packets (Ethernet + IPv4/IPv6 + TCP SYN or UDP, valid checksums) and
-//! reading back what a program made of them, checksums verified.
+//! Crafting test packets (Ethernet + IPv4/IPv6 + TCP SYN, UDP or SCTP DATA, valid
+//! checksums) and reading back what a program made of them, checksums verified.
 
 use std::net::{IpAddr, SocketAddr};
+
+use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP, crc32c::sctp_checksum};
+
+use crate::model::Protocol;
 
 fn sum16(data: &[u8], mut acc: u32) -> u32 {
     for chunk in data.chunks(2) {
@@ -18,24 +22,42 @@ fn fold(mut acc: u32) -> u16 {
     !(acc as u16)
 }
 
-/// Ethernet + IP + TCP (SYN) or UDP with valid checksums.
-pub fn build(src: SocketAddr, dst: SocketAddr, tcp: bool) -> Vec<u8> {
+/// Ethernet + IP + TCP (SYN), UDP or SCTP (one DATA chunk) with valid checksums.
+pub fn build(src: SocketAddr, dst: SocketAddr, protocol: Protocol) -> Vec<u8> {
     let payload = b"hello";
-    let l4_len = if tcp { 20 } else { 8 } + payload.len();
+    let l4_len = match protocol {
+        Protocol::Tcp => 20 + payload.len(),
+        Protocol::Udp => 8 + payload.len(),
+        // Common header, DATA chunk header, payload padded to 4 bytes.
+        Protocol::Sctp => 12 + 16 + payload.len().next_multiple_of(4),
+    };
     let mut l4 = vec![0u8; l4_len];
     l4[0..2].copy_from_slice(&src.port().to_be_bytes());
     l4[2..4].copy_from_slice(&dst.port().to_be_bytes());
-    if tcp {
-        l4[4..8].copy_from_slice(&1000u32.to_be_bytes());
-        l4[12] = 5 << 4;
-        l4[13] = 0x02; // SYN
-        l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
-        l4[20..].copy_from_slice(payload);
-    } else {
-        l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
-        l4[8..].copy_from_slice(payload);
-    }
-    let proto = if tcp { 6u8 } else { 17 };
+    let proto = match protocol {
+        Protocol::Tcp => {
+            l4[4..8].copy_from_slice(&1000u32.to_be_bytes());
+            l4[12] = 5 << 4;
+            l4[13] = 0x02; // SYN
+            l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
+            l4[20..].copy_from_slice(payload);
+            PROTO_TCP
+        }
+        Protocol::Udp => {
+            l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+            l4[8..].copy_from_slice(payload);
+            PROTO_UDP
+        }
+        Protocol::Sctp => {
+            l4[4..8].copy_from_slice(&0x5ca1_ab1eu32.to_be_bytes()); // verification tag
+            l4[12] = 0; // DATA
+            l4[13] = 0x03; // a whole message
+            l4[14..16].copy_from_slice(&((16 + payload.len()) as u16).to_be_bytes());
+            l4[16..20].copy_from_slice(&1u32.to_be_bytes()); // TSN
+            l4[28..28 + payload.len()].copy_from_slice(payload);
+            PROTO_SCTP
+        }
+    };
     let mut pkt = vec![0u8; 12];
     pkt[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
     pkt[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 2]);
@@ -67,9 +89,14 @@ pub fn build(src: SocketAddr, dst: SocketAddr, tcp: bool) -> Vec<u8> {
         // Mixed families: callers never build these.
         _ => return Vec::new(),
     }
-    let csum_off = if tcp { 16 } else { 6 };
-    let c = l4_checksum(&pkt, &l4);
-    l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
+    if proto == PROTO_SCTP {
+        let c = sctp_checksum(&l4);
+        l4[8..12].copy_from_slice(&c.to_le_bytes());
+    } else {
+        let csum_off = if proto == PROTO_TCP { 16 } else { 6 };
+        let c = l4_checksum(&pkt, &l4);
+        l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
+    }
     pkt.extend_from_slice(&l4);
     pkt
 }
@@ -119,6 +146,19 @@ pub fn inspect(pkt: &[u8]) -> Result<Seen, String> {
         (s.into(), d.into(), 54, ip[6])
     };
     let l4 = &pkt[l4_off..];
+    if proto == PROTO_SCTP {
+        if l4.len() < 12 {
+            return Err("SCTP header cut short".into());
+        }
+        if u32::from_le_bytes([l4[8], l4[9], l4[10], l4[11]]) != sctp_checksum(l4) {
+            return Err("SCTP CRC32c invalid".into());
+        }
+        return Ok(Seen {
+            src: SocketAddr::new(src_ip, u16::from_be_bytes([l4[0], l4[1]])),
+            dst: SocketAddr::new(dst_ip, u16::from_be_bytes([l4[2], l4[3]])),
+            tcp_flags: 0,
+        });
+    }
     let csum_off = if proto == 6 { 16 } else { 6 };
     let stored = u16::from_be_bytes([l4[csum_off], l4[csum_off + 1]]);
     if !(proto == 17 && v4 && stored == 0) {

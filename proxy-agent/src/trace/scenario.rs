@@ -216,6 +216,7 @@ fn packet(rp: RawPacket) -> Result<Packet, String> {
     let protocol = match rp.proto.as_str() {
         "TCP" | "tcp" => Protocol::Tcp,
         "UDP" | "udp" => Protocol::Udp,
+        "SCTP" | "sctp" => Protocol::Sctp,
         other => return Err(format!("proto: unsupported {other:?}")),
     };
     let src: IpAddr = rp
@@ -267,7 +268,7 @@ mod tests {
         let good_packet = r#"{"name": "p", "proto": "TCP", "src_ip": "10.0.0.1", "dst_ip": "10.96.0.1", "dst_port": 80}"#;
         let cases = [
             (
-                r#"{"cases": [{"id": "a", "packets": [{"name": "p", "proto": "SCTP", "src_ip": "10.0.0.1", "dst_ip": "10.96.0.1", "dst_port": 80}]}]}"#,
+                r#"{"cases": [{"id": "a", "packets": [{"name": "p", "proto": "ICMP", "src_ip": "10.0.0.1", "dst_ip": "10.96.0.1", "dst_port": 80}]}]}"#,
                 r#"case "a" (#0): packets[0]: proto"#,
             ),
             (
