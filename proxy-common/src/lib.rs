@@ -94,7 +94,7 @@ pub mod crc32c {
         let mut c = !0u32;
         let mut i = 0;
         while i < packet.len() {
-            c ^= if i >= 8 && i < 12 {
+            c ^= if (8..12).contains(&i) {
                 0
             } else {
                 packet[i] as u32

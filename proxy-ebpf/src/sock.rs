@@ -38,9 +38,9 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
         132 => PROTO_SCTP,
         _ => return ALLOW,
     };
-    let addr = read_addr(ctx, family);
+    let (addr, svc_family, mapped) = unmap(read_addr(ctx, family), family);
     // Sockets belong to pods or the node itself: internal traffic.
-    let Some(svc) = lb::lookup_service(addr, port, proto, family, true) else {
+    let Some(svc) = lb::lookup_service(addr, port, proto, svc_family, true) else {
         return ALLOW;
     };
     count(counter::SVC_HIT);
@@ -50,18 +50,21 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
     let client = Client {
         id: [netns as u32, (netns >> 32) as u32, 0, 0],
         kind: AFFINITY_BY_NETNS,
-        family,
+        family: svc_family,
     };
     match lb::select_backend(&svc, &client) {
         Ok((_, be)) => {
-            write_addr(ctx, family, be.addr, be.port);
+            // The socket sees the backend in the form it used for the frontend.
+            write_addr(ctx, family, map(be.addr, mapped), be.port);
             // SAFETY: valid context pointer for this program type.
             let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+            // Keyed by the backend's own (unmapped) form: a mapped IPv6 socket's datagrams
+            // go out through sendmsg4 but come back through recvmsg6.
             let key = SockRevNatKey {
                 cookie,
                 addr: be.addr,
                 port: be.port,
-                family,
+                family: svc_family,
                 _pad: [0; 5],
             };
             let value = SockRevNatValue {
@@ -91,11 +94,12 @@ pub fn translate_to_frontend(ctx: &SockAddrContext, family: u8) -> i32 {
     let port = unsafe { (*sa).user_port as u16 };
     // SAFETY: valid context pointer for this program type.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let (addr, key_family, mapped) = unmap(read_addr(ctx, family), family);
     let key = SockRevNatKey {
         cookie,
-        addr: read_addr(ctx, family),
+        addr,
         port,
-        family,
+        family: key_family,
         _pad: [0; 5],
     };
     // SAFETY: values are copied out at once.
@@ -104,9 +108,34 @@ pub fn translate_to_frontend(ctx: &SockAddrContext, family: u8) -> i32 {
     };
     // SAFETY: as above.
     if let Some(frontend) = unsafe { REV_NAT.get(&rn.rev_nat_id).copied() } {
-        write_addr(ctx, family, frontend.addr, frontend.port);
+        write_addr(ctx, family, map(frontend.addr, mapped), frontend.port);
     }
     ALLOW
+}
+
+/// `::ffff:0:0/96` as the first three words of an IPv6 address (network order).
+const V4_MAPPED: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
+
+/// An IPv6 socket may name an IPv4 peer as `::ffff:a.b.c.d` (dual-stack applications —
+/// the JVM, for one — do): such an address is looked up as the IPv4 address it carries.
+/// Returns the address and family to look up, and whether it was mapped.
+#[inline(always)]
+fn unmap(addr: [u32; 4], family: u8) -> ([u32; 4], u8, bool) {
+    if family != FAMILY_V4 && addr[0..3] == V4_MAPPED {
+        ([addr[3], 0, 0, 0], FAMILY_V4, true)
+    } else {
+        (addr, family, false)
+    }
+}
+
+/// The inverse of `unmap`: an IPv4 address as the mapped IPv6 socket names it.
+#[inline(always)]
+fn map(addr: [u32; 4], mapped: bool) -> [u32; 4] {
+    if mapped {
+        [V4_MAPPED[0], V4_MAPPED[1], V4_MAPPED[2], addr[0]]
+    } else {
+        addr
+    }
 }
 
 #[inline(always)]

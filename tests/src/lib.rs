@@ -26,6 +26,8 @@ pub use client::Attempt;
 
 /// ClusterIPs used by the testbed's manifests. They exist only inside the testbed.
 pub const VIP4: &str = "10.96.0.10";
+/// `VIP4` as an IPv6 socket names it (`::ffff:a.b.c.d`, as dual-stack applications do).
+pub const VIP4_MAPPED: &str = "::ffff:10.96.0.10";
 pub const VIP6: &str = "fd96::10";
 /// A Service without endpoints.
 pub const EMPTY_VIP4: &str = "10.96.0.20";

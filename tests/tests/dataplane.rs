@@ -5,8 +5,8 @@
 use std::{thread, time::Duration};
 
 use proxy_e2e::{
-    EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, chi_square_uniform, finish_client,
-    first_attempt, require_root, sh, spread, target, web_manifests,
+    EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP4_MAPPED, VIP6, chi_square_uniform,
+    finish_client, first_attempt, require_root, sh, spread, target, web_manifests,
 };
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
@@ -23,7 +23,7 @@ fn testbed(path: Path_, backends: &[usize], affinity: Option<u32>) -> Testbed {
     tb
 }
 
-/// TCP and UDP (unconnected and connected), IPv4 and IPv6: every attempt is answered by one of the backends, and the
+/// TCP and UDP (unconnected and connected), IPv4, IPv6 and IPv4-mapped IPv6: every attempt is answered by one of the backends, and the
 /// application sees the ClusterIP as its peer (getpeername / recvmsg / reverse NAT).
 fn reaches_all_families(path: Path_) {
     let tb = testbed(path, &[0, 1, 2], None);
@@ -34,6 +34,10 @@ fn reaches_all_families(path: Path_) {
         (VIP6, "udp", UDP_PORT),
         (VIP4, "udp-connected", UDP_PORT),
         (VIP6, "udp-connected", UDP_PORT),
+        // IPv6 sockets naming the IPv4 ClusterIP as ::ffff:a.b.c.d (dual-stack apps).
+        (VIP4_MAPPED, "tcp", TCP_PORT),
+        (VIP4_MAPPED, "udp", UDP_PORT),
+        (VIP4_MAPPED, "udp-connected", UDP_PORT),
     ] {
         let t = target(vip, port);
         let attempts = tb
@@ -287,9 +291,9 @@ fn per_packet_established_tcp_outlives_backend_removal() {
 ///
 /// Per packet, the node also tracks connections in the kernel (an nftables `ct` rule, as
 /// a CNI's would): its entry towards the removed backend is deleted too.
-fn connected_udp_moves_off_a_removed_backend(path: Path_) {
+fn connected_udp_moves_off_a_removed_backend(path: Path_, vip: &str) {
     let tb = testbed(path, &[0], None);
-    let t = target(VIP4, UDP_PORT);
+    let t = target(vip, UDP_PORT);
     let node = tb.node_ns();
     let kernel_flows_to_backend_0 = || {
         let table = sh(&[
@@ -388,14 +392,22 @@ fn connected_udp_moves_off_a_removed_backend(path: Path_) {
 #[test]
 fn connect_time_connected_udp_moves_off_a_removed_backend() {
     if require_root("connect_time_connected_udp_moves_off_a_removed_backend") {
-        connected_udp_moves_off_a_removed_backend(Path_::ConnectTime);
+        connected_udp_moves_off_a_removed_backend(Path_::ConnectTime, VIP4);
+    }
+}
+
+/// The same for an IPv6 socket that named the IPv4 ClusterIP as `::ffff:a.b.c.d`.
+#[test]
+fn connect_time_connected_udp_v4_mapped_moves_off_a_removed_backend() {
+    if require_root("connect_time_connected_udp_v4_mapped_moves_off_a_removed_backend") {
+        connected_udp_moves_off_a_removed_backend(Path_::ConnectTime, VIP4_MAPPED);
     }
 }
 
 #[test]
 fn per_packet_connected_udp_moves_off_a_removed_backend() {
     if require_root("per_packet_connected_udp_moves_off_a_removed_backend") {
-        connected_udp_moves_off_a_removed_backend(Path_::PerPacket);
+        connected_udp_moves_off_a_removed_backend(Path_::PerPacket, VIP4);
     }
 }
 

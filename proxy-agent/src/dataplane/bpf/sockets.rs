@@ -50,6 +50,8 @@ pub fn cookies_of(
     sock_rev_nat
         .keys()
         .filter_map(Result::ok)
+        // Keys hold the backend's own form, also for IPv6 sockets that named an IPv4
+        // frontend as ::ffff:a.b.c.d (those are found below among the IPv6 sockets).
         .filter(|k| gone.contains(&(k.addr, k.port, k.family)))
         .map(|k| k.cookie)
         .collect()
