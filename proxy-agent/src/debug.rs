@@ -164,6 +164,17 @@ async fn metrics(State(s): State<AppState>) -> Response {
         "Frontends in this node's view",
         s.status.view().len() as i64,
     );
+    let h = s.status.histograms();
+    registry.register(
+        "sync_proxy_rules_duration_seconds",
+        "Duration of dataplane syncs",
+        h.sync,
+    );
+    registry.register(
+        "network_programming_duration_seconds",
+        "From an EndpointSlice change (last-change-trigger-time) to this node holding it",
+        h.programming,
+    );
     let millis: Gauge = Gauge::default();
     millis.set((c.last_sync_seconds * 1e6) as i64);
     registry.register(

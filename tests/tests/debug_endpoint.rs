@@ -91,15 +91,55 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         "{plus}"
     );
 
-    let metrics = sh(&["ip", "netns", "exec", &tb.node_ns(), "python3", "-c",
-        "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10250/metrics').read().decode())"]).expect("metrics");
+    let node = tb.node_ns();
+    let fetch_metrics = || {
+        sh(&["ip", "netns", "exec", &node, "python3", "-c",
+            "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10250/metrics').read().decode())"]).expect("metrics")
+    };
+    let metrics = fetch_metrics();
     for m in [
         "proxy_agent_syncs_ok",
         "proxy_agent_frontends 5",
         "proxy_agent_bpf_service_hit",
+        "proxy_agent_sync_proxy_rules_duration_seconds_count",
     ] {
         assert!(metrics.contains(m), "{m} missing:\n{metrics}");
     }
+
+    // Network programming latency: a slice change the endpoints controller stamped 3 s
+    // ago is observed once, at 3 s or more (the manifests so far carried no stamp). The
+    // endpoints stay as they are: a change this node needs no sync for counts too.
+    let stamp = sh(&["date", "-u", "-d", "-3 seconds", "+%Y-%m-%dT%H:%M:%SZ"]).expect("date");
+    let mut files = web_manifests(&[0, 1], None);
+    let v4 = files.get_mut("web-ipv4.yaml").expect("IPv4 slice");
+    *v4 = v4.replacen(
+        "metadata:\n",
+        &format!(
+            "metadata:\n  annotations: {{endpoints.kubernetes.io/last-change-trigger-time: \"{}\"}}\n",
+            stamp.trim()
+        ),
+        1,
+    );
+    tb.write_manifests(&files).expect("manifests");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let sum = loop {
+        let metrics = fetch_metrics();
+        let value = |name: &str| {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+        };
+        let count = value("proxy_agent_network_programming_duration_seconds_count ");
+        if count == Some(1.0) {
+            break value("proxy_agent_network_programming_duration_seconds_sum ").expect("sum");
+        }
+        assert!(Instant::now() < deadline, "no latency observed:\n{metrics}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        (3.0..60.0).contains(&sum),
+        "network programming latency {sum} s"
+    );
     // trace --live: the running node's maps, copied, with the packet's fate.
     let pins = tb.pin_dir();
     let trace_live = |packet: &str| -> serde_json::Value {

@@ -2,6 +2,7 @@
 //! to the dataplane — bursts coalesced by a minimum interval, a periodic resync that
 //! repairs drift, and retries with backoff when an apply fails.
 
+pub mod latency;
 pub mod status;
 
 use std::time::Duration;
@@ -16,6 +17,24 @@ use crate::{
     model::{NodeInfo, NodeSettings, NodeView, ViewConfig, health_checks, node_view},
     source::{SharedSnapshot, files},
 };
+
+/// The last snapshot the dataplane fully holds, for network programming latency.
+#[derive(Default)]
+struct Programmed(Option<SharedSnapshot>);
+
+impl Programmed {
+    /// `snapshot` is now in effect: observes how long its new EndpointSlice changes
+    /// took. The first snapshot is only remembered (its trigger times are history).
+    fn record(&mut self, snapshot: &SharedSnapshot, status: &Status) {
+        if let Some(prev) = &self.0 {
+            let now = std::time::SystemTime::now();
+            for t in latency::new_triggers(&prev.model, &snapshot.model) {
+                status.observe_programming(latency::since(t, now));
+            }
+        }
+        self.0 = Some(SharedSnapshot::clone(snapshot));
+    }
+}
 
 /// Timing of the sync loop (kube-proxy's minSyncPeriod / syncPeriod).
 #[derive(Clone, Copy, Debug)]
@@ -71,6 +90,7 @@ pub async fn run<D: Dataplane>(
     let mut last_rejections = Vec::new();
     let mut settings: Option<NodeSettings> = None;
     let mut health = HealthServers::default();
+    let mut programmed = Programmed::default();
     loop {
         let wake = retry_at.map_or(next_resync, |r| r.min(next_resync));
         let mut forced = false;
@@ -117,7 +137,9 @@ pub async fn run<D: Dataplane>(
                 tracing::warn!(error = format!("{e:#}"), "re-reading the dataplane failed");
             }
         } else if !forced && current.as_ref() == Some(&view) {
-            continue; // nothing this node does changed
+            // Nothing this node does changed: the change is in effect as it is.
+            programmed.record(&snapshot, &status);
+            continue;
         }
         last_sync = Some(Instant::now());
         let started = std::time::Instant::now();
@@ -131,6 +153,7 @@ pub async fn run<D: Dataplane>(
         );
         match outcome {
             Ok(report) if report.failed.is_empty() => {
+                programmed.record(&snapshot, &status);
                 if report.frontends_written + report.frontends_removed > 0 {
                     tracing::info!(
                         written = report.frontends_written,

@@ -6,6 +6,7 @@ use std::{
     time::Duration,
 };
 
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::broadcast;
 
 use crate::{
@@ -35,6 +36,27 @@ struct State {
 struct Inner {
     state: Mutex<State>,
     diffs: broadcast::Sender<String>,
+    histograms: Histograms,
+}
+
+/// Latency distributions, as kube-proxy exports them.
+#[derive(Clone)]
+pub struct Histograms {
+    /// How long each dataplane sync took.
+    pub sync: Histogram,
+    /// From an EndpointSlice change (its trigger time) to this node holding it.
+    pub programming: Histogram,
+}
+
+impl Default for Histograms {
+    fn default() -> Self {
+        // 1 ms to ~65 s: we aim at milliseconds, kube-proxy's tail is seconds.
+        let buckets = || Histogram::new(exponential_buckets(0.001, 2.0, 17));
+        Self {
+            sync: buckets(),
+            programming: buckets(),
+        }
+    }
 }
 
 /// A cheap handle; clones share the same state.
@@ -47,6 +69,7 @@ impl Default for Status {
         Self(Arc::new(Inner {
             state: Mutex::new(State::default()),
             diffs,
+            histograms: Histograms::default(),
         }))
     }
 }
@@ -56,6 +79,15 @@ impl Status {
         // A panic elsewhere while holding the lock leaves plain data behind: keep going.
         let mut guard = self.0.state.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut guard)
+    }
+
+    /// The latency histograms (clones share their counts).
+    pub fn histograms(&self) -> Histograms {
+        self.0.histograms.clone()
+    }
+
+    pub(crate) fn observe_programming(&self, took: Duration) {
+        self.0.histograms.programming.observe(took.as_secs_f64());
     }
 
     pub(crate) fn count_rejections(&self, n: usize) {
@@ -75,6 +107,7 @@ impl Status {
             // No subscriber is fine.
             let _ = self.0.diffs.send(line);
         }
+        self.0.histograms.sync.observe(took.as_secs_f64());
         self.with(|s| {
             s.snapshot = Some(SharedSnapshot::clone(snapshot));
             s.view = view.clone();
