@@ -17,6 +17,13 @@ fn deploy_yaml_parses() {
                 let pod = &v["spec"]["template"]["spec"];
                 assert_eq!(pod["hostNetwork"], true, "{pod}");
                 assert_eq!(pod["hostPID"], true, "{pod}");
+                let caps = &pod["containers"][0]["securityContext"]["capabilities"]["add"];
+                for cap in ["BPF", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"] {
+                    assert!(
+                        caps.as_array().is_some_and(|c| c.iter().any(|x| x == cap)),
+                        "{cap} missing: {caps}"
+                    );
+                }
             }
         }
     }
