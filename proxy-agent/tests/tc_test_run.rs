@@ -856,3 +856,62 @@ fn sctp_dnat_and_reverse_nat_keep_the_crc32c_valid() {
         "ICMP port unreachable"
     );
 }
+
+/// kube-proxy clears UDP flows per Service port: a pod that leaves one Service but still
+/// serves another loses only the first one's flows (and TCP flows are never cleared).
+#[test]
+fn udp_flows_are_cleared_per_service() {
+    if !root("udp_flows_are_cleared_per_service") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    let shared = "10.244.1.5:5353";
+    let other = "10.244.2.6:5353";
+    let view = |a: &[&str]| {
+        NodeView::from([
+            frontend("10.96.0.53", 53, Protocol::Udp, a),
+            frontend("10.96.0.54", 53, Protocol::Udp, &[shared]),
+            frontend("10.96.0.55", 5353, Protocol::Tcp, &[shared]),
+        ])
+    };
+    h.apply(&view(&[shared]));
+    let client = |port: u16| SocketAddr::new("10.244.0.3".parse().expect("ip"), port);
+    for (port, vip, tcp) in [
+        (41000, "10.96.0.53:53", false),
+        (41001, "10.96.0.54:53", false),
+        (41002, "10.96.0.55:5353", true),
+    ] {
+        let (verdict, out) = h.run(&packet(client(port), sa(vip), tcp));
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(inspect(&out).dst, sa(shared));
+    }
+    let flows = |h: &Harness| -> BTreeSet<u16> {
+        h.maps
+            .conntrack
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, _)| k.dir == proxy_common::CT_DIR_FORWARD)
+            .map(|(k, _)| u16::from_be(k.sport))
+            .collect()
+    };
+    assert_eq!(flows(&h), BTreeSet::from([41000, 41001, 41002]));
+    // The pod leaves 10.96.0.53 only.
+    h.apply(&view(&[other]));
+    assert_eq!(
+        flows(&h),
+        BTreeSet::from([41001, 41002]),
+        "only the flow of the Service the pod left is cleared"
+    );
+    let (_, out) = h.run(&packet(client(41000), sa("10.96.0.53:53"), false));
+    assert_eq!(
+        inspect(&out).dst,
+        sa(other),
+        "the next datagram is balanced again"
+    );
+    let (_, out) = h.run(&packet(client(41001), sa("10.96.0.54:53"), false));
+    assert_eq!(
+        inspect(&out).dst,
+        sa(shared),
+        "the other Service's flow is untouched"
+    );
+}

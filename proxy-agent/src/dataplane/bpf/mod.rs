@@ -212,9 +212,11 @@ fn prepare_sctp(ebpf: &mut Ebpf) -> Result<()> {
 impl Dataplane for BpfDataplane {
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
         let mut report = self.maps_dataplane().apply(view)?;
-        let removed = self.state.take_removed_udp();
-        if !removed.is_empty() {
-            match conntrack::forget_udp_flows_to(&removed) {
+        let left = self.state.take_left_udp();
+        // The kernel's entries carry no Service: only backends no frontend uses go.
+        let gone: Vec<_> = left.iter().filter(|l| l.gone).map(|l| l.backend).collect();
+        if !gone.is_empty() {
+            match conntrack::forget_udp_flows_to(&gone) {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(
                     entries = n,
@@ -227,9 +229,9 @@ impl Dataplane for BpfDataplane {
             }
         }
         if let Some(cgroup) = &self.cgroup
-            && !removed.is_empty()
+            && !left.is_empty()
         {
-            let cookies = sockets::cookies_of(&self.maps.sock_rev_nat, &removed);
+            let cookies = sockets::cookies_of(&self.maps.sock_rev_nat, &left);
             // Failing to reach a socket leaves it as it was; the maps are already right.
             match sockets::destroy(cgroup, &cookies) {
                 Ok(n) => report.udp_sockets_destroyed = n,

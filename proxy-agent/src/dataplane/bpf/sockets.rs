@@ -27,33 +27,40 @@ use netlink_packet_sock_diag::{
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
 use netlink_sys::protocols::NETLINK_SOCK_DIAG;
-use proxy_common::{Backend, PROTO_UDP, SockRevNatKey, SockRevNatValue};
+use proxy_common::{SockRevNatKey, SockRevNatValue};
 
-use super::netlink::Channel;
+use super::{netlink::Channel, sync::LeftUdp};
 
 /// sock_diag's destroy request (`linux/sock_diag.h`).
 const SOCK_DESTROY: u16 = 21;
 
-/// Cookies of the sockets that connect-time balancing sent to one of `gone`.
+/// Cookies of the sockets that connect-time balancing sent, on behalf of a frontend, to
+/// an endpoint that has left that frontend.
 pub fn cookies_of(
     sock_rev_nat: &BpfHashMap<MapData, SockRevNatKey, SockRevNatValue>,
-    gone: &[Backend],
+    left: &[LeftUdp],
 ) -> HashSet<u64> {
-    let gone: HashSet<_> = gone
+    let left: HashSet<_> = left
         .iter()
-        .filter(|b| b.proto == PROTO_UDP)
-        .map(|b| (b.addr, b.port, b.family))
+        .map(|l| {
+            (
+                l.rev_nat_id,
+                l.backend.addr,
+                l.backend.port,
+                l.backend.family,
+            )
+        })
         .collect();
-    if gone.is_empty() {
+    if left.is_empty() {
         return HashSet::new();
     }
     sock_rev_nat
-        .keys()
+        .iter()
         .filter_map(Result::ok)
         // Keys hold the backend's own form, also for IPv6 sockets that named an IPv4
         // frontend as ::ffff:a.b.c.d (those are found below among the IPv6 sockets).
-        .filter(|k| gone.contains(&(k.addr, k.port, k.family)))
-        .map(|k| k.cookie)
+        .filter(|(k, v)| left.contains(&(v.rev_nat_id, k.addr, k.port, k.family)))
+        .map(|(k, _)| k.cookie)
         .collect()
 }
 

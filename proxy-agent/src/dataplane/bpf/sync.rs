@@ -108,6 +108,17 @@ fn desired_entries(view: &NodeView) -> Vec<(ServiceKey, Desired<'_>)> {
     out
 }
 
+/// A UDP endpoint that left one frontend (kube-proxy clears such flows per Service port:
+/// the same pod may still serve another Service).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeftUdp {
+    pub rev_nat_id: u32,
+    pub backend_id: u32,
+    pub backend: Backend,
+    /// No frontend uses the backend any more.
+    pub gone: bool,
+}
+
 /// What one frontend looks like in the maps.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Programmed {
@@ -138,8 +149,8 @@ pub struct MapState {
     used_service_ids: HashSet<u32>,
     /// Counts syncs: frontends not `seen` in the current one are removed.
     epoch: u64,
-    /// UDP backends removed by the syncs since `take_removed_udp` last ran.
-    removed_udp: Vec<Backend>,
+    /// UDP endpoints that left a frontend since `take_left_udp` last ran.
+    left_udp: Vec<LeftUdp>,
     next_service_id: u32,
     next_backend_id: u32,
 }
@@ -309,6 +320,7 @@ impl MapState {
             .collect();
         for key in stale {
             if let Some(old) = self.services.remove(&key) {
+                self.note_left(key, &old, &[]);
                 self.release(&old.backend_ids);
                 remove_ignoring_absent(maps.services.remove(&key))?;
                 for slot in 0..old.backend_ids.len() as u32 {
@@ -338,23 +350,31 @@ impl MapState {
             remove_ignoring_absent(maps.backends.remove(&id))?;
             if let Some(be) = self.backends_by_id.remove(&id) {
                 self.backend_ids.remove(&be);
-                if be.proto == PROTO_UDP {
-                    self.removed_udp.push(be);
-                }
             }
             self.refs.remove(&id);
             removed.insert(id);
             report.backends_removed += 1;
         }
-        // 4. UDP flows pinned to removed backends: their entries go now, so a UDP client
-        // (which never closes its flow) is rebalanced on its next packet even if a new
-        // backend later reuses the id. TCP flows stay: a terminating pod finishes them.
-        if !removed.is_empty() {
+        for left in &mut self.left_udp {
+            left.gone |= removed.contains(&left.backend_id);
+        }
+        // 4. UDP flows of endpoints that left their frontend: their entries go now, so a
+        // UDP client (which never closes its flow) is rebalanced on its next packet, even
+        // if the pod still serves another Service or a new backend later reuses the id.
+        // TCP flows stay: a terminating pod finishes them.
+        let pairs: HashSet<(u32, u32)> = self
+            .left_udp
+            .iter()
+            .map(|l| (l.rev_nat_id, l.backend_id))
+            .collect();
+        if !pairs.is_empty() {
             let stale: Vec<_> = maps
                 .conntrack
                 .iter()
                 .filter_map(Result::ok)
-                .filter(|(k, v)| k.proto == PROTO_UDP && removed.contains(&v.backend_id))
+                .filter(|(k, v)| {
+                    k.proto == PROTO_UDP && pairs.contains(&(v.rev_nat_id, v.backend_id))
+                })
                 .map(|(k, _)| k)
                 .collect();
             for key in &stale {
@@ -367,10 +387,27 @@ impl MapState {
         Ok(report)
     }
 
-    /// The UDP backends removed since the last call (their connected sockets may need
-    /// destroying).
-    pub fn take_removed_udp(&mut self) -> Vec<Backend> {
-        std::mem::take(&mut self.removed_udp)
+    /// The UDP endpoints that left a frontend since the last call (their connected
+    /// sockets and kernel conntrack entries may need clearing).
+    pub fn take_left_udp(&mut self) -> Vec<LeftUdp> {
+        std::mem::take(&mut self.left_udp)
+    }
+
+    /// Records the UDP endpoints of `old` (frontend `key`) that `now` no longer has.
+    fn note_left(&mut self, key: ServiceKey, old: &Programmed, now: &[u32]) {
+        if key.proto != PROTO_UDP {
+            return;
+        }
+        for id in old.backend_ids.iter().filter(|id| !now.contains(id)) {
+            if let Some(backend) = self.backends_by_id.get(id) {
+                self.left_udp.push(LeftUdp {
+                    rev_nat_id: old.value.rev_nat_id,
+                    backend_id: *id,
+                    backend: *backend,
+                    gone: false,
+                });
+            }
+        }
     }
 
     /// Writes one frontend if it differs from what is programmed; `Ok(false)` if not.
@@ -527,6 +564,9 @@ impl MapState {
             for net in old.ranges.iter().filter(|n| !ranges.contains(n)) {
                 remove_ignoring_absent(maps.source_ranges.remove(&range_key(id, net)))?;
             }
+        }
+        if let Some(old) = old {
+            self.note_left(key, old, &backend_ids);
         }
         self.hold(&backend_ids);
         let ranges = ranges.to_vec();
