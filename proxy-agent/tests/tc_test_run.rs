@@ -915,3 +915,138 @@ fn udp_flows_are_cleared_per_service() {
         "the other Service's flow is untouched"
     );
 }
+
+// ---- IPv4 fragments ----------------------------------------------------------------
+
+fn ones_sum(data: &[u8], mut acc: u32) -> u32 {
+    for c in data.chunks(2) {
+        acc += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+    }
+    acc
+}
+
+fn fold(mut acc: u32) -> u16 {
+    while acc > 0xffff {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    !(acc as u16)
+}
+
+/// A UDP datagram of `len` payload bytes from `src` to `dst` (valid checksum), as two
+/// IPv4 fragments of one identity: the UDP header and the first 1000 bytes, then the rest.
+fn udp_fragments(src: SocketAddr, dst: SocketAddr, len: usize) -> [Vec<u8>; 2] {
+    let (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) = (src.ip(), dst.ip()) else {
+        panic!("IPv4 only");
+    };
+    let mut udp = Vec::new();
+    udp.extend(src.port().to_be_bytes());
+    udp.extend(dst.port().to_be_bytes());
+    udp.extend(((8 + len) as u16).to_be_bytes());
+    udp.extend([0, 0]);
+    udp.extend((0..len).map(|i| (i * 31 + 7) as u8));
+    let pseudo = ones_sum(&s.octets(), 0) + ones_sum(&d.octets(), 0) + 17 + udp.len() as u32;
+    let sum = fold(ones_sum(&udp, pseudo));
+    udp[6..8].copy_from_slice(&sum.to_be_bytes());
+    let cut = 8 + 1000; // a multiple of 8, as fragment offsets are
+    let piece = |data: &[u8], offset: usize, more: bool| {
+        let mut pkt = vec![0x02, 0, 0, 0, 0, 0x0b, 0x02, 0, 0, 0, 0, 0x0a, 0x08, 0x00];
+        let mut ip = vec![0x45, 0];
+        ip.extend(((20 + data.len()) as u16).to_be_bytes());
+        ip.extend(0x4242u16.to_be_bytes()); // identification
+        let frag = (offset / 8) as u16 | if more { 0x2000 } else { 0 };
+        ip.extend(frag.to_be_bytes());
+        ip.extend([64, 17, 0, 0]);
+        ip.extend(s.octets());
+        ip.extend(d.octets());
+        let sum = fold(ones_sum(&ip, 0));
+        ip[10..12].copy_from_slice(&sum.to_be_bytes());
+        pkt.extend(ip);
+        pkt.extend(data);
+        pkt
+    };
+    [piece(&udp[..cut], 0, true), piece(&udp[cut..], cut, false)]
+}
+
+/// Reassembles two fragments as the receiver would, checking the IPv4 header checksums
+/// and the UDP checksum of the whole datagram; returns (source, destination).
+fn reassemble(first: &[u8], second: &[u8]) -> (SocketAddr, SocketAddr) {
+    for f in [first, second] {
+        assert_eq!(fold(ones_sum(&f[14..34], 0)), 0, "IPv4 header checksum");
+    }
+    let ip = |f: &[u8], at: usize| std::net::Ipv4Addr::new(f[at], f[at + 1], f[at + 2], f[at + 3]);
+    let (s, d) = (ip(first, 26), ip(first, 30));
+    assert_eq!(
+        (ip(second, 26), ip(second, 30)),
+        (s, d),
+        "both fragments agree"
+    );
+    let mut udp = first[34..].to_vec();
+    udp.extend(&second[34..]);
+    let pseudo = ones_sum(&s.octets(), 0) + ones_sum(&d.octets(), 0) + 17 + udp.len() as u32;
+    assert_eq!(
+        fold(ones_sum(&udp, pseudo)),
+        0,
+        "UDP checksum over the datagram"
+    );
+    let port = |at: usize| u16::from_be_bytes([udp[at], udp[at + 1]]);
+    (
+        SocketAddr::new(s.into(), port(0)),
+        SocketAddr::new(d.into(), port(2)),
+    )
+}
+
+/// A fragmented UDP datagram (a large DNS answer, say) is translated whole: the first
+/// fragment as any packet, the later one by the ports the first left behind; both ways.
+/// A later fragment that arrives first, or belongs to no flow, passes untouched.
+#[test]
+fn fragmented_udp_is_translated_in_every_fragment() {
+    if !root("fragmented_udp_is_translated_in_every_fragment") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.53",
+        53,
+        Protocol::Udp,
+        &["10.244.1.5:5353"],
+    )]));
+    let (client, vip, backend) = (
+        sa("10.244.0.3:41000"),
+        sa("10.96.0.53:53"),
+        sa("10.244.1.5:5353"),
+    );
+    let [first, second] = udp_fragments(client, vip, 2000);
+    let (v1, out1) = h.run(&first);
+    let (v2, out2) = h.run(&second);
+    assert_eq!((v1, v2), (TC_ACT_OK, TC_ACT_OK));
+    assert_eq!(
+        reassemble(&out1, &out2),
+        (client, backend),
+        "to the backend"
+    );
+    let [first, second] = udp_fragments(backend, client, 3000);
+    let (_, out1) = h.run(&first);
+    let (_, out2) = h.run(&second);
+    assert_eq!(
+        reassemble(&out1, &out2),
+        (vip, client),
+        "the reply from the frontend"
+    );
+    // A later fragment with no first fragment seen: left alone.
+    let [_, orphan] = udp_fragments(sa("10.244.0.9:41001"), vip, 2000);
+    let mut orphan = orphan;
+    orphan[18..20].copy_from_slice(&0x9999u16.to_be_bytes()); // another identity
+    let sum = fold(ones_sum(
+        &{
+            let mut ip = orphan[14..34].to_vec();
+            ip[10] = 0;
+            ip[11] = 0;
+            ip
+        },
+        0,
+    ));
+    orphan[24..26].copy_from_slice(&sum.to_be_bytes());
+    let (verdict, out) = h.run(&orphan);
+    assert_eq!(verdict, TC_ACT_UNSPEC);
+    assert_eq!(out, orphan, "untouched");
+}

@@ -195,10 +195,12 @@ pub mod map_names {
     pub const TC_TAIL: &str = "TC_TAIL";
     pub const SCTP_PENDING: &str = "SCTP_PENDING";
     pub const SCTP_ZEROS: &str = "SCTP_ZEROS";
+    /// The ports of IPv4 datagrams whose later fragments are in flight.
+    pub const FRAGMENTS: &str = "FRAGMENTS";
     /// Every map the agent pins, in a stable order. (The SCTP ones are pinned so a tail
     /// call keeps working while the agent is down: a program array loses its entries
     /// when nothing in user space holds it.)
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -213,6 +215,7 @@ pub mod map_names {
         TC_TAIL,
         SCTP_PENDING,
         SCTP_ZEROS,
+        FRAGMENTS,
     ];
 }
 
@@ -248,6 +251,7 @@ pub mod capacity {
     pub const CONNTRACK: u32 = 131_072;
     pub const LOCAL_NETS: u32 = 1_024;
     pub const SOURCE_RANGES: u32 = 16_384;
+    pub const FRAGMENTS: u32 = 8_192;
 }
 
 /// Most backend slots one service entry may reference; bounds the BPF loops.
@@ -401,6 +405,29 @@ pub struct CtKey {
     pub _pad: u8,
 }
 
+/// An IPv4 datagram in fragments: later fragments carry no ports, so the first one's are
+/// remembered under the datagram's identity (RFC 791: source, destination, protocol, id).
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragKey {
+    pub saddr: u32,
+    pub daddr: u32,
+    /// Network byte order.
+    pub id: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// The ports of a fragmented datagram, from its first fragment (network byte order).
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FragPorts {
+    pub sport: u16,
+    pub dport: u16,
+}
+
 /// Connection-tracking value. Forward entries hold the backend the flow was sent to and,
 /// when masqueraded, the node address and port it leaves with; reply entries hold the
 /// `rev_nat_id` whose frontend replies come from and, when masqueraded, the client's
@@ -546,6 +573,8 @@ mod user {
         NodeConfig,
         CtTimeouts,
         LpmData,
+        FragKey,
+        FragPorts,
     );
 }
 
@@ -595,6 +624,8 @@ mod tests {
         assert_eq!(size_of::<SockRevNatKey>(), 32);
         assert_eq!(size_of::<SockRevNatValue>(), 4);
         assert_eq!(size_of::<CtKey>(), 40);
+        assert_eq!(size_of::<FragKey>(), 12);
+        assert_eq!(size_of::<FragPorts>(), 4);
         assert_eq!(size_of::<CtValue>(), 56);
         assert_eq!(size_of::<NodeConfig>(), 56);
         assert_eq!(size_of::<CtTimeouts>(), 20);

@@ -8,9 +8,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LpmData,
-    NodeConfig, RevNatValue, SctpPending, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
-    capacity, counter, crc32c,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
+    FragPorts, LpmData, NodeConfig, RevNatValue, SctpPending, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -86,6 +86,11 @@ pub static TC_TAIL: ProgramArray<1> = ProgramArray::new();
 
 #[btf_map]
 pub static SCTP_PENDING: PerCpuArray<SctpPending, 1> = PerCpuArray::new();
+
+/// First-fragment ports of fragmented IPv4 datagrams, for their later fragments.
+#[btf_map]
+pub static FRAGMENTS: LruHashMap<FragKey, FragPorts, { capacity::FRAGMENTS as usize }> =
+    LruHashMap::new();
 
 /// Per-CPU room for a new flow's two conntrack values while they are built (forward at
 /// `SCRATCH_FORWARD`, reply at `SCRATCH_REPLY`): the 512-byte BPF stack has none to spare

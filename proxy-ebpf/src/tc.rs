@@ -17,16 +17,16 @@ use aya_ebpf::{
 use proxy_common::{
     AFFINITY_BY_ADDR, Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CT_DIR_FORWARD,
     CT_DIR_REPLY, CT_F_CLOSING, CT_F_REPLIED, CT_F_SNAT, CtKey, CtTimeouts, CtValue, FAMILY_V4,
-    FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_SCTP, PROTO_TCP,
-    PROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES,
-    ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
+    FAMILY_V6, FragKey, FragPorts, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig,
+    PROTO_SCTP, PROTO_TCP, PROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, SVC_F_EXT_LOCAL,
+    SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
 };
 
 use crate::{
     lb::{self, Client, NoBackend},
     maps::{
-        CONNTRACK, LOCAL_NETS, NODE_CONFIG, REV_NAT, SCRATCH_FORWARD, SCRATCH_REPLY, SCTP_PENDING,
-        SCTP_ZEROS, SOURCE_RANGES, TC_TAIL, count, ct_scratch,
+        CONNTRACK, FRAGMENTS, LOCAL_NETS, NODE_CONFIG, REV_NAT, SCRATCH_FORWARD, SCRATCH_REPLY,
+        SCTP_PENDING, SCTP_ZEROS, SOURCE_RANGES, TC_TAIL, count, ct_scratch,
     },
     reject, route,
 };
@@ -74,6 +74,9 @@ pub struct Packet {
     /// Network byte order, as in the packet.
     pub sport: u16,
     pub dport: u16,
+    /// A later fragment of an IPv4 datagram: no L4 header here, the ports come from the
+    /// first fragment (`FRAGMENTS`), and only addresses are rewritten.
+    pub tail: bool,
     pub l4_off: usize,
 }
 
@@ -111,6 +114,9 @@ pub fn ingress(ctx: &TcContext) -> Result<i32, i32> {
     }
     if let Some(verdict) = established(ctx, &pkt, now)? {
         return Ok(verdict);
+    }
+    if pkt.tail {
+        return Ok(PASS_ON); // its first fragment started no flow
     }
     new_flow(ctx, &pkt)
 }
@@ -348,7 +354,7 @@ fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
 
 /// `CT_F_CLOSING` for a TCP segment carrying FIN or RST, else 0.
 fn closing_flag(ctx: &TcContext, pkt: &Packet) -> u8 {
-    if pkt.proto != PROTO_TCP {
+    if pkt.proto != PROTO_TCP || pkt.tail {
         return 0;
     }
     match ctx.load::<u8>(pkt.l4_off + 13) {
@@ -453,34 +459,51 @@ pub fn ifindex(ctx: &TcContext) -> u32 {
 #[inline(always)]
 fn parse(ctx: &TcContext) -> Result<Option<Packet>, i32> {
     let ether_type = u16::from_be(ctx.load::<u16>(12).map_err(|_| PASS_ON)?);
-    let (family, proto, saddr, daddr, l4_off) = match ether_type {
+    let (family, proto, saddr, daddr, l4_off, frag) = match ether_type {
         ETH_P_IP => {
             let ver_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| PASS_ON)?;
             let ihl = usize::from(ver_ihl & 0x0f) * 4;
-            let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).map_err(|_| PASS_ON)?);
-            // Later fragments carry no ports; more-fragments or an offset: leave alone.
-            if ihl < 20 || frag & 0x3fff != 0 {
+            if ihl < 20 {
                 return Ok(None);
             }
             let proto: u8 = ctx.load(ETH_HLEN + 9).map_err(|_| PASS_ON)?;
             let s: u32 = ctx.load(IPV4_SADDR_OFF).map_err(|_| PASS_ON)?;
             let d: u32 = ctx.load(IPV4_DADDR_OFF).map_err(|_| PASS_ON)?;
-            (FAMILY_V4, proto, [s, 0, 0, 0], [d, 0, 0, 0], ETH_HLEN + ihl)
+            let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).map_err(|_| PASS_ON)?);
+            let frag = frag & 0x3fff != 0;
+            (
+                FAMILY_V4,
+                proto,
+                [s, 0, 0, 0],
+                [d, 0, 0, 0],
+                ETH_HLEN + ihl,
+                frag,
+            )
         }
         ETH_P_IPV6 => {
-            // Extension headers are not walked: such packets pass untranslated.
+            // Extension headers (fragments among them) are not walked: such packets pass
+            // untranslated.
             let proto: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| PASS_ON)?;
             let s: [u32; 4] = ctx.load(IPV6_SADDR_OFF).map_err(|_| PASS_ON)?;
             let d: [u32; 4] = ctx.load(IPV6_DADDR_OFF).map_err(|_| PASS_ON)?;
-            (FAMILY_V6, proto, s, d, ETH_HLEN + IPV6_HLEN)
+            (FAMILY_V6, proto, s, d, ETH_HLEN + IPV6_HLEN, false)
         }
         _ => return Ok(None),
     };
     if proto != PROTO_TCP && proto != PROTO_UDP && proto != PROTO_SCTP {
         return Ok(None);
     }
-    let sport: u16 = ctx.load(l4_off).map_err(|_| PASS_ON)?;
-    let dport: u16 = ctx.load(l4_off + 2).map_err(|_| PASS_ON)?;
+    let (sport, dport, tail) = if frag {
+        let found = fragment(ctx, l4_off);
+        if found == 0 {
+            return Ok(None);
+        }
+        (found as u16, (found >> 16) as u16, found & FRAG_TAIL != 0)
+    } else {
+        let sport: u16 = ctx.load(l4_off).map_err(|_| PASS_ON)?;
+        let dport: u16 = ctx.load(l4_off + 2).map_err(|_| PASS_ON)?;
+        (sport, dport, false)
+    };
     Ok(Some(Packet {
         family,
         proto,
@@ -488,8 +511,51 @@ fn parse(ctx: &TcContext) -> Result<Option<Packet>, i32> {
         daddr,
         sport,
         dport,
+        tail,
         l4_off,
     }))
+}
+
+/// `fragment`'s answer: the ports (bits 0–31), a later fragment (`FRAG_TAIL`), found
+/// (`FRAG_FOUND`); 0 leaves the packet alone. A scalar: the BPF calling convention has
+/// no room for a struct.
+const FRAG_TAIL: u64 = 1 << 32;
+const FRAG_FOUND: u64 = 1 << 33;
+
+/// A fragment of an IPv4 datagram (more-fragments set, or an offset). The first one is
+/// parsed as usual and leaves its ports for the others; a later one borrows them, or —
+/// ahead of its first fragment, or not ours — passes untouched.
+#[inline(never)]
+fn fragment(ctx: &TcContext, l4_off: usize) -> u64 {
+    let (Ok(saddr), Ok(daddr), Ok(id), Ok(proto), Ok(frag)) = (
+        ctx.load::<u32>(IPV4_SADDR_OFF),
+        ctx.load::<u32>(IPV4_DADDR_OFF),
+        ctx.load::<u16>(ETH_HLEN + 4),
+        ctx.load::<u8>(ETH_HLEN + 9),
+        ctx.load::<u16>(ETH_HLEN + 6),
+    ) else {
+        return 0;
+    };
+    let key = FragKey {
+        saddr,
+        daddr,
+        id,
+        proto,
+        _pad: 0,
+    };
+    if u16::from_be(frag) & 0x1fff != 0 {
+        // SAFETY: the value is copied out at once.
+        return match unsafe { FRAGMENTS.get(&key).copied() } {
+            Some(p) => FRAG_FOUND | FRAG_TAIL | u64::from(p.sport) | u64::from(p.dport) << 16,
+            None => 0,
+        };
+    }
+    let (Ok(sport), Ok(dport)) = (ctx.load::<u16>(l4_off), ctx.load::<u16>(l4_off + 2)) else {
+        return 0;
+    };
+    // A full table only costs this datagram's later fragments their translation.
+    let _ = FRAGMENTS.insert(&key, &FragPorts { sport, dport }, 0);
+    FRAG_FOUND | u64::from(sport) | u64::from(dport) << 16
 }
 
 enum Side {
@@ -511,6 +577,9 @@ fn rewrite(
         Side::Source => (pkt.saddr, pkt.sport, pkt.l4_off),
         Side::Destination => (pkt.daddr, pkt.dport, pkt.l4_off + 2),
     };
+    if pkt.tail {
+        return rewrite_tail(ctx, pkt, side, addr);
+    }
     if pkt.proto == PROTO_SCTP {
         return rewrite_sctp(ctx, pkt, side, addr, port);
     }
@@ -555,6 +624,23 @@ fn rewrite(
     .map_err(fail)?;
     ctx.store(port_off, &port, 0).map_err(fail)?;
     Ok(())
+}
+
+/// A later IPv4 fragment: its address and the header checksum; the L4 checksum (which
+/// covers the whole datagram) was adjusted in the first fragment.
+#[inline(never)]
+fn rewrite_tail(ctx: &TcContext, pkt: &Packet, side: Side, addr: &[u32; 4]) -> Result<(), i32> {
+    let fail = |_| {
+        count(counter::REWRITE_FAILED);
+        DROP
+    };
+    let (old_addr, addr_off) = match side {
+        Side::Source => (pkt.saddr[0], IPV4_SADDR_OFF),
+        Side::Destination => (pkt.daddr[0], IPV4_DADDR_OFF),
+    };
+    ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old_addr), u64::from(addr[0]), 4)
+        .map_err(fail)?;
+    ctx.store(addr_off, &addr[0], 0).map_err(fail)
 }
 
 /// SCTP's checksum (CRC32c) covers no addresses, only the packet: addresses change with
