@@ -66,14 +66,24 @@ pub async fn serve(
 
 async fn healthz(State(s): State<AppState>) -> Response {
     let c = s.status.counters();
-    let code = if c.syncs_ok > 0 {
+    let h = s.status.health(std::time::Instant::now());
+    let code = if h.healthy {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    let rfc3339 = |t: std::time::SystemTime| {
+        k8s_openapi::chrono::DateTime::<k8s_openapi::chrono::Utc>::from(t).to_rfc3339()
+    };
     (
         code,
-        Json(json!({"syncsOk": c.syncs_ok, "syncsFailed": c.syncs_failed})),
+        Json(json!({
+            "lastUpdated": h.last_updated.map(rfc3339),
+            "currentTime": rfc3339(std::time::SystemTime::now()),
+            "pendingSeconds": h.pending_for.map(|d| d.as_secs_f64()),
+            "syncsOk": c.syncs_ok,
+            "syncsFailed": c.syncs_failed,
+        })),
     )
         .into_response()
 }

@@ -26,6 +26,7 @@ impl Programmed {
     /// `snapshot` is now in effect: observes how long its new EndpointSlice changes
     /// took. The first snapshot is only remembered (its trigger times are history).
     fn record(&mut self, snapshot: &SharedSnapshot, status: &Status) {
+        status.updated();
         if let Some(prev) = &self.0 {
             let now = std::time::SystemTime::now();
             for t in latency::new_triggers(&prev.model, &snapshot.model) {
@@ -82,6 +83,7 @@ pub async fn run<D: Dataplane>(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     tokio::pin!(shutdown);
+    status.set_health_timeout(timing.resync * 2);
     let mut last_sync: Option<Instant> = None;
     let mut next_resync = Instant::now() + timing.resync;
     let mut retry_at: Option<Instant> = None;
@@ -101,6 +103,7 @@ pub async fn run<D: Dataplane>(
                     tracing::warn!("source stopped; keeping the programmed state");
                     return Ok(());
                 }
+                status.queued(std::time::Instant::now());
             }
             _ = tokio::time::sleep_until(wake) => forced = true,
         }

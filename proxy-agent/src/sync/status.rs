@@ -31,6 +31,22 @@ struct State {
     snapshot: Option<SharedSnapshot>,
     view: NodeView,
     counters: Counters,
+    /// The oldest source change not yet in the dataplane (kube-proxy's healthz clock).
+    pending_since: Option<std::time::Instant>,
+    last_updated: Option<std::time::SystemTime>,
+    /// How long a change may wait before `/healthz` fails (2 × syncPeriod).
+    health_timeout: Duration,
+}
+
+/// What `/healthz` answers: kube-proxy's rule — unhealthy once a change has waited
+/// longer than the timeout — plus ours: unhealthy until the first sync, so a load
+/// balancer never sends traffic to a node whose dataplane is still empty.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Health {
+    pub healthy: bool,
+    pub last_updated: Option<std::time::SystemTime>,
+    /// How long the oldest pending change has waited.
+    pub pending_for: Option<Duration>,
 }
 
 struct Inner {
@@ -90,6 +106,41 @@ impl Status {
         self.0.histograms.programming.observe(took.as_secs_f64());
     }
 
+    pub(crate) fn set_health_timeout(&self, timeout: Duration) {
+        self.with(|s| s.health_timeout = timeout);
+    }
+
+    /// A change arrived from the source.
+    pub(crate) fn queued(&self, now: std::time::Instant) {
+        self.with(|s| {
+            s.pending_since.get_or_insert(now);
+        });
+    }
+
+    /// Everything the source said is in effect.
+    pub(crate) fn updated(&self) {
+        self.with(|s| {
+            s.pending_since = None;
+            s.last_updated = Some(std::time::SystemTime::now());
+        });
+    }
+
+    pub fn health(&self, now: std::time::Instant) -> Health {
+        self.with(|s| {
+            let pending_for = s.pending_since.map(|t| now.saturating_duration_since(t));
+            let timeout = if s.health_timeout.is_zero() {
+                Duration::from_secs(60)
+            } else {
+                s.health_timeout
+            };
+            Health {
+                healthy: s.counters.syncs_ok > 0 && pending_for.is_none_or(|p| p < timeout),
+                last_updated: s.last_updated,
+                pending_for,
+            }
+        })
+    }
+
     pub(crate) fn count_rejections(&self, n: usize) {
         self.with(|s| s.counters.objects_rejected += n as u64);
     }
@@ -143,5 +194,31 @@ impl Status {
     /// View diffs (`+`/`-` lines) from now on.
     pub fn subscribe(&self) -> broadcast::Receiver<String> {
         self.0.diffs.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+
+    #[test]
+    fn healthz_fails_when_a_change_waits_too_long() {
+        let st = Status::default();
+        st.set_health_timeout(Duration::from_secs(60));
+        let t0 = Instant::now();
+        assert!(!st.health(t0).healthy, "nothing programmed yet");
+        st.with(|s| s.counters.syncs_ok = 1);
+        st.updated();
+        assert!(st.health(t0).healthy);
+        st.queued(t0);
+        st.queued(t0 + Duration::from_secs(30)); // the oldest pending change counts
+        let h = st.health(t0 + Duration::from_secs(59));
+        assert!(h.healthy && h.pending_for == Some(Duration::from_secs(59)));
+        assert!(!st.health(t0 + Duration::from_secs(61)).healthy, "stuck");
+        st.updated();
+        let h = st.health(t0 + Duration::from_secs(61));
+        assert!(h.healthy && h.pending_for.is_none() && h.last_updated.is_some());
     }
 }
