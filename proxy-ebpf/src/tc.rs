@@ -578,7 +578,7 @@ fn rewrite(
         Side::Destination => (pkt.daddr, pkt.dport, pkt.l4_off + 2),
     };
     if pkt.tail {
-        return rewrite_tail(ctx, pkt, side, addr);
+        return rewrite_ipv4_address(ctx, pkt, side, addr);
     }
     if pkt.proto == PROTO_SCTP {
         return rewrite_sctp(ctx, pkt, side, addr, port);
@@ -626,10 +626,16 @@ fn rewrite(
     Ok(())
 }
 
-/// A later IPv4 fragment: its address and the header checksum; the L4 checksum (which
-/// covers the whole datagram) was adjusted in the first fragment.
+/// One IPv4 address and the header checksum, nothing else: what a later fragment needs
+/// (the L4 checksum, covering the whole datagram, was adjusted in the first fragment)
+/// and what SCTP needs (its checksum covers no addresses).
 #[inline(never)]
-fn rewrite_tail(ctx: &TcContext, pkt: &Packet, side: Side, addr: &[u32; 4]) -> Result<(), i32> {
+fn rewrite_ipv4_address(
+    ctx: &TcContext,
+    pkt: &Packet,
+    side: Side,
+    addr: &[u32; 4],
+) -> Result<(), i32> {
     let fail = |_| {
         count(counter::REWRITE_FAILED);
         DROP
@@ -662,14 +668,7 @@ fn rewrite_sctp(
         Side::Destination => (pkt.dport, pkt.l4_off + 2, false),
     };
     let len = if pkt.family == FAMILY_V4 {
-        let addr_off = match side {
-            Side::Source => IPV4_SADDR_OFF,
-            Side::Destination => IPV4_DADDR_OFF,
-        };
-        let old_addr = if source { pkt.saddr[0] } else { pkt.daddr[0] };
-        ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old_addr), u64::from(addr[0]), 4)
-            .map_err(fail)?;
-        ctx.store(addr_off, &addr[0], 0).map_err(fail)?;
+        rewrite_ipv4_address(ctx, pkt, side, addr)?;
         let total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).map_err(fail)?);
         u32::from(total).wrapping_sub((pkt.l4_off - ETH_HLEN) as u32)
     } else {
