@@ -58,10 +58,7 @@ pub fn getpeername6(ctx: SockAddrContext) -> i32 {
 
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    let verdict = match tc::ingress(&ctx) {
-        Ok(v) | Err(v) => v,
-    };
-    tc::finish(&ctx, verdict)
+    tc::ingress(&ctx)
 }
 
 /// Tail call of `tc_ingress` for SCTP packets whose ports it rewrote: their CRC32c.

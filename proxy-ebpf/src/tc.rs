@@ -103,22 +103,37 @@ struct Origin {
     node: bool,
 }
 
-pub fn ingress(ctx: &TcContext) -> Result<i32, i32> {
-    let Some(pkt) = parse(ctx)? else {
-        return Ok(PASS_ON);
+/// The classifier: translate, then — for SCTP only — hand the checksum to the tail call.
+pub fn ingress(ctx: &TcContext) -> i32 {
+    let pkt = match parse(ctx) {
+        Ok(Some(pkt)) => pkt,
+        Ok(None) => return PASS_ON,
+        Err(v) => return v,
     };
+    let verdict = match translate(ctx, &pkt) {
+        Ok(v) | Err(v) => v,
+    };
+    if pkt.proto == PROTO_SCTP {
+        finish(ctx, verdict)
+    } else {
+        verdict
+    }
+}
+
+#[inline(always)]
+fn translate(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    if let Some(verdict) = reply(ctx, &pkt, now)? {
+    if let Some(verdict) = reply(ctx, pkt, now)? {
         return Ok(verdict);
     }
-    if let Some(verdict) = established(ctx, &pkt, now)? {
+    if let Some(verdict) = established(ctx, pkt, now)? {
         return Ok(verdict);
     }
     if pkt.tail {
         return Ok(PASS_ON); // its first fragment started no flow
     }
-    new_flow(ctx, &pkt)
+    new_flow(ctx, pkt)
 }
 
 // The three paths are separate functions (not inlined) so their locals never share one
@@ -696,8 +711,8 @@ fn rewrite_sctp(
     Ok(())
 }
 
-/// The classifier's last step: an SCTP packet whose ports changed goes on to the
-/// checksum tail call with the verdict; anything else ends here.
+/// The classifier's last step for SCTP: a packet whose ports changed goes on to the
+/// checksum tail call with the verdict; any other ends here.
 #[inline(always)]
 pub fn finish(ctx: &TcContext, verdict: i32) -> i32 {
     let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
