@@ -15,7 +15,10 @@ use proxy_agent::{
         BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
         WhenEmpty,
     },
-    trace,
+    trace::{
+        self,
+        packet::{fold, sum16},
+    },
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -918,20 +921,6 @@ fn udp_flows_are_cleared_per_service() {
 
 // ---- IPv4 fragments ----------------------------------------------------------------
 
-fn ones_sum(data: &[u8], mut acc: u32) -> u32 {
-    for c in data.chunks(2) {
-        acc += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
-    }
-    acc
-}
-
-fn fold(mut acc: u32) -> u16 {
-    while acc > 0xffff {
-        acc = (acc & 0xffff) + (acc >> 16);
-    }
-    !(acc as u16)
-}
-
 /// A UDP datagram of `len` payload bytes from `src` to `dst` (valid checksum), as two
 /// IPv4 fragments of one identity: the UDP header and the first 1000 bytes, then the rest.
 fn udp_fragments(src: SocketAddr, dst: SocketAddr, len: usize) -> [Vec<u8>; 2] {
@@ -944,8 +933,8 @@ fn udp_fragments(src: SocketAddr, dst: SocketAddr, len: usize) -> [Vec<u8>; 2] {
     udp.extend(((8 + len) as u16).to_be_bytes());
     udp.extend([0, 0]);
     udp.extend((0..len).map(|i| (i * 31 + 7) as u8));
-    let pseudo = ones_sum(&s.octets(), 0) + ones_sum(&d.octets(), 0) + 17 + udp.len() as u32;
-    let sum = fold(ones_sum(&udp, pseudo));
+    let pseudo = sum16(&s.octets(), 0) + sum16(&d.octets(), 0) + 17 + udp.len() as u32;
+    let sum = fold(sum16(&udp, pseudo));
     udp[6..8].copy_from_slice(&sum.to_be_bytes());
     let cut = 8 + 1000; // a multiple of 8, as fragment offsets are
     let piece = |data: &[u8], offset: usize, more: bool| {
@@ -958,7 +947,7 @@ fn udp_fragments(src: SocketAddr, dst: SocketAddr, len: usize) -> [Vec<u8>; 2] {
         ip.extend([64, 17, 0, 0]);
         ip.extend(s.octets());
         ip.extend(d.octets());
-        let sum = fold(ones_sum(&ip, 0));
+        let sum = fold(sum16(&ip, 0));
         ip[10..12].copy_from_slice(&sum.to_be_bytes());
         pkt.extend(ip);
         pkt.extend(data);
@@ -971,7 +960,7 @@ fn udp_fragments(src: SocketAddr, dst: SocketAddr, len: usize) -> [Vec<u8>; 2] {
 /// and the UDP checksum of the whole datagram; returns (source, destination).
 fn reassemble(first: &[u8], second: &[u8]) -> (SocketAddr, SocketAddr) {
     for f in [first, second] {
-        assert_eq!(fold(ones_sum(&f[14..34], 0)), 0, "IPv4 header checksum");
+        assert_eq!(fold(sum16(&f[14..34], 0)), 0, "IPv4 header checksum");
     }
     let ip = |f: &[u8], at: usize| std::net::Ipv4Addr::new(f[at], f[at + 1], f[at + 2], f[at + 3]);
     let (s, d) = (ip(first, 26), ip(first, 30));
@@ -982,9 +971,9 @@ fn reassemble(first: &[u8], second: &[u8]) -> (SocketAddr, SocketAddr) {
     );
     let mut udp = first[34..].to_vec();
     udp.extend(&second[34..]);
-    let pseudo = ones_sum(&s.octets(), 0) + ones_sum(&d.octets(), 0) + 17 + udp.len() as u32;
+    let pseudo = sum16(&s.octets(), 0) + sum16(&d.octets(), 0) + 17 + udp.len() as u32;
     assert_eq!(
-        fold(ones_sum(&udp, pseudo)),
+        fold(sum16(&udp, pseudo)),
         0,
         "UDP checksum over the datagram"
     );
@@ -1036,7 +1025,7 @@ fn fragmented_udp_is_translated_in_every_fragment() {
     let [_, orphan] = udp_fragments(sa("10.244.0.9:41001"), vip, 2000);
     let mut orphan = orphan;
     orphan[18..20].copy_from_slice(&0x9999u16.to_be_bytes()); // another identity
-    let sum = fold(ones_sum(
+    let sum = fold(sum16(
         &{
             let mut ip = orphan[14..34].to_vec();
             ip[10] = 0;

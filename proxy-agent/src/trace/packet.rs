@@ -7,7 +7,8 @@ use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP, crc32c::sctp_checksum};
 
 use crate::model::Protocol;
 
-fn sum16(data: &[u8], mut acc: u32) -> u32 {
+/// The internet checksum's ones'-complement sum of `data` (big-endian words) onto `acc`.
+pub fn sum16(data: &[u8], mut acc: u32) -> u32 {
     for chunk in data.chunks(2) {
         let word = u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]);
         acc += u32::from(word);
@@ -15,7 +16,8 @@ fn sum16(data: &[u8], mut acc: u32) -> u32 {
     acc
 }
 
-fn fold(mut acc: u32) -> u16 {
+/// Folds a `sum16` into the 16-bit checksum (complemented): 0 when the data checks.
+pub fn fold(mut acc: u32) -> u16 {
     while acc > 0xffff {
         acc = (acc & 0xffff) + (acc >> 16);
     }
