@@ -92,13 +92,16 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     );
 
     let node = tb.node_ns();
-    let fetch_metrics = || {
-        sh(&["ip", "netns", "exec", &node, "python3", "-c",
-            "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10250/metrics').read().decode())"]).expect("metrics")
+    // An HTTP GET from inside the node namespace: "STATUS BODY".
+    let get = |url: &str| {
+        let script = format!(
+            "import urllib.request;r=urllib.request.urlopen('{url}');print(r.status, r.read().decode())"
+        );
+        sh(&["ip", "netns", "exec", &node, "python3", "-c", &script]).expect(url)
     };
+    let fetch_metrics = || get("http://127.0.0.1:10250/metrics");
     // /healthz (healthzBindAddress) as kube-proxy answers it, with its clock fields.
-    let health = sh(&["ip", "netns", "exec", &node, "python3", "-c",
-        "import urllib.request;r=urllib.request.urlopen('http://127.0.0.1:10256/healthz');print(r.status, r.read().decode())"]).expect("healthz");
+    let health = get("http://127.0.0.1:10256/healthz");
     let (code, body) = health.trim().split_once(' ').expect("status and body");
     let body: serde_json::Value = serde_json::from_str(body).expect("json");
     assert_eq!(code, "200", "{health}");
