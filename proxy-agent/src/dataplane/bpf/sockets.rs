@@ -13,7 +13,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    net::IpAddr,
+    net::SocketAddr,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
 };
@@ -137,17 +137,17 @@ fn destroy_in(netns: &Path, cookies: &HashSet<u64>) -> Result<usize> {
             if !cookies.contains(&cookie(&id)) {
                 continue;
             }
-            let peer = (id.destination_address, id.destination_port);
+            let peer = SocketAddr::new(id.destination_address, id.destination_port);
             match diag.destroy(family, id) {
                 Ok(()) => {
                     destroyed += 1;
                     tracing::debug!(
-                        backend = %format_peer(peer),
+                        backend = %peer,
                         "connected UDP socket of a removed backend destroyed"
                     );
                 }
                 Err(e) => tracing::warn!(
-                    backend = %format_peer(peer),
+                    backend = %peer,
                     error = format!("{e:#}"),
                     "could not destroy a connected UDP socket of a removed backend"
                 ),
@@ -155,10 +155,6 @@ fn destroy_in(netns: &Path, cookies: &HashSet<u64>) -> Result<usize> {
         }
     }
     Ok(destroyed)
-}
-
-fn format_peer((ip, port): (IpAddr, u16)) -> std::net::SocketAddr {
-    std::net::SocketAddr::new(ip, port)
 }
 
 /// The kernel's socket cookie, from inet_diag's two host-order words (low word first).
