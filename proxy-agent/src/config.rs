@@ -72,6 +72,8 @@ struct Conntrack {
     tcp_close_wait_timeout: Option<String>,
     udp_timeout: Option<String>,
     udp_stream_timeout: Option<String>,
+    max_per_core: Option<i64>,
+    min: Option<i64>,
     #[serde(flatten)]
     rest: BTreeMap<String, serde_json::Value>,
 }
@@ -94,6 +96,7 @@ struct EbpfSection {
     bpf_log_level: Option<String>,
     service_proxy_name: Option<String>,
     debug_bind_address: Option<String>,
+    masquerade_port_range: Option<String>,
 }
 
 /// How local (pod) traffic is told apart from other traffic.
@@ -106,18 +109,24 @@ pub enum LocalDetector {
     None,
 }
 
-/// Connection-tracking timeouts.
+/// Connection tracking of the per-packet path: idle limits, table size, masquerade ports.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct ConntrackTimeouts {
+pub struct ConntrackSettings {
     /// TCP flows the backend has not answered yet.
     pub tcp_syn: Duration,
     pub tcp_established: Duration,
     pub tcp_close_wait: Duration,
     pub udp: Duration,
     pub udp_stream: Duration,
+    /// Answered flows the table holds: `maxPerCore` × CPUs, at least `min`, as kube-proxy
+    /// sizes netfilter's table (`conntrack.maxPerCore`, `conntrack.min`).
+    pub max_per_core: u32,
+    pub min: u32,
+    /// Masquerade source ports (inclusive): `ebpf.masqueradePortRange`.
+    pub masquerade_ports: (u16, u16),
 }
 
-impl Default for ConntrackTimeouts {
+impl Default for ConntrackSettings {
     fn default() -> Self {
         Self {
             tcp_syn: Duration::from_secs(60),
@@ -125,8 +134,43 @@ impl Default for ConntrackTimeouts {
             tcp_close_wait: Duration::from_secs(3_600),
             udp: Duration::from_secs(30),
             udp_stream: Duration::from_secs(120),
+            max_per_core: 32_768,
+            min: 131_072,
+            masquerade_ports: (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX),
         }
     }
+}
+
+impl ConntrackSettings {
+    /// Entries of the answered-flows table on a node with `cpus` CPUs.
+    pub fn table_entries(&self, cpus: usize) -> u32 {
+        let per_core = self.max_per_core.saturating_mul(cpus as u32);
+        per_core.max(self.min).max(1_024)
+    }
+}
+
+/// `ebpf.masqueradePortRange`: `FIRST-LAST`, both in 1024..=65535.
+fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
+    let (a, b) = text
+        .split_once('-')
+        .ok_or_else(|| format!("{text:?}: expected FIRST-LAST, e.g. 20000-29999"))?;
+    let port = |s: &str| {
+        s.trim()
+            .parse::<u16>()
+            .map_err(|e| format!("{s:?}: {e}"))
+            .and_then(|p| {
+                if p < 1024 {
+                    Err(format!("{p}: below 1024"))
+                } else {
+                    Ok(p)
+                }
+            })
+    };
+    let (a, b) = (port(a)?, port(b)?);
+    if b < a {
+        return Err(format!("{text:?}: the last port is below the first"));
+    }
+    Ok((a, b))
 }
 
 /// The agent's settings, after defaults, file and flags.
@@ -141,7 +185,7 @@ pub struct Config {
     pub healthz_bind_address: String,
     pub metrics_bind_address: String,
     pub hostname_override: Option<String>,
-    pub conntrack: ConntrackTimeouts,
+    pub conntrack: ConntrackSettings,
     pub kubeconfig: Option<String>,
     pub bpffs: String,
     pub cgroup: String,
@@ -166,7 +210,7 @@ impl Default for Config {
             healthz_bind_address: "0.0.0.0:10256".into(),
             metrics_bind_address: "127.0.0.1:10249".into(),
             hostname_override: None,
-            conntrack: ConntrackTimeouts::default(),
+            conntrack: ConntrackSettings::default(),
             kubeconfig: None,
             bpffs: "/sys/fs/bpf/proxy-agent".into(),
             cgroup: "auto".into(),
@@ -320,7 +364,17 @@ impl Config {
                         parse_duration(s).map_err(|e| format!("conntrack.{name}: {e}"))
                     })
                 };
-            cfg.conntrack = ConntrackTimeouts {
+            let size = |v: Option<i64>, name: &str, default: u32| -> Result<u32, String> {
+                match v {
+                    None => Ok(default),
+                    // kube-proxy: 0 leaves the kernel's limit alone; ours is the default.
+                    Some(0) => Ok(default),
+                    Some(n) => u32::try_from(n)
+                        .map_err(|_| format!("conntrack.{name}: {n} is out of range")),
+                }
+            };
+            let defaults = ConntrackSettings::default();
+            cfg.conntrack = ConntrackSettings {
                 tcp_syn: cfg.conntrack.tcp_syn,
                 tcp_established: d(
                     &ct.tcp_established_timeout,
@@ -338,11 +392,12 @@ impl Config {
                     "udpStreamTimeout",
                     cfg.conntrack.udp_stream,
                 )?,
+                max_per_core: size(ct.max_per_core, "maxPerCore", defaults.max_per_core)?,
+                min: size(ct.min, "min", defaults.min)?,
+                masquerade_ports: cfg.conntrack.masquerade_ports,
             };
             for key in ct.rest.keys() {
-                warnings.push(format!(
-                    "conntrack.{key}: not applicable (BPF conntrack is sized by the agent), ignored"
-                ));
+                warnings.push(format!("conntrack.{key}: not supported, ignored"));
             }
         }
         if let Some(cc) = file.client_connection {
@@ -367,6 +422,10 @@ impl Config {
             cfg.service_proxy_name = e.service_proxy_name;
             if let Some(v) = e.debug_bind_address {
                 cfg.debug_bind_address = v;
+            }
+            if let Some(v) = e.masquerade_port_range {
+                cfg.conntrack.masquerade_ports =
+                    parse_port_range(&v).map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;
             }
         }
         Ok((cfg, warnings))
@@ -494,7 +553,6 @@ ebpf:
         for needle in [
             "mode: not applicable",
             "iptables.masqueradeBit",
-            "conntrack.maxPerCore",
             "clientConnection.qps",
             "someFutureField: unknown field",
         ] {
@@ -503,7 +561,9 @@ ebpf:
                 "{needle} not reported in {warnings:?}"
             );
         }
-        assert_eq!(warnings.len(), 5, "{warnings:?}");
+        assert_eq!(warnings.len(), 4, "{warnings:?}");
+        assert_eq!(cfg.conntrack.table_entries(8), 8 * 32_768);
+        assert_eq!(cfg.conntrack.table_entries(2), 131_072);
     }
 
     #[test]
@@ -523,6 +583,14 @@ ebpf:
             ),
             ("kind: Deployment\n", "expected KubeProxyConfiguration"),
             ("kind: KubeProxyConfiguration\nebpf: {bogus: 1}\n", "bogus"),
+            (
+                "kind: KubeProxyConfiguration\nebpf: {masqueradePortRange: 30000-2000}\n",
+                "masqueradePortRange",
+            ),
+            (
+                "kind: KubeProxyConfiguration\nconntrack: {maxPerCore: -1}\n",
+                "conntrack.maxPerCore",
+            ),
         ] {
             let err = Config::from_text(text).expect_err(text);
             assert!(err.contains(needle), "{err} lacks {needle}");

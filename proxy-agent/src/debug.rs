@@ -168,6 +168,35 @@ async fn metrics(State(s): State<AppState>) -> Response {
         "Connected UDP sockets destroyed because their backend went away",
         c.udp_sockets_destroyed as i64,
     );
+    for (name, help, v) in [
+        (
+            "conntrack_answered_entries",
+            "Entries (two per flow) in the table of answered flows",
+            c.conntrack.answered,
+        ),
+        (
+            "conntrack_answered_capacity",
+            "Capacity of the table of answered flows",
+            c.conntrack.answered_capacity,
+        ),
+        (
+            "conntrack_new_entries",
+            "Entries in the table of flows not answered yet (LRU)",
+            c.conntrack.new,
+        ),
+        (
+            "conntrack_new_capacity",
+            "Capacity of the table of flows not answered yet",
+            c.conntrack.new_capacity,
+        ),
+        (
+            "conntrack_collected",
+            "Entries the collector removed (expired flows, orphaned replies)",
+            c.conntrack.collected_total,
+        ),
+    ] {
+        gauge(&mut registry, name, help, v as i64);
+    }
     gauge(
         &mut registry,
         "frontends",

@@ -302,7 +302,11 @@ async fn run(args: RunArgs) -> Result<()> {
         cgroup: resolve_cgroup(&cfg.cgroup)?,
         interfaces: resolve_interfaces(&cfg.interfaces)?,
         bpf_log_level: log_level(&cfg.bpf_log_level)?,
+        conntrack_entries: cfg
+            .conntrack
+            .table_entries(std::thread::available_parallelism().map_or(1, |n| n.get())),
     };
+    proxy_agent::dataplane::bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;
     tracing::info!(cgroup = ?opts.cgroup, interfaces = ?opts.interfaces, "starting");
     let mut dataplane = BpfDataplane::start(&opts)?;
     spawn_program_logger(&mut dataplane.ebpf);
@@ -365,7 +369,42 @@ async fn run(args: RunArgs) -> Result<()> {
             }
         });
     }
+    spawn_conntrack_collector(opts.pin_dir.join("maps"), status.clone());
     sync::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
+}
+
+/// Expires flows by their state's limits every `ct_collector::INTERVAL`, on its own
+/// handle of the pinned maps, and publishes the tables' fill.
+fn spawn_conntrack_collector(maps_dir: PathBuf, status: sync::Status) {
+    use proxy_agent::{dataplane::bpf::ct_collector, sync::status::ConntrackFill};
+    tokio::task::spawn_blocking(move || {
+        let mut maps = None;
+        loop {
+            std::thread::sleep(ct_collector::INTERVAL);
+            if maps.is_none() {
+                maps = MapSet::open_pinned(&maps_dir)
+                    .inspect_err(|e| {
+                        tracing::warn!(error = format!("{e:#}"), "conntrack collector: no maps")
+                    })
+                    .ok();
+            }
+            let Some(m) = maps.as_mut() else { continue };
+            match ct_collector::collect(m, ct_collector::monotonic_ns()) {
+                Ok(st) => {
+                    tracing::debug!(?st, "conntrack collected");
+                    let fill = ConntrackFill {
+                        answered: st.answered,
+                        answered_capacity: st.answered_capacity,
+                        new: st.new,
+                        new_capacity: st.new_capacity,
+                        collected_total: 0,
+                    };
+                    status.record_conntrack(fill, st.collected);
+                }
+                Err(e) => tracing::warn!(error = format!("{e:#}"), "conntrack collector failed"),
+            }
+        }
+    });
 }
 
 /// A client from `--kubeconfig`, else the in-cluster config, else the local kubeconfig.

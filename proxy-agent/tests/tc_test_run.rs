@@ -8,122 +8,15 @@ use support::root;
 
 use std::{collections::BTreeSet, net::SocketAddr};
 
-use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
-    dataplane::bpf::{self, MapSet, MapState, load_private},
-    model::{
-        BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
-        WhenEmpty,
-    },
+    dataplane::bpf,
+    model::{BackendSet, FrontendKind, NodeView, Protocol, WhenEmpty},
     trace::{
         self,
         packet::{fold, sum16},
     },
 };
-
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
-const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
-const TC_ACT_REDIRECT: u32 = 7;
-
-struct Harness {
-    ebpf: Ebpf,
-    maps: MapSet,
-    state: MapState,
-}
-
-impl Harness {
-    fn new(max_entries: &[(&str, u32)]) -> Self {
-        let (mut ebpf, maps) = load_private(max_entries).expect("load");
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut("tc_ingress")
-            .expect("program")
-            .try_into()
-            .expect("type");
-        prog.load().expect("verifier accepts tc_ingress");
-        let state = MapState::adopt(&maps).expect("adopt");
-        Harness { ebpf, maps, state }
-    }
-
-    fn apply(&mut self, view: &NodeView) -> proxy_agent::dataplane::ApplyReport {
-        self.state.apply(&mut self.maps, view).expect("apply")
-    }
-
-    /// Runs one packet; returns the verdict and the packet as the program left it.
-    fn run(&self, packet: &[u8]) -> (u32, Vec<u8>) {
-        let prog: &SchedClassifier = self
-            .ebpf
-            .program("tc_ingress")
-            .expect("program")
-            .try_into()
-            .expect("type");
-        let mut out = vec![0u8; packet.len() + 256];
-        let res = prog
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ..Default::default()
-            })
-            .expect("test_run");
-        out.truncate(res.data_size_out as usize);
-        (res.return_value, out)
-    }
-
-    fn counter(&self, name: &str) -> u64 {
-        self.maps
-            .counters()
-            .expect("counters")
-            .into_iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| v)
-            .expect("counter exists")
-    }
-}
-
-fn frontend(
-    ip: &str,
-    port: u16,
-    protocol: Protocol,
-    backends: &[&str],
-) -> (Frontend, FrontendState) {
-    (
-        Frontend {
-            ip: ip.parse().expect("ip"),
-            port,
-            protocol,
-        },
-        FrontendState {
-            service: format!("default/test:{port}"),
-            kind: FrontendKind::ClusterIp,
-            backends: BackendSet {
-                endpoints: backends
-                    .iter()
-                    .map(|b| b.parse().expect("backend"))
-                    .collect(),
-                when_empty: WhenEmpty::Reject,
-            },
-            internal: None,
-            affinity_timeout_s: None,
-            external_local: false,
-            source_ranges: Vec::new(),
-        },
-    )
-}
-
-/// Ethernet + IP + TCP SYN (or UDP) with valid checksums.
-fn packet(src: SocketAddr, dst: SocketAddr, tcp: bool) -> Vec<u8> {
-    let proto = if tcp { Protocol::Tcp } else { Protocol::Udp };
-    trace::packet::build(src, dst, proto)
-}
-
-/// The packet's addresses, its checksums verified.
-fn inspect(pkt: &[u8]) -> trace::packet::Seen {
-    trace::packet::inspect(pkt).unwrap_or_else(|e| panic!("bad packet: {e}"))
-}
-
-fn sa(s: &str) -> SocketAddr {
-    s.parse().expect("socket address")
-}
+use support::tc_harness::*;
 
 // ---- tests -------------------------------------------------------------------------
 
@@ -150,11 +43,7 @@ fn tcp_v4_dnat_and_reverse_nat_with_valid_checksums() {
         "destination rewritten to the backend"
     );
     assert_eq!(seen.src, client, "source untouched");
-    assert_eq!(
-        h.maps.conntrack.iter().count(),
-        2,
-        "forward and reply entries"
-    );
+    assert_eq!(h.ct_entries().len(), 2, "forward and reply entries");
 
     let (verdict, out) = h.run(&packet(sa("10.244.1.5:8080"), client, true));
     assert_eq!(verdict, TC_ACT_OK);
@@ -412,34 +301,6 @@ fn full_map_is_reported_and_other_services_keep_working() {
     );
 }
 
-/// The node of the scenarios: node-a, 192.0.2.10, pod network 10.244.0.0/16.
-fn configure_node(h: &mut Harness, masquerade_all: bool) {
-    configure_node_with(h, masquerade_all, Default::default());
-}
-
-fn configure_node_with(
-    h: &mut Harness,
-    masquerade_all: bool,
-    conntrack: proxy_agent::config::ConntrackTimeouts,
-) {
-    bpf::sync::configure(
-        &mut h.maps,
-        &NodeSettings {
-            conntrack,
-            pod_cidrs: vec![
-                "10.244.0.0/16".parse().expect("cidr"),
-                "fd00:244::/48".parse().expect("cidr"),
-            ],
-            node_addresses: vec![
-                "192.0.2.10".parse().expect("ip"),
-                "2001:db8:a::10".parse().expect("ip"),
-            ],
-            masquerade_all,
-        },
-    )
-    .expect("configure");
-}
-
 #[test]
 fn two_scopes_pods_use_the_internal_set_outside_clients_the_external_one() {
     if !root("two_scopes_pods_use_the_internal_set_outside_clients_the_external_one") {
@@ -533,7 +394,7 @@ fn masquerade_rewrites_the_source_and_replies_find_their_way_back() {
             continue;
         }
         assert!(
-            (32768..=60999).contains(&seen.src.port()),
+            (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&seen.src.port()),
             "port from the SNAT range: {}",
             seen.src
         );
@@ -645,76 +506,6 @@ fn drop_when_policy_leaves_no_endpoint_here() {
     );
 }
 
-/// TCP with a packet's flags (SYN for new flows, then ACK, FIN...).
-fn tcp_with_flags(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
-    let mut p = packet(src, dst, true);
-    let l4 = if src.is_ipv4() { 34 } else { 54 };
-    let old = p[l4 + 13];
-    p[l4 + 13] = flags;
-    // Keep the checksum valid: the flags byte is the low byte of its 16-bit word.
-    let csum = u16::from_be_bytes([p[l4 + 16], p[l4 + 17]]);
-    let sum = u32::from(!csum) + u32::from(!u16::from(old)) + u32::from(u16::from(flags));
-    let sum = (sum & 0xffff) + (sum >> 16);
-    let sum = (sum & 0xffff) + (sum >> 16);
-    p[l4 + 16..l4 + 18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-    p
-}
-
-#[test]
-fn conntrack_states_and_timeouts() {
-    if !root("conntrack_states_and_timeouts") {
-        return;
-    }
-    let mut h = Harness::new(&[]);
-    configure_node_with(
-        &mut h,
-        false,
-        proxy_agent::config::ConntrackTimeouts {
-            tcp_close_wait: std::time::Duration::from_secs(1),
-            ..Default::default()
-        },
-    );
-    h.apply(&NodeView::from([frontend(
-        "10.96.0.10",
-        80,
-        Protocol::Tcp,
-        &["10.244.1.5:8080"],
-    )]));
-    let (client, vip, be) = (
-        sa("10.244.0.3:40000"),
-        sa("10.96.0.10:80"),
-        sa("10.244.1.5:8080"),
-    );
-    let replied = |h: &Harness| {
-        h.maps
-            .conntrack
-            .iter()
-            .filter_map(Result::ok)
-            .any(|(k, v)| k.dir == 0 && v.flags & 2 != 0)
-    };
-    assert_eq!(h.run(&tcp_with_flags(client, vip, 0x02)).0, TC_ACT_OK);
-    assert!(!replied(&h), "no answer yet");
-    assert_eq!(
-        inspect(&h.run(&tcp_with_flags(be, client, 0x12)).1).src,
-        vip,
-        "SYN-ACK translated"
-    );
-    assert!(replied(&h), "the forward entry knows the backend answered");
-    // Both sides close; after the closing timeout the flow's entries are stale.
-    h.run(&tcp_with_flags(client, vip, 0x11));
-    assert_eq!(
-        inspect(&h.run(&tcp_with_flags(be, client, 0x11)).1).src,
-        vip
-    );
-    std::thread::sleep(std::time::Duration::from_millis(1300));
-    let (verdict, out) = h.run(&tcp_with_flags(be, client, 0x10));
-    assert_eq!(
-        verdict, TC_ACT_UNSPEC,
-        "an expired reply entry translates nothing"
-    );
-    assert_eq!(inspect(&out).src, be);
-}
-
 #[test]
 fn refusals_are_rate_limited() {
     if !root("refusals_are_rate_limited") {
@@ -773,10 +564,8 @@ fn flows_of_removed_backends_are_cleared() {
             .filter_map(Result::ok)
             .find(|(_, b)| bpf::sync::words_addr(b.addr, b.family).to_string() == ip)
             .map(|(id, _)| id);
-        h.maps
-            .conntrack
-            .iter()
-            .filter_map(Result::ok)
+        h.ct_entries()
+            .into_iter()
             .filter(|(_, v)| Some(v.backend_id) == id)
             .count()
     };
@@ -788,7 +577,7 @@ fn flows_of_removed_backends_are_cleared() {
         Protocol::Udp,
         &["10.244.2.6:5353"],
     )]));
-    let left: Vec<_> = h.maps.conntrack.iter().filter_map(Result::ok).collect();
+    let left: Vec<_> = h.ct_entries().into_iter().collect();
     assert!(
         left.iter()
             .all(|(_, v)| h.maps.backends.get(&v.backend_id, 0).is_ok()),
@@ -889,10 +678,8 @@ fn udp_flows_are_cleared_per_service() {
         assert_eq!(inspect(&out).dst, sa(shared));
     }
     let flows = |h: &Harness| -> BTreeSet<u16> {
-        h.maps
-            .conntrack
-            .iter()
-            .filter_map(Result::ok)
+        h.ct_entries()
+            .into_iter()
             .filter(|(k, _)| k.dir == proxy_common::CT_DIR_FORWARD)
             .map(|(k, _)| u16::from_be(k.sport))
             .collect()

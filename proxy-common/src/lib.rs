@@ -149,17 +149,24 @@ pub const LPM_TAG_NODE: u32 = 0x100;
 /// Bits of `LpmData::tag` every LPM key matches in full before the address bits.
 pub const LPM_TAG_BITS: u32 = 32;
 
-/// `CtValue::flags`: the flow's source was rewritten to the node (masquerade).
+/// `CtValue::flags`: the flow's source was rewritten (masquerade to the node, or a new
+/// source port alone when the client's own tuple would clash with another flow's).
 pub const CT_F_SNAT: u8 = 1 << 0;
 /// `CtValue::flags` (forward entries): the backend has answered.
 pub const CT_F_REPLIED: u8 = 1 << 1;
-/// `CtValue::flags`: a TCP FIN or RST was seen: the flow is closing.
-pub const CT_F_CLOSING: u8 = 1 << 2;
+/// `CtValue::flags` (forward entries): the client sent a FIN.
+pub const CT_F_FIN_ORIG: u8 = 1 << 2;
+/// `CtValue::flags` (forward entries): the backend sent a FIN.
+pub const CT_F_FIN_REPLY: u8 = 1 << 3;
+/// `CtValue::flags` (forward entries): either side sent a RST.
+pub const CT_F_RST: u8 = 1 << 4;
 
-/// Ports the masquerade allocates from (kube-proxy leaves the kernel's ephemeral range,
-/// 32768-60999, to SNAT as well).
-pub const SNAT_PORT_MIN: u16 = 32_768;
-pub const SNAT_PORT_MAX: u16 = 60_999;
+/// Masquerade source ports by default (host byte order): below the NodePort range and
+/// outside the kernel's default ephemeral range (32768-60999), so a masqueraded flow
+/// never shares a tuple with a connection the node itself opens (Calico's eBPF dataplane
+/// uses the same range). The agent checks the node's `ip_local_port_range`.
+pub const SNAT_PORT_MIN: u16 = 20_000;
+pub const SNAT_PORT_MAX: u16 = 29_999;
 
 /// `Backend::state`: receives new connections.
 pub const BACKEND_ACTIVE: u8 = 0;
@@ -185,7 +192,10 @@ pub mod map_names {
     pub const AFFINITY: &str = "AFFINITY";
     pub const REV_NAT: &str = "REV_NAT";
     pub const SOCK_REV_NAT: &str = "SOCK_REV_NAT";
+    /// Answered flows (hash, expired by the agent's collector).
     pub const CONNTRACK: &str = "CONNTRACK";
+    /// Flows not answered yet (LRU: a flood of new flows only evicts its own kind).
+    pub const CONNTRACK_NEW: &str = "CONNTRACK_NEW";
     pub const COUNTERS: &str = "COUNTERS";
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
     pub const LOCAL_NETS: &str = "LOCAL_NETS";
@@ -200,7 +210,7 @@ pub mod map_names {
     /// Every map the agent pins, in a stable order. (The SCTP ones are pinned so a tail
     /// call keeps working while the agent is down: a program array loses its entries
     /// when nothing in user space holds it.)
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -208,6 +218,7 @@ pub mod map_names {
         REV_NAT,
         SOCK_REV_NAT,
         CONNTRACK,
+        CONNTRACK_NEW,
         COUNTERS,
         NODE_CONFIG,
         LOCAL_NETS,
@@ -248,7 +259,11 @@ pub mod capacity {
     pub const AFFINITY: u32 = 65_536;
     pub const REV_NAT: u32 = 262_144;
     pub const SOCK_REV_NAT: u32 = 65_536;
+    /// Answered flows: kube-proxy's `conntrack.min` (the agent sizes it from
+    /// `conntrack.maxPerCore` × CPUs, at least `conntrack.min`).
     pub const CONNTRACK: u32 = 131_072;
+    /// Flows not answered yet (a quarter of the answered table by default).
+    pub const CONNTRACK_NEW: u32 = 32_768;
     pub const LOCAL_NETS: u32 = 1_024;
     pub const SOURCE_RANGES: u32 = 16_384;
     pub const FRAGMENTS: u32 = 8_192;
@@ -428,28 +443,79 @@ pub struct FragPorts {
     pub dport: u16,
 }
 
-/// Connection-tracking value. Forward entries hold the backend the flow was sent to and,
-/// when masqueraded, the node address and port it leaves with; reply entries hold the
-/// `rev_nat_id` whose frontend replies come from and, when masqueraded, the client's
-/// address and port to restore.
+/// Connection-tracking value. A flow has two entries, one per direction, in the same
+/// table. Forward entries (keyed by the client's tuple) hold the flow's state — `flags`
+/// and `last_seen_ns`, updated by packets of both directions — the backend the flow was
+/// sent to (`xlate_*`) and, when masqueraded, the source it leaves with (`nat_*`).
+/// Reply entries (keyed by the backend's reply tuple) hold the frontend replies come from
+/// (`xlate_*`) and, when masqueraded, the client's address and port to restore (`nat_*`);
+/// their `flags` carry only `CT_F_SNAT`. Either entry names its partner
+/// ([`reply_key_of`], [`forward_key_of`]).
 #[repr(C)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtValue {
+    /// Forward entries: `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the flow's last packet.
     pub last_seen_ns: u64,
     pub backend_id: u32,
     pub rev_nat_id: u32,
     pub nat_addr: [u32; 4],
-    /// Forward entries: the backend's address, so an established flow keeps reaching a
-    /// backend that left its Service (a terminating pod), as kube-proxy's conntrack does.
-    pub backend_addr: [u32; 4],
+    /// Forward: the backend's address, so an established flow keeps reaching a backend
+    /// that left its Service (a terminating pod), as kube-proxy's conntrack does.
+    /// Reply: the frontend's address.
+    pub xlate_addr: [u32; 4],
     /// Network byte order.
     pub nat_port: u16,
     /// Network byte order.
-    pub backend_port: u16,
+    pub xlate_port: u16,
     /// `CT_F_*`.
     pub flags: u8,
     pub _pad: [u8; 3],
+}
+
+/// The key of a forward entry's partner: the tuple the backend's replies carry.
+pub fn reply_key_of(fwd_key: &CtKey, fwd: &CtValue) -> CtKey {
+    let snat = fwd.flags & CT_F_SNAT != 0;
+    CtKey {
+        saddr: fwd.xlate_addr,
+        daddr: if snat { fwd.nat_addr } else { fwd_key.saddr },
+        sport: fwd.xlate_port,
+        dport: if snat { fwd.nat_port } else { fwd_key.sport },
+        proto: fwd_key.proto,
+        family: fwd_key.family,
+        dir: CT_DIR_REPLY,
+        _pad: 0,
+    }
+}
+
+/// The key of a reply entry's partner: the client's tuple towards the frontend.
+pub fn forward_key_of(reply_key: &CtKey, reply: &CtValue) -> CtKey {
+    let snat = reply.flags & CT_F_SNAT != 0;
+    CtKey {
+        saddr: if snat {
+            reply.nat_addr
+        } else {
+            reply_key.daddr
+        },
+        daddr: reply.xlate_addr,
+        sport: if snat {
+            reply.nat_port
+        } else {
+            reply_key.dport
+        },
+        dport: reply.xlate_port,
+        proto: reply_key.proto,
+        family: reply_key.family,
+        dir: CT_DIR_FORWARD,
+        _pad: 0,
+    }
+}
+
+/// A closed TCP flow (both FINs — netfilter's TIME_WAIT — or a RST — CLOSE): a new SYN
+/// on its tuple opens a new flow, and its masquerade port may be given to another.
+pub const fn ct_closed(flags: u8) -> bool {
+    flags & CT_F_RST != 0
+        || flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY) == (CT_F_FIN_ORIG | CT_F_FIN_REPLY)
 }
 
 /// Node-wide settings of the per-packet path (`NODE_CONFIG`, one entry at index 0).
@@ -465,35 +531,79 @@ pub struct NodeConfig {
     pub flags: u32,
     /// Connection-tracking timeouts, in seconds, by state (0 = the built-in default).
     pub timeouts: CtTimeouts,
+    /// Masquerade source ports, host byte order, inclusive (0 = `SNAT_PORT_MIN`/`MAX`).
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
 }
 
-/// Seconds an idle flow is kept, by state (kube-proxy's conntrack settings, where it has
-/// them). An expired entry is ignored and replaced: the flow is balanced again.
+/// Seconds an idle flow is kept, by state (kube-proxy's conntrack settings where it has
+/// them, netfilter's defaults for the rest). An expired flow is ignored, replaced by the
+/// next new flow on its tuple, and removed by the agent's collector.
 #[repr(C)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtTimeouts {
-    /// TCP before the backend answered.
+    /// TCP (and SCTP) before the backend answered.
     pub tcp_syn: u32,
     /// TCP after it did (`conntrack.tcpEstablishedTimeout`).
     pub tcp_established: u32,
-    /// TCP after a FIN or RST (`conntrack.tcpCloseWaitTimeout`).
+    /// TCP after a FIN from one side (`conntrack.tcpCloseWaitTimeout`).
     pub tcp_closing: u32,
     /// UDP before an answer (`conntrack.udpTimeout`).
     pub udp: u32,
     /// UDP after one (`conntrack.udpStreamTimeout`).
     pub udp_stream: u32,
+    /// TCP after FINs from both sides (netfilter's TIME_WAIT).
+    pub tcp_time_wait: u32,
+    /// TCP after a RST (netfilter's CLOSE).
+    pub tcp_close: u32,
 }
 
 impl CtTimeouts {
-    /// Built-in defaults: kube-proxy's conntrack defaults, 60 s for unanswered TCP.
+    /// Built-in defaults: kube-proxy's conntrack defaults, netfilter's TIME_WAIT and
+    /// CLOSE, 60 s for unanswered TCP.
     pub const DEFAULT: Self = Self {
         tcp_syn: 60,
         tcp_established: 86_400,
         tcp_closing: 3_600,
         udp: 30,
         udp_stream: 120,
+        tcp_time_wait: 120,
+        tcp_close: 10,
     };
+
+    /// How long a flow in this state (protocol, forward entry's `CT_F_*`) may idle.
+    /// Shared by the programs and the agent's collector, so both expire alike.
+    #[inline(always)]
+    pub fn idle_limit_s(&self, proto: u8, flags: u8) -> u32 {
+        let d = Self::DEFAULT;
+        let pick = |v: u32, default: u32| if v == 0 { default } else { v };
+        if proto == PROTO_TCP || proto == PROTO_SCTP {
+            // SCTP has no FIN we watch: its associations age like TCP that never closes.
+            if flags & CT_F_RST != 0 {
+                pick(self.tcp_close, d.tcp_close)
+            } else if ct_closed(flags) {
+                pick(self.tcp_time_wait, d.tcp_time_wait)
+            } else if flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY) != 0 {
+                pick(self.tcp_closing, d.tcp_closing)
+            } else if flags & CT_F_REPLIED != 0 {
+                pick(self.tcp_established, d.tcp_established)
+            } else {
+                pick(self.tcp_syn, d.tcp_syn)
+            }
+        } else if flags & CT_F_REPLIED != 0 {
+            pick(self.udp_stream, d.udp_stream)
+        } else {
+            pick(self.udp, d.udp)
+        }
+    }
+
+    /// Whether a flow last seen at `last_seen_ns` has idled past its limit at `now_ns`.
+    #[inline(always)]
+    pub fn expired(&self, proto: u8, flags: u8, last_seen_ns: u64, now_ns: u64) -> bool {
+        now_ns.wrapping_sub(last_seen_ns)
+            > u64::from(self.idle_limit_s(proto, flags)) * 1_000_000_000
+    }
 }
 
 /// Data of an LPM-trie key: a tag matched in full, then the address bits.
@@ -525,8 +635,16 @@ pub mod counter {
     pub const SNAT_PORTS_EXHAUSTED: u32 = 11;
     pub const REJECT_SENT: u32 = 12;
     pub const REJECT_RATE_LIMITED: u32 = 13;
+    /// A TCP segment other than a SYN for a frontend, with no flow: dropped, as
+    /// kube-proxy drops what netfilter marks INVALID.
+    pub const CT_INVALID: u32 = 14;
+    /// An answered flow found the answered-flows table full: it stays in the table of
+    /// new flows (LRU), where a flood may evict it.
+    pub const CT_FULL: u32 = 15;
+    /// A closed or expired flow's tuple (or masquerade port) was taken over by a new one.
+    pub const CT_REUSED: u32 = 16;
     /// Length of the array.
-    pub const COUNT: u32 = 14;
+    pub const COUNT: u32 = 17;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -543,6 +661,9 @@ pub mod counter {
         "snat_ports_exhausted",
         "reject_sent",
         "reject_rate_limited",
+        "ct_invalid",
+        "ct_full",
+        "ct_reused",
     ];
 }
 
@@ -627,8 +748,8 @@ mod tests {
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragPorts>(), 4);
         assert_eq!(size_of::<CtValue>(), 56);
-        assert_eq!(size_of::<NodeConfig>(), 56);
-        assert_eq!(size_of::<CtTimeouts>(), 20);
+        assert_eq!(size_of::<NodeConfig>(), 68);
+        assert_eq!(size_of::<CtTimeouts>(), 28);
         assert_eq!(size_of::<LpmData>(), 20);
         // The kernel rejects hash values aligned above 8 bytes.
         assert!(align_of::<AffinityValue>() <= 8 && align_of::<CtValue>() <= 8);
@@ -647,11 +768,70 @@ mod tests {
         assert_eq!(size_of::<SockRevNatKey>(), 8 + 16 + 2 + 1 + 5);
         assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
         assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3);
-        assert_eq!(size_of::<NodeConfig>(), 16 + 16 + 4 + 20);
+        assert_eq!(size_of::<NodeConfig>(), 16 + 16 + 4 + 28 + 2 + 2);
     }
 
     #[test]
     fn counter_names_cover_every_index() {
         assert_eq!(counter::NAMES.len(), counter::COUNT as usize);
+    }
+
+    /// Each TCP state ages by its own limit, as netfilter's do; zero means the default.
+    #[test]
+    fn idle_limits_follow_the_flow_state() {
+        let t = CtTimeouts {
+            tcp_established: 500,
+            ..CtTimeouts::default()
+        };
+        let tcp = |flags| t.idle_limit_s(PROTO_TCP, flags);
+        assert_eq!(tcp(0), 60);
+        assert_eq!(tcp(CT_F_REPLIED), 500);
+        assert_eq!(tcp(CT_F_REPLIED | CT_F_FIN_ORIG), 3_600);
+        assert_eq!(tcp(CT_F_REPLIED | CT_F_FIN_REPLY), 3_600);
+        assert_eq!(tcp(CT_F_REPLIED | CT_F_FIN_ORIG | CT_F_FIN_REPLY), 120);
+        assert_eq!(tcp(CT_F_REPLIED | CT_F_RST), 10);
+        assert_eq!(tcp(CT_F_RST | CT_F_FIN_ORIG), 10);
+        assert_eq!(t.idle_limit_s(PROTO_UDP, CT_F_SNAT), 30);
+        assert_eq!(t.idle_limit_s(PROTO_UDP, CT_F_REPLIED), 120);
+        assert!(!t.expired(PROTO_UDP, 0, 1_000, 1_000 + 30_000_000_000));
+        assert!(t.expired(PROTO_UDP, 0, 1_000, 1_001 + 30_000_000_000));
+        assert!(ct_closed(CT_F_RST) && !ct_closed(CT_F_FIN_ORIG));
+    }
+
+    /// Each entry of a flow names its partner, masqueraded or not.
+    #[test]
+    fn partner_keys_round_trip() {
+        let client = CtKey {
+            saddr: [0x0a00_0001, 0, 0, 0],
+            daddr: [0x0a60_000a, 0, 0, 0],
+            sport: 40_000u16.to_be(),
+            dport: 80u16.to_be(),
+            proto: PROTO_TCP,
+            family: FAMILY_V4,
+            dir: CT_DIR_FORWARD,
+            _pad: 0,
+        };
+        for snat in [false, true] {
+            let fwd = CtValue {
+                xlate_addr: [0x0af4_0002, 0, 0, 0],
+                xlate_port: 8080u16.to_be(),
+                nat_addr: if snat { [0xc0a8_000a, 0, 0, 0] } else { [0; 4] },
+                nat_port: if snat { 20_001u16.to_be() } else { 0 },
+                flags: if snat { CT_F_SNAT } else { 0 },
+                ..CtValue::default()
+            };
+            let rkey = reply_key_of(&client, &fwd);
+            assert_eq!(rkey.saddr, fwd.xlate_addr);
+            assert_eq!(rkey.dir, CT_DIR_REPLY);
+            let reply = CtValue {
+                xlate_addr: client.daddr,
+                xlate_port: client.dport,
+                nat_addr: if snat { client.saddr } else { [0; 4] },
+                nat_port: if snat { client.sport } else { 0 },
+                flags: fwd.flags,
+                ..CtValue::default()
+            };
+            assert_eq!(forward_key_of(&rkey, &reply), client);
+        }
     }
 }

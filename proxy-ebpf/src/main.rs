@@ -1,10 +1,14 @@
 //! BPF programs of the service proxy. Entry points are thin: the work lives in `lb`
-//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet path).
+//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet path, with `packet`, `conntrack` and
+//! `nat`).
 #![no_std]
 #![no_main]
 
+mod conntrack;
 mod lb;
 mod maps;
+mod nat;
+mod packet;
 mod reject;
 mod route;
 mod sock;
@@ -64,7 +68,7 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 /// Tail call of `tc_ingress` for SCTP packets whose ports it rewrote: their CRC32c.
 #[classifier]
 pub fn tc_sctp_crc(ctx: TcContext) -> i32 {
-    tc::sctp_checksum(&ctx)
+    nat::sctp_checksum(&ctx)
 }
 
 /// Does nothing but pass the packet on: the baseline `cargo xtask bench` measures the

@@ -50,8 +50,15 @@ pub static SOCK_REV_NAT: LruHashMap<
     { capacity::SOCK_REV_NAT as usize },
 > = LruHashMap::new();
 
+/// Answered flows: a preallocated hash, never evicted; the agent's collector removes
+/// flows that idled past their state's limit.
 #[btf_map]
-pub static CONNTRACK: LruHashMap<CtKey, CtValue, { capacity::CONNTRACK as usize }> =
+pub static CONNTRACK: HashMap<CtKey, CtValue, { capacity::CONNTRACK as usize }> = HashMap::new();
+
+/// Flows the backend has not answered yet: LRU, so a flood of new flows only evicts its
+/// own kind.
+#[btf_map]
+pub static CONNTRACK_NEW: LruHashMap<CtKey, CtValue, { capacity::CONNTRACK_NEW as usize }> =
     LruHashMap::new();
 
 #[btf_map]
@@ -109,6 +116,14 @@ pub fn ct_scratch(idx: u32) -> Option<&'static mut CtValue> {
     let v = unsafe { &mut *p };
     *v = CtValue::default();
     Some(v)
+}
+
+/// This CPU's scratch value `idx` as the current packet left it.
+#[inline(always)]
+pub fn scratch(idx: u32) -> Option<&'static mut CtValue> {
+    let p = CT_SCRATCH.get_ptr_mut(idx)?;
+    // SAFETY: as for `ct_scratch`.
+    Some(unsafe { &mut *p })
 }
 
 /// Counts one event of kind `idx` (a `proxy_common::counter` index).

@@ -12,7 +12,8 @@ use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
 
 use crate::{
     maps::count,
-    tc::{DROP, ETH_HLEN, Packet, ifindex},
+    packet::{ETH_HLEN, Packet, ifindex},
+    tc::DROP,
 };
 
 const TCP_FIN: u8 = 0x01;

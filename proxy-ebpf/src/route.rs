@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use proxy_common::FAMILY_V4;
 
-use crate::tc::{Verdict, ifindex};
+use crate::{packet::ifindex, tc::Verdict};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;

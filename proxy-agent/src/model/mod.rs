@@ -74,7 +74,7 @@ pub struct ViewConfig {
     /// kube-proxy's `masqueradeAll`.
     pub masquerade_all: bool,
     /// Connection-tracking timeouts of the per-packet path.
-    pub conntrack: crate::config::ConntrackTimeouts,
+    pub conntrack: crate::config::ConntrackSettings,
     /// CIDRs whose node addresses get NodePorts; empty: every node address.
     pub node_port_addresses: Vec<ipnet::IpNet>,
     /// `127.0.0.1:<nodePort>` works (IPv4 only).
@@ -186,7 +186,7 @@ pub struct NodeSettings {
     pub pod_cidrs: Vec<ipnet::IpNet>,
     pub node_addresses: Vec<IpAddr>,
     pub masquerade_all: bool,
-    pub conntrack: crate::config::ConntrackTimeouts,
+    pub conntrack: crate::config::ConntrackSettings,
 }
 
 impl NodeSettings {

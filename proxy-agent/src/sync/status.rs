@@ -24,6 +24,19 @@ pub struct Counters {
     pub objects_rejected: u64,
     pub udp_sockets_destroyed: u64,
     pub last_sync_seconds: f64,
+    /// The per-packet path's connection tracking, as its collector last measured it.
+    pub conntrack: ConntrackFill,
+}
+
+/// How full the connection-tracking tables are (entries, two per flow) and how many
+/// entries the collector has removed in all.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ConntrackFill {
+    pub answered: u64,
+    pub answered_capacity: u64,
+    pub new: u64,
+    pub new_capacity: u64,
+    pub collected_total: u64,
 }
 
 #[derive(Default)]
@@ -185,6 +198,17 @@ impl Status {
     /// The latest node view.
     pub fn view(&self) -> NodeView {
         self.with(|s| s.view.clone())
+    }
+
+    /// Records a collector pass: the tables' fill now, and `collected` more removals.
+    pub fn record_conntrack(&self, fill: ConntrackFill, collected: u64) {
+        self.with(|s| {
+            let total = s.counters.conntrack.collected_total + collected;
+            s.counters.conntrack = ConntrackFill {
+                collected_total: total,
+                ..fill
+            };
+        });
     }
 
     pub fn counters(&self) -> Counters {

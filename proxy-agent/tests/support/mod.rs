@@ -2,6 +2,7 @@
 #![allow(dead_code, reason = "each test binary uses part of the support code")]
 
 pub mod fake_apiserver;
+pub mod tc_harness;
 
 /// Root is needed to load BPF programs and maps; says why a test skips otherwise.
 pub fn root(test: &str) -> bool {

@@ -21,7 +21,9 @@ pub struct MapSet {
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
     pub sock_rev_nat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    /// Answered flows (hash) and new ones (LRU).
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
+    pub conntrack_new: HashMap<MapData, CtKey, CtValue>,
     pub counters: PerCpuArray<MapData, u64>,
     pub node_config: Array<MapData, NodeConfig>,
     pub local_nets: LpmTrie<MapData, LpmData, u8>,
@@ -65,6 +67,10 @@ impl MapSet {
                 id(IterableMap::map(&self.sock_rev_nat))?,
             ),
             (map_names::CONNTRACK, id(IterableMap::map(&self.conntrack))?),
+            (
+                map_names::CONNTRACK_NEW,
+                id(IterableMap::map(&self.conntrack_new))?,
+            ),
             (
                 map_names::COUNTERS,
                 id(IterableMap::<u32, PerCpuValues<u64>>::map(&self.counters))?,
@@ -111,6 +117,7 @@ impl MapSet {
             rev_nat: typed!(map_names::REV_NAT),
             sock_rev_nat: typed!(map_names::SOCK_REV_NAT),
             conntrack: typed!(map_names::CONNTRACK),
+            conntrack_new: typed!(map_names::CONNTRACK_NEW),
             counters: typed!(map_names::COUNTERS),
             node_config: typed!(map_names::NODE_CONFIG),
             local_nets: typed!(map_names::LOCAL_NETS),

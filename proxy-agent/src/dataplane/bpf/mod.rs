@@ -7,6 +7,7 @@
 //! traffic never sees a gap.
 
 mod conntrack;
+pub mod ct_collector;
 pub mod maps;
 mod netlink;
 mod sockets;
@@ -68,6 +69,38 @@ pub struct AttachOptions {
     pub interfaces: Vec<String>,
     /// aya-log level for messages from the programs (0 off ... 5 trace).
     pub bpf_log_level: u8,
+    /// Entries of the answered-flows table (`CONNTRACK`; the new-flows table gets a
+    /// quarter); 0 keeps the built-in capacities.
+    pub conntrack_entries: u32,
+}
+
+/// Capacities of the two connection-tracking tables for `entries` answered entries.
+pub fn conntrack_capacities(entries: u32) -> [(&'static str, u32); 2] {
+    [
+        (map_names::CONNTRACK, entries),
+        (map_names::CONNTRACK_NEW, (entries / 4).max(1_024)),
+    ]
+}
+
+/// Refuses a masquerade port range that overlaps the node's ephemeral ports
+/// (`net.ipv4.ip_local_port_range`): a connection the node opens itself could then
+/// share its tuple with a masqueraded flow.
+pub fn check_masquerade_ports(range: (u16, u16)) -> Result<()> {
+    let path = "/proc/sys/net/ipv4/ip_local_port_range";
+    let text = fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    let mut parts = text.split_whitespace().map(str::parse::<u16>);
+    let (Some(Ok(lo)), Some(Ok(hi))) = (parts.next(), parts.next()) else {
+        bail!("{path}: unexpected content {text:?}");
+    };
+    if range.0 <= hi && lo <= range.1 {
+        bail!(
+            "masquerade ports {}-{} overlap the node's ephemeral ports {lo}-{hi} \
+             (net.ipv4.ip_local_port_range): set ebpf.masqueradePortRange outside them",
+            range.0,
+            range.1
+        );
+    }
+    Ok(())
 }
 
 /// The loaded, attached dataplane.
@@ -138,6 +171,12 @@ impl BpfDataplane {
         }
         let level = opts.bpf_log_level;
         loader.override_global("AYA_LOG_LEVEL", &level, false);
+        if opts.conntrack_entries > 0 {
+            for (name, size) in conntrack_capacities(opts.conntrack_entries) {
+                loader.map_max_entries(name, size);
+                warn_if_pinned_size_differs(&maps_dir.join(name), size);
+            }
+        }
         let mut ebpf = loader
             .load(BPF_OBJECT)
             .context("loading the BPF object (is this kernel eBPF-capable, are we root?)")?;
@@ -161,6 +200,24 @@ impl BpfDataplane {
             state,
             cgroup: opts.cgroup.clone(),
         })
+    }
+}
+
+/// A pinned map keeps the size it was created with (its entries are live flows): a new
+/// size takes effect after `proxy-agent cleanup`.
+fn warn_if_pinned_size_differs(pin: &Path, wanted: u32) {
+    let Ok(data) = aya::maps::MapData::from_pin(pin) else {
+        return;
+    };
+    if let Ok(info) = data.info()
+        && info.max_entries() != wanted
+    {
+        tracing::warn!(
+            map = %pin.display(),
+            pinned = info.max_entries(),
+            wanted,
+            "pinned map keeps its size; run `proxy-agent cleanup` to resize"
+        );
     }
 }
 

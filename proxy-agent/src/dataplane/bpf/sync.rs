@@ -368,20 +368,23 @@ impl MapState {
             .map(|l| (l.rev_nat_id, l.backend_id))
             .collect();
         if !pairs.is_empty() {
-            let stale: Vec<_> = maps
-                .conntrack
-                .iter()
-                .filter_map(Result::ok)
-                .filter(|(k, v)| {
-                    k.proto == PROTO_UDP && pairs.contains(&(v.rev_nat_id, v.backend_id))
-                })
-                .map(|(k, _)| k)
-                .collect();
-            for key in &stale {
-                remove_ignoring_absent(maps.conntrack.remove(key))?;
+            let mut cleared = 0;
+            for table in [&mut maps.conntrack, &mut maps.conntrack_new] {
+                let stale: Vec<_> = table
+                    .iter()
+                    .filter_map(Result::ok)
+                    .filter(|(k, v)| {
+                        k.proto == PROTO_UDP && pairs.contains(&(v.rev_nat_id, v.backend_id))
+                    })
+                    .map(|(k, _)| k)
+                    .collect();
+                for key in &stale {
+                    remove_ignoring_absent(table.remove(key))?;
+                }
+                cleared += stale.len();
             }
-            if !stale.is_empty() {
-                tracing::debug!(entries = stale.len(), "flows of removed backends cleared");
+            if cleared > 0 {
+                tracing::debug!(entries = cleared, "flows of removed backends cleared");
             }
         }
         Ok(report)
@@ -683,7 +686,12 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
             tcp_closing: secs(ct.tcp_close_wait),
             udp: secs(ct.udp),
             udp_stream: secs(ct.udp_stream),
+            // No kube-proxy setting: netfilter's TIME_WAIT and CLOSE (the built-in defaults).
+            tcp_time_wait: 0,
+            tcp_close: 0,
         },
+        snat_port_min: ct.masquerade_ports.0,
+        snat_port_max: ct.masquerade_ports.1,
     };
     maps.node_config.set(0, &cfg, 0)?;
     let mut wanted = Vec::new();

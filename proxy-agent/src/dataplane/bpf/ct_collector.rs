@@ -1,0 +1,133 @@
+//! The connection-tracking collector: flows expire by their own state's idle limit, not
+//! by LRU luck. The programs already ignore (and replace) an expired flow; this pass
+//! frees its entries — and with them its masquerade port — and measures how full the
+//! tables really are. It is what netfilter's and Cilium's conntrack GC do.
+
+use std::{collections::HashMap as StdHashMap, time::Duration};
+
+use anyhow::{Context as _, Result};
+use aya::maps::{HashMap, MapData, MapError};
+use proxy_common::{
+    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, forward_key_of, map_names, reply_key_of,
+};
+
+use super::maps::MapSet;
+
+/// How often the collector runs.
+pub const INTERVAL: Duration = Duration::from_secs(10);
+
+/// A reply entry is written a moment before its forward partner (and moved first when a
+/// flow is answered): one without a partner is an orphan only once it is this old.
+const ORPHAN_GRACE_NS: u64 = 5_000_000_000;
+
+/// What one pass saw and did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CtStats {
+    /// Entries (two per flow) left in the table of answered flows, and its capacity.
+    pub answered: u64,
+    pub answered_capacity: u64,
+    /// Entries left in the table of flows not answered yet, and its capacity.
+    pub new: u64,
+    pub new_capacity: u64,
+    /// Entries this pass removed (expired flows and orphaned reply entries).
+    pub collected: u64,
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns()`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// One pass over both tables at time `now_ns`, with the timeouts the programs use
+/// (`NODE_CONFIG`).
+pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
+    let timeouts = maps
+        .node_config
+        .get(&0, 0)
+        .context("reading NODE_CONFIG")?
+        .timeouts;
+    let mut stats = CtStats::default();
+    let (left, cap, collected) = collect_table(&mut maps.conntrack, &timeouts, now_ns)
+        .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
+    (stats.answered, stats.answered_capacity) = (left, cap);
+    stats.collected += collected;
+    let (left, cap, collected) = collect_table(&mut maps.conntrack_new, &timeouts, now_ns)
+        .with_context(|| format!("collecting {}", map_names::CONNTRACK_NEW))?;
+    (stats.new, stats.new_capacity) = (left, cap);
+    stats.collected += collected;
+    Ok(stats)
+}
+
+/// Returns (entries left, capacity, entries removed).
+fn collect_table(
+    table: &mut HashMap<MapData, CtKey, CtValue>,
+    timeouts: &CtTimeouts,
+    now: u64,
+) -> Result<(u64, u64, u64)> {
+    use aya::maps::IterableMap as _;
+    let capacity = u64::from(table.map().info()?.max_entries());
+    let entries: StdHashMap<CtKey, CtValue> = table.iter().filter_map(Result::ok).collect();
+    let expired = |v: &CtValue, proto| timeouts.expired(proto, v.flags, v.last_seen_ns, now);
+    let mut doomed = Vec::new();
+    for (key, value) in &entries {
+        if key.dir == CT_DIR_FORWARD {
+            if expired(value, key.proto) {
+                doomed.push(*key);
+            }
+            continue;
+        }
+        let fwd_key = forward_key_of(key, value);
+        let partnered = entries
+            .get(&fwd_key)
+            .is_some_and(|f| reply_key_of(&fwd_key, f) == *key && !expired(f, key.proto));
+        if !partnered && now.wrapping_sub(value.last_seen_ns) > ORPHAN_GRACE_NS {
+            doomed.push(*key);
+        }
+    }
+    let mut removed = 0;
+    for key in doomed {
+        // Read again: a packet may have revived the flow, or a new flow taken the tuple,
+        // since the snapshot.
+        let Ok(value) = table.get(&key, 0) else {
+            continue;
+        };
+        if key.dir == CT_DIR_FORWARD {
+            if !expired(&value, key.proto) {
+                continue;
+            }
+            let reply = reply_key_of(&key, &value);
+            removed += remove(table, &key)?;
+            // The reply entry goes only if it still names this flow.
+            if let Ok(r) = table.get(&reply, 0)
+                && forward_key_of(&reply, &r) == key
+            {
+                removed += remove(table, &reply)?;
+            }
+        } else {
+            let fwd_key = forward_key_of(&key, &value);
+            let partnered = table
+                .get(&fwd_key, 0)
+                .is_ok_and(|f| reply_key_of(&fwd_key, &f) == key && !expired(&f, key.proto));
+            if !partnered {
+                removed += remove(table, &key)?;
+            }
+        }
+    }
+    let left = (entries.len() as u64).saturating_sub(removed);
+    Ok((left, capacity, removed))
+}
+
+fn remove(table: &mut HashMap<MapData, CtKey, CtValue>, key: &CtKey) -> Result<u64> {
+    match table.remove(key) {
+        Ok(()) => Ok(1),
+        Err(MapError::KeyNotFound) => Ok(0),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(0),
+        Err(e) => Err(e).context("removing a conntrack entry"),
+    }
+}

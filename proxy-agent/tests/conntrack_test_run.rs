@@ -1,0 +1,466 @@
+//! The per-packet path's connection tracking through the real classifier
+//! (`BPF_PROG_TEST_RUN`): flows age by their state's limit at the default timeouts (time
+//! is moved by ageing the entries, as if the flow had idled that long), closed flows
+//! give their tuple and masquerade port back, a SYN flood evicts no answered flow, a
+//! client port shared by two frontends keeps both flows apart, and the collector frees
+//! what expired. Root only.
+
+mod support;
+
+use std::net::SocketAddr;
+
+use proxy_agent::{
+    dataplane::bpf::ct_collector::{self, monotonic_ns},
+    model::{FrontendKind, NodeView, Protocol},
+};
+use proxy_common::{CT_DIR_FORWARD, CT_DIR_REPLY, CtKey, CtValue, map_names};
+use support::{root, tc_harness::*};
+
+const SYN: u8 = 0x02;
+const SYN_ACK: u8 = 0x12;
+const ACK: u8 = 0x10;
+const FIN_ACK: u8 = 0x11;
+const RST: u8 = 0x04;
+
+/// Moves every flow's clock back by `secs`, as if it had idled that long.
+fn age(h: &mut Harness, secs: u64) {
+    let d = secs * 1_000_000_000;
+    for table in [&mut h.maps.conntrack, &mut h.maps.conntrack_new] {
+        let fwd: Vec<(CtKey, CtValue)> = table
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, _)| k.dir == CT_DIR_FORWARD)
+            .collect();
+        for (k, mut v) in fwd {
+            v.last_seen_ns = v.last_seen_ns.wrapping_sub(d);
+            table.insert(&k, &v, 0).expect("age an entry");
+        }
+    }
+}
+
+fn counts(h: &Harness) -> (usize, usize) {
+    (
+        h.maps.conntrack.iter().count(),
+        h.maps.conntrack_new.iter().count(),
+    )
+}
+
+/// Runs a TCP segment; returns the verdict and (source, destination) as it left.
+fn seg(h: &Harness, src: SocketAddr, dst: SocketAddr, flags: u8) -> (u32, SocketAddr, SocketAddr) {
+    let (verdict, out) = h.run(&tcp_with_flags(src, dst, flags));
+    let seen = inspect(&out);
+    (verdict, seen.src, seen.dst)
+}
+
+fn clusterip(h: &mut Harness, backends: &[&str]) {
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        backends,
+    )]));
+}
+
+#[test]
+fn tcp_flows_age_by_their_state_at_the_default_timeouts() {
+    if !root("tcp_flows_age_by_their_state_at_the_default_timeouts") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    clusterip(&mut h, &["10.244.1.5:8080"]);
+    let (client, vip, be) = (
+        sa("10.244.0.3:40000"),
+        sa("10.96.0.10:80"),
+        sa("10.244.1.5:8080"),
+    );
+
+    assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
+    assert_eq!(
+        counts(&h),
+        (0, 2),
+        "an unanswered flow lives in the new-flows table"
+    );
+    assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
+    assert_eq!(
+        counts(&h),
+        (2, 0),
+        "answered: both entries moved to the answered table"
+    );
+
+    // A keep-alive connection idle past every unanswered timeout (60 s TCP, 30 s UDP):
+    // either side may speak first afterwards.
+    age(&mut h, 65);
+    assert_eq!(
+        seg(&h, be, client, ACK),
+        (TC_ACT_OK, vip, client),
+        "server speaks after 65 s"
+    );
+    age(&mut h, 65);
+    assert_eq!(
+        seg(&h, client, vip, ACK),
+        (TC_ACT_OK, client, be),
+        "client speaks after 65 s"
+    );
+    age(&mut h, 86_000);
+    assert_eq!(seg(&h, be, client, ACK).1, vip, "established: 24 h");
+
+    // Half closed: kube-proxy's tcpCloseWaitTimeout (1 h).
+    seg(&h, client, vip, FIN_ACK);
+    age(&mut h, 3_500);
+    assert_eq!(
+        seg(&h, be, client, FIN_ACK).1,
+        vip,
+        "half closed for 58 min"
+    );
+    // Both FINs: netfilter's TIME_WAIT, 120 s.
+    age(&mut h, 110);
+    assert_eq!(seg(&h, client, vip, ACK).2, be, "TIME_WAIT at 110 s");
+    age(&mut h, 121);
+    let (verdict, src, _) = seg(&h, be, client, ACK);
+    assert_eq!(
+        (verdict, src),
+        (TC_ACT_UNSPEC, be),
+        "TIME_WAIT over: not translated"
+    );
+
+    // A mid-stream segment with no flow opens none: dropped as netfilter's INVALID.
+    assert_eq!(seg(&h, client, vip, ACK).0, TC_ACT_SHOT);
+    assert_eq!(h.counter("ct_invalid"), 1);
+
+    // A new connection on the same tuple; a RST closes it (netfilter's CLOSE, 10 s).
+    assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
+    seg(&h, be, client, SYN_ACK);
+    seg(&h, be, client, RST);
+    age(&mut h, 9);
+    assert_eq!(seg(&h, client, vip, ACK).2, be, "CLOSE at 9 s");
+    age(&mut h, 11);
+    assert_eq!(
+        seg(&h, client, vip, ACK).0,
+        TC_ACT_SHOT,
+        "CLOSE over after 11 s idle"
+    );
+}
+
+#[test]
+fn an_unanswered_flow_expires_after_60_s() {
+    if !root("an_unanswered_flow_expires_after_60_s") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    clusterip(&mut h, &["10.244.1.5:8080"]);
+    let (client, vip, be) = (
+        sa("10.244.0.3:40000"),
+        sa("10.96.0.10:80"),
+        sa("10.244.1.5:8080"),
+    );
+    seg(&h, client, vip, SYN);
+    age(&mut h, 59);
+    assert_eq!(
+        seg(&h, be, client, SYN_ACK).1,
+        vip,
+        "a late SYN-ACK at 59 s"
+    );
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    clusterip(&mut h, &["10.244.1.5:8080"]);
+    seg(&h, client, vip, SYN);
+    age(&mut h, 61);
+    assert_eq!(
+        seg(&h, be, client, SYN_ACK).0,
+        TC_ACT_UNSPEC,
+        "too late at 61 s"
+    );
+}
+
+#[test]
+fn a_syn_on_a_closed_flow_reaches_a_live_backend() {
+    if !root("a_syn_on_a_closed_flow_reaches_a_live_backend") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    clusterip(&mut h, &["10.244.1.5:8080"]);
+    let (client, vip, old) = (
+        sa("10.244.0.3:40000"),
+        sa("10.96.0.10:80"),
+        sa("10.244.1.5:8080"),
+    );
+    seg(&h, client, vip, SYN);
+    seg(&h, old, client, SYN_ACK);
+    seg(&h, client, vip, FIN_ACK);
+    seg(&h, old, client, FIN_ACK);
+    // The backend leaves; the client reconnects from the same port while the old flow
+    // is in TIME_WAIT.
+    clusterip(&mut h, &["10.244.2.6:8080"]);
+    assert_eq!(
+        seg(&h, client, vip, SYN),
+        (TC_ACT_OK, client, sa("10.244.2.6:8080"))
+    );
+    assert_eq!(h.counter("ct_reused"), 1);
+    // An established flow keeps its backend after removal (it finishes there).
+    let client2 = sa("10.244.0.3:40001");
+    assert_eq!(seg(&h, client2, vip, SYN).2, sa("10.244.2.6:8080"));
+    seg(&h, sa("10.244.2.6:8080"), client2, SYN_ACK);
+    clusterip(&mut h, &["10.244.3.7:8080"]);
+    assert_eq!(seg(&h, client2, vip, ACK).2, sa("10.244.2.6:8080"));
+}
+
+#[test]
+fn udp_answered_then_silent_for_35_s_keeps_translating() {
+    if !root("udp_answered_then_silent_for_35_s_keeps_translating") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.53",
+        53,
+        Protocol::Udp,
+        &["10.244.1.5:5353"],
+    )]));
+    let (client, vip, be) = (
+        sa("10.244.0.3:40000"),
+        sa("10.96.0.53:53"),
+        sa("10.244.1.5:5353"),
+    );
+    let udp = |h: &Harness, s, d| {
+        let (v, out) = h.run(&packet(s, d, false));
+        let seen = inspect(&out);
+        (v, seen.src, seen.dst)
+    };
+    assert_eq!(udp(&h, client, vip).2, be);
+    assert_eq!(udp(&h, be, client).1, vip);
+    age(&mut h, 35);
+    assert_eq!(
+        udp(&h, be, client),
+        (TC_ACT_OK, vip, client),
+        "server pushes after 35 s"
+    );
+    age(&mut h, 100);
+    assert_eq!(udp(&h, client, vip).2, be, "udpStreamTimeout: 120 s");
+    age(&mut h, 121);
+    assert_eq!(
+        udp(&h, be, client).0,
+        TC_ACT_UNSPEC,
+        "expired after 120 s idle"
+    );
+}
+
+/// A NodePort with masquerade on ports 20000-20003 only.
+fn tiny_port_range(h: &mut Harness) {
+    configure_node_with(
+        h,
+        false,
+        proxy_agent::config::ConntrackSettings {
+            masquerade_ports: (20_000, 20_003),
+            ..Default::default()
+        },
+    );
+    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
+    st.kind = FrontendKind::NodePort;
+    h.apply(&NodeView::from([(np, st)]));
+}
+
+#[test]
+fn masquerade_ports_of_closed_and_expired_flows_are_reused() {
+    if !root("masquerade_ports_of_closed_and_expired_flows_are_reused") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    tiny_port_range(&mut h);
+    let np = sa("192.0.2.10:30080");
+    let be = sa("10.244.2.9:8080");
+    let outside = |i: u16| SocketAddr::new("198.51.100.7".parse().expect("ip"), 40_000 + i);
+    let mut taken = Vec::new();
+    for i in 0..4 {
+        let (v, src, dst) = seg(&h, outside(i), np, SYN);
+        assert_eq!((v, dst), (TC_ACT_OK, be));
+        assert!((20_000..=20_003).contains(&src.port()), "{src}");
+        seg(&h, be, src, SYN_ACK);
+        taken.push(src);
+    }
+    taken.sort();
+    taken.dedup();
+    assert_eq!(taken.len(), 4, "every port once");
+    assert_eq!(
+        seg(&h, outside(4), np, SYN).0,
+        TC_ACT_SHOT,
+        "all four in use"
+    );
+    assert_eq!(h.counter("snat_ports_exhausted"), 1);
+    // The backend resets one connection: its port is free at once.
+    seg(&h, be, taken[0], RST);
+    let (v, src, _) = seg(&h, outside(5), np, SYN);
+    assert_eq!(
+        (v, src),
+        (TC_ACT_OK, taken[0]),
+        "the reset flow's port, reused"
+    );
+    // Unanswered flows give theirs back once they expire (60 s).
+    assert_eq!(seg(&h, outside(6), np, SYN).0, TC_ACT_SHOT);
+    age(&mut h, 61);
+    let (v, src, _) = seg(&h, outside(7), np, SYN);
+    assert_eq!(v, TC_ACT_OK, "an expired flow's port");
+    assert_eq!(src, taken[0]);
+    // The answered flows are established (24 h): theirs stay taken.
+    assert_eq!(seg(&h, outside(8), np, SYN).0, TC_ACT_SHOT);
+    assert!(h.counter("ct_reused") >= 2);
+}
+
+#[test]
+fn a_syn_flood_evicts_no_answered_flow() {
+    if !root("a_syn_flood_evicts_no_answered_flow") {
+        return;
+    }
+    const ESTABLISHED: u16 = 200;
+    const FLOOD: u32 = 20_000;
+    let mut h = Harness::new(&[(map_names::CONNTRACK_NEW, 1_024)]);
+    configure_node(&mut h, false);
+    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
+    st.kind = FrontendKind::NodePort;
+    h.apply(&NodeView::from([(np, st)]));
+    let np = sa("192.0.2.10:30080");
+    let be = sa("10.244.2.9:8080");
+    let client = |i: u16| SocketAddr::new("198.51.100.7".parse().expect("ip"), 40_000 + i);
+    let mut masq = Vec::new();
+    for i in 0..ESTABLISHED {
+        let (_, src, _) = seg(&h, client(i), np, SYN);
+        seg(&h, be, src, SYN_ACK);
+        masq.push(src);
+    }
+    // Spoofed SYNs from 20k sources: each makes two entries and claims a port.
+    let started = std::time::Instant::now();
+    for n in 0..FLOOD {
+        let spoofed = SocketAddr::new(
+            std::net::Ipv4Addr::from(0xc612_0000 | n).into(),
+            1_024 + (n % 60_000) as u16,
+        );
+        seg(&h, spoofed, np, SYN);
+    }
+    let rate = f64::from(FLOOD) / started.elapsed().as_secs_f64();
+    let mut kept = 0;
+    for (i, src) in masq.iter().enumerate() {
+        let fwd = seg(&h, client(i as u16), np, ACK);
+        let back = seg(&h, be, *src, ACK);
+        if fwd == (TC_ACT_OK, *src, be) && back.1 == np && back.2 == client(i as u16) {
+            kept += 1;
+        }
+    }
+    eprintln!(
+        "SYN flood: {FLOOD} spoofed SYNs ({rate:.0}/s through BPF_PROG_TEST_RUN) into a \
+         1,024-entry new-flows table; answered flows kept: {kept}/{ESTABLISHED}"
+    );
+    assert_eq!(kept, ESTABLISHED, "every answered flow survives the flood");
+    // No port of an answered flow was handed to a flooding one.
+    let answered: std::collections::HashSet<CtKey> = h
+        .maps
+        .conntrack
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, _)| k.dir == CT_DIR_REPLY)
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(answered.len(), usize::from(ESTABLISHED));
+    let clash = h
+        .maps
+        .conntrack_new
+        .iter()
+        .filter_map(Result::ok)
+        .any(|(k, _)| answered.contains(&k));
+    assert!(!clash, "a flooding flow got an answered flow's tuple");
+}
+
+#[test]
+fn one_client_port_to_two_frontends_sharing_a_backend() {
+    if !root("one_client_port_to_two_frontends_sharing_a_backend") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([
+        frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"]),
+        frontend("10.96.0.11", 80, Protocol::Tcp, &["10.244.1.5:8080"]),
+    ]));
+    let (client, vip1, vip2, be) = (
+        sa("10.244.0.3:40000"),
+        sa("10.96.0.10:80"),
+        sa("10.244.1.5:8080"),
+        sa("10.244.1.5:8080"),
+    );
+    let vip2 = SocketAddr::new("10.96.0.11".parse().expect("ip"), vip2.port() - 8000);
+    assert_eq!(seg(&h, client, vip1, SYN), (TC_ACT_OK, client, be));
+    let (v, src2, dst2) = seg(&h, client, vip2, SYN);
+    assert_eq!((v, dst2), (TC_ACT_OK, be));
+    assert_eq!(src2.ip(), client.ip(), "the client's address is kept");
+    assert_ne!(
+        src2.port(),
+        client.port(),
+        "a new source port keeps the flows apart"
+    );
+    assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip1, client));
+    assert_eq!(seg(&h, be, src2, SYN_ACK), (TC_ACT_OK, vip2, client));
+}
+
+#[test]
+fn the_collector_frees_expired_flows_and_orphans() {
+    if !root("the_collector_frees_expired_flows_and_orphans") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    clusterip(&mut h, &["10.244.1.5:8080"]);
+    let (vip, be) = (sa("10.96.0.10:80"), sa("10.244.1.5:8080"));
+    let client = |i: u16| SocketAddr::new("10.244.0.3".parse().expect("ip"), 40_000 + i);
+    for i in 0..10 {
+        seg(&h, client(i), vip, SYN);
+        seg(&h, be, client(i), SYN_ACK);
+    }
+    seg(&h, client(10), vip, SYN); // never answered
+    seg(&h, be, client(0), RST); // closed
+    // An orphaned reply entry (its flow gone), written 10 s ago.
+    let (orphan_key, orphan) = h
+        .maps
+        .conntrack
+        .iter()
+        .filter_map(Result::ok)
+        .find(|(k, _)| k.dir == CT_DIR_REPLY)
+        .expect("a reply entry");
+    let mut orphan_key = orphan_key;
+    orphan_key.dport = 1u16.to_be();
+    let orphan = CtValue {
+        last_seen_ns: monotonic_ns() - 10_000_000_000,
+        ..orphan
+    };
+    h.maps
+        .conntrack
+        .insert(&orphan_key, &orphan, 0)
+        .expect("insert");
+    let st = ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!(
+        (st.answered, st.new, st.collected),
+        (20, 2, 1),
+        "only the orphan: {st:?}"
+    );
+    assert_eq!(
+        st.answered_capacity,
+        u64::from(proxy_common::capacity::CONNTRACK)
+    );
+    age(&mut h, 11);
+    let st = ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!(
+        (st.answered, st.new, st.collected),
+        (18, 2, 2),
+        "the reset flow: {st:?}"
+    );
+    age(&mut h, 50);
+    let st = ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!(
+        (st.answered, st.new, st.collected),
+        (18, 0, 2),
+        "the unanswered one: {st:?}"
+    );
+    // The established ones live on and still translate.
+    assert_eq!(seg(&h, be, client(3), ACK).1, vip);
+}

@@ -1,0 +1,169 @@
+//! A BPF_PROG_TEST_RUN harness for the per-packet classifier: the real program, maps
+//! written by the agent's own sync code, crafted packets in, verdicts and bytes out.
+
+use std::net::SocketAddr;
+
+use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
+use proxy_agent::{
+    dataplane::bpf::{self, MapSet, MapState, load_private},
+    model::{
+        BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
+        WhenEmpty,
+    },
+    trace,
+};
+
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+pub const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
+pub const TC_ACT_REDIRECT: u32 = 7;
+
+pub struct Harness {
+    pub ebpf: Ebpf,
+    pub maps: MapSet,
+    pub state: MapState,
+}
+
+impl Harness {
+    pub fn new(max_entries: &[(&str, u32)]) -> Self {
+        let (mut ebpf, maps) = load_private(max_entries).expect("load");
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut("tc_ingress")
+            .expect("program")
+            .try_into()
+            .expect("type");
+        prog.load().expect("verifier accepts tc_ingress");
+        let state = MapState::adopt(&maps).expect("adopt");
+        Harness { ebpf, maps, state }
+    }
+
+    pub fn apply(&mut self, view: &NodeView) -> proxy_agent::dataplane::ApplyReport {
+        self.state.apply(&mut self.maps, view).expect("apply")
+    }
+
+    /// Runs one packet; returns the verdict and the packet as the program left it.
+    pub fn run(&self, packet: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &SchedClassifier = self
+            .ebpf
+            .program("tc_ingress")
+            .expect("program")
+            .try_into()
+            .expect("type");
+        let mut out = vec![0u8; packet.len() + 256];
+        let res = prog
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })
+            .expect("test_run");
+        out.truncate(res.data_size_out as usize);
+        (res.return_value, out)
+    }
+
+    /// Every conntrack entry, answered flows and new ones.
+    pub fn ct_entries(&self) -> Vec<(proxy_common::CtKey, proxy_common::CtValue)> {
+        let answered = self.maps.conntrack.iter().filter_map(Result::ok);
+        answered
+            .chain(self.maps.conntrack_new.iter().filter_map(Result::ok))
+            .collect()
+    }
+
+    pub fn counter(&self, name: &str) -> u64 {
+        self.maps
+            .counters()
+            .expect("counters")
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v)
+            .expect("counter exists")
+    }
+}
+
+pub fn frontend(
+    ip: &str,
+    port: u16,
+    protocol: Protocol,
+    backends: &[&str],
+) -> (Frontend, FrontendState) {
+    (
+        Frontend {
+            ip: ip.parse().expect("ip"),
+            port,
+            protocol,
+        },
+        FrontendState {
+            service: format!("default/test:{port}"),
+            kind: FrontendKind::ClusterIp,
+            backends: BackendSet {
+                endpoints: backends
+                    .iter()
+                    .map(|b| b.parse().expect("backend"))
+                    .collect(),
+                when_empty: WhenEmpty::Reject,
+            },
+            internal: None,
+            affinity_timeout_s: None,
+            external_local: false,
+            source_ranges: Vec::new(),
+        },
+    )
+}
+
+/// Ethernet + IP + TCP SYN (or UDP) with valid checksums.
+pub fn packet(src: SocketAddr, dst: SocketAddr, tcp: bool) -> Vec<u8> {
+    let proto = if tcp { Protocol::Tcp } else { Protocol::Udp };
+    trace::packet::build(src, dst, proto)
+}
+
+/// The packet's addresses, its checksums verified.
+pub fn inspect(pkt: &[u8]) -> trace::packet::Seen {
+    trace::packet::inspect(pkt).unwrap_or_else(|e| panic!("bad packet: {e}"))
+}
+
+pub fn sa(s: &str) -> SocketAddr {
+    s.parse().expect("socket address")
+}
+
+/// The node of the scenarios: node-a, 192.0.2.10, pod network 10.244.0.0/16.
+pub fn configure_node(h: &mut Harness, masquerade_all: bool) {
+    configure_node_with(h, masquerade_all, Default::default());
+}
+
+pub fn configure_node_with(
+    h: &mut Harness,
+    masquerade_all: bool,
+    conntrack: proxy_agent::config::ConntrackSettings,
+) {
+    bpf::sync::configure(
+        &mut h.maps,
+        &NodeSettings {
+            conntrack,
+            pod_cidrs: vec![
+                "10.244.0.0/16".parse().expect("cidr"),
+                "fd00:244::/48".parse().expect("cidr"),
+            ],
+            node_addresses: vec![
+                "192.0.2.10".parse().expect("ip"),
+                "2001:db8:a::10".parse().expect("ip"),
+            ],
+            masquerade_all,
+        },
+    )
+    .expect("configure");
+}
+
+/// TCP with a packet's flags (SYN for new flows, then ACK, FIN...).
+pub fn tcp_with_flags(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
+    let mut p = packet(src, dst, true);
+    let l4 = if src.is_ipv4() { 34 } else { 54 };
+    let old = p[l4 + 13];
+    p[l4 + 13] = flags;
+    // Keep the checksum valid: the flags byte is the low byte of its 16-bit word.
+    let csum = u16::from_be_bytes([p[l4 + 16], p[l4 + 17]]);
+    let sum = u32::from(!csum) + u32::from(!u16::from(old)) + u32::from(u16::from(flags));
+    let sum = (sum & 0xffff) + (sum >> 16);
+    let sum = (sum & 0xffff) + (sum >> 16);
+    p[l4 + 16..l4 + 18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    p
+}

@@ -1,0 +1,268 @@
+//! Connection tracking of the per-packet path: a flow's two entries (forward, keyed by
+//! the client's tuple; reply, keyed by the backend's), its TCP state and its idle limit.
+//!
+//! New flows live in `CONNTRACK_NEW` (LRU) until the backend answers; then both entries
+//! move to `CONNTRACK` (a hash the agent's collector expires by the same limits). So a
+//! flood of new flows — spoofed SYNs at a NodePort — can only evict other unanswered
+//! flows, never an established one, as netfilter's early drop only takes unassured
+//! entries. The forward entry holds the flow's state for both directions.
+
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
+use proxy_common::{
+    CT_DIR_REPLY, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_RST, CT_F_SNAT, CtKey, CtTimeouts, CtValue,
+    PROTO_TCP, counter, ct_closed, forward_key_of, reply_key_of,
+};
+
+use crate::{
+    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, SCRATCH_REPLY, count, ct_scratch},
+    nat,
+    packet::{Packet, TCP_FIN, TCP_RST},
+    tc::DROP,
+};
+
+/// An entry found in one of the two tables.
+pub struct Entry {
+    pub value: *mut CtValue,
+    /// In `CONNTRACK_NEW`: the flow has not been answered yet.
+    pub new: bool,
+}
+
+/// Looks `key` up among answered flows, then among new ones.
+#[inline(always)]
+pub fn lookup(key: &CtKey) -> Option<Entry> {
+    if let Some(value) = CONNTRACK.get_ptr_mut(key) {
+        return Some(Entry { value, new: false });
+    }
+    CONNTRACK_NEW
+        .get_ptr_mut(key)
+        .map(|value| Entry { value, new: true })
+}
+
+#[inline(always)]
+fn lookup_in(key: &CtKey, new: bool) -> Option<*mut CtValue> {
+    if new {
+        CONNTRACK_NEW.get_ptr_mut(key)
+    } else {
+        CONNTRACK.get_ptr_mut(key)
+    }
+}
+
+#[inline(always)]
+fn remove_in(key: &CtKey, new: bool) {
+    // Already gone (another CPU, the collector) is fine.
+    let _ = if new {
+        CONNTRACK_NEW.remove(key)
+    } else {
+        CONNTRACK.remove(key)
+    };
+}
+
+/// Whether the flow (its forward entry) has idled past the limit of its state.
+#[inline(always)]
+pub fn expired(fwd: &CtValue, proto: u8, now: u64) -> bool {
+    let t = NODE_CONFIG
+        .get(0)
+        .map(|c| c.timeouts)
+        .unwrap_or(CtTimeouts::DEFAULT);
+    t.expired(proto, fwd.flags, fwd.last_seen_ns, now)
+}
+
+/// The state bits a TCP segment adds to its flow (FIN by direction, RST).
+#[inline(always)]
+pub fn segment_flags(pkt: &Packet, reply: bool) -> u8 {
+    if pkt.proto != PROTO_TCP {
+        return 0;
+    }
+    let mut out = 0;
+    if pkt.tcp_flags & TCP_RST != 0 {
+        out |= CT_F_RST;
+    }
+    if pkt.tcp_flags & TCP_FIN != 0 {
+        out |= if reply { CT_F_FIN_REPLY } else { CT_F_FIN_ORIG };
+    }
+    out
+}
+
+/// Whether a forward-direction packet ends its flow's claim on the tuple: the flow
+/// expired, a SYN reopens a closed TCP connection (netfilter reopens from TIME_WAIT and
+/// CLOSE), or a UDP flow's backend is gone.
+#[inline(always)]
+pub fn over(pkt: &Packet, fwd: &CtValue, now: u64, backend_gone: bool) -> bool {
+    expired(fwd, pkt.proto, now) || (pkt.is_syn() && ct_closed(fwd.flags)) || backend_gone
+}
+
+/// Removes a flow: its forward entry `key` and the reply entry it names.
+#[inline(never)]
+pub fn forget(key: &CtKey, fwd: *const CtValue, new: bool) {
+    // SAFETY: map memory, valid for this program run.
+    let reply = reply_key_of(key, unsafe { &*fwd });
+    remove_in(&reply, new);
+    remove_in(key, new);
+}
+
+/// A reply entry's forward partner, if it still belongs to this reply (a stale reply
+/// entry whose tuple was re-used points at another flow's backend); null if none. (A raw
+/// pointer, not an `Option`: a BPF function returns one register.)
+#[inline(never)]
+pub fn partner(reply_key: &CtKey, reply: *const CtValue, new: bool) -> *mut CtValue {
+    // SAFETY: map memory, valid for this program run.
+    let fwd_key = forward_key_of(reply_key, unsafe { &*reply });
+    let Some(fwd) = lookup_in(&fwd_key, new) else {
+        return core::ptr::null_mut();
+    };
+    // SAFETY: as above.
+    let f = unsafe { &*fwd };
+    if f.xlate_addr == reply_key.saddr && f.xlate_port == reply_key.sport {
+        fwd
+    } else {
+        core::ptr::null_mut()
+    }
+}
+
+/// The backend answered a new flow: both entries move to the table of answered flows.
+/// With that table full the flow stays where it is (still translated, but evictable).
+#[inline(never)]
+pub fn promote(reply_key: &CtKey) {
+    let Some(reply) = CONNTRACK_NEW.get_ptr_mut(reply_key) else {
+        return;
+    };
+    // SAFETY: map memory, valid for this program run.
+    let fwd_key = forward_key_of(reply_key, unsafe { &*reply });
+    let Some(fwd) = CONNTRACK_NEW.get_ptr_mut(&fwd_key) else {
+        return;
+    };
+    // SAFETY: as above; the helper copies the values.
+    if CONNTRACK.insert(reply_key, unsafe { &*reply }, 0).is_err() {
+        count(counter::CT_FULL);
+        return;
+    }
+    // SAFETY: as above.
+    if CONNTRACK.insert(&fwd_key, unsafe { &*fwd }, 0).is_err() {
+        let _ = CONNTRACK.remove(reply_key);
+        count(counter::CT_FULL);
+        return;
+    }
+    let _ = CONNTRACK_NEW.remove(&fwd_key);
+    let _ = CONNTRACK_NEW.remove(reply_key);
+}
+
+/// Whether the flow holding reply tuple `key` (entry `reply`) no longer needs it: its
+/// forward entry is gone or names another reply tuple, or the flow expired or closed.
+/// (Not inlined: its partner key gets a frame of its own.)
+#[inline(never)]
+fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
+    // SAFETY: map memory, valid for this program run.
+    let r = unsafe { &*reply };
+    let fwd_key = forward_key_of(key, r);
+    let Some(fwd) = lookup_in(&fwd_key, new) else {
+        return true;
+    };
+    // SAFETY: as above.
+    let f = unsafe { &*fwd };
+    if f.xlate_addr != key.saddr || f.xlate_port != key.sport {
+        return true;
+    }
+    if expired(f, key.proto, now) || ct_closed(f.flags) {
+        remove_in(&fwd_key, new);
+        return true;
+    }
+    false
+}
+
+/// Claims reply tuple `key` for a new flow by writing its reply entry `value` into the
+/// table of new flows, unless a live flow holds the tuple. A closed or expired flow
+/// holding it gives it up (its entries go).
+#[inline(never)]
+pub fn claim(key: &CtKey, value: &CtValue) -> bool {
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(old) = CONNTRACK.get_ptr_mut(key) {
+        if !stale(key, old, false, now) {
+            return false;
+        }
+        let _ = CONNTRACK.remove(key);
+        count(counter::CT_REUSED);
+    }
+    if CONNTRACK_NEW
+        .insert(key, value, u64::from(BPF_NOEXIST))
+        .is_ok()
+    {
+        return true;
+    }
+    let Some(old) = CONNTRACK_NEW.get_ptr_mut(key) else {
+        return false;
+    };
+    if !stale(key, old, true, now) {
+        return false;
+    }
+    let _ = CONNTRACK_NEW.remove(key);
+    count(counter::CT_REUSED);
+    CONNTRACK_NEW
+        .insert(key, value, u64::from(BPF_NOEXIST))
+        .is_ok()
+}
+
+/// Writes a new flow's two entries into the table of new flows. `fwd` arrives with the
+/// backend (`xlate_*`, `backend_id`), the reverse-NAT id and — to masquerade — the node
+/// address in `nat_addr`; it leaves with `CT_F_SNAT` and `nat_port` when the flow got a
+/// source port: always when masqueraded, and when the client's own reply tuple is held
+/// by another live flow (one client port reaching two frontends that share a backend),
+/// as netfilter's implicit source NAT resolves such clashes.
+/// (Few, scalar-or-pointer arguments: the verifier takes no stack-passed ones.)
+#[inline(never)]
+pub fn record(pkt: &Packet, fwd: &mut CtValue) -> Result<(), i32> {
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    fwd.last_seen_ns = now;
+    let Some(reply) = ct_scratch(SCRATCH_REPLY) else {
+        return Err(DROP); // unreachable: a valid index
+    };
+    reply.last_seen_ns = now;
+    reply.backend_id = fwd.backend_id;
+    reply.rev_nat_id = fwd.rev_nat_id;
+    reply.xlate_addr = pkt.daddr;
+    reply.xlate_port = pkt.dport;
+    let mut reply_key = CtKey {
+        saddr: fwd.xlate_addr,
+        daddr: pkt.saddr,
+        sport: fwd.xlate_port,
+        dport: pkt.sport,
+        proto: pkt.proto,
+        family: pkt.family,
+        dir: CT_DIR_REPLY,
+        _pad: 0,
+    };
+    let kept_source = fwd.nat_addr == [0; 4];
+    if kept_source && claim(&reply_key, reply) {
+        insert_forward(pkt, fwd);
+        return Ok(());
+    }
+    if kept_source {
+        fwd.nat_addr = pkt.saddr; // a new port, the same address
+    }
+    reply.flags = CT_F_SNAT;
+    reply.nat_addr = pkt.saddr;
+    reply.nat_port = pkt.sport;
+    reply_key.daddr = fwd.nat_addr;
+    let Some(port) = nat::allocate_port(&mut reply_key, reply) else {
+        count(counter::SNAT_PORTS_EXHAUSTED);
+        return Err(DROP);
+    };
+    fwd.flags = CT_F_SNAT;
+    fwd.nat_port = port;
+    count(counter::SNAT);
+    insert_forward(pkt, fwd);
+    Ok(())
+}
+
+#[inline(never)]
+fn insert_forward(pkt: &Packet, fwd: &CtValue) {
+    // A forward entry without its reply entry would leave replies untranslated; the
+    // packet is translated either way.
+    if CONNTRACK_NEW
+        .insert(&pkt.ct_key(proxy_common::CT_DIR_FORWARD), fwd, 0)
+        .is_err()
+    {
+        count(counter::CT_CREATE_FAILED);
+    }
+}

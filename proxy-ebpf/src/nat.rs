@@ -1,0 +1,265 @@
+//! Address translation of the per-packet path: rewriting addresses and ports with their
+//! checksums (IPv4 header, TCP/UDP pseudo-header, SCTP's CRC32c), masquerade decisions
+//! and masquerade source ports.
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::bpf_get_prandom_u32,
+    programs::TcContext,
+};
+use proxy_common::{
+    Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CtKey, CtValue, FAMILY_V4, NodeConfig,
+    PROTO_SCTP, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL,
+    ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
+};
+
+use crate::{
+    conntrack,
+    maps::{SCTP_PENDING, SCTP_ZEROS, TC_TAIL, count},
+    packet::{
+        ETH_HLEN, IPV4_CSUM_OFF, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
+        Packet,
+    },
+    tc::DROP,
+};
+
+/// Where a packet comes from, as kube-proxy's local-traffic detector sees it.
+pub struct Origin {
+    /// From the pod network (`clusterCIDR`).
+    pub pod: bool,
+    /// Sent by the node itself (one of its addresses, or loopback).
+    pub node: bool,
+}
+
+/// kube-proxy's masquerade rules: `masqueradeAll`; hairpin (a pod reaching itself);
+/// external frontends always with `externalTrafficPolicy: Cluster`, only for traffic the
+/// node sends with `Local`; ClusterIPs for traffic from outside the pod network.
+pub fn masquerade(
+    svc: &ServiceValue,
+    cfg: &NodeConfig,
+    origin: &Origin,
+    pkt: &Packet,
+    be: &Backend,
+) -> bool {
+    if cfg.flags & CFG_MASQUERADE_ALL != 0 || be.addr == pkt.saddr {
+        return true;
+    }
+    if svc.flags & SVC_F_EXTERNAL != 0 {
+        return svc.flags & SVC_F_EXT_LOCAL == 0 || origin.node;
+    }
+    cfg.flags & CFG_LOCAL_DETECTOR != 0 && !origin.pod
+}
+
+/// Random ports tried before a flow is refused for want of one (netfilter tries up to
+/// 128 on a crowded range; a random pick in a range mostly free succeeds at once).
+const PORT_TRIES: u32 = 16;
+
+/// Finds a free source port for a flow whose reply tuple is `reply_key` (destination
+/// port to be chosen) and claims it with the flow's reply entry. A port is free when no
+/// live flow's replies use the same tuple: closed and expired flows give theirs back.
+/// Returns the port in network byte order.
+#[inline(never)]
+pub fn allocate_port(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
+    let (mut min, mut max) = (SNAT_PORT_MIN, SNAT_PORT_MAX);
+    if let Some(cfg) = crate::maps::NODE_CONFIG.get(0)
+        && cfg.snat_port_min != 0
+        && cfg.snat_port_max >= cfg.snat_port_min
+    {
+        (min, max) = (cfg.snat_port_min, cfg.snat_port_max);
+    }
+    let range = u32::from(max - min) + 1;
+    for _ in 0..PORT_TRIES {
+        // SAFETY: no preconditions.
+        let port = (u32::from(min) + unsafe { bpf_get_prandom_u32() } % range) as u16;
+        reply_key.dport = port.to_be();
+        if conntrack::claim(reply_key, reply) {
+            return Some(port.to_be());
+        }
+    }
+    None
+}
+
+pub enum Side {
+    Source,
+    Destination,
+}
+
+/// Rewrites one side's address and port, keeping the IPv4 header checksum and the L4
+/// checksum (whose pseudo-header covers the addresses) valid.
+#[inline(never)]
+pub fn rewrite(
+    ctx: &TcContext,
+    pkt: &Packet,
+    side: Side,
+    addr: &[u32; 4],
+    port: u16,
+) -> Result<(), i32> {
+    let (old_addr, old_port, port_off) = match side {
+        Side::Source => (pkt.saddr, pkt.sport, pkt.l4_off),
+        Side::Destination => (pkt.daddr, pkt.dport, pkt.l4_off + 2),
+    };
+    if pkt.tail {
+        return rewrite_ipv4_address(ctx, pkt, side, addr);
+    }
+    if pkt.proto == PROTO_SCTP {
+        return rewrite_sctp(ctx, pkt, side, addr, port);
+    }
+    let (csum_off, zero_flag) = if pkt.proto == PROTO_TCP {
+        (pkt.l4_off + 16, 0)
+    } else {
+        // A zero UDP checksum (IPv4) means "none" and must stay zero.
+        (pkt.l4_off + 6, u64::from(BPF_F_MARK_MANGLED_0))
+    };
+    let fail = |_| {
+        count(counter::REWRITE_FAILED);
+        DROP
+    };
+    let pseudo = u64::from(BPF_F_PSEUDO_HDR) | zero_flag | 4;
+    if pkt.family == FAMILY_V4 {
+        let addr_off = match side {
+            Side::Source => IPV4_SADDR_OFF,
+            Side::Destination => IPV4_DADDR_OFF,
+        };
+        ctx.l4_csum_replace(csum_off, u64::from(old_addr[0]), u64::from(addr[0]), pseudo)
+            .map_err(fail)?;
+        ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old_addr[0]), u64::from(addr[0]), 4)
+            .map_err(fail)?;
+        ctx.store(addr_off, &addr[0], 0).map_err(fail)?;
+    } else {
+        let addr_off = match side {
+            Side::Source => IPV6_SADDR_OFF,
+            Side::Destination => IPV6_DADDR_OFF,
+        };
+        for i in 0..4 {
+            ctx.l4_csum_replace(csum_off, u64::from(old_addr[i]), u64::from(addr[i]), pseudo)
+                .map_err(fail)?;
+        }
+        ctx.store(addr_off, addr, 0).map_err(fail)?;
+    }
+    ctx.l4_csum_replace(
+        csum_off,
+        u64::from(old_port),
+        u64::from(port),
+        zero_flag | 2,
+    )
+    .map_err(fail)?;
+    ctx.store(port_off, &port, 0).map_err(fail)?;
+    Ok(())
+}
+
+/// One IPv4 address and the header checksum, nothing else: what a later fragment needs
+/// (the L4 checksum, covering the whole datagram, was adjusted in the first fragment)
+/// and what SCTP needs (its checksum covers no addresses).
+#[inline(never)]
+fn rewrite_ipv4_address(
+    ctx: &TcContext,
+    pkt: &Packet,
+    side: Side,
+    addr: &[u32; 4],
+) -> Result<(), i32> {
+    let fail = |_| {
+        count(counter::REWRITE_FAILED);
+        DROP
+    };
+    let (old_addr, addr_off) = match side {
+        Side::Source => (pkt.saddr[0], IPV4_SADDR_OFF),
+        Side::Destination => (pkt.daddr[0], IPV4_DADDR_OFF),
+    };
+    ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old_addr), u64::from(addr[0]), 4)
+        .map_err(fail)?;
+    ctx.store(addr_off, &addr[0], 0).map_err(fail)
+}
+
+/// SCTP's checksum (CRC32c) covers no addresses, only the packet: addresses change with
+/// the IPv4 header checksum alone, ports with an in-place CRC update.
+#[inline(never)]
+fn rewrite_sctp(
+    ctx: &TcContext,
+    pkt: &Packet,
+    side: Side,
+    addr: &[u32; 4],
+    port: u16,
+) -> Result<(), i32> {
+    let fail = |_| {
+        count(counter::REWRITE_FAILED);
+        DROP
+    };
+    let (old_port, port_off, source) = match side {
+        Side::Source => (pkt.sport, pkt.l4_off, true),
+        Side::Destination => (pkt.dport, pkt.l4_off + 2, false),
+    };
+    let len = if pkt.family == FAMILY_V4 {
+        rewrite_ipv4_address(ctx, pkt, side, addr)?;
+        let total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).map_err(fail)?);
+        u32::from(total).wrapping_sub((pkt.l4_off - ETH_HLEN) as u32)
+    } else {
+        let addr_off = match side {
+            Side::Source => IPV6_SADDR_OFF,
+            Side::Destination => IPV6_DADDR_OFF,
+        };
+        ctx.store(addr_off, addr, 0).map_err(fail)?;
+        u32::from(u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).map_err(fail)?))
+    };
+    if port == old_port {
+        return Ok(());
+    }
+    ctx.store(port_off, &port, 0).map_err(fail)?;
+    // The checksum is finished once per packet, by the tail call `finish` makes.
+    let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
+        return Err(DROP); // unreachable: index 0 of a one-entry array
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let p = unsafe { &mut *p };
+    // Ports as loaded are the little-endian halves of the packet's first word.
+    p.delta ^= u32::from(old_port ^ port) << if source { 0 } else { 16 };
+    p.len = len;
+    p.sum_off = (pkt.l4_off + 8) as u32;
+    Ok(())
+}
+
+/// The classifier's last step for SCTP: a packet whose ports changed goes on to the
+/// checksum tail call with the verdict; any other ends here.
+#[inline(always)]
+pub fn finish(ctx: &TcContext, verdict: i32) -> i32 {
+    let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
+        return verdict;
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let p = unsafe { &mut *p };
+    if p.delta == 0 {
+        return verdict;
+    }
+    p.verdict = verdict;
+    // SAFETY: a valid context and program array; returns only if the call fails.
+    unsafe { TC_TAIL.tail_call(ctx, TAIL_SCTP_CRC) };
+    p.delta = 0;
+    count(counter::REWRITE_FAILED);
+    DROP // a wrong checksum would be dropped by the receiver anyway
+}
+
+/// The tail call: applies the pending port change to the SCTP checksum, returns the
+/// classifier's verdict.
+pub fn sctp_checksum(ctx: &TcContext) -> i32 {
+    let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
+        return DROP;
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let p = unsafe { &mut *p };
+    let (delta, verdict) = (p.delta, p.verdict);
+    p.delta = 0;
+    // Beyond the table: an offloaded segment, whose CRC the kernel computes later.
+    let Some(zeros) = SCTP_ZEROS.get(p.len) else {
+        return verdict;
+    };
+    let off = p.sum_off as usize;
+    let Ok(sum) = ctx.load::<u32>(off) else {
+        count(counter::REWRITE_FAILED);
+        return DROP;
+    };
+    let sum = crc32c::after_first_word_change(sum, delta, *zeros);
+    if ctx.store(off, &sum, 0).is_err() {
+        count(counter::REWRITE_FAILED);
+        return DROP;
+    }
+    verdict
+}
