@@ -98,7 +98,7 @@ pub fn run(opts: &Run) -> Result<()> {
         writeln!(lock, "{}", serde_json::to_string(&attempt)?)?;
         lock.flush()?;
         drop(lock);
-        if !opts.interval.is_zero() {
+        if !opts.interval.is_zero() && seq + 1 < opts.count {
             std::thread::sleep(opts.interval);
         }
     }

@@ -370,12 +370,29 @@ impl Testbed {
         self.write_manifests(&files)
     }
 
+    /// Writes `text` as a file in the testbed's own folder; returns its path.
+    pub fn write_file(&self, name: &str, text: &str) -> Result<PathBuf> {
+        let path = self.root.join(name);
+        fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        Ok(path)
+    }
+
     pub fn pin_dir(&self) -> PathBuf {
         self.bpffs.join("agent")
     }
 
     /// Starts the agent for `path`; returns once it has programmed `frontends` frontends.
     pub fn start_agent(&mut self, path: Path_, frontends: usize) -> Result<()> {
+        self.start_agent_with(path, frontends, &[])
+    }
+
+    /// `start_agent` with more arguments for `proxy-agent run` (`--config`, `--node-ip`).
+    pub fn start_agent_with(
+        &mut self,
+        path: Path_,
+        frontends: usize,
+        extra: &[&str],
+    ) -> Result<()> {
         let mut cmd = Command::new(agent_bin());
         cmd.arg("--netns")
             .arg(format!("/run/netns/{}", self.node_ns()))
@@ -384,7 +401,8 @@ impl Testbed {
             .arg(&self.manifests)
             .arg("--bpffs")
             .arg(self.pin_dir())
-            .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"]);
+            .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"])
+            .args(extra);
         match path {
             Path_::ConnectTime => {
                 cmd.arg("--cgroup").arg(&self.cgroup);

@@ -1,0 +1,306 @@
+//! The per-packet path with traffic shaped like a real cluster's, at the default
+//! conntrack timeouts: keep-alive connections and UDP flows idle past every unanswered
+//! timeout, 100,000 short connections through one masqueraded NodePort, and a client
+//! reconnecting from the same port after its backend left. Root only: each test says so
+//! and skips otherwise. (Namespaces, veths and pins are the testbed's own.)
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    process::{Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use proxy_e2e::{
+    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, require_root, sh, target,
+    web_manifests,
+};
+
+/// Frontends the web manifests program: web (2 families × 2 ports) + empty.
+const FRONTENDS: usize = 5;
+
+/// `masqueradeAll`, so every flow leaves the node with the node's address.
+const MASQUERADE_ALL: &str = "kind: KubeProxyConfiguration\nmasqueradeAll: true\n";
+
+fn per_packet(backends: &[usize], masquerade: bool) -> Testbed {
+    let mut tb = Testbed::new(3).expect("testbed");
+    tb.write_manifests(&web_manifests(backends, None))
+        .expect("manifests");
+    let config = tb
+        .write_file("kube-proxy.yaml", MASQUERADE_ALL)
+        .expect("config");
+    let config = config.to_string_lossy().into_owned();
+    let extra: Vec<&str> = if masquerade {
+        vec![
+            "--config",
+            &config,
+            "--node-ip",
+            "10.10.0.1",
+            "--node-ip",
+            "fd10::1",
+        ]
+    } else {
+        Vec::new()
+    };
+    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &extra)
+        .expect("agent");
+    tb
+}
+
+/// One keep-alive TCP connection per family asks, idles 65 s (past the 60 s unanswered
+/// TCP limit), and asks again; one connected UDP flow per family asks, idles 35 s (past
+/// the 30 s unanswered UDP limit), and asks again. Every answer comes back translated,
+/// from the same backend.
+fn idle_flows_outlive_the_unanswered_timeouts(masquerade: bool) {
+    let tb = per_packet(&[0, 1, 2], masquerade);
+    let mut clients = Vec::new();
+    for (vip, proto, port, idle_ms) in [
+        (VIP4, "tcp", TCP_PORT, "65000"),
+        (VIP6, "tcp", TCP_PORT, "65000"),
+        (VIP4, "udp-connected", UDP_PORT, "35000"),
+        (VIP6, "udp-connected", UDP_PORT, "35000"),
+    ] {
+        let t = target(vip, port);
+        let child = tb
+            .spawn_client(&[
+                "--target",
+                &t,
+                "--proto",
+                proto,
+                "--reuse-socket",
+                "--count",
+                "2",
+                "--interval-ms",
+                idle_ms,
+            ])
+            .expect("client");
+        clients.push((t, proto, child));
+    }
+    for (t, proto, child) in clients {
+        let attempts = finish_client(child).expect("client output");
+        assert_eq!(attempts.len(), 2, "{proto} {t}: {attempts:?}");
+        assert!(
+            attempts.iter().all(|a| a.ok),
+            "{proto} {t} (masquerade {masquerade}): the idle flow died: {attempts:?}\n{}",
+            tb.agent_log()
+        );
+        assert_eq!(
+            attempts[0].backend, attempts[1].backend,
+            "{proto} {t}: the flow changed backend"
+        );
+        assert!(
+            attempts[1].at_ms - attempts[0].at_ms > 30_000.0,
+            "{proto} {t}: the flow did not idle"
+        );
+        if masquerade {
+            let seen = attempts[1].seen_as.as_deref().unwrap_or("");
+            assert!(
+                seen.contains("10.10.0.1") || seen.contains("fd10::1"),
+                "{proto} {t}: not masqueraded, the backend saw {seen}"
+            );
+        }
+    }
+}
+
+#[test]
+fn per_packet_idle_flows_outlive_the_unanswered_timeouts() {
+    if require_root("per_packet_idle_flows_outlive_the_unanswered_timeouts") {
+        idle_flows_outlive_the_unanswered_timeouts(false);
+    }
+}
+
+#[test]
+fn per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts() {
+    if require_root("per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts") {
+        idle_flows_outlive_the_unanswered_timeouts(true);
+    }
+}
+
+/// A NodePort (eTP Cluster: masqueraded) on the node's client-side address, one backend.
+fn nodeport_manifests() -> std::collections::BTreeMap<&'static str, String> {
+    let mut files = web_manifests(&[0], None);
+    files.insert(
+        "nodeport.yaml",
+        "apiVersion: v1
+kind: Service
+metadata: {name: np, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.30
+  ports:
+  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: np-ipv4
+  namespace: default
+  labels: {kubernetes.io/service-name: np}
+addressType: IPv4
+ports:
+- {name: http, protocol: TCP, port: 8080}
+endpoints:
+- addresses: [\"10.30.0.2\"]
+  conditions: {ready: true}
+"
+        .replace("10.30.0.2", &Testbed::backend_ip4(0)),
+    );
+    files
+}
+
+fn counter(tb: &Testbed, name: &str) -> u64 {
+    tb.dump().expect("dump")["counters"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("counter {name}"))
+}
+
+/// 100,000 connections, one after another, from one client through a masqueraded
+/// NodePort to one backend: five times more than the 10,000 masquerade ports, so ports
+/// of closed flows must be given back. None fails; no port runs out.
+#[test]
+fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
+    if !require_root("per_packet_100k_short_connections_through_a_masqueraded_nodeport") {
+        return;
+    }
+    const CONNECTIONS: u32 = 100_000;
+    let mut tb = Testbed::new(1).expect("testbed");
+    tb.write_manifests(&nodeport_manifests())
+        .expect("manifests");
+    // web (4) + empty + the NodePort's ClusterIP and NodePort.
+    tb.start_agent_with(Path_::PerPacket, 7, &["--node-ip", "10.10.0.1"])
+        .expect("agent");
+    // The client is one host opening 100k connections in a minute: let it reuse its own
+    // TIME_WAIT ports, as a busy client (or a NAT in front of it) does.
+    let client_ns = tb.client_ns();
+    for (k, v) in [
+        ("net.ipv4.tcp_tw_reuse", "1"),
+        ("net.ipv4.ip_local_port_range", "1024 65535"),
+    ] {
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &client_ns,
+            "sysctl",
+            "-qw",
+            &format!("{k}={v}"),
+        ])
+        .expect("client sysctl");
+    }
+    let started = Instant::now();
+    let attempts = tb
+        .client(&[
+            "--target",
+            "10.10.0.1:30080",
+            "--count",
+            &CONNECTIONS.to_string(),
+        ])
+        .expect("client");
+    let took = started.elapsed();
+    let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
+    eprintln!(
+        "{} connections in {:.1} s through the masqueraded NodePort, {} failed",
+        attempts.len(),
+        took.as_secs_f64(),
+        failed.len()
+    );
+    assert_eq!(attempts.len(), CONNECTIONS as usize);
+    assert!(
+        failed.is_empty(),
+        "{} failed, first {:?}\n{}",
+        failed.len(),
+        failed.first(),
+        tb.agent_log()
+    );
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.seen_as.as_deref().unwrap_or("").starts_with("10.10.0.1")),
+        "every connection reached the backend masqueraded"
+    );
+    assert_eq!(counter(&tb, "snat_ports_exhausted"), 0);
+    assert!(counter(&tb, "snat") >= u64::from(CONNECTIONS));
+    assert!(
+        counter(&tb, "ct_reused") > 0,
+        "100k flows on 10k ports: closed flows' ports were reused"
+    );
+}
+
+/// A client reconnects from the same source port after its backend left the Service:
+/// once after a graceful close (the flow in TIME_WAIT), once after a reset (CLOSE). The
+/// new connections reach a live backend, not the removed one.
+#[test]
+fn per_packet_reconnect_from_the_same_port_reaches_a_live_backend() {
+    if !require_root("per_packet_reconnect_from_the_same_port_reaches_a_live_backend") {
+        return;
+    }
+    let tb = per_packet(&[0], false);
+    sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &tb.client_ns(),
+        "sysctl",
+        "-qw",
+        "net.ipv4.tcp_tw_reuse=1",
+    ])
+    .expect("client sysctl");
+    let script = format!(
+        r#"
+import socket, struct, sys, time
+VIP = ("{VIP4}", {TCP_PORT})
+def connect(port, reset):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("10.10.0.2", port))
+    s.settimeout(3)
+    s.connect(VIP)
+    who = s.recv(200).decode().split()[0]
+    if reset:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    else:
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(200):
+            pass
+    s.close()
+    return who
+print(connect(41000, False), connect(41001, True), flush=True)
+sys.stdin.readline()
+time.sleep(1.2)  # TIME_WAIT reuse needs the old one a second old
+print(connect(41000, False), connect(41001, True), flush=True)
+"#
+    );
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &tb.client_ns(), "python3", "-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 client");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut first = String::new();
+    out.read_line(&mut first).expect("first answers");
+    assert_eq!(first.trim(), "backend-0 backend-0", "{}", tb.agent_log());
+    tb.write_manifests(&web_manifests(&[1, 2], None))
+        .expect("manifests");
+    thread::sleep(Duration::from_millis(1500)); // the file source notices and syncs
+    child
+        .stdin
+        .as_mut()
+        .expect("stdin")
+        .write_all(b"go\n")
+        .expect("go");
+    let mut second = String::new();
+    out.read_line(&mut second).expect("second answers");
+    let _ = child.wait();
+    let who: Vec<&str> = second.split_whitespace().collect();
+    assert_eq!(
+        who.len(),
+        2,
+        "both reconnects answered: {second:?}\n{}",
+        tb.agent_log()
+    );
+    assert!(
+        who.iter().all(|w| *w == "backend-1" || *w == "backend-2"),
+        "a reconnect from the same port went to the removed backend: {who:?}"
+    );
+}
