@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_e2e::{TCP_PORT, Testbed, VIP4, VIP6, ip, require_root, target, web_manifests};
+use proxy_e2e::{TCP_PORT, Testbed, VIP4, VIP6, ip, require_root, sh, target, web_manifests};
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -196,4 +196,60 @@ fn unmatched_and_non_ethernet_interfaces_are_left_out() {
         attempts.iter().all(|a| !a.ok),
         "the ClusterIP was reached without the classifier: {attempts:?}"
     );
+}
+
+/// `GET url` from inside the node's namespace (the agent's metrics listen there).
+fn get_in_node(tb: &Testbed, url: &str) -> String {
+    let script =
+        format!("import urllib.request;print(urllib.request.urlopen('{url}').read().decode())");
+    sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &tb.node_ns(),
+        "python3",
+        "-c",
+        &script,
+    ])
+    .expect(url)
+}
+
+fn attach_failures(tb: &Testbed) -> u64 {
+    let metrics = get_in_node(tb, "http://127.0.0.1:10249/metrics");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("proxy_agent_interface_attach_failures "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no attach failure metric:\n{metrics}"))
+}
+
+/// An attachment that fails (here: something that is not a link squats on the pin's
+/// path) is logged with the interface and counted, the other interfaces are served, and
+/// the next change of the device retries it.
+#[test]
+fn attach_failure_is_logged_counted_and_retried() {
+    if !require_root("attach_failure_is_logged_counted_and_retried") {
+        return;
+    }
+    let mut tb = Testbed::new(1).expect("testbed");
+    tb.write_manifests(&web_manifests(&[0], None))
+        .expect("manifests");
+    tb.start_agent_on("auto", FRONTENDS).expect("agent");
+    assert_eq!(attach_failures(&tb), 0);
+    let veth = tb.pod_interface(0);
+    let squatter = tb.classifier_pin(&veth);
+    std::fs::create_dir(&squatter).expect("squatting the pin path");
+
+    let pod = tb.add_pod(0).expect("pod");
+    wait_for("the failure's log line", &tb, || {
+        tb.agent_log()
+            .lines()
+            .any(|l| l.contains("classifier not attached") && l.contains(&veth))
+    });
+    assert!(attach_failures(&tb) >= 1, "{}", tb.agent_log());
+
+    std::fs::remove_dir(&squatter).expect("freeing the pin path");
+    ip(&tb.node_ns(), &format!("link set {veth} mtu 1400")).expect("changing the veth");
+    wait_for("the retried attachment", &tb, || squatter.exists());
+    reaches_cluster_ip(&tb, &pod);
 }
