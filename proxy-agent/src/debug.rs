@@ -199,6 +199,12 @@ async fn metrics(State(s): State<AppState>) -> Response {
     }
     gauge(
         &mut registry,
+        "interface_attach_failures",
+        "Classifier attachments to interfaces that failed",
+        c.interface_attach_failures as i64,
+    );
+    gauge(
+        &mut registry,
         "frontends",
         "Frontends in this node's view",
         s.status.view().len() as i64,

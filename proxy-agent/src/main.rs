@@ -9,7 +9,9 @@ use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use proxy_agent::{
     config::Config,
-    dataplane::bpf::{self, AttachOptions, BpfDataplane, MapSet, sync::words_addr},
+    dataplane::bpf::{
+        self, AttachOptions, BpfDataplane, InterfaceSelector, MapSet, sync::words_addr,
+    },
     netns, source,
     sync::{self, SyncTiming},
 };
@@ -91,8 +93,10 @@ struct RunArgs {
     /// (every process on the node), `none` leaves them out [default: auto].
     #[arg(long)]
     cgroup: Option<String>,
-    /// Interfaces for the per-packet classifier (comma-separated); `auto` takes every
-    /// interface except loopback [default: none].
+    /// Interfaces for the per-packet classifier (comma-separated names or `*` globs such
+    /// as `veth*`), now and as they appear; `auto` is every interface with an Ethernet
+    /// header except loopback. Devices without one (WireGuard, tun, ipip) are skipped
+    /// [default: none].
     #[arg(long, value_delimiter = ',')]
     interfaces: Option<Vec<String>>,
     /// Level of log messages from the BPF programs: off, error, warn, info, debug, trace
@@ -297,19 +301,36 @@ fn main() -> Result<()> {
 
 async fn run(args: RunArgs) -> Result<()> {
     let cfg = args.config()?;
+    let status = sync::Status::default();
     let opts = AttachOptions {
         pin_dir: PathBuf::from(&cfg.bpffs),
         cgroup: resolve_cgroup(&cfg.cgroup)?,
-        interfaces: resolve_interfaces(&cfg.interfaces)?,
+        interfaces: InterfaceSelector::parse(&cfg.interfaces)
+            .context("--interfaces (ebpf.interfaces)")?,
         bpf_log_level: log_level(&cfg.bpf_log_level)?,
         conntrack_entries: cfg
             .conntrack
             .table_entries(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        attach_failures: status.attach_failures(),
     };
     proxy_agent::dataplane::bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;
-    tracing::info!(cgroup = ?opts.cgroup, interfaces = ?opts.interfaces, "starting");
+    tracing::info!(cgroup = ?opts.cgroup, interfaces = ?cfg.interfaces, "starting");
     let mut dataplane = BpfDataplane::start(&opts)?;
-    spawn_program_logger(&mut dataplane.ebpf);
+    {
+        let mut ebpf = dataplane
+            .ebpf
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the BPF object's lock is poisoned"))?;
+        spawn_program_logger(&mut ebpf);
+    }
+    if let Some(watch) = dataplane.take_interface_watch() {
+        tokio::spawn(async move {
+            // Interfaces already served keep their classifier; new ones wait for a restart.
+            if let Err(e) = watch.run().await {
+                tracing::error!(error = format!("{e:#}"), "no longer following interfaces");
+            }
+        });
+    }
     let timing = SyncTiming {
         min_interval: cfg.min_sync_period,
         resync: cfg.sync_period.max(Duration::from_secs(1)),
@@ -351,7 +372,6 @@ async fn run(args: RunArgs) -> Result<()> {
             tokio::spawn(source::kube::run(client, node.name, tx));
         }
     }
-    let status = sync::Status::default();
     use proxy_agent::debug::Endpoints;
     for (addr, endpoints) in [
         (&cfg.healthz_bind_address, Endpoints::Healthz),
@@ -469,22 +489,6 @@ fn resolve_cgroup(arg: &str) -> Result<Option<PathBuf>> {
         "auto" => Ok(Some(proxy_agent::cgroup2_mount()?)),
         path => Ok(Some(PathBuf::from(path))),
     }
-}
-
-fn resolve_interfaces(arg: &[String]) -> Result<Vec<String>> {
-    let named: Vec<String> = arg.iter().filter(|s| !s.is_empty()).cloned().collect();
-    if named != ["auto"] {
-        return Ok(named);
-    }
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/sys/class/net").context("listing interfaces")? {
-        let name = entry?.file_name().to_string_lossy().into_owned();
-        if name != "lo" {
-            found.push(name);
-        }
-    }
-    found.sort();
-    Ok(found)
 }
 
 /// Exit status for a scenario file that cannot be used at all.

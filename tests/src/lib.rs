@@ -84,7 +84,7 @@ pub(crate) fn add_namespace(ns: &str) -> Result<()> {
 }
 
 /// `ip -n NS ARGS...`, with ARGS split on spaces.
-pub(crate) fn ip(ns: &str, args: &str) -> Result<String> {
+pub fn ip(ns: &str, args: &str) -> Result<String> {
     let mut argv = vec!["ip", "-n", ns];
     argv.extend(args.split_whitespace());
     sh(&argv)
@@ -393,6 +393,42 @@ impl Testbed {
         frontends: usize,
         extra: &[&str],
     ) -> Result<()> {
+        let mut args: Vec<std::ffi::OsString> = match path {
+            Path_::ConnectTime => vec!["--cgroup".into(), self.cgroup.clone().into()],
+            Path_::PerPacket => vec![
+                "--cgroup".into(),
+                "none".into(),
+                "--interfaces".into(),
+                self.node_interfaces().join(",").into(),
+            ],
+        };
+        args.extend(extra.iter().map(Into::into));
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        self.spawn_agent(&args, path, frontends)
+    }
+
+    /// Starts the agent for the per-packet path with `--interfaces interfaces` (names,
+    /// globs or `auto`: the agent runs in the node's namespace, so these only ever name
+    /// the testbed's own interfaces).
+    pub fn start_agent_on(&mut self, interfaces: &str, frontends: usize) -> Result<()> {
+        self.spawn_agent(
+            &[
+                "--cgroup".as_ref(),
+                "none".as_ref(),
+                "--interfaces".as_ref(),
+                interfaces.as_ref(),
+            ],
+            Path_::PerPacket,
+            frontends,
+        )
+    }
+
+    fn spawn_agent(
+        &mut self,
+        args: &[&std::ffi::OsStr],
+        path: Path_,
+        frontends: usize,
+    ) -> Result<()> {
         let mut cmd = Command::new(agent_bin());
         cmd.arg("--netns")
             .arg(format!("/run/netns/{}", self.node_ns()))
@@ -402,25 +438,65 @@ impl Testbed {
             .arg("--bpffs")
             .arg(self.pin_dir())
             .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"])
-            .args(extra);
-        match path {
-            Path_::ConnectTime => {
-                cmd.arg("--cgroup").arg(&self.cgroup);
-            }
-            Path_::PerPacket => {
-                cmd.args([
-                    "--cgroup",
-                    "none",
-                    "--interfaces",
-                    &self.node_interfaces().join(","),
-                ]);
-            }
-        }
+            .args(args);
         let log = fs::File::create(self.root.join("agent.log"))?;
         cmd.stdout(log.try_clone()?).stderr(log);
         self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
         self.agent_path = Some(path);
         self.wait_frontends(frontends)
+    }
+
+    /// A pod added to the node after the fact: namespace `pxy<id>p<i>` (removed with the
+    /// testbed) behind the node's veth `p<i><id>`, at 10.30.<i>.2 / fd30:<i>::2.
+    pub fn add_pod(&mut self, i: usize) -> Result<String> {
+        let ns = self.pod_ns(i);
+        self.add_namespace(&ns)?;
+        self.add_pod_link(i)?;
+        Ok(ns)
+    }
+
+    /// (Re)creates the veth of pod `i` (see [`Self::add_pod`]).
+    pub fn add_pod_link(&self, i: usize) -> Result<()> {
+        self.link(
+            &self.node_ns(),
+            &self.pod_interface(i),
+            &self.pod_ns(i),
+            (&format!("10.30.{i}.1"), &format!("fd30:{i}::1")),
+            (&format!("10.30.{i}.2"), &format!("fd30:{i}::2")),
+        )
+    }
+
+    pub fn pod_ns(&self, i: usize) -> String {
+        format!("pxy{}p{i}", self.id)
+    }
+
+    /// The node's end of pod `i`'s veth.
+    pub fn pod_interface(&self, i: usize) -> String {
+        format!("p{i}{}", self.id)
+    }
+
+    /// Where the agent pins the classifier's link for `interface`.
+    pub fn classifier_pin(&self, interface: &str) -> PathBuf {
+        self.pin_dir()
+            .join("links")
+            .join(format!("tc_ingress@{interface}"))
+    }
+
+    /// Runs the client in namespace `ns` (no cgroup: the per-packet path).
+    pub fn client_in(&self, ns: &str, args: &[&str]) -> Result<Vec<Attempt>> {
+        let out = Command::new(helper_bin("e2e-client"))
+            .arg("--netns")
+            .arg(format!("/run/netns/{ns}"))
+            .args(args)
+            .output()
+            .context("running e2e-client")?;
+        if !out.status.success() {
+            bail!(
+                "e2e-client {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
     }
 
     /// The running agent's process id.

@@ -20,7 +20,7 @@ use proxy_e2e::{
 const FRONTENDS: usize = 5;
 
 /// `masqueradeAll`, so every flow leaves the node with the node's address.
-const MASQUERADE_ALL: &str = "kind: KubeProxyConfiguration\nmasqueradeAll: true\n";
+const MASQUERADE_ALL: &str = "kind: KubeProxyConfiguration\niptables:\n  masqueradeAll: true\n";
 
 fn per_packet(backends: &[usize], masquerade: bool) -> Testbed {
     let mut tb = Testbed::new(3).expect("testbed");
@@ -166,8 +166,8 @@ fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
     let mut tb = Testbed::new(1).expect("testbed");
     tb.write_manifests(&nodeport_manifests())
         .expect("manifests");
-    // web (4) + empty + the NodePort's ClusterIP and NodePort.
-    tb.start_agent_with(Path_::PerPacket, 7, &["--node-ip", "10.10.0.1"])
+    // web (4) + empty + the NodePort Service: ClusterIP, NodePort, 127.0.0.1:NodePort.
+    tb.start_agent_with(Path_::PerPacket, 8, &["--node-ip", "10.10.0.1"])
         .expect("agent");
     // The client is one host opening 100k connections in a minute: let it reuse its own
     // TIME_WAIT ports, as a busy client (or a NAT in front of it) does.

@@ -10,7 +10,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::broadcast;
 
 use crate::{
-    dataplane::ApplyReport,
+    dataplane::{ApplyReport, bpf::AttachFailures},
     model::{NodeView, diff_lines},
     source::SharedSnapshot,
 };
@@ -23,6 +23,8 @@ pub struct Counters {
     pub frontends_failed: u64,
     pub objects_rejected: u64,
     pub udp_sockets_destroyed: u64,
+    /// Classifier attachments to interfaces that failed.
+    pub interface_attach_failures: u64,
     pub last_sync_seconds: f64,
     /// The per-packet path's connection tracking, as its collector last measured it.
     pub conntrack: ConntrackFill,
@@ -66,6 +68,7 @@ struct Inner {
     state: Mutex<State>,
     diffs: broadcast::Sender<String>,
     histograms: Histograms,
+    attach_failures: AttachFailures,
 }
 
 /// Latency distributions, as kube-proxy exports them.
@@ -99,6 +102,7 @@ impl Default for Status {
             state: Mutex::new(State::default()),
             diffs,
             histograms: Histograms::default(),
+            attach_failures: AttachFailures::default(),
         }))
     }
 }
@@ -212,7 +216,14 @@ impl Status {
     }
 
     pub fn counters(&self) -> Counters {
-        self.with(|s| s.counters.clone())
+        let mut c = self.with(|s| s.counters.clone());
+        c.interface_attach_failures = self.0.attach_failures.get();
+        c
+    }
+
+    /// The dataplane's count of failed classifier attachments (clones share it).
+    pub fn attach_failures(&self) -> AttachFailures {
+        self.0.attach_failures.clone()
     }
 
     /// View diffs (`+`/`-` lines) from now on.

@@ -8,31 +8,38 @@
 
 mod conntrack;
 pub mod ct_collector;
+pub mod interfaces;
+mod link_events;
+mod links;
 pub mod maps;
 mod netlink;
 mod sockets;
 pub mod sync;
+mod watch;
 
 use std::{
     ffi::CString,
     fs,
     os::fd::AsFd as _,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex},
 };
 
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType,
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier,
         cgroup_sock_addr::CgroupSockAddrLink,
         links::{FdLink, PinnedLink},
-        tc::{SchedClassifierLink, TcAttach},
     },
 };
 use proxy_common::map_names;
 
-pub use self::{maps::MapSet, sync::MapState};
+pub use self::{
+    interfaces::InterfaceSelector, links::AttachFailures, maps::MapSet, sync::MapState,
+    watch::InterfaceWatch,
+};
 use super::{ApplyReport, Dataplane};
 use crate::model::NodeView;
 
@@ -65,13 +72,15 @@ pub struct AttachOptions {
     pub pin_dir: PathBuf,
     /// cgroup v2 folder for the connect-time hooks; `None` leaves them out.
     pub cgroup: Option<PathBuf>,
-    /// Interfaces whose ingress gets the per-packet classifier.
-    pub interfaces: Vec<String>,
+    /// Interfaces whose ingress gets the per-packet classifier, now and as they appear.
+    pub interfaces: InterfaceSelector,
     /// aya-log level for messages from the programs (0 off ... 5 trace).
     pub bpf_log_level: u8,
     /// Entries of the answered-flows table (`CONNTRACK`; the new-flows table gets a
     /// quarter); 0 keeps the built-in capacities.
     pub conntrack_entries: u32,
+    /// Counts classifier attachments that failed.
+    pub attach_failures: AttachFailures,
 }
 
 /// Capacities of the two connection-tracking tables for `entries` answered entries.
@@ -105,12 +114,16 @@ pub fn check_masquerade_ports(range: (u16, u16)) -> Result<()> {
 
 /// The loaded, attached dataplane.
 pub struct BpfDataplane {
-    /// Kept for the program logger's ring buffer; programs live on through their links.
-    pub ebpf: Ebpf,
+    /// Kept for the program logger's ring buffer and for attaching the classifier to
+    /// interfaces that appear later (shared with the interface watch); programs live on
+    /// through their links.
+    pub ebpf: Arc<Mutex<Ebpf>>,
     pub maps: MapSet,
     pub state: MapState,
     /// Where the connect-time hooks are attached (whose sockets may need destroying).
     cgroup: Option<PathBuf>,
+    /// Follows interfaces for the classifier, until [`Self::take_interface_watch`].
+    interfaces: Option<InterfaceWatch>,
 }
 
 fn maps_dir(pin_dir: &Path) -> PathBuf {
@@ -185,10 +198,25 @@ impl BpfDataplane {
         if let Some(cgroup) = &opts.cgroup {
             attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
-        attach_classifiers(&mut ebpf, &opts.interfaces, &links_dir)?;
-
         let maps = MapSet::take(&mut ebpf)?;
         let state = MapState::adopt(&maps)?;
+        let ebpf = Arc::new(Mutex::new(ebpf));
+
+        let interfaces = if opts.interfaces.is_empty() {
+            // Links of interfaces no longer configured: unpinning detaches them.
+            links::prune_pins(&links_dir, |_| false);
+            None
+        } else {
+            let classifiers = links::Classifiers::new(
+                Arc::clone(&ebpf),
+                &links_dir,
+                opts.interfaces.clone(),
+                opts.attach_failures.clone(),
+            )?;
+            let watch = InterfaceWatch::start(classifiers)?;
+            tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
+            Some(watch)
+        };
         tracing::info!(
             pin_dir = %opts.pin_dir.display(),
             adopted_frontends = state.frontends(),
@@ -199,7 +227,14 @@ impl BpfDataplane {
             maps,
             state,
             cgroup: opts.cgroup.clone(),
+            interfaces,
         })
+    }
+
+    /// The watch that attaches the classifier to interfaces as they appear (run it with
+    /// [`InterfaceWatch::run`]); `None` without `--interfaces`, or once taken.
+    pub fn take_interface_watch(&mut self) -> Option<InterfaceWatch> {
+        self.interfaces.take()
     }
 }
 
@@ -373,63 +408,6 @@ fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> R
         // The link is pinned already; dropping our fd keeps it attached.
         let link = prog.take_link(link_id)?;
         drop(FdLink::try_from(link)?);
-    }
-    Ok(())
-}
-
-fn attach_classifiers(ebpf: &mut Ebpf, interfaces: &[String], links_dir: &Path) -> Result<()> {
-    let wanted: Vec<String> = interfaces
-        .iter()
-        .map(|i| format!("tc_ingress@{i}"))
-        .collect();
-    // Links of interfaces no longer configured: unpinning detaches them.
-    if let Ok(entries) = fs::read_dir(links_dir) {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with("tc_ingress@") && !wanted.contains(&name) {
-                tracing::info!(
-                    link = name,
-                    "detaching classifier from an interface no longer configured"
-                );
-                let _ = fs::remove_file(entry.path());
-            }
-        }
-    }
-    if interfaces.is_empty() {
-        return Ok(());
-    }
-    let prog: &mut SchedClassifier = ebpf
-        .program_mut(TC_PROGRAM)
-        .context("BPF object has no classifier")?
-        .try_into()?;
-    prog.load().context("loading the classifier")?;
-    for (iface, pin_name) in interfaces.iter().zip(&wanted) {
-        let pin = links_dir.join(pin_name);
-        if pin.exists() {
-            let fd_link: FdLink = PinnedLink::from_pin(&pin)
-                .with_context(|| format!("opening pinned link {}", pin.display()))?
-                .into();
-            let link = SchedClassifierLink::try_from(fd_link)?;
-            let id = prog
-                .attach_to_link(link)
-                .with_context(|| format!("replacing the classifier on {iface}"))?;
-            drop(FdLink::try_from(prog.take_link(id)?)?);
-        } else {
-            let c_iface = CString::new(iface.as_str())?;
-            let id = prog
-                .attach(
-                    c_iface.as_c_str(),
-                    TcAttach::Tcx {
-                        attach_type: TcAttachType::Ingress,
-                        order: Default::default(),
-                    },
-                )
-                .with_context(|| format!("attaching the classifier to {iface} ingress (tcx)"))?;
-            FdLink::try_from(prog.take_link(id)?)?
-                .pin(&pin)
-                .with_context(|| format!("pinning {}", pin.display()))?;
-        }
-        tracing::info!(interface = iface, "classifier attached");
     }
     Ok(())
 }

@@ -1,0 +1,163 @@
+//! Interfaces appearing and vanishing, from rtnetlink: a dump of every link, then the
+//! kernel's RTNLGRP_LINK notifications, in the network namespace the socket was opened in.
+
+use std::{
+    io,
+    os::fd::{AsRawFd, RawFd},
+};
+
+use anyhow::{Context as _, Result};
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    link::{LinkAttribute, LinkLayerType, LinkMessage},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+use super::interfaces::LinkKind;
+
+/// rtnetlink's multicast group for link changes (RTNLGRP_LINK).
+const RTNLGRP_LINK: u32 = 1;
+
+/// One network device as rtnetlink describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    pub kind: LinkKind,
+}
+
+/// What a message from the kernel says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinkChange {
+    /// The device exists (new, changed, or listed by a dump).
+    Present(Link),
+    /// The device is gone from this namespace (deleted, or moved to another one).
+    Gone(Link),
+    /// The dump is complete; `interrupted` means links changed during it (dump again).
+    DumpDone { interrupted: bool },
+}
+
+/// A route netlink socket subscribed to link changes.
+pub struct LinkEvents {
+    socket: Socket,
+    seq: u32,
+    dump_interrupted: bool,
+}
+
+impl LinkEvents {
+    /// Subscribes first, so no change between the dump and the notifications is lost.
+    pub fn open() -> Result<Self> {
+        let mut socket = Socket::new(NETLINK_ROUTE).context("opening a route netlink socket")?;
+        socket
+            .bind(&SocketAddr::new(0, 0))
+            .context("binding the route netlink socket")?;
+        socket
+            .add_membership(RTNLGRP_LINK)
+            .context("subscribing to link changes (RTNLGRP_LINK)")?;
+        Ok(Self {
+            socket,
+            seq: 0,
+            dump_interrupted: false,
+        })
+    }
+
+    /// Asks for every link; the answers come through [`Self::read`], ending with
+    /// [`LinkChange::DumpDone`].
+    pub fn request_dump(&mut self) -> Result<()> {
+        self.seq += 1;
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        header.sequence_number = self.seq;
+        let mut msg = NetlinkMessage::new(
+            header,
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetLink(LinkMessage::default())),
+        );
+        msg.finalize();
+        let mut buf = vec![0; msg.buffer_len()];
+        msg.serialize(&mut buf);
+        self.socket
+            .send_to(&buf, &SocketAddr::new(0, 0), 0)
+            .context("asking rtnetlink for every link")?;
+        Ok(())
+    }
+
+    pub fn set_non_blocking(&self) -> Result<()> {
+        self.socket
+            .set_non_blocking(true)
+            .context("making the route netlink socket non-blocking")
+    }
+
+    /// Reads one datagram and decodes the link changes in it. `ENOBUFS` means
+    /// notifications were dropped (the caller dumps again); `WouldBlock` that nothing
+    /// is waiting on a non-blocking socket.
+    pub fn read(&mut self) -> io::Result<Vec<LinkChange>> {
+        let (buf, _) = self.socket.recv_from_full()?;
+        Ok(self.decode(&buf))
+    }
+
+    fn decode(&mut self, buf: &[u8]) -> Vec<LinkChange> {
+        let mut changes = Vec::new();
+        let mut offset = 0;
+        while offset < buf.len() {
+            let msg = match NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[offset..]) {
+                Ok(m) => m,
+                Err(e) => {
+                    // The rest of the datagram cannot be framed without this header.
+                    tracing::warn!(error = %e, "undecodable rtnetlink message; skipped");
+                    break;
+                }
+            };
+            let len = msg.header.length as usize;
+            if len == 0 {
+                break;
+            }
+            offset += (len + 3) & !3; // NLMSG_ALIGN
+            if msg.header.flags & NLM_F_DUMP_INTR != 0 {
+                self.dump_interrupted = true;
+            }
+            match msg.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
+                    changes.extend(link_of(&m).map(LinkChange::Present));
+                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
+                    changes.extend(link_of(&m).map(LinkChange::Gone));
+                }
+                NetlinkPayload::Done(_) => changes.push(LinkChange::DumpDone {
+                    interrupted: std::mem::take(&mut self.dump_interrupted),
+                }),
+                NetlinkPayload::Error(e) if e.code.is_some() => {
+                    tracing::warn!(error = %e, "rtnetlink refused the link dump");
+                    changes.push(LinkChange::DumpDone { interrupted: true });
+                }
+                _ => {}
+            }
+        }
+        changes
+    }
+}
+
+impl AsRawFd for LinkEvents {
+    fn as_raw_fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
+fn link_of(m: &LinkMessage) -> Option<Link> {
+    let name = m.attributes.iter().find_map(|a| match a {
+        LinkAttribute::IfName(n) => Some(n.clone()),
+        _ => None,
+    })?;
+    let kind = match m.header.link_layer_type {
+        LinkLayerType::Ether => LinkKind::Ethernet,
+        LinkLayerType::Loopback => LinkKind::Loopback,
+        other => LinkKind::Other(u16::from(other)),
+    };
+    Some(Link {
+        index: m.header.index,
+        name,
+        kind,
+    })
+}

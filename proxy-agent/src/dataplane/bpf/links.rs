@@ -1,0 +1,355 @@
+//! The classifier's links, one per served interface, pinned as `links/tc_ingress@<name>`:
+//! attached when a wanted interface appears, unpinned when it goes, so a pin always
+//! belongs to the device that now has its name.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    ffi::CString,
+    fs, io,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    Ebpf,
+    programs::{
+        SchedClassifier, TcAttachType,
+        links::{FdLink, PinnedLink},
+        tc::{SchedClassifierLink, TcAttach},
+    },
+};
+
+use super::{
+    TC_PROGRAM,
+    interfaces::{Decision, InterfaceSelector},
+    link_events::{Link, LinkChange},
+};
+
+const PIN_PREFIX: &str = "tc_ingress@";
+
+/// Attach failures so far (a metric): shared between the dataplane and the endpoints.
+#[derive(Clone, Debug, Default)]
+pub struct AttachFailures(Arc<AtomicU64>);
+
+impl AttachFailures {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn count(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The classifier's links, kept in step with the interfaces rtnetlink reports.
+pub struct Classifiers {
+    /// Holds the loaded classifier (shared with the dataplane, which owns the object).
+    ebpf: Arc<Mutex<Ebpf>>,
+    links_dir: PathBuf,
+    selector: InterfaceSelector,
+    /// Served interfaces: name → ifindex of the device the pinned link is on.
+    attached: BTreeMap<String, u32>,
+    /// Matching devices left out (no Ethernet header), so each is logged once.
+    skipped: BTreeMap<String, u32>,
+    /// Names seen by the dump under way, if one is.
+    dumping: Option<BTreeSet<String>>,
+    failures: AttachFailures,
+}
+
+impl Classifiers {
+    /// Loads the classifier into `ebpf` (once; later attachments reuse it).
+    pub fn new(
+        ebpf: Arc<Mutex<Ebpf>>,
+        links_dir: &Path,
+        selector: InterfaceSelector,
+        failures: AttachFailures,
+    ) -> Result<Self> {
+        {
+            let mut ebpf = lock(&ebpf);
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(TC_PROGRAM)
+                .context("BPF object has no classifier")?
+                .try_into()?;
+            prog.load().context("loading the classifier")?;
+        }
+        Ok(Self {
+            ebpf,
+            links_dir: links_dir.to_path_buf(),
+            selector,
+            attached: BTreeMap::new(),
+            skipped: BTreeMap::new(),
+            dumping: None,
+            failures,
+        })
+    }
+
+    /// A dump of every link starts: what it does not list is gone when it ends.
+    pub fn begin_dump(&mut self) {
+        self.dumping = Some(BTreeSet::new());
+    }
+
+    pub fn handle(&mut self, change: LinkChange) {
+        match change {
+            LinkChange::Present(link) => self.present(&link),
+            LinkChange::Gone(link) => self.gone(&link),
+            LinkChange::DumpDone { interrupted: false } => self.end_dump(),
+            // Incomplete: nothing is swept; the next dump starts afresh.
+            LinkChange::DumpDone { interrupted: true } => {}
+        }
+    }
+
+    /// Names of the interfaces served now.
+    pub fn attached(&self) -> impl Iterator<Item = &str> {
+        self.attached.keys().map(String::as_str)
+    }
+
+    fn present(&mut self, link: &Link) {
+        if let Some(seen) = &mut self.dumping {
+            seen.insert(link.name.clone());
+        }
+        // A renamed device: its old name's link goes (the new name decides afresh).
+        let renamed: Vec<String> = self
+            .attached
+            .iter()
+            .filter(|(name, index)| **index == link.index && **name != link.name)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for old in renamed {
+            self.detach(&old, "interface renamed");
+        }
+        match self.selector.decide(&link.name, link.kind) {
+            Decision::Ignore => {}
+            Decision::SkipNotEthernet => {
+                if self.skipped.insert(link.name.clone(), link.index) != Some(link.index) {
+                    tracing::info!(
+                        interface = link.name,
+                        link_type = ?link.kind,
+                        "interface skipped: no Ethernet header, which the classifier needs"
+                    );
+                }
+                if self.attached.contains_key(&link.name) || self.pin(&link.name).exists() {
+                    self.detach(&link.name, "interface has no Ethernet header");
+                }
+            }
+            Decision::Attach if self.attached.get(&link.name) == Some(&link.index) => {}
+            Decision::Attach => match self.attach(link) {
+                Ok(how) => {
+                    tracing::info!(
+                        interface = link.name,
+                        ifindex = link.index,
+                        how,
+                        "classifier attached"
+                    );
+                    self.attached.insert(link.name.clone(), link.index);
+                }
+                Err(e) => {
+                    // Retried when the device next changes (or at the next dump).
+                    self.failures.count();
+                    tracing::warn!(
+                        interface = link.name,
+                        error = format!("{e:#}"),
+                        "classifier not attached"
+                    );
+                }
+            },
+        }
+    }
+
+    fn gone(&mut self, link: &Link) {
+        self.skipped.remove(&link.name);
+        // The kernel detached the link with the device; its pin would only be stale.
+        if self.attached.get(&link.name) == Some(&link.index)
+            || (!self.attached.contains_key(&link.name) && self.pin(&link.name).exists())
+        {
+            self.detach(&link.name, "interface gone");
+        }
+    }
+
+    fn end_dump(&mut self) {
+        let Some(seen) = self.dumping.take() else {
+            return;
+        };
+        let vanished: Vec<String> = self
+            .attached
+            .keys()
+            .filter(|n| !seen.contains(*n))
+            .cloned()
+            .collect();
+        for name in vanished {
+            self.detach(&name, "interface gone");
+        }
+        self.skipped.retain(|n, _| seen.contains(n));
+        prune_pins(&self.links_dir, |name| self.attached.contains_key(name));
+    }
+
+    /// Adopts a pinned link still on this very device (swapping in our program), else
+    /// attaches a fresh one and pins it.
+    fn attach(&mut self, link: &Link) -> Result<&'static str> {
+        let pin = self.pin(&link.name);
+        let mut ebpf = lock(&self.ebpf);
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(TC_PROGRAM)
+            .context("BPF object has no classifier")?
+            .try_into()?;
+        if pin.exists() {
+            match pinned_ifindex(&pin) {
+                Ok(index) if index == link.index => {
+                    let fd_link: FdLink = PinnedLink::from_pin(&pin)
+                        .with_context(|| format!("opening pinned link {}", pin.display()))?
+                        .into();
+                    let id = prog
+                        .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
+                        .with_context(|| format!("replacing the classifier on {}", link.name))?;
+                    // Pinned already: dropping our fd keeps it attached.
+                    drop(FdLink::try_from(prog.take_link(id)?)?);
+                    return Ok("adopted pinned link");
+                }
+                Ok(index) => tracing::info!(
+                    interface = link.name,
+                    pinned_ifindex = index,
+                    ifindex = link.index,
+                    "pinned link belongs to an earlier device of this name; replacing it"
+                ),
+                Err(e) => tracing::warn!(
+                    interface = link.name,
+                    error = format!("{e:#}"),
+                    "pinned link unreadable; replacing it"
+                ),
+            }
+            remove_pin(&pin)?;
+        }
+        let id = prog
+            .attach(
+                link.index,
+                TcAttach::Tcx {
+                    attach_type: TcAttachType::Ingress,
+                    order: Default::default(),
+                },
+            )
+            .with_context(|| {
+                format!(
+                    "attaching the classifier to {} (ifindex {}) ingress (tcx)",
+                    link.name, link.index
+                )
+            })?;
+        FdLink::try_from(prog.take_link(id)?)?
+            .pin(&pin)
+            .with_context(|| format!("pinning {}", pin.display()))?;
+        Ok("new link")
+    }
+
+    fn detach(&mut self, name: &str, why: &str) {
+        self.attached.remove(name);
+        match remove_pin(&self.pin(name)) {
+            Ok(()) => tracing::info!(interface = name, why, "classifier link unpinned"),
+            Err(e) => {
+                self.failures.count();
+                tracing::warn!(interface = name, error = format!("{e:#}"), "stale pin left");
+            }
+        }
+    }
+
+    fn pin(&self, name: &str) -> PathBuf {
+        pin_path(&self.links_dir, name)
+    }
+}
+
+fn pin_path(links_dir: &Path, name: &str) -> PathBuf {
+    links_dir.join(format!("{PIN_PREFIX}{name}"))
+}
+
+/// Unpins every classifier link whose interface `keep` does not want (unpinning the
+/// last reference detaches it).
+pub fn prune_pins(links_dir: &Path, keep: impl Fn(&str) -> bool) {
+    let Ok(entries) = fs::read_dir(links_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        if let Some(name) = file.strip_prefix(PIN_PREFIX)
+            && !keep(name)
+        {
+            match remove_pin(&entry.path()) {
+                Ok(()) => tracing::info!(
+                    interface = name,
+                    "classifier link unpinned: interface absent or no longer wanted"
+                ),
+                Err(e) => tracing::warn!(error = format!("{e:#}"), "stale pin left"),
+            }
+        }
+    }
+}
+
+fn remove_pin(pin: &Path) -> Result<()> {
+    match fs::remove_file(pin) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", pin.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn lock(ebpf: &Mutex<Ebpf>) -> std::sync::MutexGuard<'_, Ebpf> {
+    // A panic elsewhere while holding it leaves the object itself intact.
+    ebpf.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The device a pinned tcx link is attached to, from the kernel's fdinfo for the link
+/// (`ifindex:`): 0 once its device is gone, however the name is used now.
+fn pinned_ifindex(pin: &Path) -> Result<u32> {
+    let fd = bpf_obj_get(pin)?;
+    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+    let info = fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("ifindex:"))
+        .context("no ifindex in the link's fdinfo (not a tcx link?)")?
+        .trim()
+        .parse()
+        .context("parsing the link's ifindex")
+}
+
+/// BPF_OBJ_GET: a file descriptor for a pinned object (aya keeps its own private).
+fn bpf_obj_get(pin: &Path) -> Result<OwnedFd> {
+    #[repr(C)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        _pad: u32,
+    }
+    const BPF_OBJ_GET: libc::c_long = 7;
+    let path = CString::new(pin.as_os_str().as_encoded_bytes())?;
+    let attr = ObjGetAttr {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        // Links are only handed out read-write (flags 0).
+        file_flags: 0,
+        path_fd: 0,
+        _pad: 0,
+    };
+    // SAFETY: `attr` is a valid bpf_attr prefix for BPF_OBJ_GET and outlives the call;
+    // `path` is NUL-terminated and alive.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            &attr as *const ObjGetAttr,
+            std::mem::size_of::<ObjGetAttr>(),
+        )
+    };
+    if fd < 0 {
+        bail!(
+            "BPF_OBJ_GET {}: {}",
+            pin.display(),
+            io::Error::last_os_error()
+        );
+    }
+    // SAFETY: the kernel just gave us this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}

@@ -1,0 +1,101 @@
+//! Follows the node's interfaces: the classifier goes onto every wanted interface that
+//! exists at start and every one that appears later, and its pin goes with the device.
+
+use anyhow::{Context as _, Result};
+use tokio::io::{Interest, unix::AsyncFd};
+
+use super::{
+    link_events::{LinkChange, LinkEvents},
+    links::Classifiers,
+};
+
+/// The rtnetlink subscription and the links it drives.
+pub struct InterfaceWatch {
+    events: LinkEvents,
+    classifiers: Classifiers,
+}
+
+impl InterfaceWatch {
+    /// Subscribes, then serves every interface present now (blocking until the dump
+    /// ends), so the agent reports ready only with its classifiers in place.
+    pub fn start(classifiers: Classifiers) -> Result<Self> {
+        let mut watch = Self {
+            events: LinkEvents::open()?,
+            classifiers,
+        };
+        watch.dump_blocking()?;
+        watch.events.set_non_blocking()?;
+        Ok(watch)
+    }
+
+    /// Names of the interfaces served now.
+    pub fn attached(&self) -> Vec<String> {
+        self.classifiers.attached().map(str::to_string).collect()
+    }
+
+    fn dump_blocking(&mut self) -> Result<()> {
+        loop {
+            self.classifiers.begin_dump();
+            self.events.request_dump()?;
+            let interrupted = loop {
+                let changes = self.events.read().context("reading the link dump")?;
+                if let Some(i) = self.apply(changes) {
+                    break i;
+                }
+            };
+            if !interrupted {
+                return Ok(());
+            }
+            tracing::debug!("links changed during the dump; dumping again");
+        }
+    }
+
+    /// Applies changes in order; `Some(interrupted)` once a dump has ended.
+    fn apply(&mut self, changes: Vec<LinkChange>) -> Option<bool> {
+        let mut done = None;
+        for change in changes {
+            if let LinkChange::DumpDone { interrupted } = change {
+                done = Some(interrupted);
+            }
+            self.classifiers.handle(change);
+        }
+        done
+    }
+
+    /// Follows notifications until the socket fails. Lost notifications (the socket's
+    /// buffer overran) and interrupted dumps are repaired with a new dump.
+    pub async fn run(self) -> Result<()> {
+        let Self {
+            events,
+            mut classifiers,
+        } = self;
+        // SAFETY: `LinkEvents` owns its socket for its whole life and always reports
+        // that same descriptor.
+        let mut fd = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)
+            .context("polling the route netlink socket")?;
+        loop {
+            let mut guard = fd.readable_mut().await?;
+            let read = guard.try_io(|inner| inner.get_mut().read());
+            let dump_again = match read {
+                Err(_would_block) => continue,
+                Ok(Ok(changes)) => changes.into_iter().any(|change| {
+                    let again = change == LinkChange::DumpDone { interrupted: true };
+                    classifiers.handle(change);
+                    again
+                }),
+                Ok(Err(e)) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                    tracing::warn!(
+                        "link notifications lost (socket buffer overrun); re-reading every link"
+                    );
+                    true
+                }
+                Ok(Err(e)) => return Err(e).context("reading link notifications"),
+            };
+            if dump_again {
+                classifiers.begin_dump();
+                guard.get_inner_mut().request_dump()?;
+            }
+        }
+    }
+}
