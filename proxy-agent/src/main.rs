@@ -690,6 +690,8 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
         }));
     }
     let counters = maps.counters()?;
+    // Live sockets the connect-time hooks remember (entries go when a socket closes).
+    let sockets = maps.sock_lb.keys().filter(Result::is_ok).count();
     if json {
         let counters: serde_json::Map<String, serde_json::Value> = counters
             .iter()
@@ -698,7 +700,7 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &serde_json::json!({"services": rows, "counters": counters})
+                &serde_json::json!({"services": rows, "counters": counters, "sockets": sockets})
             )?
         );
     } else {
@@ -723,7 +725,7 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
                     .unwrap_or_default()
             );
         }
-        println!();
+        println!("\nsockets tracked: {sockets}\n");
         for (name, value) in counters {
             println!("{name:<24} {value}");
         }

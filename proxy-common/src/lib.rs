@@ -191,7 +191,10 @@ pub mod map_names {
     pub const BACKENDS: &str = "BACKENDS";
     pub const AFFINITY: &str = "AFFINITY";
     pub const REV_NAT: &str = "REV_NAT";
-    pub const SOCK_REV_NAT: &str = "SOCK_REV_NAT";
+    /// Connect-time path: what the hooks did for each socket (by cookie).
+    pub const SOCK_LB: &str = "SOCK_LB";
+    /// Which backend ids belong to which service entry, and since when.
+    pub const MEMBERS: &str = "MEMBERS";
     /// Answered flows (hash, expired by the agent's collector).
     pub const CONNTRACK: &str = "CONNTRACK";
     /// Flows not answered yet (LRU: a flood of new flows only evicts its own kind).
@@ -210,13 +213,14 @@ pub mod map_names {
     /// Every map the agent pins, in a stable order. (The SCTP ones are pinned so a tail
     /// call keeps working while the agent is down: a program array loses its entries
     /// when nothing in user space holds it.)
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
         AFFINITY,
         REV_NAT,
-        SOCK_REV_NAT,
+        SOCK_LB,
+        MEMBERS,
         CONNTRACK,
         CONNTRACK_NEW,
         COUNTERS,
@@ -258,7 +262,11 @@ pub mod capacity {
     pub const BACKENDS: u32 = 524_288;
     pub const AFFINITY: u32 = 65_536;
     pub const REV_NAT: u32 = 262_144;
-    pub const SOCK_REV_NAT: u32 = 65_536;
+    /// Live sockets that connected or sent to a frontend (entries go when the socket is
+    /// released, so this bounds concurrent sockets, not connections over time).
+    pub const SOCK_LB: u32 = 262_144;
+    /// One entry per live backend slot of the current generations.
+    pub const MEMBERS: u32 = 1_048_576;
     /// Answered flows: kube-proxy's `conntrack.min` (the agent sizes it from
     /// `conntrack.maxPerCore` × CPUs, at least `conntrack.min`).
     pub const CONNTRACK: u32 = 131_072;
@@ -380,26 +388,56 @@ pub struct RevNatValue {
     pub proto: u8,
 }
 
-/// Connect-time reverse translation: a socket (by cookie) that was sent to `addr:port`
-/// (a backend) on behalf of a frontend.
+/// One frontend a socket was sent to by the connect-time hooks, and the backend chosen.
+/// `service_id == 0` marks an empty binding.
 #[repr(C)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct SockRevNatKey {
-    pub cookie: u64,
+pub struct SockBinding {
+    /// The backend's own address (IPv4 for an IPv6 socket that named `::ffff:a.b.c.d`).
     pub addr: [u32; 4],
     /// Network byte order.
     pub port: u16,
     pub family: u8,
-    pub _pad: [u8; 5],
+    pub _pad: u8,
+    /// The service entry the backend was chosen from (`MEMBERS` key).
+    pub service_id: u32,
+    /// The frontend replies are shown as (`REV_NAT` key).
+    pub rev_nat_id: u32,
+    pub backend_id: u32,
+    /// `bpf_ktime_get_ns()` when the backend was chosen: the binding holds while
+    /// `MEMBERS` has the pair since no later than this.
+    pub bound_ns: u64,
 }
 
-/// Which frontend a `SockRevNatKey` belongs to.
+/// `SockLb::sent` length: frontends one unconnected socket keeps a backend for at once.
+pub const SOCK_SENT_SLOTS: usize = 8;
+
+/// `SOCK_LB` value (keyed by the socket cookie, a `u64`): what the connect-time hooks did
+/// for one socket. Deleted by `sock_release` when the socket goes.
 #[repr(C)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SockRevNatValue {
-    pub rev_nat_id: u32,
+pub struct SockLb {
+    /// Where `connect` sent the socket (TCP, connected UDP, SCTP).
+    pub connected: SockBinding,
+    /// Where `sendto` datagrams go, per frontend (unconnected UDP).
+    pub sent: [SockBinding; SOCK_SENT_SLOTS],
+    /// The `sent` slot to reuse next when all are taken.
+    pub next: u32,
+    pub _pad: u32,
+}
+
+/// `MEMBERS` key: a backend id in a service entry's current backend set. The value (`u64`)
+/// is the agent's `CLOCK_MONOTONIC` time (the clock of `bpf_ktime_get_ns`) when the pair
+/// was added: an affinity entry or socket binding made before then is from an earlier
+/// life of the ids and is ignored.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MemberKey {
+    pub service_id: u32,
+    pub backend_id: u32,
 }
 
 /// Connection-tracking key of the per-packet path: the packet's own 5-tuple plus direction.
@@ -627,6 +665,8 @@ pub mod counter {
     pub const BACKEND_MISSING: u32 = 3;
     pub const CT_CREATE_FAILED: u32 = 4;
     pub const CT_REPLY_NAT: u32 = 5;
+    /// A socket's `SOCK_LB` entry could not be made (the map is full): its replies and
+    /// `getpeername` show the backend. (Named after the map `SOCK_LB` replaced.)
     pub const SOCK_REV_NAT_FAILED: u32 = 6;
     pub const AFFINITY_HIT: u32 = 7;
     pub const REWRITE_FAILED: u32 = 8;
@@ -687,8 +727,9 @@ mod user {
         AffinityKey,
         AffinityValue,
         RevNatValue,
-        SockRevNatKey,
-        SockRevNatValue,
+        SockBinding,
+        SockLb,
+        MemberKey,
         CtKey,
         CtValue,
         NodeConfig,
@@ -742,8 +783,9 @@ mod tests {
         assert_eq!(size_of::<AffinityKey>(), 24);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<RevNatValue>(), 20);
-        assert_eq!(size_of::<SockRevNatKey>(), 32);
-        assert_eq!(size_of::<SockRevNatValue>(), 4);
+        assert_eq!(size_of::<SockBinding>(), 40);
+        assert_eq!(size_of::<SockLb>(), 40 * (1 + SOCK_SENT_SLOTS) + 8);
+        assert_eq!(size_of::<MemberKey>(), 8);
         assert_eq!(size_of::<CtKey>(), 40);
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragPorts>(), 4);
@@ -765,7 +807,7 @@ mod tests {
         assert_eq!(size_of::<AffinityKey>(), 16 + 4 + 1 + 1 + 2);
         assert_eq!(size_of::<AffinityValue>(), 8 + 4 + 4);
         assert_eq!(size_of::<RevNatValue>(), 16 + 2 + 1 + 1);
-        assert_eq!(size_of::<SockRevNatKey>(), 8 + 16 + 2 + 1 + 5);
+        assert_eq!(size_of::<SockBinding>(), 16 + 2 + 1 + 1 + 4 + 4 + 4 + 8);
         assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
         assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3);
         assert_eq!(size_of::<NodeConfig>(), 16 + 16 + 4 + 28 + 2 + 2);

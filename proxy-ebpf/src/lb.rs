@@ -3,12 +3,12 @@
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, BackendSlotKey, SCOPE_EXTERNAL,
+    AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, BackendSlotKey, MemberKey, SCOPE_EXTERNAL,
     SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_TWO_SCOPES, ServiceKey,
     ServiceValue, counter,
 };
 
-use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, SERVICES, count};
+use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, MEMBERS, SERVICES, count};
 
 /// Why no backend was chosen for a packet or connection addressed to a service.
 pub enum NoBackend {
@@ -76,7 +76,11 @@ pub fn select_backend(svc: &ServiceValue, client: &Client) -> Result<(u32, Backe
         // SAFETY: the value is copied out at once.
         if let Some(aff) = unsafe { AFFINITY.get(&aff_key).copied() } {
             let timeout_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
-            if now.wrapping_sub(aff.last_used_ns) <= timeout_ns {
+            // Only while the backend is still in this service's set, and already was when
+            // the entry was last used (ids freed and reused later start a new membership).
+            if now.wrapping_sub(aff.last_used_ns) <= timeout_ns
+                && member_since(svc.id, aff.backend_id, aff.last_used_ns)
+            {
                 if let Some(be) = active_backend(aff.backend_id) {
                     count(counter::AFFINITY_HIT);
                     remember(&aff_key, aff.backend_id, now);
@@ -119,8 +123,20 @@ pub fn backend(id: u32) -> Option<Backend> {
     unsafe { BACKENDS.get(&id).copied() }
 }
 
+/// Whether `backend_id` is in service entry `service_id`'s current backend set, and has
+/// been since `at_ns` or earlier: a choice made at `at_ns` still stands.
 #[inline(always)]
-fn active_backend(id: u32) -> Option<Backend> {
+pub fn member_since(service_id: u32, backend_id: u32, at_ns: u64) -> bool {
+    let key = MemberKey {
+        service_id,
+        backend_id,
+    };
+    // SAFETY: the value is copied out at once.
+    unsafe { MEMBERS.get(&key).copied() }.is_some_and(|since| since <= at_ns)
+}
+
+#[inline(always)]
+pub fn active_backend(id: u32) -> Option<Backend> {
     backend(id).filter(|b| b.state == BACKEND_ACTIVE)
 }
 

@@ -15,29 +15,29 @@ mod sock;
 mod tc;
 
 use aya_ebpf::{
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, SockContext, TcContext},
 };
 use proxy_common::{FAMILY_V4, FAMILY_V6};
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate_to_backend(&ctx, FAMILY_V4)
+    sock::translate_to_backend(&ctx, FAMILY_V4, sock::Hook::Connect)
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn connect6(ctx: SockAddrContext) -> i32 {
-    sock::translate_to_backend(&ctx, FAMILY_V6)
+    sock::translate_to_backend(&ctx, FAMILY_V6, sock::Hook::Connect)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate_to_backend(&ctx, FAMILY_V4)
+    sock::translate_to_backend(&ctx, FAMILY_V4, sock::Hook::Sendmsg)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
-    sock::translate_to_backend(&ctx, FAMILY_V6)
+    sock::translate_to_backend(&ctx, FAMILY_V6, sock::Hook::Sendmsg)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
@@ -58,6 +58,12 @@ pub fn getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn getpeername6(ctx: SockAddrContext) -> i32 {
     sock::translate_to_frontend(&ctx, FAMILY_V6)
+}
+
+/// A socket of the hooked cgroup is closed: forget what the hooks did for it.
+#[cgroup_sock(sock_release)]
+pub fn sock_release(ctx: SockContext) -> i32 {
+    sock::forget(&ctx)
 }
 
 #[classifier]

@@ -9,8 +9,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
-    FragPorts, LpmData, NodeConfig, RevNatValue, SctpPending, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, capacity, counter, crc32c,
+    FragPorts, LpmData, MemberKey, NodeConfig, RevNatValue, SctpPending, ServiceKey, ServiceValue,
+    SockLb, capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -43,12 +43,23 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY
 pub static REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO_PREALLOC> =
     HashMap::new();
 
+/// Per socket (by cookie): where the connect-time hooks sent it. Not LRU: `sock_release`
+/// deletes a socket's entry, so a full map means that many live sockets, and a new
+/// socket goes untracked (counted) rather than evicting a live one's entry.
 #[btf_map]
-pub static SOCK_REV_NAT: LruHashMap<
-    SockRevNatKey,
-    SockRevNatValue,
-    { capacity::SOCK_REV_NAT as usize },
-> = LruHashMap::new();
+pub static SOCK_LB: HashMap<u64, SockLb, { capacity::SOCK_LB as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+/// A zeroed `SockLb`, never written: the initial value of a new `SOCK_LB` entry (too big
+/// for the stack).
+#[btf_map]
+pub static SOCK_LB_ZERO: Array<SockLb, 1> = Array::new();
+
+/// (service entry, backend id) pairs of the current backend sets, with the time each was
+/// added (agent-written).
+#[btf_map]
+pub static MEMBERS: HashMap<MemberKey, u64, { capacity::MEMBERS as usize }, NO_PREALLOC> =
+    HashMap::new();
 
 /// Answered flows: a preallocated hash, never evicted; the agent's collector removes
 /// flows that idled past their state's limit.

@@ -4,18 +4,19 @@
 
 use aya_ebpf::{
     EbpfContext as _,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
-    programs::SockAddrContext,
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    programs::{SockAddrContext, SockContext},
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
-    AFFINITY_BY_NETNS, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SockRevNatKey, SockRevNatValue,
-    counter,
+    AFFINITY_BY_NETNS, Backend, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SOCK_SENT_SLOTS,
+    ServiceValue, SockBinding, SockLb, counter,
 };
 
 use crate::{
     lb::{self, Client, NoBackend},
-    maps::{REV_NAT, SOCK_REV_NAT, count},
+    maps::{REV_NAT, SOCK_LB, SOCK_LB_ZERO, count},
 };
 
 /// Let the call proceed.
@@ -24,10 +25,21 @@ const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 
+/// Which hook runs `translate_to_backend`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    /// connect4/6: the socket gets one peer.
+    Connect,
+    /// sendmsg4/6: one datagram of a socket that may send to several frontends.
+    Sendmsg,
+}
+
 /// connect4/6 (TCP and connected UDP) and sendmsg4/6 (unconnected UDP): translate a
-/// frontend to a backend, or refuse when the service has no usable endpoints.
+/// frontend to a backend, or refuse when the service has no usable endpoints. An
+/// unconnected socket keeps its backend per frontend while that backend stays in the
+/// service (as kube-proxy's conntrack keeps a source port's), so QUIC and DTLS work.
 #[inline(always)]
-pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
+pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: `sa` is the kernel-provided context; these are plain field reads.
     let (raw_proto, port) = unsafe { ((*sa).protocol, (*sa).user_port as u16) };
@@ -44,6 +56,15 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
         return ALLOW;
     };
     count(counter::SVC_HIT);
+    // SAFETY: valid context pointer for this program type.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if hook == Hook::Sendmsg
+        && let Some(entry) = SOCK_LB.get_ptr_mut(&cookie)
+        && let Some((addr, port)) = kept(entry, &svc)
+    {
+        write_addr(ctx, family, map(addr, mapped), port);
+        return ALLOW;
+    }
     // The source address is not chosen yet at connect time: the client is its netns.
     // SAFETY: valid context pointer for this program type.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
@@ -53,25 +74,12 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
         family: svc_family,
     };
     match lb::select_backend(&svc, &client) {
-        Ok((_, be)) => {
+        Ok((id, be)) => {
             // The socket sees the backend in the form it used for the frontend.
             write_addr(ctx, family, map(be.addr, mapped), be.port);
-            // SAFETY: valid context pointer for this program type.
-            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-            // Keyed by the backend's own (unmapped) form: a mapped IPv6 socket's datagrams
-            // go out through sendmsg4 but come back through recvmsg6.
-            let key = SockRevNatKey {
-                cookie,
-                addr: be.addr,
-                port: be.port,
-                family: svc_family,
-                _pad: [0; 5],
-            };
-            let value = SockRevNatValue {
-                rev_nat_id: svc.rev_nat_id,
-            };
-            if SOCK_REV_NAT.insert(&key, &value, 0).is_err() {
-                count(counter::SOCK_REV_NAT_FAILED);
+            match entry_of(&cookie) {
+                Some(entry) => bind(entry, hook, &svc, id, &be),
+                None => count(counter::SOCK_REV_NAT_FAILED),
             }
             ALLOW
         }
@@ -85,6 +93,84 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8) -> i32 {
     }
 }
 
+/// The backend an unconnected socket already sends `svc`'s datagrams to, while it is
+/// still one of `svc`'s active backends.
+#[inline(always)]
+fn kept(entry: *mut SockLb, svc: &ServiceValue) -> Option<([u32; 4], u16)> {
+    for i in 0..SOCK_SENT_SLOTS {
+        // SAFETY: `entry` points at a live SOCK_LB value; `i` is in bounds.
+        let b = unsafe { (*entry).sent.get(i).copied()? };
+        if b.service_id != svc.id {
+            continue;
+        }
+        if lb::member_since(svc.id, b.backend_id, b.bound_ns)
+            && lb::active_backend(b.backend_id).is_some()
+        {
+            return Some((b.addr, b.port));
+        }
+        return None;
+    }
+    None
+}
+
+/// The socket's `SOCK_LB` entry, made (zeroed) if it has none; `None` when the map is full.
+#[inline(always)]
+fn entry_of(cookie: &u64) -> Option<*mut SockLb> {
+    if let Some(entry) = SOCK_LB.get_ptr_mut(cookie) {
+        return Some(entry);
+    }
+    let zero = SOCK_LB_ZERO.get(0)?;
+    // NOEXIST: another thread sending on the same socket may have made it meanwhile.
+    let _ = SOCK_LB.insert(cookie, zero, u64::from(BPF_NOEXIST));
+    SOCK_LB.get_ptr_mut(cookie)
+}
+
+/// Remembers the backend chosen for `svc`: as the socket's peer (connect) or as where its
+/// datagrams to `svc` go (sendmsg) — in `svc`'s slot, a free one, or the oldest.
+#[inline(always)]
+fn bind(entry: *mut SockLb, hook: Hook, svc: &ServiceValue, backend_id: u32, be: &Backend) {
+    let binding = SockBinding {
+        addr: be.addr,
+        port: be.port,
+        family: be.family,
+        _pad: 0,
+        service_id: svc.id,
+        rev_nat_id: svc.rev_nat_id,
+        backend_id,
+        // SAFETY: no preconditions.
+        bound_ns: unsafe { bpf_ktime_get_ns() },
+    };
+    // SAFETY: `entry` points at a live SOCK_LB value; writes stay inside it.
+    unsafe {
+        if hook == Hook::Connect {
+            (*entry).connected = binding;
+            return;
+        }
+        let mut free = None;
+        for i in 0..SOCK_SENT_SLOTS {
+            let id = (*entry).sent[i].service_id;
+            if id == svc.id {
+                (*entry).sent[i] = binding;
+                return;
+            }
+            if id == 0 && free.is_none() {
+                free = Some(i);
+            }
+        }
+        let i = match free {
+            Some(i) => i,
+            None => {
+                let next = (*entry).next;
+                (*entry).next = next.wrapping_add(1);
+                next as usize % SOCK_SENT_SLOTS
+            }
+        };
+        if let Some(slot) = (*entry).sent.get_mut(i) {
+            *slot = binding;
+        }
+    }
+}
+
 /// recvmsg4/6 and getpeername4/6: a backend address the socket was sent to on behalf of
 /// a frontend is shown as that frontend. These hooks must always return ALLOW.
 #[inline(always)]
@@ -94,22 +180,51 @@ pub fn translate_to_frontend(ctx: &SockAddrContext, family: u8) -> i32 {
     let port = unsafe { (*sa).user_port as u16 };
     // SAFETY: valid context pointer for this program type.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let (addr, key_family, mapped) = unmap(read_addr(ctx, family), family);
-    let key = SockRevNatKey {
-        cookie,
-        addr,
-        port,
-        family: key_family,
-        _pad: [0; 5],
-    };
-    // SAFETY: values are copied out at once.
-    let Some(rn) = (unsafe { SOCK_REV_NAT.get(&key).copied() }) else {
+    let Some(entry) = SOCK_LB.get_ptr_mut(&cookie) else {
         return ALLOW;
     };
-    // SAFETY: as above.
-    if let Some(frontend) = unsafe { REV_NAT.get(&rn.rev_nat_id).copied() } {
+    // Bindings hold the backend's own form: a mapped IPv6 socket's datagrams go out
+    // through sendmsg4 but come back through recvmsg6.
+    let (addr, key_family, mapped) = unmap(read_addr(ctx, family), family);
+    let Some(rev_nat_id) = frontend_of(entry, addr, port, key_family) else {
+        return ALLOW;
+    };
+    // SAFETY: the value is copied out at once.
+    if let Some(frontend) = unsafe { REV_NAT.get(&rev_nat_id).copied() } {
         write_addr(ctx, family, map(frontend.addr, mapped), frontend.port);
     }
+    ALLOW
+}
+
+/// The reverse-NAT id of the binding whose backend is `addr:port`: the peer first, then
+/// the frontends datagrams were sent to.
+#[inline(always)]
+fn frontend_of(entry: *mut SockLb, addr: [u32; 4], port: u16, family: u8) -> Option<u32> {
+    let is = |b: &SockBinding| {
+        b.service_id != 0 && b.port == port && b.family == family && b.addr == addr
+    };
+    // SAFETY: `entry` points at a live SOCK_LB value.
+    unsafe {
+        if is(&(*entry).connected) {
+            return Some((*entry).connected.rev_nat_id);
+        }
+        for i in 0..SOCK_SENT_SLOTS {
+            let b = &(*entry).sent[i];
+            if is(b) {
+                return Some(b.rev_nat_id);
+            }
+        }
+    }
+    None
+}
+
+/// sock_release: the socket is gone, and so is what the hooks remembered of it. Keeps
+/// `SOCK_LB` to live sockets, however many short connections come and go.
+#[inline(always)]
+pub fn forget(ctx: &SockContext) -> i32 {
+    // SAFETY: valid context pointer for this program type.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let _ = SOCK_LB.remove(&cookie);
     ALLOW
 }
 

@@ -41,9 +41,15 @@ pub fn parse_attempts(out: &str) -> Result<Vec<Attempt>> {
 /// Options of a client run.
 pub struct Run {
     pub target: SocketAddr,
+    /// Further targets: an unconnected `reuse` socket sends its attempts to `target` and
+    /// these in turn (one socket, several frontends).
+    pub more_targets: Vec<SocketAddr>,
     pub udp: bool,
     /// UDP through a connected socket (connect4/6 + recvmsg) instead of sendto.
     pub connected: bool,
+    /// TCP connections opened and reset at once, as fast as they go; one summary line
+    /// (`seq` = connections made, `error` = the first failure) instead of one per attempt.
+    pub churn: bool,
     /// One socket for every attempt: a connected UDP socket (one flow, like a DNS stub
     /// resolver) or one TCP connection asking again and again. After a failed attempt the
     /// socket connects again, as an application that handles errors would.
@@ -55,6 +61,9 @@ pub struct Run {
 
 /// Runs the attempts, printing each as a JSON line as soon as it ends.
 pub fn run(opts: &Run) -> Result<()> {
+    if opts.churn {
+        return churn(opts);
+    }
     let start = Instant::now();
     let mut shared = if opts.reuse {
         Some(Session::open(opts)?)
@@ -66,7 +75,7 @@ pub fn run(opts: &Run) -> Result<()> {
         let t0 = Instant::now();
         let at_ms = start.elapsed().as_secs_f64() * 1e3;
         let result = match (opts.udp, opts.connected, &mut shared) {
-            (_, _, Some(s)) => s.ask(opts),
+            (_, _, Some(s)) => s.ask(opts, seq),
             (false, _, None) => tcp_once(opts),
             (true, false, None) => udp_once(opts),
             (true, true, None) => udp_connected_once(opts),
@@ -116,16 +125,66 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     Ok((buf.trim().to_string(), peer))
 }
 
+/// Opens `opts.count` TCP connections one after the other, each reset (SO_LINGER 0) as
+/// soon as it is up, so no TIME_WAIT piles up; prints one summary attempt.
+fn churn(opts: &Run) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let start = Instant::now();
+    let mut made = 0;
+    let mut error = None;
+    for _ in 0..opts.count {
+        match TcpStream::connect_timeout(&opts.target, opts.timeout) {
+            Ok(s) => {
+                let linger = libc::linger {
+                    l_onoff: 1,
+                    l_linger: 0,
+                };
+                // SAFETY: a valid socket and a linger struct of the size we pass.
+                unsafe {
+                    libc::setsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_LINGER,
+                        (&linger as *const libc::linger).cast(),
+                        std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                    )
+                };
+                made += 1;
+            }
+            Err(e) => {
+                error.get_or_insert_with(|| format!("{:?}", e.kind()));
+            }
+        }
+    }
+    let attempt = Attempt {
+        seq: made,
+        ok: error.is_none(),
+        backend: None,
+        seen_as: None,
+        peer: None,
+        error,
+        ms: start.elapsed().as_secs_f64() * 1e3,
+        at_ms: 0.0,
+    };
+    println!("{}", serde_json::to_string(&attempt)?);
+    Ok(())
+}
+
 /// One socket used for every attempt.
 enum Session {
+    /// Connected: `send`/`recv`.
     Udp(UdpSocket),
+    /// Unconnected: `send_to` each target in turn, `recv_from`.
+    UdpTo(UdpSocket),
     /// The connection, and whether its greeting still waits to be read.
     Tcp(BufReader<TcpStream>, bool),
 }
 
 impl Session {
     fn open(opts: &Run) -> std::io::Result<Self> {
-        if opts.udp {
+        if opts.udp && !opts.connected {
+            Ok(Self::UdpTo(udp_socket(opts)?))
+        } else if opts.udp {
             let s = udp_socket(opts)?;
             s.connect(opts.target)?;
             Ok(Self::Udp(s))
@@ -137,9 +196,18 @@ impl Session {
     }
 
     /// One question and its answer; after a failure the next attempt connects again.
-    fn ask(&mut self, opts: &Run) -> std::io::Result<(String, SocketAddr)> {
+    fn ask(&mut self, opts: &Run, seq: u32) -> std::io::Result<(String, SocketAddr)> {
         let result = match self {
             Self::Udp(s) => exchange(s),
+            Self::UdpTo(s) => {
+                let turn = seq as usize % (1 + opts.more_targets.len());
+                let to = if turn == 0 {
+                    opts.target
+                } else {
+                    opts.more_targets[turn - 1]
+                };
+                exchange_with(s, to)
+            }
             Self::Tcp(r, greeting) => {
                 if !std::mem::take(greeting) {
                     r.get_mut().write_all(b"who\n")?;
@@ -158,6 +226,8 @@ impl Session {
                     let _ = s.take_error(); // a pending ECONNABORTED belongs to the old flow
                     let _ = s.connect(opts.target);
                 }
+                // Nothing to redo: every datagram names its target.
+                Self::UdpTo(_) => {}
                 Self::Tcp(..) => {
                     if let Ok(fresh) = Self::open(opts) {
                         *self = fresh;
@@ -194,8 +264,13 @@ fn udp_socket(opts: &Run) -> std::io::Result<UdpSocket> {
 
 fn udp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     // Unconnected: exercises sendmsg and recvmsg translation.
-    let s = udp_socket(opts)?;
-    s.send_to(b"who", opts.target)?;
+    exchange_with(&udp_socket(opts)?, opts.target)
+}
+
+/// One request to `to` and its answer on an unconnected UDP socket; the peer is the
+/// answer's source.
+fn exchange_with(s: &UdpSocket, to: SocketAddr) -> std::io::Result<(String, SocketAddr)> {
+    s.send_to(b"who", to)?;
     let mut buf = [0u8; 256];
     let (n, from) = s.recv_from(&mut buf)?;
     Ok((String::from_utf8_lossy(&buf[..n]).trim().to_string(), from))

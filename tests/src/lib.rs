@@ -625,6 +625,16 @@ pub fn first_attempt(child: &mut Child) -> Result<Attempt> {
         .context("the client ended before its first attempt")
 }
 
+/// Stops a background client that would run on, and collects the attempts it finished (a
+/// line cut short by the kill is left out).
+pub fn stop_client(mut child: Child) -> Result<Vec<Attempt>> {
+    child.kill()?;
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    client::parse_attempts(complete)
+}
+
 pub fn finish_client(child: Child) -> Result<Vec<Attempt>> {
     let out = child.wait_with_output()?;
     client::parse_attempts(&String::from_utf8_lossy(&out.stdout))

@@ -2,11 +2,15 @@
 //! backends live in other namespaces, through the connect-time path and, separately,
 //! through the per-packet (TC) path. Root only: each test says so and skips otherwise.
 
-use std::{thread, time::Duration};
+use std::{
+    thread,
+    time::{Duration, Instant},
+};
 
 use proxy_e2e::{
-    EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP4_MAPPED, VIP6, chi_square_uniform,
-    finish_client, first_attempt, require_root, sh, spread, target, web_manifests,
+    Attempt, EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP4_MAPPED, VIP6,
+    chi_square_uniform, finish_client, first_attempt, require_root, sh, spread, stop_client,
+    target, web_manifests,
 };
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
@@ -282,6 +286,218 @@ fn per_packet_established_tcp_outlives_backend_removal() {
     if require_root("per_packet_established_tcp_outlives_backend_removal") {
         established_tcp_outlives_backend_removal(Path_::PerPacket);
     }
+}
+
+/// Connect-time: an unconnected UDP socket keeps its backend per frontend, as kube-proxy's
+/// conntrack keeps a source port's (QUIC and DTLS need it): 100 datagrams to a 3-backend
+/// VIP reach one backend, and an IPv6 socket sending to two frontends in turn (the IPv6
+/// ClusterIP and the IPv4 one as `::ffff:a.b.c.d`) keeps one backend for each. Replies
+/// come from the VIPs.
+#[test]
+fn connect_time_unconnected_udp_keeps_its_backend_per_frontend() {
+    if !require_root("connect_time_unconnected_udp_keeps_its_backend_per_frontend") {
+        return;
+    }
+    let tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
+    let t4 = target(VIP4, UDP_PORT);
+    let attempts = tb
+        .client(&[
+            "--target",
+            &t4,
+            "--proto",
+            "udp",
+            "--reuse-socket",
+            "--count",
+            "100",
+        ])
+        .expect("client");
+    assert_eq!(attempts.len(), 100);
+    assert_all_from(&attempts, &t4);
+    let s = spread(&attempts);
+    assert_eq!(s.len(), 1, "one socket, one VIP, several backends: {s:?}");
+
+    let (t6, tm) = (target(VIP6, UDP_PORT), target(VIP4_MAPPED, UDP_PORT));
+    let attempts = tb
+        .client(&[
+            "--target",
+            &t6,
+            "--target",
+            &tm,
+            "--proto",
+            "udp",
+            "--reuse-socket",
+            "--count",
+            "100",
+        ])
+        .expect("client");
+    assert_eq!(attempts.len(), 100);
+    for t in [&t6, &tm] {
+        let mine: Vec<Attempt> = attempts
+            .iter()
+            .filter(|a| a.peer.as_deref() == Some(t.as_str()))
+            .cloned()
+            .collect();
+        assert_eq!(
+            mine.len(),
+            50,
+            "replies to {t} not shown as {t}: {attempts:?}"
+        );
+        assert_all_from(&mine, t);
+        let s = spread(&mine);
+        assert_eq!(s.len(), 1, "one socket sending to {t} reached {s:?}");
+    }
+}
+
+fn assert_all_from(attempts: &[Attempt], vip: &str) {
+    for a in attempts {
+        assert!(
+            a.ok && a.peer.as_deref() == Some(vip),
+            "expected an answer from {vip}: {a:?}"
+        );
+    }
+}
+
+/// Connect-time: when the backend an unconnected UDP socket keeps leaves the Service, the
+/// socket's next datagram goes to a live backend — and stays there.
+#[test]
+fn connect_time_unconnected_udp_moves_off_a_removed_backend() {
+    if !require_root("connect_time_unconnected_udp_moves_off_a_removed_backend") {
+        return;
+    }
+    let tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
+    let t = target(VIP4, UDP_PORT);
+    let mut session = tb
+        .spawn_client(&[
+            "--target",
+            &t,
+            "--proto",
+            "udp",
+            "--reuse-socket",
+            "--count",
+            "120",
+            "--interval-ms",
+            "25",
+            "--timeout-ms",
+            "500",
+        ])
+        .expect("client");
+    let first = first_attempt(&mut session).expect("first answer");
+    let kept = first.backend.clone().expect("a backend answered");
+    thread::sleep(Duration::from_millis(300));
+    let moved_at = first.at_ms + 300.0;
+    let others: Vec<usize> = (0..3)
+        .filter(|i| Testbed::backend_name(*i) != kept)
+        .collect();
+    tb.write_manifests(&web_manifests(&others, None))
+        .expect("manifests");
+    let mut attempts = finish_client(session).expect("client output");
+    attempts.insert(0, first);
+    // The removed backend still runs, so not one datagram is lost on the way.
+    assert_all_from(&attempts, &t);
+    let before: Vec<_> = attempts.iter().filter(|a| a.at_ms < moved_at).collect();
+    assert!(
+        before.iter().all(|a| a.backend.as_ref() == Some(&kept)),
+        "the socket moved before its backend left: {before:?}"
+    );
+    let late: Vec<Attempt> = attempts
+        .iter()
+        .filter(|a| a.at_ms > moved_at + 1500.0)
+        .cloned()
+        .collect();
+    let s = spread(&late);
+    assert!(
+        s.len() == 1 && !s.contains_key(&kept),
+        "after {kept} left, the socket should keep one live backend: {s:?}\n{}",
+        tb.agent_log()
+    );
+}
+
+/// Connect-time: what the hooks remember per socket goes with the socket. 100k short TCP
+/// connections and 2000 short connected UDP sockets leave `SOCK_LB` with the live sockets
+/// only, and a long-lived connected UDP socket keeps its entry meanwhile: when its backend
+/// leaves, the agent still finds the socket (by that entry) and destroys it.
+#[test]
+fn connect_time_short_connections_leave_socket_state_bounded() {
+    if !require_root("connect_time_short_connections_leave_socket_state_bounded") {
+        return;
+    }
+    let tb = testbed(Path_::ConnectTime, &[0], None);
+    let tu = target(VIP4, UDP_PORT);
+    let mut session = tb
+        .spawn_client(&[
+            "--target",
+            &tu,
+            "--proto",
+            "udp-connected",
+            "--reuse-socket",
+            "--count",
+            "1000000",
+            "--interval-ms",
+            "200",
+            "--timeout-ms",
+            "500",
+        ])
+        .expect("client");
+    // Slow enough that its output (unread until the end) never fills the pipe.
+    let first = first_attempt(&mut session).expect("first answer");
+    let since_first = Instant::now();
+    let churn = tb
+        .client(&[
+            "--target",
+            &target(VIP4, TCP_PORT),
+            "--proto",
+            "tcp-churn",
+            "--count",
+            "100000",
+            "--timeout-ms",
+            "5000",
+        ])
+        .expect("client");
+    assert!(
+        churn.len() == 1 && churn[0].ok && churn[0].seq == 100_000,
+        "{churn:?}"
+    );
+    let udp = tb
+        .client(&[
+            "--target",
+            &tu,
+            "--proto",
+            "udp-connected",
+            "--count",
+            "2000",
+        ])
+        .expect("client");
+    assert!(udp.iter().all(|a| a.ok), "short UDP exchanges failed");
+    let sockets = tb.dump().expect("dump")["sockets"].as_u64();
+    assert!(
+        sockets.is_some_and(|n| (1..=5).contains(&n)),
+        "SOCK_LB should hold the live socket only, not {sockets:?} entries"
+    );
+    let moved_at = first.at_ms + since_first.elapsed().as_secs_f64() * 1e3;
+    tb.write_manifests(&web_manifests(&[1, 2], None))
+        .expect("manifests");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !tb.agent_log().contains("udp_sockets_destroyed=1") && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    thread::sleep(Duration::from_millis(2500));
+    let attempts = stop_client(session).expect("client output");
+    let log = tb.agent_log();
+    assert!(
+        log.contains("udp_sockets_destroyed=1"),
+        "the long-lived socket was not found and destroyed:\n{log}"
+    );
+    let late: Vec<_> = attempts
+        .iter()
+        .filter(|a| a.at_ms > moved_at + 1000.0)
+        .collect();
+    assert!(
+        !late.is_empty()
+            && late
+                .iter()
+                .all(|a| a.ok && a.backend.as_deref() != Some("backend-0")),
+        "the UDP socket stayed on the removed backend: {late:?}"
+    );
 }
 
 /// A connected UDP socket (a DNS-like client) whose backend leaves the Service moves to a

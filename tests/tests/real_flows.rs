@@ -204,6 +204,11 @@ fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
         took.as_secs_f64(),
         failed.len()
     );
+    let dump = tb.dump().expect("dump");
+    eprintln!("counters: {}", dump["counters"]);
+    for f in failed.iter().take(10) {
+        eprintln!("failed: {f:?}");
+    }
     assert_eq!(attempts.len(), CONNECTIONS as usize);
     assert!(
         failed.is_empty(),

@@ -9,9 +9,12 @@ struct Args {
     netns: Option<PathBuf>,
     #[arg(long)]
     cgroup: Option<PathBuf>,
-    #[arg(long)]
-    target: SocketAddr,
-    /// tcp, udp (unconnected: sendto/recvfrom) or udp-connected
+    /// Given more than once with `--proto udp --reuse-socket`: one socket sends to each
+    /// in turn.
+    #[arg(long, required = true)]
+    target: Vec<SocketAddr>,
+    /// tcp, udp (unconnected: sendto/recvfrom), udp-connected, or tcp-churn (connections
+    /// reset at once, one summary line)
     #[arg(long, default_value = "tcp")]
     proto: String,
     #[arg(long, default_value_t = 1)]
@@ -29,10 +32,16 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     proxy_e2e::client::enter(a.netns.as_deref(), a.cgroup.as_deref())?;
+    let mut targets = a.target.into_iter();
+    let target = targets
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("--target is required"))?;
     proxy_e2e::client::run(&proxy_e2e::client::Run {
-        target: a.target,
+        target,
+        more_targets: targets.collect(),
         udp: a.proto.starts_with("udp"),
         connected: a.proto == "udp-connected",
+        churn: a.proto == "tcp-churn",
         reuse: a.reuse_socket,
         count: a.count,
         interval: Duration::from_millis(a.interval_ms),

@@ -10,7 +10,7 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LpmData,
-    NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, map_names,
+    MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb, map_names,
 };
 
 /// Every map of the proxy, typed.
@@ -20,7 +20,10 @@ pub struct MapSet {
     pub backends: HashMap<MapData, u32, Backend>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
-    pub sock_rev_nat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    /// Per socket cookie: what the connect-time hooks did for it.
+    pub sock_lb: HashMap<MapData, u64, SockLb>,
+    /// (service entry, backend id) → when the pair was added (`CLOCK_MONOTONIC` ns).
+    pub members: HashMap<MapData, MemberKey, u64>,
     /// Answered flows (hash) and new ones (LRU).
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     pub conntrack_new: HashMap<MapData, CtKey, CtValue>,
@@ -62,10 +65,8 @@ impl MapSet {
             (map_names::BACKENDS, id(IterableMap::map(&self.backends))?),
             (map_names::AFFINITY, id(IterableMap::map(&self.affinity))?),
             (map_names::REV_NAT, id(IterableMap::map(&self.rev_nat))?),
-            (
-                map_names::SOCK_REV_NAT,
-                id(IterableMap::map(&self.sock_rev_nat))?,
-            ),
+            (map_names::SOCK_LB, id(IterableMap::map(&self.sock_lb))?),
+            (map_names::MEMBERS, id(IterableMap::map(&self.members))?),
             (map_names::CONNTRACK, id(IterableMap::map(&self.conntrack))?),
             (
                 map_names::CONNTRACK_NEW,
@@ -115,7 +116,8 @@ impl MapSet {
             backends: typed!(map_names::BACKENDS),
             affinity: typed!(map_names::AFFINITY),
             rev_nat: typed!(map_names::REV_NAT),
-            sock_rev_nat: typed!(map_names::SOCK_REV_NAT),
+            sock_lb: typed!(map_names::SOCK_LB),
+            members: typed!(map_names::MEMBERS),
             conntrack: typed!(map_names::CONNTRACK),
             conntrack_new: typed!(map_names::CONNTRACK_NEW),
             counters: typed!(map_names::COUNTERS),

@@ -10,8 +10,10 @@ mod conntrack;
 pub mod ct_collector;
 pub mod interfaces;
 mod link_events;
+mod link_update;
 mod links;
 pub mod maps;
+mod members;
 mod netlink;
 mod sockets;
 pub mod sync;
@@ -29,7 +31,7 @@ use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        CgroupAttachMode, CgroupSockAddr, SchedClassifier,
+        CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier,
         cgroup_sock_addr::CgroupSockAddrLink,
         links::{FdLink, PinnedLink},
     },
@@ -57,6 +59,9 @@ pub const CGROUP_PROGRAMS: [&str; 8] = [
     "getpeername4",
     "getpeername6",
 ];
+/// The cgroup sock program that forgets released sockets (`SOCK_LB`), attached beside
+/// them.
+pub const SOCK_RELEASE_PROGRAM: &str = "sock_release";
 /// The per-packet classifier.
 pub const TC_PROGRAM: &str = "tc_ingress";
 /// Its tail call for SCTP checksums.
@@ -323,7 +328,7 @@ impl Dataplane for BpfDataplane {
         if let Some(cgroup) = &self.cgroup
             && !left.is_empty()
         {
-            let cookies = sockets::cookies_of(&self.maps.sock_rev_nat, &left);
+            let cookies = sockets::cookies_of(&self.maps.sock_lb, &left);
             // Failing to reach a socket leaves it as it was; the maps are already right.
             match sockets::destroy(cgroup, &cookies) {
                 Ok(n) => report.udp_sockets_destroyed = n,
@@ -409,6 +414,33 @@ fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> R
         let link = prog.take_link(link_id)?;
         drop(FdLink::try_from(link)?);
     }
+    attach_sock_release(ebpf, &cgroup_file, cgroup, links_dir)
+}
+
+/// Attaches `sock_release` (or swaps it into its pinned link): without it, `SOCK_LB` would
+/// keep the entries of closed sockets.
+fn attach_sock_release(
+    ebpf: &mut Ebpf,
+    cgroup_file: &fs::File,
+    cgroup: &Path,
+    links_dir: &Path,
+) -> Result<()> {
+    let prog: &mut CgroupSock = ebpf
+        .program_mut(SOCK_RELEASE_PROGRAM)
+        .with_context(|| format!("BPF object has no program {SOCK_RELEASE_PROGRAM}"))?
+        .try_into()?;
+    prog.load()
+        .with_context(|| format!("loading {SOCK_RELEASE_PROGRAM}"))?;
+    let pin = links_dir.join(format!("cgroup_{SOCK_RELEASE_PROGRAM}"));
+    if pin.exists() {
+        return link_update::replace_program(&pin, prog.fd()?.as_fd());
+    }
+    let id = prog
+        .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
+        .with_context(|| format!("attaching {SOCK_RELEASE_PROGRAM} to {}", cgroup.display()))?;
+    FdLink::try_from(prog.take_link(id)?)?
+        .pin(&pin)
+        .with_context(|| format!("pinning {}", pin.display()))?;
     Ok(())
 }
 

@@ -6,7 +6,7 @@
 //! are destroyed with sock_diag's SOCK_DESTROY: the application sees ECONNABORTED and
 //! connects again — through the hooks, to a live backend.
 //!
-//! Which sockets: those `SOCK_REV_NAT` remembers (by cookie) as sent to a removed backend
+//! Which sockets: those `SOCK_LB` remembers (by cookie) as connected to a removed backend
 //! on a Service's behalf — never a socket that connected to the pod address itself.
 //! Where: sock_diag only sees its own network namespace, so the namespaces of the
 //! processes in the hooked cgroup are visited, each from a short-lived thread.
@@ -27,19 +27,17 @@ use netlink_packet_sock_diag::{
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
 use netlink_sys::protocols::NETLINK_SOCK_DIAG;
-use proxy_common::{SockRevNatKey, SockRevNatValue};
+use proxy_common::SockLb;
 
 use super::{netlink::Channel, sync::LeftUdp};
 
 /// sock_diag's destroy request (`linux/sock_diag.h`).
 const SOCK_DESTROY: u16 = 21;
 
-/// Cookies of the sockets that connect-time balancing sent, on behalf of a frontend, to
-/// an endpoint that has left that frontend.
-pub fn cookies_of(
-    sock_rev_nat: &BpfHashMap<MapData, SockRevNatKey, SockRevNatValue>,
-    left: &[LeftUdp],
-) -> HashSet<u64> {
+/// Cookies of the sockets that connect-time balancing connected, on behalf of a frontend,
+/// to an endpoint that has left that frontend. (Unconnected sockets need nothing: their
+/// next datagram is balanced again.)
+pub fn cookies_of(sock_lb: &BpfHashMap<MapData, u64, SockLb>, left: &[LeftUdp]) -> HashSet<u64> {
     let left: HashSet<_> = left
         .iter()
         .map(|l| {
@@ -54,13 +52,16 @@ pub fn cookies_of(
     if left.is_empty() {
         return HashSet::new();
     }
-    sock_rev_nat
+    sock_lb
         .iter()
         .filter_map(Result::ok)
-        // Keys hold the backend's own form, also for IPv6 sockets that named an IPv4
+        // Bindings hold the backend's own form, also for IPv6 sockets that named an IPv4
         // frontend as ::ffff:a.b.c.d (those are found below among the IPv6 sockets).
-        .filter(|(k, v)| left.contains(&(v.rev_nat_id, k.addr, k.port, k.family)))
-        .map(|(k, _)| k.cookie)
+        .filter(|(_, v)| {
+            let b = &v.connected;
+            b.service_id != 0 && left.contains(&(b.rev_nat_id, b.addr, b.port, b.family))
+        })
+        .map(|(cookie, _)| cookie)
         .collect()
 }
 

@@ -15,14 +15,14 @@ use anyhow::Result;
 use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
-    CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig,
-    PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY,
-    SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES,
-    ServiceKey, ServiceValue,
+    CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, MemberKey,
+    NodeConfig, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL,
+    SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES,
+    SVC_F_TWO_SCOPES, ServiceKey, ServiceValue,
 };
 use rustc_hash::FxHashMap;
 
-use super::maps::MapSet;
+use super::{maps::MapSet, members};
 use crate::{
     dataplane::ApplyReport,
     model::{
@@ -151,6 +151,8 @@ pub struct MapState {
     epoch: u64,
     /// UDP endpoints that left a frontend since `take_left_udp` last ran.
     left_udp: Vec<LeftUdp>,
+    /// `MEMBERS` changes adoption found necessary, written by the next apply.
+    members_fix: members::Reconcile,
     next_service_id: u32,
     next_backend_id: u32,
 }
@@ -278,6 +280,17 @@ impl MapState {
                 },
             );
         }
+        let programmed = state
+            .services
+            .values()
+            .flat_map(|p| {
+                p.backend_ids.iter().map(|&backend_id| MemberKey {
+                    service_id: p.value.id,
+                    backend_id,
+                })
+            })
+            .collect();
+        state.members_fix = members::Reconcile::plan(maps, &programmed)?;
         Ok(state)
     }
 
@@ -291,6 +304,7 @@ impl MapState {
     pub fn apply(&mut self, maps: &mut MapSet, view: &NodeView) -> Result<ApplyReport> {
         let mut report = ApplyReport::default();
         let desired = desired_entries(view);
+        self.members_fix.apply(maps)?;
 
         self.epoch += 1;
         // 1. Entries that are new or changed.
@@ -331,6 +345,7 @@ impl MapState {
                     }))?;
                 }
                 remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
+                members::leave(maps, old.value.id, &old.backend_ids, &[])?;
                 for net in &old.ranges {
                     remove_ignoring_absent(
                         maps.source_ranges.remove(&range_key(old.value.id, net)),
@@ -513,49 +528,13 @@ impl MapState {
             rev_nat_id: id,
             _pad: 0,
         };
-        // New slots under the new generation; on failure remove what was written.
-        for (slot, backend_id) in backend_ids.iter().enumerate() {
-            let slot_key = BackendSlotKey {
-                service_id: id,
-                rev,
-                slot: slot as u32,
-            };
-            if let Err(e) = maps.slots.insert(
-                &slot_key,
-                &BackendSlot {
-                    backend_id: *backend_id,
-                },
-                0,
-            ) {
-                for undo in 0..slot as u32 {
-                    let _ = maps.slots.remove(&BackendSlotKey {
-                        service_id: id,
-                        rev,
-                        slot: undo,
-                    });
-                }
-                return Err(anyhow::Error::new(e).context("writing backend slots"));
-            }
+        let old_ids: &[u32] = old.map_or(&[], |o| o.backend_ids.as_slice());
+        let joined = members::join(maps, id, &backend_ids, old_ids)?;
+        let flipped = flip(maps, key, old, &value, &backend_ids, ranges);
+        if flipped.is_err() {
+            members::undo(maps, id, &joined);
         }
-        let rev_nat = RevNatValue {
-            addr: key.addr,
-            port: key.port,
-            family: key.family,
-            proto: key.proto,
-        };
-        maps.rev_nat
-            .insert(&id, &rev_nat, 0)
-            .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
-        let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges.as_slice());
-        for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {
-            maps.source_ranges
-                .insert(&range_key(id, net), &1, 0)
-                .map_err(|e| anyhow::Error::new(e).context("writing a source range"))?;
-        }
-        // The flip: one update makes the new set visible.
-        maps.services
-            .insert(&key, &value, 0)
-            .map_err(|e| anyhow::Error::new(e).context("writing service entry"))?;
+        flipped?;
         if let Some(old) = old {
             for slot in 0..old.backend_ids.len() as u32 {
                 remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
@@ -567,6 +546,7 @@ impl MapState {
             for net in old.ranges.iter().filter(|n| !ranges.contains(n)) {
                 remove_ignoring_absent(maps.source_ranges.remove(&range_key(id, net)))?;
             }
+            members::leave(maps, id, &old.backend_ids, &backend_ids)?;
         }
         if let Some(old) = old {
             self.note_left(key, old, &backend_ids);
@@ -643,6 +623,63 @@ fn next_free_by(next: &mut u32, in_use: impl Fn(u32) -> bool) -> u32 {
     }
     *next = id.wrapping_add(1);
     id
+}
+
+/// Writes a new generation's slots, its reverse-NAT entry and source ranges, then flips
+/// the service entry to it.
+fn flip(
+    maps: &mut MapSet,
+    key: ServiceKey,
+    old: Option<&Programmed>,
+    value: &ServiceValue,
+    backend_ids: &[u32],
+    ranges: &[ipnet::IpNet],
+) -> Result<()> {
+    let (id, rev) = (value.id, value.rev);
+    // New slots under the new generation; on failure remove what was written.
+    for (slot, backend_id) in backend_ids.iter().enumerate() {
+        let slot_key = BackendSlotKey {
+            service_id: id,
+            rev,
+            slot: slot as u32,
+        };
+        if let Err(e) = maps.slots.insert(
+            &slot_key,
+            &BackendSlot {
+                backend_id: *backend_id,
+            },
+            0,
+        ) {
+            for undo in 0..slot as u32 {
+                let _ = maps.slots.remove(&BackendSlotKey {
+                    service_id: id,
+                    rev,
+                    slot: undo,
+                });
+            }
+            return Err(anyhow::Error::new(e).context("writing backend slots"));
+        }
+    }
+    let rev_nat = RevNatValue {
+        addr: key.addr,
+        port: key.port,
+        family: key.family,
+        proto: key.proto,
+    };
+    maps.rev_nat
+        .insert(&id, &rev_nat, 0)
+        .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
+    let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges.as_slice());
+    for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {
+        maps.source_ranges
+            .insert(&range_key(id, net), &1, 0)
+            .map_err(|e| anyhow::Error::new(e).context("writing a source range"))?;
+    }
+    // The flip: one update makes the new set visible.
+    maps.services
+        .insert(&key, value, 0)
+        .map_err(|e| anyhow::Error::new(e).context("writing service entry"))?;
+    Ok(())
 }
 
 /// The `SOURCE_RANGES` key of one CIDR of one service.
