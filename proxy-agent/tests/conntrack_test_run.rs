@@ -290,8 +290,14 @@ fn masquerade_ports_of_closed_and_expired_flows_are_reused() {
         "all four in use"
     );
     assert_eq!(h.counter("snat_ports_exhausted"), 1);
-    // The backend resets one connection: its port is free at once.
+    // The backend resets one connection: its port is free a second after its last packet.
     seg(&h, be, taken[0], RST);
+    assert_eq!(
+        seg(&h, outside(9), np, SYN).0,
+        TC_ACT_SHOT,
+        "a closed flow holds its tuple for a second"
+    );
+    age(&mut h, 2);
     let (v, src, _) = seg(&h, outside(5), np, SYN);
     assert_eq!(
         (v, src),

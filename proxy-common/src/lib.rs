@@ -549,6 +549,15 @@ pub fn forward_key_of(reply_key: &CtKey, reply: &CtValue) -> CtKey {
     }
 }
 
+/// Nanoseconds from `then` to `now` on `bpf_ktime_get_ns()`'s clock; 0 when `then` is
+/// later. Another CPU may stamp an entry with a time read after ours: a plain
+/// subtraction would wrap and call a live flow long idle.
+#[inline(always)]
+pub const fn elapsed_ns(now: u64, then: u64) -> u64 {
+    let d = now.wrapping_sub(then) as i64;
+    if d < 0 { 0 } else { d as u64 }
+}
+
 /// A closed TCP flow (both FINs — netfilter's TIME_WAIT — or a RST — CLOSE): a new SYN
 /// on its tuple opens a new flow, and its masquerade port may be given to another.
 pub const fn ct_closed(flags: u8) -> bool {
@@ -639,7 +648,7 @@ impl CtTimeouts {
     /// Whether a flow last seen at `last_seen_ns` has idled past its limit at `now_ns`.
     #[inline(always)]
     pub fn expired(&self, proto: u8, flags: u8, last_seen_ns: u64, now_ns: u64) -> bool {
-        now_ns.wrapping_sub(last_seen_ns)
+        elapsed_ns(now_ns, last_seen_ns)
             > u64::from(self.idle_limit_s(proto, flags)) * 1_000_000_000
     }
 }
@@ -837,6 +846,11 @@ mod tests {
         assert_eq!(t.idle_limit_s(PROTO_UDP, CT_F_REPLIED), 120);
         assert!(!t.expired(PROTO_UDP, 0, 1_000, 1_000 + 30_000_000_000));
         assert!(t.expired(PROTO_UDP, 0, 1_000, 1_001 + 30_000_000_000));
+        // Stamped by another CPU a moment after our clock read: just seen, not ancient.
+        assert!(!t.expired(PROTO_TCP, CT_F_REPLIED, 5_000, 4_000));
+        assert_eq!(elapsed_ns(4_000, 5_000), 0);
+        // Entries aged past the clock's start (a young machine) still age correctly.
+        assert_eq!(elapsed_ns(1_000, 1_000u64.wrapping_sub(7_000)), 7_000);
         assert!(ct_closed(CT_F_RST) && !ct_closed(CT_F_FIN_ORIG));
     }
 

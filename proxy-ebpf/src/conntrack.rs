@@ -10,7 +10,7 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
 use proxy_common::{
     CT_DIR_REPLY, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_RST, CT_F_SNAT, CtKey, CtTimeouts, CtValue,
-    PROTO_TCP, counter, ct_closed, forward_key_of, reply_key_of,
+    PROTO_TCP, counter, ct_closed, elapsed_ns, forward_key_of, reply_key_of,
 };
 
 use crate::{
@@ -147,7 +147,8 @@ pub fn promote(reply_key: &CtKey) {
 }
 
 /// Whether the flow holding reply tuple `key` (entry `reply`) no longer needs it: its
-/// forward entry is gone or names another reply tuple, or the flow expired or closed.
+/// forward entry is gone or names another reply tuple, or the flow expired, or it closed
+/// more than a second ago.
 /// (Not inlined: its partner key gets a frame of its own.)
 #[inline(never)]
 fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
@@ -162,12 +163,21 @@ fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
     if f.xlate_addr != key.saddr || f.xlate_port != key.sport {
         return true;
     }
-    if expired(f, key.proto, now) || ct_closed(f.flags) {
+    // A closed flow keeps its tuple for a moment: its last ACK (or a retransmitted FIN)
+    // must still find it, or the backend's socket lingers in LAST_ACK and answers the
+    // next flow's SYN on the same tuple with a challenge ACK.
+    let closed_long_enough =
+        ct_closed(f.flags) && elapsed_ns(now, f.last_seen_ns) > CLOSED_TUPLE_HOLD_NS;
+    if expired(f, key.proto, now) || closed_long_enough {
         remove_in(&fwd_key, new);
         return true;
     }
     false
 }
+
+/// How long a closed flow (TIME_WAIT, CLOSE) keeps its reply tuple from new flows after
+/// its last packet.
+const CLOSED_TUPLE_HOLD_NS: u64 = 1_000_000_000;
 
 /// Claims reply tuple `key` for a new flow by writing its reply entry `value` into the
 /// table of new flows, unless a live flow holds the tuple. A closed or expired flow

@@ -8,7 +8,7 @@ use std::{collections::HashMap as StdHashMap, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData, MapError};
 use proxy_common::{
-    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, forward_key_of, map_names, reply_key_of,
+    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, elapsed_ns, forward_key_of, map_names, reply_key_of,
 };
 
 use super::maps::MapSet;
@@ -86,7 +86,7 @@ fn collect_table(
         let partnered = entries
             .get(&fwd_key)
             .is_some_and(|f| reply_key_of(&fwd_key, f) == *key && !expired(f, key.proto));
-        if !partnered && now.wrapping_sub(value.last_seen_ns) > ORPHAN_GRACE_NS {
+        if !partnered && elapsed_ns(now, value.last_seen_ns) > ORPHAN_GRACE_NS {
             doomed.push(*key);
         }
     }
@@ -114,7 +114,8 @@ fn collect_table(
             let partnered = table
                 .get(&fwd_key, 0)
                 .is_ok_and(|f| reply_key_of(&fwd_key, &f) == key && !expired(&f, key.proto));
-            if !partnered {
+            // The entry read again may be a new flow's, written since the snapshot.
+            if !partnered && elapsed_ns(now, value.last_seen_ns) > ORPHAN_GRACE_NS {
                 removed += remove(table, &key)?;
             }
         }
