@@ -51,8 +51,9 @@ pub fn masquerade(
 }
 
 /// Random ports tried before a flow is refused for want of one (netfilter tries up to
-/// 128 on a crowded range; a random pick in a range mostly free succeeds at once).
-const PORT_TRIES: u32 = 16;
+/// 128 on a crowded range). Closed flows hold theirs for a second, so at thousands of
+/// new flows a second to one backend a good part of the range is briefly taken.
+const PORT_TRIES: u32 = 32;
 
 /// Finds a free source port for a flow whose reply tuple is `reply_key` (destination
 /// port to be chosen) and claims it with the flow's reply entry. A port is free when no
