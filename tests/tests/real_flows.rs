@@ -76,6 +76,23 @@ fn idle_flows_outlive_the_unanswered_timeouts(masquerade: bool) {
             .expect("client");
         clients.push((t, proto, child));
     }
+    // While the flows idle, the collector (every 10 s) reports what the table holds: the
+    // four answered flows, two entries each, none collected.
+    thread::sleep(Duration::from_secs(25));
+    let metrics = metrics(&tb);
+    let gauge = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
+    };
+    assert!(
+        gauge("proxy_agent_conntrack_answered_entries ") >= 8,
+        "{metrics}"
+    );
+    // conntrack.min (131,072), or maxPerCore × CPUs on a bigger machine.
+    assert!(gauge("proxy_agent_conntrack_answered_capacity ") >= 131_072);
+    assert!(gauge("proxy_agent_conntrack_new_capacity ") >= 1_024);
     for (t, proto, child) in clients {
         let attempts = finish_client(child).expect("client output");
         assert_eq!(attempts.len(), 2, "{proto} {t}: {attempts:?}");
@@ -114,6 +131,21 @@ fn per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts() {
     if require_root("per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts") {
         idle_flows_outlive_the_unanswered_timeouts(true);
     }
+}
+
+/// The agent's `/metrics`, fetched from inside the node namespace.
+fn metrics(tb: &Testbed) -> String {
+    let script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10249/metrics').read().decode())";
+    sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &tb.node_ns(),
+        "python3",
+        "-c",
+        script,
+    ])
+    .expect("metrics")
 }
 
 /// A NodePort (eTP Cluster: masqueraded) on the node's client-side address, one backend.
