@@ -692,6 +692,9 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
     let counters = maps.counters()?;
     // Live sockets the connect-time hooks remember (entries go when a socket closes).
     let sockets = maps.sock_lb.keys().filter(Result::is_ok).count();
+    // Per-packet flows (two entries each): answered, and not answered yet.
+    let answered = maps.conntrack.keys().filter(Result::is_ok).count();
+    let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
     if json {
         let counters: serde_json::Map<String, serde_json::Value> = counters
             .iter()
@@ -699,9 +702,12 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::to_string_pretty(
-                &serde_json::json!({"services": rows, "counters": counters, "sockets": sockets})
-            )?
+            serde_json::to_string_pretty(&serde_json::json!({
+                "services": rows,
+                "counters": counters,
+                "sockets": sockets,
+                "conntrack": {"answered": answered, "new": new},
+            }))?
         );
     } else {
         println!(
@@ -725,7 +731,8 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
                     .unwrap_or_default()
             );
         }
-        println!("\nsockets tracked: {sockets}\n");
+        println!("\nsockets tracked: {sockets}");
+        println!("conntrack entries: {answered} answered, {new} new (two per flow)\n");
         for (name, value) in counters {
             println!("{name:<24} {value}");
         }
