@@ -84,8 +84,14 @@ fn tcp_flows_age_by_their_state_at_the_default_timeouts() {
     assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
     assert_eq!(
         counts(&h),
+        (0, 2),
+        "a SYN-ACK alone does not establish a flow (a spoofed SYN gets one too)"
+    );
+    assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
+    assert_eq!(
+        counts(&h),
         (2, 0),
-        "answered: both entries moved to the answered table"
+        "handshake complete: both entries moved to the answered table"
     );
 
     // A keep-alive connection idle past every unanswered timeout (60 s TCP, 30 s UDP):
@@ -279,6 +285,7 @@ fn masquerade_ports_of_closed_and_expired_flows_are_reused() {
         assert_eq!((v, dst), (TC_ACT_OK, be));
         assert!((20_000..=20_003).contains(&src.port()), "{src}");
         seg(&h, be, src, SYN_ACK);
+        seg(&h, outside(i), np, ACK);
         taken.push(src);
     }
     taken.sort();
@@ -334,16 +341,19 @@ fn a_syn_flood_evicts_no_answered_flow() {
     for i in 0..ESTABLISHED {
         let (_, src, _) = seg(&h, client(i), np, SYN);
         seg(&h, be, src, SYN_ACK);
+        seg(&h, client(i), np, ACK);
         masq.push(src);
     }
-    // Spoofed SYNs from 20k sources: each makes two entries and claims a port.
+    // Spoofed SYNs from 20k sources: each makes two entries and claims a port, and the
+    // backend answers each with a SYN-ACK that no client acknowledges.
     let started = std::time::Instant::now();
     for n in 0..FLOOD {
         let spoofed = SocketAddr::new(
             std::net::Ipv4Addr::from(0xc612_0000 | n).into(),
             1_024 + (n % 60_000) as u16,
         );
-        seg(&h, spoofed, np, SYN);
+        let (_, src, _) = seg(&h, spoofed, np, SYN);
+        seg(&h, be, src, SYN_ACK);
     }
     let rate = f64::from(FLOOD) / started.elapsed().as_secs_f64();
     let mut kept = 0;
@@ -355,8 +365,9 @@ fn a_syn_flood_evicts_no_answered_flow() {
         }
     }
     eprintln!(
-        "SYN flood: {FLOOD} spoofed SYNs ({rate:.0}/s through BPF_PROG_TEST_RUN) into a \
-         1,024-entry new-flows table; answered flows kept: {kept}/{ESTABLISHED}"
+        "SYN flood: {FLOOD} spoofed SYNs, each answered by the backend ({rate:.0} SYN + \
+         SYN-ACK pairs/s through BPF_PROG_TEST_RUN), into a 1,024-entry new-flows table; \
+         established flows kept: {kept}/{ESTABLISHED}"
     );
     assert_eq!(kept, ESTABLISHED, "every answered flow survives the flood");
     // No port of an answered flow was handed to a flooding one.
@@ -368,7 +379,11 @@ fn a_syn_flood_evicts_no_answered_flow() {
         .filter(|(k, _)| k.dir == CT_DIR_REPLY)
         .map(|(k, _)| k)
         .collect();
-    assert_eq!(answered.len(), usize::from(ESTABLISHED));
+    assert_eq!(
+        answered.len(),
+        usize::from(ESTABLISHED),
+        "only established flows in the answered table, no half-open flooding one"
+    );
     let clash = h
         .maps
         .conntrack_new
@@ -422,6 +437,7 @@ fn the_collector_frees_expired_flows_and_orphans() {
     for i in 0..10 {
         seg(&h, client(i), vip, SYN);
         seg(&h, be, client(i), SYN_ACK);
+        seg(&h, client(i), vip, ACK);
     }
     seg(&h, client(10), vip, SYN); // never answered
     seg(&h, be, client(0), RST); // closed

@@ -160,6 +160,10 @@ pub const CT_F_FIN_ORIG: u8 = 1 << 2;
 pub const CT_F_FIN_REPLY: u8 = 1 << 3;
 /// `CtValue::flags` (forward entries): either side sent a RST.
 pub const CT_F_RST: u8 = 1 << 4;
+/// `CtValue::flags` (forward entries): the flow is established — netfilter's ASSURED.
+/// TCP: the client acknowledged the backend's SYN-ACK (a spoofed SYN never gets here);
+/// UDP and SCTP: the backend answered. Set when the flow moves to the answered table.
+pub const CT_F_ASSURED: u8 = 1 << 5;
 
 /// Masquerade source ports by default (host byte order): below the NodePort range and
 /// outside the kernel's default ephemeral range (32768-60999), so a masqueraded flow
@@ -633,9 +637,10 @@ impl CtTimeouts {
                 pick(self.tcp_time_wait, d.tcp_time_wait)
             } else if flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY) != 0 {
                 pick(self.tcp_closing, d.tcp_closing)
-            } else if flags & CT_F_REPLIED != 0 {
+            } else if flags & CT_F_ASSURED != 0 {
                 pick(self.tcp_established, d.tcp_established)
             } else {
+                // Also after a SYN-ACK until the client acknowledges it (SYN_RECV).
                 pick(self.tcp_syn, d.tcp_syn)
             }
         } else if flags & CT_F_REPLIED != 0 {
@@ -836,7 +841,8 @@ mod tests {
         };
         let tcp = |flags| t.idle_limit_s(PROTO_TCP, flags);
         assert_eq!(tcp(0), 60);
-        assert_eq!(tcp(CT_F_REPLIED), 500);
+        assert_eq!(tcp(CT_F_REPLIED), 60, "SYN-ACK seen, not acknowledged");
+        assert_eq!(tcp(CT_F_REPLIED | CT_F_ASSURED), 500);
         assert_eq!(tcp(CT_F_REPLIED | CT_F_FIN_ORIG), 3_600);
         assert_eq!(tcp(CT_F_REPLIED | CT_F_FIN_REPLY), 3_600);
         assert_eq!(tcp(CT_F_REPLIED | CT_F_FIN_ORIG | CT_F_FIN_REPLY), 120);
@@ -847,7 +853,7 @@ mod tests {
         assert!(!t.expired(PROTO_UDP, 0, 1_000, 1_000 + 30_000_000_000));
         assert!(t.expired(PROTO_UDP, 0, 1_000, 1_001 + 30_000_000_000));
         // Stamped by another CPU a moment after our clock read: just seen, not ancient.
-        assert!(!t.expired(PROTO_TCP, CT_F_REPLIED, 5_000, 4_000));
+        assert!(!t.expired(PROTO_TCP, CT_F_ASSURED, 5_000, 4_000));
         assert_eq!(elapsed_ns(4_000, 5_000), 0);
         // Entries aged past the clock's start (a young machine) still age correctly.
         assert_eq!(elapsed_ns(1_000, 1_000u64.wrapping_sub(7_000)), 7_000);

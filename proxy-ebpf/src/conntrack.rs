@@ -9,14 +9,15 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
 use proxy_common::{
-    CT_DIR_REPLY, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_RST, CT_F_SNAT, CtKey, CtTimeouts, CtValue,
-    PROTO_TCP, counter, ct_closed, elapsed_ns, forward_key_of, reply_key_of,
+    CT_DIR_REPLY, CT_F_ASSURED, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
+    CtKey, CtTimeouts, CtValue, PROTO_TCP, counter, ct_closed, elapsed_ns, forward_key_of,
+    reply_key_of,
 };
 
 use crate::{
     maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, SCRATCH_REPLY, count, ct_scratch},
     nat,
-    packet::{Packet, TCP_FIN, TCP_RST},
+    packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
     tc::DROP,
 };
 
@@ -119,7 +120,24 @@ pub fn partner(reply_key: &CtKey, reply: *const CtValue, new: bool) -> *mut CtVa
     }
 }
 
-/// The backend answered a new flow: both entries move to the table of answered flows.
+/// A TCP segment from the client that acknowledges the backend's SYN-ACK of a flow not
+/// assured yet: the three-way handshake is complete.
+#[inline(always)]
+pub fn completes_handshake(pkt: &Packet, flags: u8) -> bool {
+    pkt.proto == PROTO_TCP
+        && pkt.tcp_flags & TCP_ACK != 0
+        && flags & (CT_F_REPLIED | CT_F_ASSURED) == CT_F_REPLIED
+}
+
+/// `promote`, from the forward side: the flow whose forward entry is `fwd` (at `key`).
+#[inline(never)]
+pub fn promote_forward(key: &CtKey, fwd: *const CtValue) {
+    // SAFETY: map memory, valid for this program run.
+    let reply_key = reply_key_of(key, unsafe { &*fwd });
+    promote(&reply_key);
+}
+
+/// The flow is assured: both entries move to the table of answered flows.
 /// With that table full the flow stays where it is (still translated, but evictable).
 #[inline(never)]
 pub fn promote(reply_key: &CtKey) {

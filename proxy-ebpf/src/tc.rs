@@ -12,9 +12,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_BY_ADDR, CFG_LOCAL_DETECTOR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_REPLIED, CT_F_SNAT,
-    FAMILY_V4, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_SCTP, PROTO_TCP,
-    PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
+    AFFINITY_BY_ADDR, CFG_LOCAL_DETECTOR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED,
+    CT_F_SNAT, FAMILY_V4, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_SCTP,
+    PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
 };
 
 use crate::{
@@ -108,6 +108,12 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
     }
     fwd.last_seen_ns = now;
     fwd.flags |= CT_F_REPLIED | conntrack::segment_flags(pkt, true);
+    // A TCP flow is assured by the client's ACK of this SYN-ACK (see `established`):
+    // a spoofed SYN that the backend answers must not reach the answered table.
+    let assured = pkt.proto != PROTO_TCP;
+    if assured {
+        fwd.flags |= CT_F_ASSURED;
+    }
     // SAFETY: as above; the fields are copied out before the entry can move.
     let (frontend, frontend_port, snat, client, client_port) = unsafe {
         let r = &*entry.value;
@@ -119,7 +125,7 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
             r.nat_port,
         )
     };
-    if entry.new {
+    if entry.new && assured {
         conntrack::promote(&key);
     }
     rewrite(ctx, pkt, Side::Source, &frontend, frontend_port)?;
@@ -155,18 +161,28 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
         conntrack::forget(&key, ct, entry.new);
         return Ok(None); // balanced again as a new flow
     }
-    if ct.flags & CT_F_SNAT != 0 {
+    let snat = ct.flags & CT_F_SNAT != 0;
+    if snat {
         rewrite(ctx, pkt, Side::Source, &ct.nat_addr, ct.nat_port)?;
     }
     rewrite(ctx, pkt, Side::Destination, &ct.xlate_addr, ct.xlate_port)?;
     ct.last_seen_ns = now;
     ct.flags |= conntrack::segment_flags(pkt, false);
-    if ct.flags & CT_F_SNAT != 0 {
-        return Ok(Some(
-            route::forward(ctx, pkt.family, &ct.nat_addr, &ct.xlate_addr).code(),
-        ));
+    // The client's ACK of the backend's SYN-ACK: the handshake is complete, the flow
+    // moves to the answered table.
+    let assure = entry.new && conntrack::completes_handshake(pkt, ct.flags);
+    if assure {
+        ct.flags |= CT_F_ASSURED;
     }
-    Ok(Some(DONE))
+    let verdict = if snat {
+        route::forward(ctx, pkt.family, &ct.nat_addr, &ct.xlate_addr).code()
+    } else {
+        DONE
+    };
+    if assure {
+        conntrack::promote_forward(&key, ct);
+    }
+    Ok(Some(verdict))
 }
 
 /// A new flow: find the service, check source ranges, choose a backend and decide on
