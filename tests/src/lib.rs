@@ -590,6 +590,18 @@ impl Testbed {
             .context("starting e2e-client")
     }
 
+    /// Floods `target` with spoofed SYNs from the client namespace for `seconds`
+    /// (`e2e-synflood`; its output is one JSON line with what it sent).
+    pub fn spawn_synflood(&self, target: &str, seconds: f64) -> Result<Child> {
+        Command::new(helper_bin("e2e-synflood"))
+            .arg("--netns")
+            .arg(format!("/run/netns/{}", self.client_ns()))
+            .args(["--target", target, "--seconds", &seconds.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting e2e-synflood")
+    }
+
     /// Stops backend `i`'s echo server.
     pub fn stop_backend(&mut self, i: usize) -> Result<()> {
         let echo = &mut self.echoes[i];

@@ -270,6 +270,61 @@ fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
     );
 }
 
+/// Spoofed SYNs flood a masqueraded NodePort from the client namespace (random sources
+/// that nothing routes back to; the backend answers every one) while ten keep-alive
+/// connections ask ten times a second: none of them fails, and none of the flood reaches
+/// the table of established flows.
+#[test]
+fn per_packet_syn_flood_keeps_established_flows() {
+    if !require_root("per_packet_syn_flood_keeps_established_flows") {
+        return;
+    }
+    let mut tb = Testbed::new(1).expect("testbed");
+    tb.write_manifests(&nodeport_manifests())
+        .expect("manifests");
+    tb.start_agent_with(Path_::PerPacket, 8, &["--node-ip", "10.10.0.1"])
+        .expect("agent");
+    let np = "10.10.0.1:30080";
+    let clients: Vec<_> = (0..10)
+        .map(|_| {
+            tb.spawn_client(&[
+                "--target",
+                np,
+                "--reuse-socket",
+                "--count",
+                "100",
+                "--interval-ms",
+                "100",
+            ])
+            .expect("client")
+        })
+        .collect();
+    thread::sleep(Duration::from_secs(1));
+    let flood = tb.spawn_synflood(np, 7.0).expect("flood");
+    let out = flood.wait_with_output().expect("flood output");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("flood report");
+    let rate = report["sent"].as_f64().unwrap_or(0.0) / report["seconds"].as_f64().unwrap_or(1.0);
+    let dump = tb.dump().expect("dump");
+    let mut failed = 0;
+    for child in clients {
+        let attempts = finish_client(child).expect("client output");
+        assert_eq!(attempts.len(), 100);
+        failed += attempts.iter().filter(|a| !a.ok).count();
+    }
+    eprintln!(
+        "SYN flood: {:.0} spoofed SYNs/s for {:.1} s; 10 keep-alive connections, 1,000 \
+         requests, {failed} failed; conntrack {}",
+        rate, report["seconds"], dump["conntrack"]
+    );
+    assert!(rate > 1_000.0, "the flood ran: {report}");
+    assert_eq!(failed, 0, "{}", tb.agent_log());
+    let answered = dump["conntrack"]["answered"].as_u64().expect("fill");
+    assert!(
+        answered <= 2 * 10 + 10,
+        "only the keep-alive flows are established: {answered} entries"
+    );
+}
+
 /// A client reconnects from the same source port after its backend left the Service:
 /// once after a graceful close (the flow in TIME_WAIT), once after a reset (CLOSE). The
 /// new connections reach a live backend, not the removed one.
