@@ -7,72 +7,56 @@ mod support;
 
 use std::{collections::BTreeSet, net::SocketAddr};
 
-use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
-    dataplane::bpf::{MapSet, MapState, load_private},
+    dataplane::bpf::MapState,
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
     trace,
 };
-use support::root;
+use support::{root, tc_harness};
 
 const CLIENTS: u8 = 40;
 
-struct Harness {
-    ebpf: Ebpf,
-    maps: MapSet,
-    state: MapState,
-}
+/// The shared test-run harness, plus what these tests ask of it.
+struct Harness(tc_harness::Harness);
 
 impl Harness {
     fn new() -> Self {
-        let (mut ebpf, maps) = load_private(&[]).expect("load");
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut("tc_ingress")
-            .expect("program")
-            .try_into()
-            .expect("type");
-        prog.load().expect("verifier accepts tc_ingress");
-        let state = MapState::adopt(&maps).expect("adopt");
-        Harness { ebpf, maps, state }
+        Harness(tc_harness::Harness::new(&[]))
     }
 
     fn apply(&mut self, view: &NodeView) {
-        let report = self.state.apply(&mut self.maps, view).expect("apply");
+        let report = self.0.apply(view);
         assert!(report.failed.is_empty(), "{:?}", report.failed);
     }
 
     /// A restarted agent: a fresh mirror adopted from the maps.
     fn restart(&mut self) {
-        self.state = MapState::adopt(&self.maps).expect("adopt");
+        self.0.state = MapState::adopt(&self.0.maps).expect("adopt");
     }
 
     /// Where a new TCP flow from client `i` (10.244.0.i, source port `port`) to `vip` goes.
     fn new_flow(&self, i: u8, port: u16, vip: SocketAddr) -> SocketAddr {
         let src = SocketAddr::new([10, 244, 0, i].into(), port);
-        let packet = trace::packet::build(src, vip, Protocol::Tcp);
-        let prog: &SchedClassifier = self
-            .ebpf
-            .program("tc_ingress")
-            .expect("program")
-            .try_into()
-            .expect("type");
-        let mut out = vec![0u8; packet.len() + 256];
-        let res = prog
-            .test_run(TestRunOptions {
-                data_in: Some(&packet),
-                data_out: Some(&mut out),
-                ..Default::default()
-            })
-            .expect("test_run");
-        out.truncate(res.data_size_out as usize);
-        trace::packet::inspect(&out)
-            .unwrap_or_else(|e| panic!("bad packet: {e}"))
-            .dst
+        let (_, out) = self.0.run(&trace::packet::build(src, vip, Protocol::Tcp));
+        tc_harness::inspect(&out).dst
     }
 
     /// Where each client's new flow goes.
     fn round(&self, port: u16, vip: SocketAddr) -> Vec<SocketAddr> {
         (1..=CLIENTS).map(|i| self.new_flow(i, port, vip)).collect()
+    }
+}
+
+impl std::ops::Deref for Harness {
+    type Target = tc_harness::Harness;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Harness {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
     }
 }
 

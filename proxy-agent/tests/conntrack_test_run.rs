@@ -52,6 +52,20 @@ fn seg(h: &Harness, src: SocketAddr, dst: SocketAddr, flags: u8) -> (u32, Socket
     (verdict, seen.src, seen.dst)
 }
 
+/// A node with one ClusterIP (10.96.0.10:80 → 10.244.1.5:8080): the harness, a pod
+/// client, the VIP and the backend.
+fn one_clusterip() -> (Harness, SocketAddr, SocketAddr, SocketAddr) {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    clusterip(&mut h, &["10.244.1.5:8080"]);
+    (
+        h,
+        sa("10.244.0.3:40000"),
+        sa("10.96.0.10:80"),
+        sa("10.244.1.5:8080"),
+    )
+}
+
 fn clusterip(h: &mut Harness, backends: &[&str]) {
     h.apply(&NodeView::from([frontend(
         "10.96.0.10",
@@ -66,14 +80,7 @@ fn tcp_flows_age_by_their_state_at_the_default_timeouts() {
     if !root("tcp_flows_age_by_their_state_at_the_default_timeouts") {
         return;
     }
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    clusterip(&mut h, &["10.244.1.5:8080"]);
-    let (client, vip, be) = (
-        sa("10.244.0.3:40000"),
-        sa("10.96.0.10:80"),
-        sa("10.244.1.5:8080"),
-    );
+    let (mut h, client, vip, be) = one_clusterip();
 
     assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
     assert_eq!(
@@ -153,14 +160,7 @@ fn an_unanswered_flow_expires_after_60_s() {
     if !root("an_unanswered_flow_expires_after_60_s") {
         return;
     }
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    clusterip(&mut h, &["10.244.1.5:8080"]);
-    let (client, vip, be) = (
-        sa("10.244.0.3:40000"),
-        sa("10.96.0.10:80"),
-        sa("10.244.1.5:8080"),
-    );
+    let (mut h, client, vip, be) = one_clusterip();
     seg(&h, client, vip, SYN);
     age(&mut h, 59);
     assert_eq!(
@@ -168,9 +168,7 @@ fn an_unanswered_flow_expires_after_60_s() {
         vip,
         "a late SYN-ACK at 59 s"
     );
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    clusterip(&mut h, &["10.244.1.5:8080"]);
+    let (mut h, ..) = one_clusterip();
     seg(&h, client, vip, SYN);
     age(&mut h, 61);
     assert_eq!(
@@ -185,14 +183,7 @@ fn a_syn_on_a_closed_flow_reaches_a_live_backend() {
     if !root("a_syn_on_a_closed_flow_reaches_a_live_backend") {
         return;
     }
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    clusterip(&mut h, &["10.244.1.5:8080"]);
-    let (client, vip, old) = (
-        sa("10.244.0.3:40000"),
-        sa("10.96.0.10:80"),
-        sa("10.244.1.5:8080"),
-    );
+    let (mut h, client, vip, old) = one_clusterip();
     seg(&h, client, vip, SYN);
     seg(&h, old, client, SYN_ACK);
     seg(&h, client, vip, FIN_ACK);

@@ -590,6 +590,22 @@ impl Testbed {
             .context("starting e2e-client")
     }
 
+    /// `GET url` from inside the node's namespace (the agent's endpoints listen there):
+    /// the body.
+    pub fn get_in_node(&self, url: &str) -> Result<String> {
+        let script =
+            format!("import urllib.request;print(urllib.request.urlopen('{url}').read().decode())");
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.node_ns(),
+            "python3",
+            "-c",
+            &script,
+        ])
+    }
+
     /// Floods `target` with spoofed SYNs from the client namespace for `seconds`
     /// (`e2e-synflood`; its output is one JSON line with what it sent).
     pub fn spawn_synflood(&self, target: &str, seconds: f64) -> Result<Child> {

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_e2e::{TCP_PORT, Testbed, VIP4, VIP6, ip, require_root, sh, target, web_manifests};
+use proxy_e2e::{TCP_PORT, Testbed, VIP4, VIP6, ip, require_root, target, web_manifests};
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -200,18 +200,7 @@ fn unmatched_and_non_ethernet_interfaces_are_left_out() {
 
 /// `GET url` from inside the node's namespace (the agent's metrics listen there).
 fn get_in_node(tb: &Testbed, url: &str) -> String {
-    let script =
-        format!("import urllib.request;print(urllib.request.urlopen('{url}').read().decode())");
-    sh(&[
-        "ip",
-        "netns",
-        "exec",
-        &tb.node_ns(),
-        "python3",
-        "-c",
-        &script,
-    ])
-    .expect(url)
+    tb.get_in_node(url).expect(url)
 }
 
 fn attach_failures(tb: &Testbed) -> u64 {

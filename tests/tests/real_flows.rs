@@ -135,17 +135,8 @@ fn per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts() {
 
 /// The agent's `/metrics`, fetched from inside the node namespace.
 fn metrics(tb: &Testbed) -> String {
-    let script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10249/metrics').read().decode())";
-    sh(&[
-        "ip",
-        "netns",
-        "exec",
-        &tb.node_ns(),
-        "python3",
-        "-c",
-        script,
-    ])
-    .expect("metrics")
+    tb.get_in_node("http://127.0.0.1:10249/metrics")
+        .expect("metrics")
 }
 
 /// A NodePort (eTP Cluster: masqueraded) on the node's client-side address, one backend.
