@@ -683,8 +683,14 @@ pub mod counter {
     pub const CT_FULL: u32 = 15;
     /// A closed or expired flow's tuple (or masquerade port) was taken over by a new one.
     pub const CT_REUSED: u32 = 16;
+    /// An ICMP/ICMPv6 error about a translated flow was translated (its quote and
+    /// addresses put back as the flow's other side knows them).
+    pub const ICMP_ERROR_NAT: u32 = 17;
+    /// A translated packet too big for its route's MTU was answered with "fragmentation
+    /// needed" / "packet too big" instead of being sent on.
+    pub const TOO_BIG_SENT: u32 = 18;
     /// Length of the array.
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 19;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -704,6 +710,8 @@ pub mod counter {
         "ct_invalid",
         "ct_full",
         "ct_reused",
+        "icmp_error_nat",
+        "too_big_sent",
     ];
 }
 

@@ -9,8 +9,8 @@ use proxy_common::{
 use crate::maps::FRAGMENTS;
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86DD;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86DD;
 pub const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;

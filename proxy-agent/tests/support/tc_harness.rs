@@ -61,6 +61,30 @@ impl Harness {
         (res.return_value, out)
     }
 
+    /// Runs one packet through the egress program (`tc_egress`, loaded on first use):
+    /// what the node itself sends.
+    pub fn run_egress(&mut self, packet: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut("tc_egress")
+            .expect("program")
+            .try_into()
+            .expect("type");
+        if prog.fd().is_err() {
+            prog.load().expect("verifier accepts tc_egress");
+        }
+        let mut out = vec![0u8; packet.len() + 256];
+        let res = prog
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })
+            .expect("test_run");
+        out.truncate(res.data_size_out as usize);
+        (res.return_value, out)
+    }
+
     /// Every conntrack entry, answered flows and new ones.
     pub fn ct_entries(&self) -> Vec<(proxy_common::CtKey, proxy_common::CtValue)> {
         let answered = self.maps.conntrack.iter().filter_map(Result::ok);
