@@ -637,9 +637,11 @@ impl CtTimeouts {
     }
 
     /// Whether a flow last seen at `last_seen_ns` has idled past its limit at `now_ns`.
+    /// A `last_seen_ns` after `now_ns` (another CPU stamped the flow after this one read
+    /// the clock) is no idle time at all, not a wrapped-around eternity.
     #[inline(always)]
     pub fn expired(&self, proto: u8, flags: u8, last_seen_ns: u64, now_ns: u64) -> bool {
-        now_ns.wrapping_sub(last_seen_ns)
+        now_ns.saturating_sub(last_seen_ns)
             > u64::from(self.idle_limit_s(proto, flags)) * 1_000_000_000
     }
 }
@@ -846,6 +848,8 @@ mod tests {
         assert!(!t.expired(PROTO_UDP, 0, 1_000, 1_000 + 30_000_000_000));
         assert!(t.expired(PROTO_UDP, 0, 1_000, 1_001 + 30_000_000_000));
         assert!(ct_closed(CT_F_RST) && !ct_closed(CT_F_FIN_ORIG));
+        // Stamped by another CPU after this one read the clock: not idle, not expired.
+        assert!(!t.expired(PROTO_TCP, CT_F_REPLIED, 1_000_001, 1_000_000));
     }
 
     /// Each entry of a flow names its partner, masqueraded or not.
