@@ -590,6 +590,32 @@ impl Testbed {
             .context("starting e2e-client")
     }
 
+    /// Keeps `child` (a server a test started in one of the testbed's namespaces) until
+    /// the testbed is dropped, which kills it.
+    pub fn keep(&mut self, child: Child) {
+        self.echoes.push(child);
+    }
+
+    /// Starts an echo server (identity `id`) in namespace `ns`, kept until the drop.
+    pub fn start_echo(&mut self, ns: &str, id: &str, tcp: u16, udp: u16) -> Result<()> {
+        let echo = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(helper_bin("e2e-echo"))
+            .args([
+                "--id",
+                id,
+                "--tcp",
+                &tcp.to_string(),
+                "--udp",
+                &udp.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting an echo server")?;
+        self.keep(echo);
+        Ok(())
+    }
+
     /// Stops backend `i`'s echo server.
     pub fn stop_backend(&mut self, i: usize) -> Result<()> {
         let echo = &mut self.echoes[i];
