@@ -532,3 +532,29 @@ fn the_nodes_own_fragmentation_needed_quotes_the_frontend() {
         true,
     );
 }
+
+/// Both classifiers load, and the verifier's walk of each stays well inside its budget
+/// (1,000,000 instructions): ICMP translation added paths to both.
+#[test]
+fn the_classifiers_stay_inside_the_verifier_budget() {
+    if !root("the_classifiers_stay_inside_the_verifier_budget") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    h.run_egress(&packet(sa("10.0.0.1:1"), sa("10.0.0.2:2"), true));
+    for name in ["tc_ingress", "tc_egress"] {
+        let prog: &aya::programs::SchedClassifier = h
+            .ebpf
+            .program(name)
+            .expect("program")
+            .try_into()
+            .expect("type");
+        let walked = prog
+            .info()
+            .expect("info")
+            .verified_instruction_count()
+            .expect("kernel reports it");
+        eprintln!("{name}: the verifier walked {walked} instructions");
+        assert!(walked < 800_000, "{name}: {walked} of 1,000,000");
+    }
+}

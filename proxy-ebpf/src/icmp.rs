@@ -105,11 +105,7 @@ pub fn translate(ctx: &TcContext, egress: bool) -> i32 {
     if rerouted || (!egress && is_node_address(q.family, &e.outer_saddr)) {
         return route::forward(ctx, q.family, &e.outer_saddr, &e.outer_daddr).code();
     }
-    if egress {
-        aya_ebpf::bindings::TC_ACT_OK as i32
-    } else {
-        DONE
-    }
+    DONE
 }
 
 /// Reads an ICMP error (IPv4 types 3, 11, 12; ICMPv6 types 1-4) quoting TCP, UDP or SCTP.
