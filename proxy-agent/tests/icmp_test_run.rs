@@ -343,9 +343,10 @@ fn errors_about_client_packets_reach_the_client_v6() {
     );
 }
 
-/// The other direction: the client's side reports an error about a reply (here the
-/// client itself: port unreachable for a UDP reply after it closed its socket). The
-/// backend gets it about the reply it sent, from the address it sent to.
+/// The other direction: the client's side reports an error about a reply (the client
+/// itself: port unreachable for a UDP reply after it closed its socket; a router; the
+/// node's own forwarding, at egress). The backend gets it about the reply it sent, from
+/// the address it sent to.
 #[test]
 fn errors_about_replies_reach_the_backend() {
     if !root("errors_about_replies_reach_the_backend") {
@@ -392,6 +393,26 @@ fn errors_about_replies_reach_the_backend() {
         sa("[fd00:244:1::5]:8080"),
     );
     assert_eq!(open(&h, client, vip, true), client);
+    // The node's own forwarding found the client's link too small for the reply: its
+    // error goes to the reply's source, the ClusterIP, and leaves through the egress
+    // program, which sends it to the backend instead.
+    check(
+        &mut h,
+        &Case {
+            from: "2001:db8:a::10",
+            to: "fd96::10",
+            kind: 2,
+            code: 0,
+            info: 1280,
+            quoted: (vip, client),
+            want_from: "2001:db8:a::10",
+            want_to: "fd00:244:1::5",
+            want_quoted: (be, client),
+            tcp: true,
+            cut: None,
+        },
+        true,
+    );
     check(
         &mut h,
         &Case {
