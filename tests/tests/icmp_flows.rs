@@ -340,3 +340,105 @@ fn per_packet_host_network_endpoint_through_clusterip_and_nodeport() {
         }
     }
 }
+
+/// The other direction: the node's link to the client carries 1280 bytes (client and
+/// backend links 1500), and the backend sends 4 MB. Its too-big replies are reported to
+/// the backend about the packet it sent: through the ClusterIPs by the node's forwarding
+/// (its error goes to the reply's source, the ClusterIP — routed towards the client side
+/// as a real node's default route would — and the egress program sends it on to the
+/// backend, quoting the backend's own packet), through a masqueraded NodePort by the
+/// classifier (replies it redirects skip the stack's check). Without either the download
+/// stalls.
+#[test]
+fn per_packet_pmtu_discovery_for_replies() {
+    if !require_root("per_packet_pmtu_discovery_for_replies") {
+        return;
+    }
+    let bulk = service(
+        "bulk",
+        "10.96.0.40",
+        "fd96::40",
+        &[("source", "TCP", 9000, 9000, 30090)],
+        &Testbed::backend_ip4(0),
+        &Testbed::backend_ip6(0),
+    );
+    let mut tb = testbed(1, bulk, 1);
+    let (node, node_if) = (tb.node_ns(), tb.node_interfaces()[0].clone());
+    ip(&node, &format!("link set {node_if} mtu 1280")).expect("mtu");
+    ip(&node, "route add 10.96.0.0/16 via 10.10.0.2").expect("route");
+    ip(&node, "-6 route add fd96::/64 via fd10::2").expect("route");
+    // A source on the backend: sends 4 MB to whoever connects.
+    let source = r#"
+import socket, threading
+srv = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+srv.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("::", 9000))
+srv.listen(16)
+print("ready", flush=True)
+def serve(c):
+    try:
+        c.sendall(b"y" * (4 * 1024 * 1024))
+    finally:
+        c.close()
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+    let mut server = Command::new("ip")
+        .args(["netns", "exec", &tb.backend_ns(0), "python3", "-c", source])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("source");
+    let mut ready = String::new();
+    BufReader::new(server.stdout.take().expect("stdout"))
+        .read_line(&mut ready)
+        .expect("source ready");
+    assert_eq!(ready.trim(), "ready");
+    tb.keep(server);
+    let script = r#"
+import socket
+def download(fam, addr):
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.settimeout(20)
+    try:
+        s.connect(addr)
+        n = 0
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            n += len(b)
+        return "ok" if n == 4 * 1024 * 1024 else "short"
+    except Exception as e:
+        return type(e).__name__
+    finally:
+        s.close()
+print(download(socket.AF_INET, ("10.96.0.40", 9000)),
+      download(socket.AF_INET6, ("fd96::40", 9000)),
+      download(socket.AF_INET, ("10.10.0.1", 30090)))
+"#;
+    let got = python(&tb, script);
+    assert_eq!(
+        got,
+        "ok ok ok",
+        "ClusterIP v4, ClusterIP v6, NodePort (masqueraded)\n{}",
+        tb.agent_log()
+    );
+    let (nat, too_big) = (counter(&tb, "icmp_error_nat"), counter(&tb, "too_big_sent"));
+    assert!(nat >= 2, "the node's own errors");
+    assert!(too_big >= 1, "the classifier's");
+    // Again with full-size frames from the backend (no segmentation offload), what it
+    // learned forgotten first.
+    let backend = tb.backend_ns(0);
+    proxy_e2e::sh(&[
+        "ip", "netns", "exec", &backend, "ethtool", "-K", "eth0", "tso", "off", "gso", "off",
+    ])
+    .expect("offload off");
+    ip(&backend, "route flush cache").expect("flush");
+    ip(&backend, "-6 route flush cache").expect("flush");
+    let got = python(&tb, script);
+    assert_eq!(got, "ok ok ok", "without offload\n{}", tb.agent_log());
+    assert!(counter(&tb, "icmp_error_nat") >= nat + 2, "learned afresh");
+    assert!(counter(&tb, "too_big_sent") > too_big, "learned afresh");
+}
