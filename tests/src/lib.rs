@@ -482,6 +482,13 @@ impl Testbed {
             .join(format!("tc_ingress@{interface}"))
     }
 
+    /// Where the agent pins the egress half's link for `interface`.
+    pub fn egress_pin(&self, interface: &str) -> PathBuf {
+        self.pin_dir()
+            .join("links")
+            .join(format!("tc_egress@{interface}"))
+    }
+
     /// Runs the client in namespace `ns` (no cgroup: the per-packet path).
     pub fn client_in(&self, ns: &str, args: &[&str]) -> Result<Vec<Attempt>> {
         let out = Command::new(helper_bin("e2e-client"))
