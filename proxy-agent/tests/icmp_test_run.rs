@@ -510,6 +510,17 @@ fn an_endpoint_on_the_node_address_answers_from_the_frontend() {
     // Packets the node sends that belong to no flow pass untouched.
     let other = packet(host, sa("10.244.0.3:40001"), true);
     assert_eq!(h.run_egress(&other), (TC_ACT_UNSPEC, other.clone()));
+    // Forwarded packets (an input interface) are not looked at, even a flow's reply.
+    let forwarded = tcp_with_flags(host, pod, 0x10);
+    assert_eq!(
+        h.run_egress_from(&forwarded, 1),
+        (TC_ACT_UNSPEC, forwarded.clone())
+    );
+    assert_eq!(
+        h.run_egress(&forwarded).0,
+        TC_ACT_OK,
+        "made here: translated"
+    );
 }
 
 /// The node's own "fragmentation needed" about a forwarded (DNATed, not masqueraded)

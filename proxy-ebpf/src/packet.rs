@@ -66,6 +66,12 @@ pub fn ifindex(ctx: &TcContext) -> u32 {
     unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ifindex }
 }
 
+/// The interface a packet first came in on (`skb_iif`): 0 for one the node made itself.
+pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: the context is a valid __sk_buff; ingress_ifindex is a plain readable field.
+    unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ingress_ifindex }
+}
+
 /// Reads the 5-tuple; `None` for anything that is not TCP/UDP/SCTP over IP (and for
 /// IPv4 fragments we cannot place).
 #[inline(always)]

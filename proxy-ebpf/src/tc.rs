@@ -22,7 +22,7 @@ use crate::{
     lb::{self, Client, NoBackend},
     maps::{LOCAL_NETS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count, ct_scratch, scratch},
     nat::{self, Origin, Side, rewrite},
-    packet::{Packet, parse},
+    packet::{self, Packet, parse},
     reject, route,
 };
 
@@ -72,6 +72,11 @@ pub fn ingress(ctx: &TcContext) -> i32 {
 /// (a "fragmentation needed" from its forwarding, a port unreachable from a local
 /// endpoint) — gets the reverse translation.
 pub fn egress(ctx: &TcContext) -> i32 {
+    // Forwarded packets (they came in on some interface) were translated there, or are
+    // not ours: only what the node itself made (no input interface) is looked at.
+    if packet::ingress_ifindex(ctx) != 0 {
+        return PASS_ON;
+    }
     let pkt = match parse(ctx, PASS_ON) {
         Ok(Some(pkt)) => pkt,
         Ok(None) => return icmp::translate(ctx, true),
