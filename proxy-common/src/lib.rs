@@ -651,6 +651,8 @@ impl CtTimeouts {
     }
 
     /// Whether a flow last seen at `last_seen_ns` has idled past its limit at `now_ns`.
+    /// A `last_seen_ns` after `now_ns` (another CPU stamped the flow after this one read
+    /// the clock) is no idle time at all, not a wrapped-around eternity.
     #[inline(always)]
     pub fn expired(&self, proto: u8, flags: u8, last_seen_ns: u64, now_ns: u64) -> bool {
         elapsed_ns(now_ns, last_seen_ns)
@@ -697,8 +699,14 @@ pub mod counter {
     pub const CT_FULL: u32 = 15;
     /// A closed or expired flow's tuple (or masquerade port) was taken over by a new one.
     pub const CT_REUSED: u32 = 16;
+    /// An ICMP/ICMPv6 error about a translated flow was translated (its quote and
+    /// addresses put back as the flow's other side knows them).
+    pub const ICMP_ERROR_NAT: u32 = 17;
+    /// A translated packet too big for its route's MTU was answered with "fragmentation
+    /// needed" / "packet too big" instead of being sent on.
+    pub const TOO_BIG_SENT: u32 = 18;
     /// Length of the array.
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 19;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -718,6 +726,8 @@ pub mod counter {
         "ct_invalid",
         "ct_full",
         "ct_reused",
+        "icmp_error_nat",
+        "too_big_sent",
     ];
 }
 
@@ -858,6 +868,8 @@ mod tests {
         // Entries aged past the clock's start (a young machine) still age correctly.
         assert_eq!(elapsed_ns(1_000, 1_000u64.wrapping_sub(7_000)), 7_000);
         assert!(ct_closed(CT_F_RST) && !ct_closed(CT_F_FIN_ORIG));
+        // Stamped by another CPU after this one read the clock: not idle, not expired.
+        assert!(!t.expired(PROTO_TCP, CT_F_REPLIED, 1_000_001, 1_000_000));
     }
 
     /// Each entry of a flow names its partner, masqueraded or not.

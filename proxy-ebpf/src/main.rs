@@ -1,10 +1,11 @@
 //! BPF programs of the service proxy. Entry points are thin: the work lives in `lb`
-//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet path, with `packet`, `conntrack` and
-//! `nat`).
+//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet path, with `packet`, `conntrack`,
+//! `nat`, `icmp` and `route`).
 #![no_std]
 #![no_main]
 
 mod conntrack;
+mod icmp;
 mod lb;
 mod maps;
 mod nat;
@@ -69,6 +70,13 @@ pub fn sock_release(ctx: SockContext) -> i32 {
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     tc::ingress(&ctx)
+}
+
+/// The same interfaces' egress: replies and ICMP errors the node itself sends about
+/// translated flows (endpoints on the node's own addresses).
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    tc::egress(&ctx)
 }
 
 /// Tail call of `tc_ingress` for SCTP packets whose ports it rewrote: their CRC32c.

@@ -145,3 +145,7 @@ pub fn count(idx: u32) {
         unsafe { *v += 1 };
     }
 }
+
+/// Per-CPU room for the ICMP error being translated (`icmp::Scratch`).
+#[btf_map]
+pub static ICMP_SCRATCH: PerCpuArray<crate::icmp::Scratch, 1> = PerCpuArray::new();

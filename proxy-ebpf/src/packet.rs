@@ -9,8 +9,8 @@ use proxy_common::{
 use crate::maps::FRAGMENTS;
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86DD;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86DD;
 pub const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
@@ -64,6 +64,12 @@ impl Packet {
 pub fn ifindex(ctx: &TcContext) -> u32 {
     // SAFETY: the context is a valid __sk_buff; ifindex is a plain readable field.
     unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ifindex }
+}
+
+/// The interface a packet first came in on (`skb_iif`): 0 for one the node made itself.
+pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: the context is a valid __sk_buff; ingress_ifindex is a plain readable field.
+    unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ingress_ifindex }
 }
 
 /// Reads the 5-tuple; `None` for anything that is not TCP/UDP/SCTP over IP (and for

@@ -1,7 +1,8 @@
 //! kube-proxy's REJECT for a service without endpoints, on the per-packet path: a TCP
 //! packet is turned into a reset, a UDP one into an ICMP (or ICMPv6) port unreachable,
 //! and either is sent back out of the interface it came in on, so the client fails at
-//! once instead of waiting for a timeout.
+//! once instead of waiting for a timeout. A translated packet too big for its next hop
+//! is answered the same way, with "fragmentation needed" / "packet too big".
 
 use aya_ebpf::{
     bindings::{TC_ACT_REDIRECT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
@@ -37,7 +38,7 @@ pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     match pkt.proto {
         PROTO_TCP => tcp_reset(ctx, pkt),
         // kube-proxy's REJECT answers UDP and SCTP alike.
-        PROTO_UDP | PROTO_SCTP => port_unreachable(ctx, pkt),
+        PROTO_UDP | PROTO_SCTP => icmp_error(ctx, pkt, 0),
         _ => Err(DROP),
     }
 }
@@ -61,33 +62,59 @@ fn take_credit() -> bool {
     true
 }
 
-/// The quoted packet in an ICMP error: the original IP header and 8 bytes of UDP.
-const QUOTE_V4: usize = 20 + 8;
-const QUOTE_V6: usize = 40 + 8;
+/// The quoted packet in an ICMP error: the original IP header and 8 bytes of its L4
+/// header (20 for "too big", whose packet is long: a TCP packet's checksum offload state
+/// keeps its header from being cut shorter).
+const QUOTE_L4: usize = 8;
+const QUOTE_L4_TOO_BIG: usize = 20;
 const ICMP_HLEN: usize = 8;
 
-/// ICMP type 3 code 3 (IPv4) or ICMPv6 type 1 code 4, quoting the packet. Room for the
-/// new headers is opened in front of the original ones, which become the quote.
+/// Answers `pkt` — too big for the next hop's `mtu` — with ICMP "fragmentation needed"
+/// (type 3 code 4) or ICMPv6 "packet too big" (type 2), from its destination, so the
+/// sender's path MTU discovery works through the translation. Rate-limited with the
+/// refusals.
+pub fn too_big(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
+    if !take_credit() {
+        count(counter::REJECT_RATE_LIMITED);
+        return Err(DROP);
+    }
+    let verdict = icmp_error(ctx, pkt, mtu)?;
+    count(counter::TOO_BIG_SENT);
+    Ok(verdict)
+}
+
+/// ICMP type 3 code 3 (IPv4) or ICMPv6 type 1 code 4, quoting the packet; with `mtu`,
+/// type 3 code 4 (IPv4) or ICMPv6 type 2 carrying it. Room for the new headers is opened
+/// in front of the original ones, which become the quote.
 #[inline(never)]
-fn port_unreachable(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
+fn icmp_error(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
     let v4 = pkt.family == FAMILY_V4;
     if v4 && pkt.l4_off != ETH_HLEN + 20 {
         return Err(DROP); // IP options: not worth an error
     }
-    let (ip_hlen, quote) = if v4 { (20, QUOTE_V4) } else { (40, QUOTE_V6) };
+    let ip_hlen = if v4 { 20 } else { 40 };
+    let quote = ip_hlen + if mtu == 0 { QUOTE_L4 } else { QUOTE_L4_TOO_BIG };
     let room = ip_hlen + ICMP_HLEN;
-    ctx.adjust_room(room as i32, BPF_ADJ_ROOM_MAC, 0)
+    // Cut to the quote first: that also ends a GSO packet's offload state, which
+    // opening room in front would otherwise have to adjust.
+    ctx.change_tail((ETH_HLEN + quote) as u32, 0)
         .map_err(|_| DROP)?;
-    ctx.change_tail((ETH_HLEN + room + quote) as u32, 0)
+    ctx.adjust_room(room as i32, BPF_ADJ_ROOM_MAC, 0)
         .map_err(|_| DROP)?;
     swap_macs(ctx)?;
     let icmp_off = ETH_HLEN + ip_hlen;
     let payload_len = (ICMP_HLEN + quote) as u16;
-    // Type and code, checksum zero, unused word zero.
-    let (kind, code): (u8, u8) = if v4 { (3, 3) } else { (1, 4) };
-    let icmp_head = [u32::from_ne_bytes([kind, code, 0, 0]), 0];
+    // Type and code, checksum zero; the next word is unused, or holds the MTU (IPv4: its
+    // low 16 bits).
+    let (kind, code): (u8, u8) = match (v4, mtu) {
+        (true, 0) => (3, 3),
+        (true, _) => (3, 4),
+        (false, 0) => (1, 4),
+        (false, _) => (2, 0),
+    };
+    let icmp_head = [u32::from_ne_bytes([kind, code, 0, 0]), mtu.to_be()];
     ctx.store(icmp_off, &icmp_head, 0).map_err(|_| DROP)?;
-    let mut sum: u64 = u64::from(icmp_head[0]);
+    let mut sum: u64 = u64::from(icmp_head[0]) + u64::from(icmp_head[1]);
     if v4 {
         let ip = [
             u32::from_ne_bytes([0x45, 0, 0, 0])
@@ -116,14 +143,16 @@ fn port_unreachable(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     }
     // The quote, word by word from the packet (no large stack buffer).
     let quote_off = icmp_off + ICMP_HLEN;
-    for i in 0..QUOTE_V6 / 4 {
+    for i in 0..(40 + QUOTE_L4_TOO_BIG) / 4 {
         if i * 4 >= quote {
             break;
         }
         sum += u64::from(ctx.load::<u32>(quote_off + i * 4).map_err(|_| DROP)?);
     }
     ctx.store(icmp_off + 2, &fold(sum), 0).map_err(|_| DROP)?;
-    count(counter::REJECT_SENT);
+    if mtu == 0 {
+        count(counter::REJECT_SENT);
+    }
     send_back(ctx)
 }
 

@@ -18,11 +18,11 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack,
+    conntrack, icmp,
     lb::{self, Client, NoBackend},
     maps::{LOCAL_NETS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count, ct_scratch, scratch},
     nat::{self, Origin, Side, rewrite},
-    packet::{Packet, parse},
+    packet::{self, Packet, parse},
     reject, route,
 };
 
@@ -35,7 +35,7 @@ pub enum Verdict {
 }
 
 impl Verdict {
-    fn code(self) -> i32 {
+    pub fn code(self) -> i32 {
         match self {
             Verdict::Stack => DONE,
             Verdict::Redirected(code) => code,
@@ -44,15 +44,16 @@ impl Verdict {
 }
 
 /// Not ours: let the next program (or the stack) have it.
-const PASS_ON: i32 = TC_ACT_UNSPEC;
-const DONE: i32 = TC_ACT_OK as i32;
+pub const PASS_ON: i32 = TC_ACT_UNSPEC;
+pub const DONE: i32 = TC_ACT_OK as i32;
 pub const DROP: i32 = TC_ACT_SHOT as i32;
 
 /// The classifier: translate, then — for SCTP only — hand the checksum to the tail call.
+/// ICMP errors about translated flows are translated too.
 pub fn ingress(ctx: &TcContext) -> i32 {
     let pkt = match parse(ctx, PASS_ON) {
         Ok(Some(pkt)) => pkt,
-        Ok(None) => return PASS_ON,
+        Ok(None) => return icmp::translate(ctx, false),
         Err(v) => return v,
     };
     let verdict = match translate(ctx, &pkt) {
@@ -65,11 +66,43 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     }
 }
 
+/// The egress program (same interfaces): what the node itself sends about translated
+/// flows — replies of endpoints on the node's own addresses (hostNetwork pods, the API
+/// server), which never cross an ingress classifier, and ICMP errors the node makes
+/// (a "fragmentation needed" from its forwarding, a port unreachable from a local
+/// endpoint) — gets the reverse translation.
+pub fn egress(ctx: &TcContext) -> i32 {
+    // Forwarded packets (they came in on some interface) were translated there, or are
+    // not ours: only what the node itself made (no input interface) is looked at.
+    if packet::ingress_ifindex(ctx) != 0 {
+        return PASS_ON;
+    }
+    let pkt = match parse(ctx, PASS_ON) {
+        Ok(Some(pkt)) => pkt,
+        Ok(None) => return icmp::translate(ctx, true),
+        Err(v) => return v,
+    };
+    if pkt.tail {
+        return PASS_ON; // a later fragment of a local reply: not translated (ABI.md)
+    }
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let verdict = match reply(ctx, &pkt, now, true) {
+        Ok(Some(v)) | Err(v) => v,
+        Ok(None) => PASS_ON,
+    };
+    if pkt.proto == PROTO_SCTP {
+        nat::finish(ctx, verdict)
+    } else {
+        verdict
+    }
+}
+
 #[inline(always)]
 fn translate(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    if let Some(verdict) = reply(ctx, pkt, now)? {
+    if let Some(verdict) = reply(ctx, pkt, now, false)? {
         return Ok(verdict);
     }
     if let Some(verdict) = established(ctx, pkt, now)? {
@@ -89,9 +122,10 @@ fn translate(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
 
 /// A reply of a translated flow: the frontend as source, and the client back as
 /// destination when the flow was masqueraded. The reply counts for the flow's state
-/// (answered, FIN, RST) and keeps it alive, whichever side speaks.
+/// (answered, FIN, RST) and keeps it alive, whichever side speaks. `egress`: a reply the
+/// node itself sends (an endpoint on its own address), already on its way out.
 #[inline(never)]
-fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
+fn reply(ctx: &TcContext, pkt: &Packet, now: u64, egress: bool) -> Result<Option<i32>, i32> {
     let key = pkt.ct_key(CT_DIR_REPLY);
     let Some(entry) = conntrack::lookup(&key) else {
         return Ok(None);
@@ -128,14 +162,23 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
     if entry.new && assured {
         conntrack::promote(&key);
     }
+    let dst = if snat { client } else { pkt.daddr };
+    let redirect = !egress && (snat || is_node_address(pkt.family, &frontend));
+    let hop = if redirect {
+        route::lookup(ctx, pkt, &frontend, &dst)
+    } else {
+        0
+    };
+    if hop < 0 {
+        return reject::too_big(ctx, pkt, (-hop) as u32).map(Some);
+    }
     rewrite(ctx, pkt, Side::Source, &frontend, frontend_port)?;
     if snat {
         rewrite(ctx, pkt, Side::Destination, &client, client_port)?;
     }
     count(counter::CT_REPLY_NAT);
-    let dst = if snat { &client } else { &pkt.daddr };
-    if snat || is_node_address(pkt.family, &frontend) {
-        return Ok(Some(route::forward(ctx, pkt.family, &frontend, dst).code()));
+    if redirect {
+        return Ok(Some(route::redirect(hop).code()));
     }
     Ok(Some(DONE))
 }
@@ -162,6 +205,14 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
         return Ok(None); // balanced again as a new flow
     }
     let snat = ct.flags & CT_F_SNAT != 0;
+    let hop = if snat {
+        route::lookup(ctx, pkt, &ct.nat_addr, &ct.xlate_addr)
+    } else {
+        0
+    };
+    if hop < 0 {
+        return reject::too_big(ctx, pkt, (-hop) as u32).map(Some);
+    }
     if snat {
         rewrite(ctx, pkt, Side::Source, &ct.nat_addr, ct.nat_port)?;
     }
@@ -175,7 +226,7 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
         ct.flags |= CT_F_ASSURED;
     }
     let verdict = if snat {
-        route::forward(ctx, pkt.family, &ct.nat_addr, &ct.xlate_addr).code()
+        route::redirect(hop).code()
     } else {
         DONE
     };
@@ -230,7 +281,10 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<Option<i32>, i32> {
     entry.xlate_addr = be.addr;
     entry.xlate_port = be.port;
     entry.rev_nat_id = svc.rev_nat_id;
-    if nat::masquerade(&svc, cfg, &origin, pkt, &be) {
+    // An endpoint on the node's own address is delivered locally, where kube-proxy's
+    // masquerade (in POSTROUTING) never applies: the client's address is kept, and the
+    // endpoint's replies are translated on their way out (`egress`).
+    if nat::masquerade(&svc, cfg, &origin, pkt, &be) && !is_node_address(pkt.family, &be.addr) {
         // A zero address (none configured for the family) means no masquerade.
         entry.nat_addr = if pkt.family == FAMILY_V4 {
             cfg.snat_v4
@@ -250,7 +304,17 @@ fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         return Err(DROP); // unreachable: a valid index
     };
     conntrack::record(pkt, entry)?;
-    if entry.flags & CT_F_SNAT != 0 {
+    let snat = entry.flags & CT_F_SNAT != 0;
+    let hop = if snat {
+        route::lookup(ctx, pkt, &entry.nat_addr, &entry.xlate_addr)
+    } else {
+        0
+    };
+    if hop < 0 {
+        // The flow stays recorded: the sender retries, smaller.
+        return reject::too_big(ctx, pkt, (-hop) as u32);
+    }
+    if snat {
         rewrite(ctx, pkt, Side::Source, &entry.nat_addr, entry.nat_port)?;
     }
     rewrite(
@@ -260,8 +324,8 @@ fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         &entry.xlate_addr,
         entry.xlate_port,
     )?;
-    if entry.flags & CT_F_SNAT != 0 {
-        return Ok(route::forward(ctx, pkt.family, &entry.nat_addr, &entry.xlate_addr).code());
+    if snat {
+        return Ok(route::redirect(hop).code());
     }
     Ok(DONE)
 }
@@ -294,7 +358,7 @@ fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
 
 /// One of the node's own addresses (or loopback).
 #[inline(never)]
-fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
+pub fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
     LOCAL_NETS
         .get(&lpm_key(LPM_TAG_NODE | u32::from(family), family, *addr))
         .is_some()

@@ -482,6 +482,13 @@ impl Testbed {
             .join(format!("tc_ingress@{interface}"))
     }
 
+    /// Where the agent pins the egress half's link for `interface`.
+    pub fn egress_pin(&self, interface: &str) -> PathBuf {
+        self.pin_dir()
+            .join("links")
+            .join(format!("tc_egress@{interface}"))
+    }
+
     /// Runs the client in namespace `ns` (no cgroup: the per-packet path).
     pub fn client_in(&self, ns: &str, args: &[&str]) -> Result<Vec<Attempt>> {
         let out = Command::new(helper_bin("e2e-client"))
@@ -616,6 +623,32 @@ impl Testbed {
             .stdout(Stdio::piped())
             .spawn()
             .context("starting e2e-synflood")
+    }
+
+    /// Keeps `child` (a server a test started in one of the testbed's namespaces) until
+    /// the testbed is dropped, which kills it.
+    pub fn keep(&mut self, child: Child) {
+        self.echoes.push(child);
+    }
+
+    /// Starts an echo server (identity `id`) in namespace `ns`, kept until the drop.
+    pub fn start_echo(&mut self, ns: &str, id: &str, tcp: u16, udp: u16) -> Result<()> {
+        let echo = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(helper_bin("e2e-echo"))
+            .args([
+                "--id",
+                id,
+                "--tcp",
+                &tcp.to_string(),
+                "--udp",
+                &udp.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting an echo server")?;
+        self.keep(echo);
+        Ok(())
     }
 
     /// Stops backend `i`'s echo server.

@@ -53,8 +53,8 @@ fn new_pod_interface_is_served(interfaces: &str) {
     tb.start_agent_on(interfaces, FRONTENDS).expect("agent");
     for iface in tb.node_interfaces() {
         assert!(
-            tb.classifier_pin(&iface).exists(),
-            "{iface} not served at start:\n{}",
+            tb.classifier_pin(&iface).exists() && tb.egress_pin(&iface).exists(),
+            "{iface} not served at start (ingress and egress):\n{}",
             tb.agent_log()
         );
     }
@@ -66,17 +66,23 @@ fn new_pod_interface_is_served(interfaces: &str) {
     // A pod appears after the agent is up.
     let pod = tb.add_pod(0).expect("pod");
     let veth = tb.pod_interface(0);
-    let pin = tb.classifier_pin(&veth);
-    wait_for("the new veth's pinned link", &tb, || pin.exists());
+    let (pin, egress) = (tb.classifier_pin(&veth), tb.egress_pin(&veth));
+    wait_for("the new veth's pinned links", &tb, || {
+        pin.exists() && egress.exists()
+    });
     reaches_cluster_ip(&tb, &pod);
 
     // The interface goes: so does its pin (the kernel detached the link with it).
     ip(&tb.node_ns(), &format!("link del {veth}")).expect("deleting the veth");
-    wait_for("the pin to go with the veth", &tb, || !pin.exists());
+    wait_for("the pins to go with the veth", &tb, || {
+        !pin.exists() && !egress.exists()
+    });
 
     // Back under the same name (a new ifindex): a fresh link, and traffic flows again.
     tb.add_pod_link(0).expect("re-creating the veth");
-    wait_for("the re-created veth's pinned link", &tb, || pin.exists());
+    wait_for("the re-created veth's pinned links", &tb, || {
+        pin.exists() && egress.exists()
+    });
     reaches_cluster_ip(&tb, &pod);
     let attached = tb
         .agent_log()

@@ -61,6 +61,40 @@ impl Harness {
         (res.return_value, out)
     }
 
+    /// Runs one packet through the egress program (`tc_egress`, loaded on first use):
+    /// what the node itself sends.
+    pub fn run_egress(&mut self, packet: &[u8]) -> (u32, Vec<u8>) {
+        self.run_egress_from(packet, 0)
+    }
+
+    /// `run_egress` for a packet that came in on interface `ingress_ifindex` (0: one
+    /// the node made itself).
+    pub fn run_egress_from(&mut self, packet: &[u8], ingress_ifindex: u32) -> (u32, Vec<u8>) {
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut("tc_egress")
+            .expect("program")
+            .try_into()
+            .expect("type");
+        if prog.fd().is_err() {
+            prog.load().expect("verifier accepts tc_egress");
+        }
+        let mut out = vec![0u8; packet.len() + 256];
+        // A `struct __sk_buff` with only `ingress_ifindex` (offset 36) set.
+        let mut skb = [0u8; 192];
+        skb[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+        let res = prog
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ctx_in: Some(&skb),
+                ..Default::default()
+            })
+            .expect("test_run");
+        out.truncate(res.data_size_out as usize);
+        (res.return_value, out)
+    }
+
     /// Every conntrack entry, answered flows and new ones.
     pub fn ct_entries(&self) -> Vec<(proxy_common::CtKey, proxy_common::CtValue)> {
         let answered = self.maps.conntrack.iter().filter_map(Result::ok);

@@ -1,6 +1,7 @@
-//! The classifier's links, one per served interface, pinned as `links/tc_ingress@<name>`:
-//! attached when a wanted interface appears, unpinned when it goes, so a pin always
-//! belongs to the device that now has its name.
+//! The classifier's links, two per served interface, pinned as `links/tc_ingress@<name>`
+//! and `links/tc_egress@<name>` (the egress program translates what the node itself
+//! sends about translated flows): attached when a wanted interface appears, unpinned when
+//! it goes, so a pin always belongs to the device that now has its name.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -25,12 +26,16 @@ use aya::{
 };
 
 use super::{
-    TC_PROGRAM,
+    TC_EGRESS_PROGRAM, TC_PROGRAM,
     interfaces::{Decision, InterfaceSelector},
     link_events::{Link, LinkChange},
 };
 
-const PIN_PREFIX: &str = "tc_ingress@";
+/// The programs attached to each served interface: name, hook, pin prefix.
+const HOOKS: [(&str, TcAttachType, &str); 2] = [
+    (TC_PROGRAM, TcAttachType::Ingress, "tc_ingress@"),
+    (TC_EGRESS_PROGRAM, TcAttachType::Egress, "tc_egress@"),
+];
 
 /// Attach failures so far (a metric): shared between the dataplane and the endpoints.
 #[derive(Clone, Debug, Default)]
@@ -71,11 +76,13 @@ impl Classifiers {
     ) -> Result<Self> {
         {
             let mut ebpf = lock(&ebpf);
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(TC_PROGRAM)
-                .context("BPF object has no classifier")?
-                .try_into()?;
-            prog.load().context("loading the classifier")?;
+            for (name, _, _) in HOOKS {
+                let prog: &mut SchedClassifier = ebpf
+                    .program_mut(name)
+                    .with_context(|| format!("BPF object has no {name}"))?
+                    .try_into()?;
+                prog.load().with_context(|| format!("loading {name}"))?;
+            }
         }
         Ok(Self {
             ebpf,
@@ -132,7 +139,7 @@ impl Classifiers {
                         "interface skipped: no Ethernet header, which the classifier needs"
                     );
                 }
-                if self.attached.contains_key(&link.name) || self.pin(&link.name).exists() {
+                if self.attached.contains_key(&link.name) || self.pinned(&link.name) {
                     self.detach(&link.name, "interface has no Ethernet header");
                 }
             }
@@ -164,7 +171,7 @@ impl Classifiers {
         self.skipped.remove(&link.name);
         // The kernel detached the link with the device; its pin would only be stale.
         if self.attached.get(&link.name) == Some(&link.index)
-            || (!self.attached.contains_key(&link.name) && self.pin(&link.name).exists())
+            || (!self.attached.contains_key(&link.name) && self.pinned(&link.name))
         {
             self.detach(&link.name, "interface gone");
         }
@@ -187,14 +194,32 @@ impl Classifiers {
         prune_pins(&self.links_dir, |name| self.attached.contains_key(name));
     }
 
+    /// Both programs on `link` (ingress first); reports how the ingress one got there.
+    fn attach(&mut self, link: &Link) -> Result<&'static str> {
+        let mut how = "";
+        for (program, hook, prefix) in HOOKS {
+            let done = self.attach_one(link, program, hook, prefix)?;
+            if how.is_empty() {
+                how = done;
+            }
+        }
+        Ok(how)
+    }
+
     /// Adopts a pinned link still on this very device (swapping in our program), else
     /// attaches a fresh one and pins it.
-    fn attach(&mut self, link: &Link) -> Result<&'static str> {
-        let pin = self.pin(&link.name);
+    fn attach_one(
+        &mut self,
+        link: &Link,
+        program: &str,
+        hook: TcAttachType,
+        prefix: &str,
+    ) -> Result<&'static str> {
+        let pin = pin_path(&self.links_dir, prefix, &link.name);
         let mut ebpf = lock(&self.ebpf);
         let prog: &mut SchedClassifier = ebpf
-            .program_mut(TC_PROGRAM)
-            .context("BPF object has no classifier")?
+            .program_mut(program)
+            .with_context(|| format!("BPF object has no {program}"))?
             .try_into()?;
         if pin.exists() {
             match pinned_ifindex(&pin) {
@@ -204,7 +229,7 @@ impl Classifiers {
                         .into();
                     let id = prog
                         .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
-                        .with_context(|| format!("replacing the classifier on {}", link.name))?;
+                        .with_context(|| format!("replacing {program} on {}", link.name))?;
                     // Pinned already: dropping our fd keeps it attached.
                     drop(FdLink::try_from(prog.take_link(id)?)?);
                     return Ok("adopted pinned link");
@@ -227,13 +252,13 @@ impl Classifiers {
             .attach(
                 link.index,
                 TcAttach::Tcx {
-                    attach_type: TcAttachType::Ingress,
+                    attach_type: hook,
                     order: Default::default(),
                 },
             )
             .with_context(|| {
                 format!(
-                    "attaching the classifier to {} (ifindex {}) ingress (tcx)",
+                    "attaching {program} to {} (ifindex {}) (tcx)",
                     link.name, link.index
                 )
             })?;
@@ -245,22 +270,27 @@ impl Classifiers {
 
     fn detach(&mut self, name: &str, why: &str) {
         self.attached.remove(name);
-        match remove_pin(&self.pin(name)) {
-            Ok(()) => tracing::info!(interface = name, why, "classifier link unpinned"),
-            Err(e) => {
-                self.failures.count();
-                tracing::warn!(interface = name, error = format!("{e:#}"), "stale pin left");
+        for (_, _, prefix) in HOOKS {
+            match remove_pin(&pin_path(&self.links_dir, prefix, name)) {
+                Ok(()) => tracing::info!(interface = name, prefix, why, "classifier link unpinned"),
+                Err(e) => {
+                    self.failures.count();
+                    tracing::warn!(interface = name, error = format!("{e:#}"), "stale pin left");
+                }
             }
         }
     }
 
-    fn pin(&self, name: &str) -> PathBuf {
-        pin_path(&self.links_dir, name)
+    /// Whether any of `name`'s links is pinned.
+    fn pinned(&self, name: &str) -> bool {
+        HOOKS
+            .iter()
+            .any(|(_, _, prefix)| pin_path(&self.links_dir, prefix, name).exists())
     }
 }
 
-fn pin_path(links_dir: &Path, name: &str) -> PathBuf {
-    links_dir.join(format!("{PIN_PREFIX}{name}"))
+fn pin_path(links_dir: &Path, prefix: &str, name: &str) -> PathBuf {
+    links_dir.join(format!("{prefix}{name}"))
 }
 
 /// Unpins every classifier link whose interface `keep` does not want (unpinning the
@@ -271,7 +301,9 @@ pub fn prune_pins(links_dir: &Path, keep: impl Fn(&str) -> bool) {
     };
     for entry in entries.flatten() {
         let file = entry.file_name().to_string_lossy().into_owned();
-        if let Some(name) = file.strip_prefix(PIN_PREFIX)
+        if let Some(name) = HOOKS
+            .iter()
+            .find_map(|(_, _, prefix)| file.strip_prefix(prefix))
             && !keep(name)
         {
             match remove_pin(&entry.path()) {

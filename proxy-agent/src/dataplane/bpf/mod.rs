@@ -64,6 +64,9 @@ pub const CGROUP_PROGRAMS: [&str; 8] = [
 pub const SOCK_RELEASE_PROGRAM: &str = "sock_release";
 /// The per-packet classifier.
 pub const TC_PROGRAM: &str = "tc_ingress";
+/// Its egress half on the same interfaces: replies and ICMP errors the node itself sends
+/// about translated flows (endpoints on the node's own addresses).
+pub const TC_EGRESS_PROGRAM: &str = "tc_egress";
 /// Its tail call for SCTP checksums.
 pub const TC_SCTP_PROGRAM: &str = "tc_sctp_crc";
 
