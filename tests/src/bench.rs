@@ -293,8 +293,14 @@ pub struct PerPacket {
     pub pass_through_ns: f64,
 }
 
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+
 pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
-    let (mut ebpf, mut maps) = bpf::load_private(&[])?;
+    // Room for every new flow the run makes (60,000 ports, two entries each), so new
+    // flows are measured without LRU evictions.
+    let (mut ebpf, mut maps) =
+        bpf::load_private(&[(proxy_common::map_names::CONNTRACK_NEW, 262_144)])?;
     for name in ["tc_ingress", "tc_pass"] {
         let prog: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
         prog.load()?;
@@ -303,18 +309,39 @@ pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
     let mut state = MapState::adopt(&maps)?;
     state.apply(&mut maps, &view)?;
     let vip: SocketAddr = format!("{VIP}:80").parse()?;
+    // The established flow: a completed handshake (SYN, SYN-ACK, ACK), so its packets
+    // are looked up as an established connection's are.
+    let client: SocketAddr = "10.244.0.3:40000".parse()?;
+    {
+        let p: &SchedClassifier = ebpf.program("tc_ingress").context("program")?.try_into()?;
+        let run = |data: &[u8]| -> Result<Vec<u8>> {
+            let mut out = vec![0u8; 256];
+            let res = p.test_run(TestRunOptions {
+                data_in: Some(data),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })?;
+            out.truncate(res.data_size_out as usize);
+            Ok(out)
+        };
+        let out = run(&packet::build_tcp(client, vip, TCP_SYN))?;
+        let backend = packet::inspect(&out).map_err(anyhow::Error::msg)?.dst;
+        run(&packet::build_tcp(backend, client, TCP_SYN | TCP_ACK))?;
+        run(&packet::build_tcp(client, vip, TCP_ACK))?;
+    }
     let mean = |prog: &str, vary_port: bool| -> Result<f64> {
         let p: &SchedClassifier = ebpf.program(prog).context("program")?.try_into()?;
         let mut total = 0u128;
         let mut out = vec![0u8; 256];
         for i in 0..runs {
-            let port = if vary_port {
-                1024 + (i % 60_000) as u16
+            // New flows: a SYN from another port each time; the established one: ACKs.
+            let (port, flags) = if vary_port {
+                (1024 + (i % 60_000) as u16, TCP_SYN)
             } else {
-                40_000
+                (40_000, TCP_ACK)
             };
             let src: SocketAddr = format!("10.244.0.3:{port}").parse()?;
-            let data = packet::build(src, vip, proxy_agent::model::Protocol::Tcp);
+            let data = packet::build_tcp(src, vip, flags);
             let res = p.test_run(TestRunOptions {
                 data_in: Some(&data),
                 data_out: Some(&mut out),

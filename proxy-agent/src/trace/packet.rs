@@ -24,6 +24,19 @@ pub fn fold(mut acc: u32) -> u16 {
     !(acc as u16)
 }
 
+/// Ethernet + IP + TCP with the given flags (SYN, ACK, FIN...) and a valid checksum.
+pub fn build_tcp(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
+    let mut p = build(src, dst, Protocol::Tcp);
+    let l4 = if src.is_ipv4() { 34 } else { 54 };
+    let old = p[l4 + 13];
+    p[l4 + 13] = flags;
+    // Keep the checksum valid: the flags byte is the low byte of its 16-bit word.
+    let csum = u16::from_be_bytes([p[l4 + 16], p[l4 + 17]]);
+    let sum = u32::from(!csum) + u32::from(!u16::from(old)) + u32::from(u16::from(flags));
+    p[l4 + 16..l4 + 18].copy_from_slice(&fold(sum).to_be_bytes());
+    p
+}
+
 /// Ethernet + IP + TCP (SYN), UDP or SCTP (one DATA chunk) with valid checksums.
 pub fn build(src: SocketAddr, dst: SocketAddr, protocol: Protocol) -> Vec<u8> {
     let payload = b"hello";

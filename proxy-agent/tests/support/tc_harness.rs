@@ -189,15 +189,5 @@ pub fn configure_node_with(
 
 /// TCP with a packet's flags (SYN for new flows, then ACK, FIN...).
 pub fn tcp_with_flags(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
-    let mut p = packet(src, dst, true);
-    let l4 = if src.is_ipv4() { 34 } else { 54 };
-    let old = p[l4 + 13];
-    p[l4 + 13] = flags;
-    // Keep the checksum valid: the flags byte is the low byte of its 16-bit word.
-    let csum = u16::from_be_bytes([p[l4 + 16], p[l4 + 17]]);
-    let sum = u32::from(!csum) + u32::from(!u16::from(old)) + u32::from(u16::from(flags));
-    let sum = (sum & 0xffff) + (sum >> 16);
-    let sum = (sum & 0xffff) + (sum >> 16);
-    p[l4 + 16..l4 + 18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-    p
+    trace::packet::build_tcp(src, dst, flags)
 }
