@@ -637,9 +637,11 @@ impl CtTimeouts {
     }
 
     /// Whether a flow last seen at `last_seen_ns` has idled past its limit at `now_ns`.
+    /// A `last_seen_ns` after `now_ns` is no wrap-around but another CPU's packet of the
+    /// flow, stamped after this one read the clock: the flow is live.
     #[inline(always)]
     pub fn expired(&self, proto: u8, flags: u8, last_seen_ns: u64, now_ns: u64) -> bool {
-        now_ns.wrapping_sub(last_seen_ns)
+        now_ns.saturating_sub(last_seen_ns)
             > u64::from(self.idle_limit_s(proto, flags)) * 1_000_000_000
     }
 }
@@ -837,6 +839,8 @@ mod tests {
         assert_eq!(t.idle_limit_s(PROTO_UDP, CT_F_REPLIED), 120);
         assert!(!t.expired(PROTO_UDP, 0, 1_000, 1_000 + 30_000_000_000));
         assert!(t.expired(PROTO_UDP, 0, 1_000, 1_001 + 30_000_000_000));
+        // Stamped by another CPU after this one read the clock: live, not 584 years idle.
+        assert!(!t.expired(PROTO_TCP, CT_F_REPLIED, 2_000, 1_000));
         assert!(ct_closed(CT_F_RST) && !ct_closed(CT_F_FIN_ORIG));
     }
 

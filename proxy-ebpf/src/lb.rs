@@ -78,7 +78,7 @@ pub fn select_backend(svc: &ServiceValue, client: &Client) -> Result<(u32, Backe
             let timeout_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
             // Only while the backend is still in this service's set, and already was when
             // the entry was last used (ids freed and reused later start a new membership).
-            if now.wrapping_sub(aff.last_used_ns) <= timeout_ns
+            if now.saturating_sub(aff.last_used_ns) <= timeout_ns
                 && member_since(svc.id, aff.backend_id, aff.last_used_ns)
             {
                 if let Some(be) = active_backend(aff.backend_id) {

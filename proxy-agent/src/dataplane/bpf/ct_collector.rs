@@ -86,7 +86,7 @@ fn collect_table(
         let partnered = entries
             .get(&fwd_key)
             .is_some_and(|f| reply_key_of(&fwd_key, f) == *key && !expired(f, key.proto));
-        if !partnered && now.wrapping_sub(value.last_seen_ns) > ORPHAN_GRACE_NS {
+        if !partnered && now.saturating_sub(value.last_seen_ns) > ORPHAN_GRACE_NS {
             doomed.push(*key);
         }
     }
