@@ -176,24 +176,22 @@ impl Worker {
 }
 
 /// Follows one client's attempts as they come and judges each.
-fn follow(
-    child: &mut Child,
-    started: Instant,
-    worker: &Mutex<Worker>,
-    membership: &Mutex<Membership>,
-) {
+fn follow(child: &mut Child, worker: &Mutex<Worker>, membership: &Mutex<Membership>) {
     let Some(out) = child.stdout.take() else {
         return;
     };
     let mut last: Option<Flow> = None;
     for line in BufReader::new(out).lines() {
         let Ok(line) = line else { break };
+        // The client prints each attempt as it ends: reading it dates its end (the
+        // client's own clock starts when its process does, some time after the spawn).
+        let end = Instant::now();
         // A line cut short when the client is stopped is no attempt.
         let Ok(a) = serde_json::from_str::<Attempt>(&line) else {
             continue;
         };
         let mut w = worker.lock().unwrap_or_else(|e| e.into_inner());
-        judge(&mut w, &a, started, &mut last, membership);
+        judge(&mut w, &a, end, &mut last, membership);
     }
 }
 
@@ -227,13 +225,14 @@ static BEGAN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
 fn judge(
     w: &mut Worker,
     a: &Attempt,
-    started: Instant,
+    end: Instant,
     last: &mut Option<Flow>,
     membership: &Mutex<Membership>,
 ) {
     w.requests += 1;
-    let at = started + Duration::from_secs_f64(a.at_ms / 1e3);
-    let end = at + Duration::from_secs_f64(a.ms / 1e3);
+    let at = end
+        .checked_sub(Duration::from_secs_f64(a.ms / 1e3))
+        .unwrap_or(end);
     let long_lived = matches!(w.kind, Kind::KeepAliveTcp | Kind::ConnectedUdp);
     let left = |b: u8, from: Instant| {
         membership
@@ -389,6 +388,10 @@ struct Fill {
 impl Fill {
     fn sample(&mut self, text: &str) {
         let get = |n| metric(text, n).unwrap_or(0);
+        // A new agent reports nothing until its collector's first pass.
+        if get("conntrack_answered_capacity") == 0 {
+            return;
+        }
         let answered = get("conntrack_answered_entries");
         let new = get("conntrack_new_entries");
         self.answered_peak = self.answered_peak.max(answered);
@@ -642,7 +645,6 @@ fn main() -> Result<()> {
                 Path_::ConnectTime => soak.tb.spawn_client(&argv)?,
                 Path_::PerPacket => soak.tb.spawn_client_in(&client_ns, &argv)?,
             };
-            let started = Instant::now();
             let worker = Arc::new(Mutex::new(Worker {
                 path,
                 kind: *kind,
@@ -657,7 +659,7 @@ fn main() -> Result<()> {
             kill.0.push(pid);
             let (w, m) = (worker.clone(), soak.membership.clone());
             let reader = thread::spawn(move || {
-                follow(&mut child, started, &w, &m);
+                follow(&mut child, &w, &m);
                 child
             });
             workers.push((worker, reader));
@@ -766,6 +768,16 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// A line of the table.
+#[derive(Default)]
+struct Row {
+    clients: u64,
+    requests: u64,
+    failed: u64,
+    expected: u64,
+    idle: u64,
+}
+
 fn path_name(path: Path_) -> &'static str {
     match path {
         Path_::ConnectTime => "connect-time",
@@ -792,31 +804,32 @@ fn report(
         "{:<13} {:<30} {:<15} {:>9} {:>7} {:>8} {:>5}",
         "path", "clients", "target", "requests", "failed", "expected", "idle"
     );
-    let mut rows: BTreeMap<(String, Kind, String), (u64, u64, u64, u64, u64)> = BTreeMap::new();
+    // One row per path, kind and target: the clients of a kind added up.
+    let mut rows: BTreeMap<(&str, Kind, &str), Row> = BTreeMap::new();
     for w in results {
-        let path = path_name(w.path);
         let r = rows
-            .entry((path.to_string(), w.kind, w.target.clone()))
+            .entry((path_name(w.path), w.kind, w.target.as_str()))
             .or_default();
-        r.0 += 1;
-        r.1 += w.requests;
-        r.2 += w.failed();
-        r.3 += w.expected.values().sum::<u64>();
-        r.4 += w.idle_cycles;
+        r.clients += 1;
+        r.requests += w.requests;
+        r.failed += w.failed();
+        r.expected += w.expected.values().sum::<u64>();
+        r.idle += w.idle_cycles;
     }
-    for ((path, kind, t), (n, requests, failed, expected, idle)) in &rows {
-        let clients = if *n > 1 {
-            format!("{} ×{n}", kind.name())
+    for ((path, kind, t), r) in &rows {
+        let clients = if r.clients > 1 {
+            format!("{} ×{}", kind.name(), r.clients)
         } else {
             kind.name().to_string()
         };
         let idle = if matches!(kind, Kind::KeepAliveTcp | Kind::ConnectedUdp) {
-            idle.to_string()
+            r.idle.to_string()
         } else {
             "-".into()
         };
         println!(
-            "{path:<13} {clients:<30} {t:<15} {requests:>9} {failed:>7} {expected:>8} {idle:>5}"
+            "{path:<13} {clients:<30} {t:<15} {:>9} {:>7} {:>8} {idle:>5}",
+            r.requests, r.failed, r.expected
         );
     }
     let total: u64 = results.iter().map(|w| w.requests).sum();
