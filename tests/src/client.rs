@@ -24,6 +24,9 @@ pub struct Attempt {
     pub peer: Option<String>,
     /// Error kind, e.g. "ConnectionRefused" or "TimedOut".
     pub error: Option<String>,
+    /// The OS error number behind `error`, when there is one.
+    #[serde(default)]
+    pub errno: Option<i32>,
     /// Time from start of the attempt to its end, in milliseconds.
     pub ms: f64,
     /// Milliseconds since the client started, at the start of the attempt.
@@ -89,6 +92,7 @@ pub fn run(opts: &Run) -> Result<()> {
                 backend: answer.split_whitespace().next().map(str::to_string),
                 peer: Some(peer.to_string()),
                 error: None,
+                errno: None,
                 ms,
                 at_ms,
             },
@@ -99,6 +103,7 @@ pub fn run(opts: &Run) -> Result<()> {
                 seen_as: None,
                 peer: None,
                 error: Some(format!("{:?}", e.kind())),
+                errno: e.raw_os_error(),
                 ms,
                 at_ms,
             },
@@ -163,6 +168,7 @@ fn churn(opts: &Run) -> Result<()> {
         seen_as: None,
         peer: None,
         error,
+        errno: None,
         ms: start.elapsed().as_secs_f64() * 1e3,
         at_ms: 0.0,
     };

@@ -506,6 +506,18 @@ impl Testbed {
         client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
     }
 
+    /// Starts the client in the background in namespace `ns`, outside the testbed's
+    /// cgroup (so only the per-packet path sees its traffic, whatever the agent runs).
+    pub fn spawn_client_in(&self, ns: &str, args: &[&str]) -> Result<Child> {
+        Command::new(helper_bin("e2e-client"))
+            .arg("--netns")
+            .arg(format!("/run/netns/{ns}"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting e2e-client")
+    }
+
     /// The running agent's process id.
     pub fn agent_pid(&self) -> Option<u32> {
         self.agent.as_ref().map(Child::id)

@@ -1,4 +1,4 @@
-//! Developer workflow: `cargo xtask setup | build-ebpf | build | test | demo`.
+//! Developer workflow: `cargo xtask setup | build-ebpf | build | test | bench | soak | demo`.
 //!
 //! Toolchains are pinned here (and in `rust-toolchain.toml`); bpf-linker is installed into
 //! the project-local `.tools/` folder, linked against the pinned nightly's own LLVM.
@@ -44,6 +44,13 @@ enum Cmd {
         /// Small sizes, for CI smoke runs.
         #[arg(long)]
         quick: bool,
+    },
+    /// Both datapaths at once under a traffic mix (short and keep-alive TCP, DNS-like and
+    /// connected UDP) while endpoints churn and the agent restarts; fails on any failure.
+    Soak {
+        /// How long traffic runs (keep-alive connections idle 65 s between requests).
+        #[arg(long, default_value_t = 10.0)]
+        minutes: f64,
     },
     /// Build, make a namespace testbed, run the agent on deploy/examples, show the spread.
     Demo {
@@ -108,6 +115,24 @@ fn main() -> Result<()> {
             if quick {
                 cmd.arg("--quick");
             }
+            run(&mut cmd)
+        }
+        Cmd::Soak { minutes } => {
+            setup(&root)?;
+            run(cargo(&root, STABLE).args([
+                "build",
+                "-p",
+                "proxy-agent",
+                "-p",
+                "proxy-e2e",
+                "--bins",
+            ]))?;
+            let mut cmd = cargo(&root, STABLE);
+            cmd.args(["run", "--quiet", "-p", "proxy-e2e", "--bin", "soak", "--"])
+                .arg("--agent")
+                .arg(root.join("target/debug/proxy-agent"))
+                .arg("--minutes")
+                .arg(minutes.to_string());
             run(&mut cmd)
         }
         Cmd::Demo { requests } => {
