@@ -149,6 +149,18 @@ impl ConntrackSettings {
     }
 }
 
+/// A duration field as kube-proxy reads it: absent, empty or zero (kubeadm writes `0s`
+/// for what it leaves unset) keeps `default`.
+fn duration_or(v: Option<&str>, field: &str, default: Duration) -> Result<Duration, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(default),
+        Some(s) => {
+            let d = parse_duration(s).map_err(|e| format!("{field}: {e}"))?;
+            Ok(if d.is_zero() { default } else { d })
+        }
+    }
+}
+
 /// `ebpf.masqueradePortRange`: `FIRST-LAST`, both in 1024..=65535.
 fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
     let (a, b) = text
@@ -276,10 +288,9 @@ impl Config {
         }
         let cidrs = parse_cidrs(file.cluster_cidr.as_deref().unwrap_or(""), "clusterCIDR")?;
         let detect = file.detect_local.unwrap_or_default();
-        cfg.local_detector = match file
-            .detect_local_mode
-            .as_deref()
-            .unwrap_or(if cidrs.is_empty() { "" } else { "ClusterCIDR" })
+        // Unset or empty (kubeadm's ""): kube-proxy's default, ClusterCIDR when there is one.
+        let mode = file.detect_local_mode.as_deref().filter(|m| !m.is_empty());
+        cfg.local_detector = match mode.unwrap_or(if cidrs.is_empty() { "" } else { "ClusterCIDR" })
         {
             "" => LocalDetector::None,
             "ClusterCIDR" if cidrs.is_empty() => {
@@ -330,40 +341,41 @@ impl Config {
             if let Some(l) = section.localhost_node_ports {
                 cfg.localhost_node_ports = l;
             }
-            if let Some(d) = &section.min_sync_period {
-                cfg.min_sync_period =
-                    parse_duration(d).map_err(|e| format!("{name}.minSyncPeriod: {e}"))?;
-            }
-            if let Some(d) = &section.sync_period {
-                cfg.sync_period =
-                    parse_duration(d).map_err(|e| format!("{name}.syncPeriod: {e}"))?;
-            }
+            cfg.min_sync_period = duration_or(
+                section.min_sync_period.as_deref(),
+                &format!("{name}.minSyncPeriod"),
+                cfg.min_sync_period,
+            )?;
+            cfg.sync_period = duration_or(
+                section.sync_period.as_deref(),
+                &format!("{name}.syncPeriod"),
+                cfg.sync_period,
+            )?;
             for key in section.rest.keys() {
                 warnings.push(format!(
                     "{name}.{key}: not applicable to the eBPF proxy, ignored"
                 ));
             }
         }
-        if let Some(d) = &file.min_sync_period {
-            cfg.min_sync_period = parse_duration(d).map_err(|e| format!("minSyncPeriod: {e}"))?;
-        }
-        if let Some(d) = &file.sync_period {
-            cfg.sync_period = parse_duration(d).map_err(|e| format!("syncPeriod: {e}"))?;
-        }
-        if let Some(a) = file.healthz_bind_address {
+        cfg.min_sync_period = duration_or(
+            file.min_sync_period.as_deref(),
+            "minSyncPeriod",
+            cfg.min_sync_period,
+        )?;
+        cfg.sync_period = duration_or(file.sync_period.as_deref(), "syncPeriod", cfg.sync_period)?;
+        // Empty means unset (kubeadm writes ""), as kube-proxy reads it: the default.
+        if let Some(a) = file.healthz_bind_address.filter(|a| !a.is_empty()) {
             cfg.healthz_bind_address = a;
         }
-        if let Some(a) = file.metrics_bind_address {
+        if let Some(a) = file.metrics_bind_address.filter(|a| !a.is_empty()) {
             cfg.metrics_bind_address = a;
         }
         cfg.hostname_override = file.hostname_override.filter(|h| !h.is_empty());
         if let Some(ct) = file.conntrack {
-            let d =
-                |v: &Option<String>, name: &str, default: Duration| -> Result<Duration, String> {
-                    v.as_deref().map_or(Ok(default), |s| {
-                        parse_duration(s).map_err(|e| format!("conntrack.{name}: {e}"))
-                    })
-                };
+            // `0s` (kubeadm's) leaves a timeout at its default, never at zero.
+            let d = |v: &Option<String>, name: &str, default: Duration| {
+                duration_or(v.as_deref(), &format!("conntrack.{name}"), default)
+            };
             let size = |v: Option<i64>, name: &str, default: u32| -> Result<u32, String> {
                 match v {
                     None => Ok(default),
@@ -564,6 +576,39 @@ ebpf:
         assert_eq!(warnings.len(), 4, "{warnings:?}");
         assert_eq!(cfg.conntrack.table_entries(8), 8 * 32_768);
         assert_eq!(cfg.conntrack.table_entries(2), 131_072);
+    }
+
+    /// The `config.conf` of kubeadm's `kube-proxy` ConfigMap, verbatim: what it leaves
+    /// unset it writes as `""`, `0s` or `null`, and each keeps kube-proxy's default —
+    /// never "off" and never zero.
+    #[test]
+    fn kubeadms_configmap_as_kube_proxy_reads_it() {
+        let text = include_str!("../tests/data/kubeadm-kube-proxy-config.conf");
+        let (cfg, warnings) = Config::from_text(text).expect("kubeadm's file is valid");
+        let defaults = Config::default();
+        assert_eq!(cfg.healthz_bind_address, "0.0.0.0:10256");
+        assert_eq!(cfg.metrics_bind_address, "127.0.0.1:10249");
+        assert_eq!(cfg.sync_period, Duration::from_secs(30));
+        assert_eq!(cfg.min_sync_period, defaults.min_sync_period);
+        assert_eq!(
+            cfg.conntrack,
+            ConntrackSettings::default(),
+            "udpTimeout: 0s is the default"
+        );
+        assert_eq!(
+            cfg.local_detector,
+            LocalDetector::ClusterCidr(vec!["10.244.0.0/16".parse().expect("cidr")]),
+            "detectLocalMode \"\" is ClusterCIDR"
+        );
+        assert_eq!(cfg.hostname_override, None);
+        assert_eq!(
+            cfg.kubeconfig.as_deref(),
+            Some("/var/lib/kube-proxy/kubeconfig.conf")
+        );
+        assert!(!cfg.masquerade_all && cfg.localhost_node_ports);
+        assert!(cfg.node_port_addresses.is_empty());
+        // Fields that mean nothing here are reported, none refused.
+        assert!(warnings.iter().any(|w| w.contains("ipvs")), "{warnings:?}");
     }
 
     #[test]
