@@ -204,7 +204,8 @@ pub struct Config {
     pub interfaces: Vec<String>,
     pub bpf_log_level: String,
     pub service_proxy_name: Option<String>,
-    /// Debug endpoint (model, view, watch); empty disables it.
+    /// An extra debug endpoint (model, view, watch); empty (the default) disables it: the
+    /// metrics address serves the same views.
     pub debug_bind_address: String,
 }
 
@@ -229,7 +230,8 @@ impl Default for Config {
             interfaces: Vec::new(),
             bpf_log_level: "warn".into(),
             service_proxy_name: None,
-            debug_bind_address: "127.0.0.1:10250".into(),
+            // Off: the metrics address serves the debug views, and 10250 is kubelet's.
+            debug_bind_address: String::new(),
         }
     }
 }

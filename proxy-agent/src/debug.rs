@@ -29,9 +29,10 @@ struct AppState {
 pub enum Endpoints {
     /// kube-proxy's healthzBindAddress: `/healthz`.
     Healthz,
-    /// kube-proxy's metricsBindAddress: `/metrics` (and `/healthz`).
+    /// kube-proxy's metricsBindAddress: `/metrics`, `/healthz` and — as kube-proxy serves
+    /// its own debug handlers there — `/debug/model`, `/debug/view`, `/debug/watch`.
     Metrics,
-    /// The local debug endpoint: everything, including model, view and watch.
+    /// An extra debug endpoint (`ebpf.debugBindAddress`, off by default): the same.
     Debug,
 }
 
@@ -47,10 +48,8 @@ pub async fn serve(
         .with_context(|| format!("listen address {addr:?}"))?;
     let mut app = Router::new().route("/healthz", get(healthz));
     if endpoints != Endpoints::Healthz {
-        app = app.route("/metrics", get(metrics));
-    }
-    if endpoints == Endpoints::Debug {
         app = app
+            .route("/metrics", get(metrics))
             .route("/debug/model", get(model))
             .route("/debug/view", get(view))
             .route("/debug/watch", get(watch));

@@ -68,7 +68,9 @@ enum Cmd {
 }
 
 const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";
-const DEFAULT_DEBUG_ADDR: &str = "127.0.0.1:10250";
+/// Where `dump --view`, `dump --model` and `watch` find the agent: its metrics address
+/// (kube-proxy's metricsBindAddress), which serves the debug views too.
+const DEFAULT_DEBUG_ADDR: &str = "127.0.0.1:10249";
 
 #[derive(Args)]
 struct RunArgs {
@@ -113,7 +115,8 @@ struct RunArgs {
     /// unlabelled ones).
     #[arg(long)]
     service_proxy_name: Option<String>,
-    /// Debug endpoint (model, view, watch, metrics); `off` disables [default: 127.0.0.1:10250].
+    /// An extra debug endpoint (model, view, watch, metrics; the metrics address serves them
+    /// too); `off` disables [default: off].
     #[arg(long)]
     debug_addr: Option<String>,
     #[command(flatten)]

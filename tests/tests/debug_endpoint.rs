@@ -99,7 +99,14 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         );
         sh(&["ip", "netns", "exec", &node, "python3", "-c", &script]).expect(url)
     };
-    let fetch_metrics = || get("http://127.0.0.1:10250/metrics");
+    let fetch_metrics = || get("http://127.0.0.1:10249/metrics");
+    // Nothing of ours on kubelet's ports (10250, 10248): the debug views are served on
+    // the metrics address, as kube-proxy serves its own debug handlers there.
+    let listening = sh(&["ip", "netns", "exec", &node, "ss", "-ltnH"]).expect("ss");
+    assert!(
+        !listening.contains(":10250 ") && !listening.contains(":10248 "),
+        "{listening}"
+    );
     // /healthz (healthzBindAddress) as kube-proxy answers it, with its clock fields.
     let health = get("http://127.0.0.1:10256/healthz");
     let (code, body) = health.trim().split_once(' ').expect("status and body");
