@@ -225,8 +225,9 @@ enum SourceKind {
 /// Who this node is, for the file source (the API-server source reads the Node object).
 #[derive(Args)]
 struct NodeArgs {
-    /// This node's name (kube-proxy's hostnameOverride) [default: the host name].
-    #[arg(long)]
+    /// This node's name (kube-proxy's hostnameOverride; the DaemonSet passes the
+    /// downward API's spec.nodeName as NODE_NAME) [default: the host name, lowercased].
+    #[arg(long, env = "NODE_NAME")]
     node_name: Option<String>,
     /// This node's addresses, for NodePorts (repeatable).
     #[arg(long = "node-ip")]
@@ -244,15 +245,8 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 
 impl NodeArgs {
     fn info(&self, name_override: Option<&str>) -> Result<proxy_agent::model::NodeInfo> {
-        let name = match name_override {
-            Some(n) => n.to_string(),
-            None => nix::unistd::gethostname()
-                .context("reading the host name (or pass --node-name)")?
-                .to_string_lossy()
-                .into_owned(),
-        };
         Ok(proxy_agent::model::NodeInfo {
-            name,
+            name: proxy_agent::node_name(name_override)?,
             labels: self.node_labels.iter().cloned().collect(),
             addresses: self.node_ips.clone(),
         })

@@ -24,6 +24,14 @@ fn deploy_yaml_parses() {
                         "{cap} missing: {caps}"
                     );
                 }
+                // The node's name from the downward API, as kubeadm's kube-proxy has it.
+                let env = &pod["containers"][0]["env"];
+                assert!(
+                    env.as_array()
+                        .is_some_and(|e| e.iter().any(|x| x["name"] == "NODE_NAME"
+                            && x["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName")),
+                    "NODE_NAME missing: {env}"
+                );
             }
         }
     }
