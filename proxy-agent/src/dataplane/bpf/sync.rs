@@ -15,10 +15,10 @@ use anyhow::Result;
 use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
-    CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, MemberKey,
-    NodeConfig, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL,
-    SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES,
-    SVC_F_TWO_SCOPES, ServiceKey, ServiceValue,
+    CtTimeouts, CtValue, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData,
+    MemberKey, NodeConfig, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL,
+    SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL,
+    SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, ServiceKey, ServiceValue,
 };
 use rustc_hash::FxHashMap;
 
@@ -384,19 +384,23 @@ impl MapState {
             .collect();
         if !pairs.is_empty() {
             let mut cleared = 0;
+            let is_stale = |v: &CtValue| pairs.contains(&(v.rev_nat_id, v.backend_id));
             for table in [&mut maps.conntrack, &mut maps.conntrack_new] {
                 let stale: Vec<_> = table
                     .iter()
                     .filter_map(Result::ok)
-                    .filter(|(k, v)| {
-                        k.proto == PROTO_UDP && pairs.contains(&(v.rev_nat_id, v.backend_id))
-                    })
+                    .filter(|(k, v)| k.proto == PROTO_UDP && is_stale(v))
                     .map(|(k, _)| k)
                     .collect();
                 for key in &stale {
-                    remove_ignoring_absent(table.remove(key))?;
+                    // Read again: since the walk the programs may have replaced the flow
+                    // on this tuple (its backend id deleted a step earlier) with a new
+                    // one, which must not go too.
+                    if table.get(key, 0).is_ok_and(|v| is_stale(&v)) {
+                        remove_ignoring_absent(table.remove(key))?;
+                        cleared += 1;
+                    }
                 }
-                cleared += stale.len();
             }
             if cleared > 0 {
                 tracing::debug!(entries = cleared, "flows of removed backends cleared");
