@@ -549,6 +549,13 @@ impl Testbed {
         }
     }
 
+    /// One of the BPF counters (`proxy_common::counter::NAMES`), summed over CPUs.
+    pub fn counter(&self, name: &str) -> u64 {
+        self.dump().expect("dump")["counters"][name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("counter {name}"))
+    }
+
     /// `proxy-agent dump --json` of this testbed's pins.
     pub fn dump(&self) -> Result<serde_json::Value> {
         let out = sh(&[

@@ -92,12 +92,6 @@ fn testbed(backends: usize, extra: String, ports: usize) -> Testbed {
     tb
 }
 
-fn counter(tb: &Testbed, name: &str) -> u64 {
-    tb.dump().expect("dump")["counters"][name]
-        .as_u64()
-        .unwrap_or_else(|| panic!("counter {name}"))
-}
-
 /// Runs a python3 script in the client namespace; returns its stdout.
 fn python(tb: &Testbed, script: &str) -> String {
     let out = Command::new("ip")
@@ -161,7 +155,7 @@ print(probe(socket.AF_INET, ("10.96.0.50", 53)),
         "ClusterIP v4, ClusterIP v6, NodePort (masqueraded)\n{}",
         tb.agent_log()
     );
-    assert!(counter(&tb, "icmp_error_nat") >= 3);
+    assert!(tb.counter("icmp_error_nat") >= 3);
 }
 
 /// The node's link to the backend carries 1280 bytes; the client's and the backend's own
@@ -253,7 +247,7 @@ print(upload(socket.AF_INET, ("10.96.0.40", 9000)),
         "ClusterIP v4, ClusterIP v6, NodePort (masqueraded): completed, MTU learned\n{}",
         tb.agent_log()
     );
-    let (nat, too_big) = (counter(&tb, "icmp_error_nat"), counter(&tb, "too_big_sent"));
+    let (nat, too_big) = (tb.counter("icmp_error_nat"), tb.counter("too_big_sent"));
     assert!(nat >= 2, "the node's own errors, translated");
     assert!(too_big >= 1, "the classifier's");
     // Again without segmentation offload: full-size frames instead of GSO packets (the
@@ -272,8 +266,8 @@ print(upload(socket.AF_INET, ("10.96.0.40", 9000)),
         "without offload: completed, MTU learned\n{}",
         tb.agent_log()
     );
-    assert!(counter(&tb, "icmp_error_nat") >= nat + 2, "learned afresh");
-    assert!(counter(&tb, "too_big_sent") > too_big, "learned afresh");
+    assert!(tb.counter("icmp_error_nat") >= nat + 2, "learned afresh");
+    assert!(tb.counter("too_big_sent") > too_big, "learned afresh");
 }
 
 /// A hostNetwork endpoint: an echo server in the node's namespace, the endpoint being
@@ -425,7 +419,7 @@ print(download(socket.AF_INET, ("10.96.0.40", 9000)),
         "ClusterIP v4, ClusterIP v6, NodePort (masqueraded)\n{}",
         tb.agent_log()
     );
-    let (nat, too_big) = (counter(&tb, "icmp_error_nat"), counter(&tb, "too_big_sent"));
+    let (nat, too_big) = (tb.counter("icmp_error_nat"), tb.counter("too_big_sent"));
     assert!(nat >= 2, "the node's own errors");
     assert!(too_big >= 1, "the classifier's");
     // Again with full-size frames from the backend (no segmentation offload), what it
@@ -439,6 +433,6 @@ print(download(socket.AF_INET, ("10.96.0.40", 9000)),
     ip(&backend, "-6 route flush cache").expect("flush");
     let got = python(&tb, script);
     assert_eq!(got, "ok ok ok", "without offload\n{}", tb.agent_log());
-    assert!(counter(&tb, "icmp_error_nat") >= nat + 2, "learned afresh");
-    assert!(counter(&tb, "too_big_sent") > too_big, "learned afresh");
+    assert!(tb.counter("icmp_error_nat") >= nat + 2, "learned afresh");
+    assert!(tb.counter("too_big_sent") > too_big, "learned afresh");
 }

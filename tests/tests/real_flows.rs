@@ -171,12 +171,6 @@ endpoints:
     files
 }
 
-fn counter(tb: &Testbed, name: &str) -> u64 {
-    tb.dump().expect("dump")["counters"][name]
-        .as_u64()
-        .unwrap_or_else(|| panic!("counter {name}"))
-}
-
 /// 100,000 connections, one after another, from one client through a masqueraded
 /// NodePort to one backend: five times more than the 10,000 masquerade ports, so ports
 /// of closed flows must be given back. None fails; no port runs out.
@@ -246,7 +240,7 @@ fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
             .all(|a| a.seen_as.as_deref().unwrap_or("").starts_with("10.10.0.1")),
         "every connection reached the backend masqueraded"
     );
-    assert_eq!(counter(&tb, "snat_ports_exhausted"), 0);
+    assert_eq!(tb.counter("snat_ports_exhausted"), 0);
     // What the table holds afterwards: at most one closed flow per masquerade port (a
     // port's new flow takes its old one's entries), not 100k.
     let answered = dump["conntrack"]["answered"]
@@ -254,9 +248,9 @@ fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
         .expect("conntrack fill");
     eprintln!("conntrack after the run: {}", dump["conntrack"]);
     assert!(answered <= 2 * 10_000, "{answered} entries left");
-    assert!(counter(&tb, "snat") >= u64::from(CONNECTIONS));
+    assert!(tb.counter("snat") >= u64::from(CONNECTIONS));
     assert!(
-        counter(&tb, "ct_reused") > 0,
+        tb.counter("ct_reused") > 0,
         "100k flows on 10k ports: closed flows' ports were reused"
     );
 }
