@@ -97,6 +97,7 @@ struct EbpfSection {
     service_proxy_name: Option<String>,
     debug_bind_address: Option<String>,
     masquerade_port_range: Option<String>,
+    api_server: Option<String>,
 }
 
 /// How local (pod) traffic is told apart from other traffic.
@@ -199,6 +200,9 @@ pub struct Config {
     pub hostname_override: Option<String>,
     pub conntrack: ConntrackSettings,
     pub kubeconfig: Option<String>,
+    /// The API server's URL (`ebpf.apiServer`), overriding the kubeconfig's or the
+    /// in-cluster one (the `kubernetes` ClusterIP, which only a service proxy serves).
+    pub api_server: Option<String>,
     pub bpffs: String,
     pub cgroup: String,
     pub interfaces: Vec<String>,
@@ -225,6 +229,7 @@ impl Default for Config {
             hostname_override: None,
             conntrack: ConntrackSettings::default(),
             kubeconfig: None,
+            api_server: None,
             bpffs: "/sys/fs/bpf/proxy-agent".into(),
             cgroup: "auto".into(),
             interfaces: Vec::new(),
@@ -437,6 +442,7 @@ impl Config {
             if let Some(v) = e.debug_bind_address {
                 cfg.debug_bind_address = v;
             }
+            cfg.api_server = e.api_server.filter(|s| !s.is_empty());
             if let Some(v) = e.masquerade_port_range {
                 cfg.conntrack.masquerade_ports =
                     parse_port_range(&v).map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;

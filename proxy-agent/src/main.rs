@@ -88,6 +88,11 @@ struct RunArgs {
     /// ~/.kube/config.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// The API server's URL for `--source kube` (`https://HOST:PORT`), overriding the
+    /// kubeconfig's; with no kubeconfig, used with the in-cluster ServiceAccount
+    /// credentials (the in-cluster address is a ClusterIP that only a proxy serves).
+    #[arg(long, env = "PROXY_AGENT_API_SERVER")]
+    api_server: Option<String>,
     /// Folder on a bpffs where maps and links are pinned [default: /sys/fs/bpf/proxy-agent].
     #[arg(long)]
     bpffs: Option<PathBuf>,
@@ -162,6 +167,9 @@ impl RunArgs {
         }
         if let Some(v) = &self.kubeconfig {
             cfg.kubeconfig = Some(v.display().to_string());
+        }
+        if let Some(v) = self.api_server.as_ref().filter(|v| !v.is_empty()) {
+            cfg.api_server = Some(v.clone());
         }
         if let Some(v) = &self.node.node_name {
             cfg.hostname_override = Some(v.clone());
@@ -365,8 +373,18 @@ async fn run(args: RunArgs) -> Result<()> {
             });
         }
         SourceKind::Kube => {
-            let client = kube_client(cfg.kubeconfig.as_deref().map(Path::new)).await?;
-            tokio::spawn(source::kube::run(client, node.name, tx));
+            let api = source::api_server::ApiServerOptions {
+                kubeconfig: cfg.kubeconfig.clone(),
+                api_server: cfg.api_server.clone(),
+            };
+            let config = source::api_server::client_config(&api).await?;
+            let url = config.cluster_url.to_string();
+            let client = kube::Client::try_from(config).context("building the API client")?;
+            let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
+            tokio::spawn(async move {
+                source::api_server::wait_reachable(&client, &url).await;
+                source::kube::run(client, node.name, selector, tx).await
+            });
         }
     }
     use proxy_agent::debug::Endpoints;
@@ -422,21 +440,6 @@ fn spawn_conntrack_collector(maps_dir: PathBuf, status: sync::Status) {
             }
         }
     });
-}
-
-/// A client from `--kubeconfig`, else the in-cluster config, else the local kubeconfig.
-async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
-        }
-        None => kube::Config::infer()
-            .await
-            .context("no in-cluster config or kubeconfig")?,
-    };
-    kube::Client::try_from(config).context("building the API client")
 }
 
 /// Forwards aya-log records from the programs to our tracing output.

@@ -2,6 +2,8 @@
 
 use std::path::Path;
 
+use serde_json::Value;
+
 #[test]
 fn deploy_yaml_parses() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
@@ -24,6 +26,48 @@ fn deploy_yaml_parses() {
                         "{cap} missing: {caps}"
                     );
                 }
+                // Cluster DNS is a Service this agent serves: the node's resolver instead.
+                assert_eq!(pod["dnsPolicy"], "Default", "{pod}");
+                // The API server, kube-proxy's ConfigMap (whose kubeconfig names the API
+                // server's real address: the in-cluster one is a ClusterIP only we serve).
+                let args: Vec<&str> = pod["containers"][0]["args"]
+                    .as_array()
+                    .expect("args")
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect();
+                assert_eq!(args[0], "run", "{args:?}");
+                assert!(args.contains(&"--source=kube"), "{args:?}");
+                assert!(
+                    args.contains(&"--config=/var/lib/kube-proxy/config.conf"),
+                    "{args:?}"
+                );
+                let mounts = &pod["containers"][0]["volumeMounts"];
+                assert!(
+                    mounts.as_array().is_some_and(|m| m
+                        .iter()
+                        .any(|m| m["mountPath"] == "/var/lib/kube-proxy")),
+                    "{mounts}"
+                );
+                assert!(
+                    pod["volumes"].as_array().is_some_and(|v| v
+                        .iter()
+                        .any(|v| v["configMap"]["name"] == "kube-proxy")),
+                    "kube-proxy's ConfigMap is not mounted"
+                );
+                // Probes on kube-proxy's healthz port, on the paths the agent serves.
+                for probe in ["startupProbe", "livenessProbe"] {
+                    let p = &pod["containers"][0][probe]["httpGet"];
+                    assert_eq!(p["port"], 10256, "{probe}: {p}");
+                    assert_eq!(p["path"], "/livez", "{probe}: {p}");
+                }
+                // Image tags follow the crate's version.
+                let image = pod["containers"][0]["image"].as_str().expect("image");
+                assert_eq!(
+                    image,
+                    format!("proxy-agent:{}", env!("CARGO_PKG_VERSION")),
+                    "image"
+                );
                 // The node's name from the downward API, as kubeadm's kube-proxy has it.
                 let env = &pod["containers"][0]["env"];
                 assert!(
@@ -47,6 +91,30 @@ fn deploy_yaml_parses() {
             "{k} missing from deploy/: {kinds:?}"
         );
     }
+}
+
+/// `kubectl apply -k deploy/` applies every manifest, with the crate's image tag.
+#[test]
+fn kustomization_lists_every_manifest() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let text = std::fs::read_to_string(dir.join("kustomization.yaml")).expect("read");
+    let k: Value = serde_yaml::from_str(&text).expect("valid YAML");
+    let resources: Vec<&str> = k["resources"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    for file in std::fs::read_dir(&dir).expect("deploy/") {
+        let name = file.expect("entry").file_name().to_string_lossy().to_string();
+        if name.ends_with(".yaml") && name != "kustomization.yaml" {
+            assert!(resources.contains(&name.as_str()), "{name} not in kustomization");
+        }
+    }
+    for r in &resources {
+        assert!(dir.join(r).exists(), "{r} listed but missing");
+    }
+    assert_eq!(k["images"][0]["newTag"], env!("CARGO_PKG_VERSION"));
 }
 
 #[test]

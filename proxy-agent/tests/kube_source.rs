@@ -75,7 +75,12 @@ fn timing() -> SyncTiming {
 /// Starts the source and the sync loop on `dataplane`; returns the status handle.
 fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, mut dataplane: D) -> Status {
     let (tx, rx) = tokio::sync::watch::channel(None);
-    tokio::spawn(source::kube::run(server.client(), "node-a".into(), tx));
+    tokio::spawn(source::kube::run(
+        server.client(),
+        "node-a".into(),
+        source::kube::label_selector(None),
+        tx,
+    ));
     let status = Status::default();
     let st = status.clone();
     tokio::spawn(async move {
@@ -195,6 +200,63 @@ async fn watcher_drives_the_view_through_every_event_kind() {
         "410 Gone must relist"
     );
     assert!(status.counters().syncs_ok >= 5);
+}
+
+/// kube-proxy's server-side selector: headless Services and those of another service
+/// proxy never reach the agent (nor their slices).
+#[tokio::test]
+async fn services_and_slices_are_listed_with_kube_proxys_label_selector() {
+    let server = FakeApiServer::start().await;
+    let mut other = service("other", "10.96.0.20", 80);
+    other["metadata"]["labels"] =
+        json!({"service.kubernetes.io/service-proxy-name": "some-other-proxy"});
+    server.apply(Kind::Services, other);
+    let mut other_slice = slice("other-1", "other", &["10.244.1.9"]);
+    other_slice["metadata"]["labels"]["service.kubernetes.io/service-proxy-name"] =
+        json!("some-other-proxy");
+    server.apply(Kind::EndpointSlices, other_slice);
+    server.apply(Kind::Services, service("web", "10.96.0.10", 80));
+    server.apply(Kind::EndpointSlices, slice("web-1", "web", &["10.244.1.5"]));
+    server.apply(Kind::Nodes, node());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    let v = until(&mut rx, "initial view", |v| !v.is_empty()).await;
+    assert!(!v.contains_key(&fe("10.96.0.20", 80)), "{v:#?}");
+    let expected = "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name";
+    assert_eq!(server.label_selector("services"), expected);
+    assert_eq!(server.label_selector("endpointslices"), expected);
+    assert_eq!(server.label_selector("nodes"), "");
+    // Filtered by the server: the model never held them.
+    let model = status.snapshot().expect("snapshot").model.clone();
+    assert_eq!(model.services.len(), 1, "{:?}", model.services.keys());
+    assert_eq!(model.slices.len(), 1, "{:?}", model.slices.keys());
+}
+
+/// A node whose Node object does not exist yet has no addresses and no topology: nothing
+/// is programmed from that empty node; the Node's creation releases the first view.
+#[tokio::test]
+async fn nothing_is_programmed_until_this_nodes_node_object_exists() {
+    let server = FakeApiServer::start().await;
+    server.apply(Kind::Services, service("web", "10.96.0.10", 80));
+    server.apply(Kind::EndpointSlices, slice("web-1", "web", &["10.244.1.5"]));
+    let other = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-b"},
+                       "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.11"}]}});
+    server.apply(Kind::Nodes, other);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        rx.try_recv().is_err(),
+        "programmed a view without this node's Node object"
+    );
+    assert!(status.snapshot().is_none());
+    server.apply(Kind::Nodes, node());
+    let v = until(&mut rx, "view once the Node exists", |v| !v.is_empty()).await;
+    assert_eq!(backends(&v, "10.96.0.10", 80).len(), 1);
+    assert_eq!(
+        status.snapshot().expect("snapshot").node.addresses,
+        vec!["192.0.2.10".parse::<std::net::IpAddr>().expect("ip")]
+    );
 }
 
 /// Owns private maps and writes views into them, as the agent's BPF dataplane does.

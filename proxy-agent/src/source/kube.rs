@@ -109,9 +109,42 @@ impl Store {
         }
     }
 
-    /// Every resource has been listed at least once.
+    /// Every resource has been listed at least once, and this node's Node object exists:
+    /// without it there are no node addresses (no NodePorts) and no topology, so nothing
+    /// is published rather than an empty node.
     pub fn ready(&self) -> bool {
-        self.services.listed && self.slices.listed && self.nodes.listed
+        self.waiting_for().is_none()
+    }
+
+    /// What publishing still waits for, in words for the log.
+    pub fn waiting_for(&self) -> Option<String> {
+        let unlisted: Vec<&str> = [
+            ("Services", self.services.listed),
+            ("EndpointSlices", self.slices.listed),
+            ("Nodes", self.nodes.listed),
+        ]
+        .into_iter()
+        .filter(|(_, listed)| !listed)
+        .map(|(what, _)| what)
+        .collect();
+        if !unlisted.is_empty() {
+            return Some(format!("the first list of {}", unlisted.join(", ")));
+        }
+        if self.node().is_none() {
+            return Some(format!(
+                "the Node object {:?} (NODE_NAME / --node-name / hostnameOverride, else the \
+                 host name lowercased)",
+                self.node_name
+            ));
+        }
+        None
+    }
+
+    fn node(&self) -> Option<&Node> {
+        self.nodes
+            .objects
+            .values()
+            .find(|n| n.name_any() == self.node_name)
     }
 
     fn apply(&mut self, update: Update) -> bool {
@@ -124,11 +157,7 @@ impl Store {
 
     /// The model and this node, as the view needs them.
     pub fn snapshot(&self) -> Snapshot {
-        let node = self
-            .nodes
-            .objects
-            .values()
-            .find(|n| n.name_any() == self.node_name);
+        let node = self.node();
         Snapshot {
             model: ClusterModel {
                 services: self.services.objects.clone(),
@@ -163,18 +192,35 @@ pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
     }
 }
 
+/// How often a source that cannot publish yet says what it waits for.
+const WAITING_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The server-side label selector for Services and EndpointSlices, as kube-proxy's: no
+/// headless Service (nothing to proxy) and none that names a service proxy — unless we
+/// have a name, then those labelled with it are ours too (the model keeps only those;
+/// "unlabelled or ours" cannot be said in one selector).
+pub fn label_selector(service_proxy_name: Option<&str>) -> String {
+    const HEADLESS: &str = "!service.kubernetes.io/headless";
+    match service_proxy_name {
+        None => format!("{HEADLESS},!service.kubernetes.io/service-proxy-name"),
+        Some(_) => HEADLESS.to_string(),
+    }
+}
+
 /// Watches the API server and publishes a snapshot after the first full list of every
 /// resource, then after every change. Runs until the receiver is dropped.
 pub async fn run(
     client: Client,
     node_name: String,
+    label_selector: String,
     tx: watch::Sender<Option<super::SharedSnapshot>>,
 ) {
     let cfg = watcher::Config::default();
-    let services = watcher(Api::<Service>::all(client.clone()), cfg.clone())
+    let selected = cfg.clone().labels(&label_selector);
+    let services = watcher(Api::<Service>::all(client.clone()), selected.clone())
         .default_backoff()
         .map(|e| e.map(|e| Update::Service(Box::new(e))));
-    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), cfg.clone())
+    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), selected)
         .default_backoff()
         .map(|e| e.map(|e| Update::Slice(Box::new(e))));
     let node_cfg = cfg.fields(&format!("metadata.name={node_name}"));
@@ -185,7 +231,21 @@ pub async fn run(
         vec![services.boxed(), slices.boxed(), nodes.boxed()];
     let mut updates = futures::stream::select_all(streams);
     let mut store = Store::new(&node_name);
-    while let Some(update) = updates.next().await {
+    let mut waiting = tokio::time::interval_at(
+        tokio::time::Instant::now() + WAITING_LOG_INTERVAL,
+        WAITING_LOG_INTERVAL,
+    );
+    loop {
+        let update = tokio::select! {
+            update = updates.next() => update,
+            _ = waiting.tick() => {
+                if let Some(what) = store.waiting_for() {
+                    tracing::warn!(node = %node_name, "not programming yet: waiting for {what}");
+                }
+                continue;
+            }
+        };
+        let Some(update) = update else { return };
         match update {
             Ok(update) => {
                 let changed = store.apply(update);

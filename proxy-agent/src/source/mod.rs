@@ -2,6 +2,7 @@
 //! cluster model (and this node) on a watch channel: `None` until its first complete
 //! view, so nothing is programmed from a partial one. It knows nothing of BPF.
 
+pub mod api_server;
 pub mod files;
 pub mod kube;
 

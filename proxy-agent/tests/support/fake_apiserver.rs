@@ -61,6 +61,8 @@ struct Store {
     expired_before: u64,
     held: Vec<Kind>,
     lists_served: BTreeMap<String, u64>,
+    /// The label selector of the last list per resource.
+    label_selectors: BTreeMap<String, String>,
 }
 
 struct Shared {
@@ -209,6 +211,11 @@ impl FakeApiServer {
         self.shared.released.notify_waiters();
     }
 
+    /// The label selector the last list of `resource` asked for ("" for none).
+    pub fn label_selector(&self, resource: &str) -> String {
+        self.store(|s| s.label_selectors.get(resource).cloned().unwrap_or_default())
+    }
+
     /// How many list requests for `resource` (e.g. "services") were served.
     pub fn lists_served(&self, resource: &str) -> u64 {
         self.store(|s| s.lists_served.get(resource).copied().unwrap_or(0))
@@ -239,8 +246,23 @@ async fn handle_discovery(
     handle(shared, Kind::EndpointSlices, resource, q).await
 }
 
+/// The field selector `metadata.name=` and label selectors made of `key`, `!key` and
+/// `key=value` terms, as the API server applies them.
 fn matches_selector(obj: &Value, q: &BTreeMap<String, String>) -> bool {
-    match q
+    let labels = &obj["metadata"]["labels"];
+    let labels_match = q.get("labelSelector").is_none_or(|sel| {
+        sel.split(',').filter(|t| !t.is_empty()).all(|term| {
+            if let Some(key) = term.strip_prefix('!') {
+                labels.get(key).is_none()
+            } else if let Some((k, v)) = term.split_once('=') {
+                labels.get(k).and_then(Value::as_str) == Some(v)
+            } else {
+                labels.get(term).is_some()
+            }
+        })
+    });
+    labels_match
+        && match q
         .get("fieldSelector")
         .and_then(|f| f.strip_prefix("metadata.name="))
     {
@@ -266,6 +288,8 @@ async fn handle(
         shared.released.notified().await;
     }
     let mut s = shared.store.lock().expect("lock");
+    let selector = q.get("labelSelector").cloned().unwrap_or_default();
+    s.label_selectors.insert(resource.clone(), selector);
     *s.lists_served.entry(resource).or_insert(0) += 1;
     let items: Vec<Value> = s
         .objects
