@@ -12,10 +12,9 @@ use axum::{
     response::{IntoResponse, Response},
     routing::get,
 };
-use prometheus_client::{encoding::text::encode, metrics::gauge::Gauge, registry::Registry};
 use serde_json::json;
 
-use crate::{dataplane::bpf::MapSet, model::NodeView, sync::Status};
+use crate::{model::NodeView, sync::Status};
 
 #[derive(Clone)]
 struct AppState {
@@ -46,7 +45,9 @@ pub async fn serve(
     let addr: SocketAddr = addr
         .parse()
         .with_context(|| format!("listen address {addr:?}"))?;
-    let mut app = Router::new().route("/healthz", get(healthz));
+    let mut app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/livez", get(livez));
     if endpoints != Endpoints::Healthz {
         app = app
             .route("/metrics", get(metrics))
@@ -63,28 +64,40 @@ pub async fn serve(
     Ok(())
 }
 
+/// kube-proxy's `/healthz`: the proxy is healthy and the node is not draining.
 async fn healthz(State(s): State<AppState>) -> Response {
-    let c = s.status.counters();
-    let h = s.status.health(std::time::Instant::now());
-    let code = if h.healthy {
+    health_answer(&s.status, false)
+}
+
+/// kube-proxy's `/livez`: the proxy alone (a draining node is still alive).
+async fn livez(State(s): State<AppState>) -> Response {
+    health_answer(&s.status, true)
+}
+
+fn health_answer(status: &Status, livez: bool) -> Response {
+    let c = status.counters();
+    let h = status.health(std::time::Instant::now());
+    let ok = h.healthy && (livez || h.node_eligible);
+    let code = if ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    status.count_health_answer(livez, code.as_u16());
     let rfc3339 = |t: std::time::SystemTime| {
         k8s_openapi::chrono::DateTime::<k8s_openapi::chrono::Utc>::from(t).to_rfc3339()
     };
-    (
-        code,
-        Json(json!({
-            "lastUpdated": h.last_updated.map(rfc3339),
-            "currentTime": rfc3339(std::time::SystemTime::now()),
-            "pendingSeconds": h.pending_for.map(|d| d.as_secs_f64()),
-            "syncsOk": c.syncs_ok,
-            "syncsFailed": c.syncs_failed,
-        })),
-    )
-        .into_response()
+    let mut body = json!({
+        "lastUpdated": h.last_updated.map(rfc3339),
+        "currentTime": rfc3339(std::time::SystemTime::now()),
+        "pendingSeconds": h.pending_for.map(|d| d.as_secs_f64()),
+        "syncsOk": c.syncs_ok,
+        "syncsFailed": c.syncs_failed,
+    });
+    if !livez {
+        body["nodeEligible"] = json!(h.node_eligible);
+    }
+    (code, Json(body)).into_response()
 }
 
 async fn model(State(s): State<AppState>) -> Response {
@@ -130,118 +143,8 @@ async fn watch(State(s): State<AppState>) -> Response {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    let mut registry = Registry::with_prefix("proxy_agent");
-    let c = s.status.counters();
-    let gauge = |registry: &mut Registry, name: &str, help: &str, v: i64| {
-        let g: Gauge = Gauge::default();
-        g.set(v);
-        registry.register(name, help, g);
-    };
-    gauge(
-        &mut registry,
-        "syncs_ok",
-        "Successful dataplane syncs",
-        c.syncs_ok as i64,
-    );
-    gauge(
-        &mut registry,
-        "syncs_failed",
-        "Dataplane syncs with a failure",
-        c.syncs_failed as i64,
-    );
-    gauge(
-        &mut registry,
-        "frontends_failed",
-        "Frontends that could not be programmed",
-        c.frontends_failed as i64,
-    );
-    gauge(
-        &mut registry,
-        "objects_rejected",
-        "Invalid objects left out of the view",
-        c.objects_rejected as i64,
-    );
-    gauge(
-        &mut registry,
-        "udp_sockets_destroyed",
-        "Connected UDP sockets destroyed because their backend went away",
-        c.udp_sockets_destroyed as i64,
-    );
-    for (name, help, v) in [
-        (
-            "conntrack_answered_entries",
-            "Entries (two per flow) in the table of answered flows",
-            c.conntrack.answered,
-        ),
-        (
-            "conntrack_answered_capacity",
-            "Capacity of the table of answered flows",
-            c.conntrack.answered_capacity,
-        ),
-        (
-            "conntrack_new_entries",
-            "Entries in the table of flows not answered yet (LRU)",
-            c.conntrack.new,
-        ),
-        (
-            "conntrack_new_capacity",
-            "Capacity of the table of flows not answered yet",
-            c.conntrack.new_capacity,
-        ),
-        (
-            "conntrack_collected",
-            "Entries the collector removed (expired flows, orphaned replies)",
-            c.conntrack.collected_total,
-        ),
-    ] {
-        gauge(&mut registry, name, help, v as i64);
+    match crate::metrics::render(&s.status, s.maps_dir.as_deref()) {
+        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response(),
     }
-    gauge(
-        &mut registry,
-        "interface_attach_failures",
-        "Classifier attachments to interfaces that failed",
-        c.interface_attach_failures as i64,
-    );
-    gauge(
-        &mut registry,
-        "frontends",
-        "Frontends in this node's view",
-        s.status.view().len() as i64,
-    );
-    let h = s.status.histograms();
-    registry.register(
-        "sync_proxy_rules_duration_seconds",
-        "Duration of dataplane syncs",
-        h.sync,
-    );
-    registry.register(
-        "network_programming_duration_seconds",
-        "From an EndpointSlice change (last-change-trigger-time) to this node holding it",
-        h.programming,
-    );
-    let millis: Gauge = Gauge::default();
-    millis.set((c.last_sync_seconds * 1e6) as i64);
-    registry.register(
-        "last_sync_microseconds",
-        "Duration of the last sync",
-        millis,
-    );
-    if let Some(dir) = &s.maps_dir
-        && let Ok(maps) = MapSet::open_pinned(dir)
-        && let Ok(counters) = maps.counters()
-    {
-        for (name, value) in counters {
-            gauge(
-                &mut registry,
-                &format!("bpf_{name}"),
-                "BPF program event counter",
-                value as i64,
-            );
-        }
-    }
-    let mut out = String::new();
-    if encode(&mut out, &registry).is_err() {
-        return (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response();
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

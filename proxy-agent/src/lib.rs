@@ -6,6 +6,7 @@ pub mod config;
 pub mod dataplane;
 pub mod debug;
 pub mod health;
+pub mod metrics;
 pub mod model;
 pub mod netns;
 pub mod source;
@@ -35,6 +36,19 @@ pub fn node_name(name_override: Option<&str>) -> anyhow::Result<String> {
     Ok(name.to_lowercase())
 }
 
+/// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
+pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {
+    use anyhow::Context as _;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").context("reading mountinfo")?;
+    info.lines()
+        .find_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            post.starts_with("cgroup2 ")
+                .then(|| pre.split(' ').nth(4).map(std::path::PathBuf::from))?
+        })
+        .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -47,17 +61,4 @@ mod tests {
         assert_eq!(host, host.to_lowercase());
         assert_eq!(super::node_name(Some("")).expect("falls back"), host);
     }
-}
-
-/// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
-pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {
-    use anyhow::Context as _;
-    let info = std::fs::read_to_string("/proc/self/mountinfo").context("reading mountinfo")?;
-    info.lines()
-        .find_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            post.starts_with("cgroup2 ")
-                .then(|| pre.split(' ').nth(4).map(std::path::PathBuf::from))?
-        })
-        .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")
 }

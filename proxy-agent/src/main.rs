@@ -257,6 +257,7 @@ impl NodeArgs {
             name: proxy_agent::node_name(name_override)?,
             labels: self.node_labels.iter().cloned().collect(),
             addresses: self.node_ips.clone(),
+            draining: false,
         })
     }
 }
@@ -532,8 +533,8 @@ fn trace(args: TraceArgs) -> Result<()> {
                 node: scenario::Node {
                     info: proxy_agent::model::NodeInfo {
                         name: args.node_name.clone(),
-                        labels: Default::default(),
                         addresses: args.node_ips.clone(),
+                        ..Default::default()
                     },
                     view: proxy_agent::model::ViewConfig {
                         pod_cidrs: args.cluster_cidrs.clone(),

@@ -78,6 +78,7 @@ fn sticky(ip: &str, backends: &[&str]) -> (Frontend, FrontendState) {
             internal: None,
             affinity_timeout_s: Some(3600),
             external_local: false,
+            internal_local: false,
             source_ranges: Vec::new(),
         },
     )

@@ -44,15 +44,15 @@ fn deploy_yaml_parses() {
                 );
                 let mounts = &pod["containers"][0]["volumeMounts"];
                 assert!(
-                    mounts.as_array().is_some_and(|m| m
-                        .iter()
-                        .any(|m| m["mountPath"] == "/var/lib/kube-proxy")),
+                    mounts
+                        .as_array()
+                        .is_some_and(|m| m.iter().any(|m| m["mountPath"] == "/var/lib/kube-proxy")),
                     "{mounts}"
                 );
                 assert!(
-                    pod["volumes"].as_array().is_some_and(|v| v
-                        .iter()
-                        .any(|v| v["configMap"]["name"] == "kube-proxy")),
+                    pod["volumes"]
+                        .as_array()
+                        .is_some_and(|v| v.iter().any(|v| v["configMap"]["name"] == "kube-proxy")),
                     "kube-proxy's ConfigMap is not mounted"
                 );
                 // Probes on kube-proxy's healthz port, on the paths the agent serves.
@@ -106,9 +106,16 @@ fn kustomization_lists_every_manifest() {
         .filter_map(Value::as_str)
         .collect();
     for file in std::fs::read_dir(&dir).expect("deploy/") {
-        let name = file.expect("entry").file_name().to_string_lossy().to_string();
+        let name = file
+            .expect("entry")
+            .file_name()
+            .to_string_lossy()
+            .to_string();
         if name.ends_with(".yaml") && name != "kustomization.yaml" {
-            assert!(resources.contains(&name.as_str()), "{name} not in kustomization");
+            assert!(
+                resources.contains(&name.as_str()),
+                "{name} not in kustomization"
+            );
         }
     }
     for r in &resources {

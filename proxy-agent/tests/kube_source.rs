@@ -232,6 +232,91 @@ async fn services_and_slices_are_listed_with_kube_proxys_label_selector() {
     assert_eq!(model.slices.len(), 1, "{:?}", model.slices.keys());
 }
 
+/// kube-proxy's `/healthz` fails while the node is draining (the cluster autoscaler's
+/// taint, or a deletion timestamp) so load balancers stop sending it traffic; `/livez`
+/// stays 200 (a restart would not help). Both count their answers by code.
+#[tokio::test]
+async fn healthz_fails_and_livez_holds_while_the_node_drains() {
+    let server = FakeApiServer::start().await;
+    server.apply(Kind::Services, service("web", "10.96.0.10", 80));
+    server.apply(Kind::EndpointSlices, slice("web-1", "web", &["10.244.1.5"]));
+    server.apply(Kind::Nodes, node());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    until(&mut rx, "initial view", |v| !v.is_empty()).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let st = status.clone();
+    let a = addr.clone();
+    tokio::spawn(async move {
+        proxy_agent::debug::serve(&a, proxy_agent::debug::Endpoints::Metrics, st, None).await
+    });
+    let get = |path: &'static str| {
+        let addr = addr.clone();
+        async move {
+            for _ in 0..50 {
+                if let Ok(r) = reqwest_lite(&addr, path).await {
+                    return r;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("{addr}{path} never answered")
+        }
+    };
+    assert_eq!(get("/healthz").await, 200);
+    assert_eq!(get("/livez").await, 200);
+
+    let mut tainted = node();
+    tainted["spec"] = json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler",
+                                          "value": "1700000000", "effect": "NoSchedule"}]});
+    server.apply(Kind::Nodes, tainted);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !status.snapshot().is_some_and(|s| s.node.draining) {
+        assert!(tokio::time::Instant::now() < deadline, "taint never seen");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(get("/healthz").await, 503);
+    assert_eq!(get("/livez").await, 200);
+    let metrics = http_body(&addr, "/metrics").await;
+    for line in [
+        "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+        "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
+        "kubeproxy_proxy_livez_total{code=\"200\"} 2",
+        // The first list counts (one Service, one slice), as kube-proxy counts its adds.
+        "kubeproxy_sync_proxy_rules_service_changes_total 1",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total 1",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+}
+
+/// The status code of a GET on loopback.
+async fn reqwest_lite(addr: &str, path: &str) -> std::io::Result<u16> {
+    let text = http(addr, path).await?;
+    text.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad answer: {text}")))
+}
+
+async fn http_body(addr: &str, path: &str) -> String {
+    http(addr, path).await.expect("GET")
+}
+
+async fn http(addr: &str, path: &str) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
 /// A node whose Node object does not exist yet has no addresses and no topology: nothing
 /// is programmed from that empty node; the Node's creation releases the first view.
 #[tokio::test]

@@ -277,6 +277,7 @@ fn view_of(svcs: &[(String, Vec<String>)]) -> Result<NodeView> {
                 internal: None,
                 affinity_timeout_s: None,
                 external_local: false,
+                internal_local: false,
                 source_ranges: Vec::new(),
             },
         );

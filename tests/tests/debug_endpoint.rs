@@ -116,12 +116,19 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         body["lastUpdated"].is_string() && body["currentTime"].is_string(),
         "{body}"
     );
+    assert_eq!(body["nodeEligible"], true, "{body}");
+    let live = get("http://127.0.0.1:10256/livez");
+    assert!(live.starts_with("200 "), "{live}");
     let metrics = fetch_metrics();
     for m in [
-        "proxy_agent_syncs_ok",
+        "proxy_agent_syncs_ok_total",
         "proxy_agent_frontends 5",
-        "proxy_agent_bpf_service_hit",
-        "proxy_agent_sync_proxy_rules_duration_seconds_count",
+        "proxy_agent_bpf_events_total{event=\"service_hit\"}",
+        // kube-proxy's names, for the dashboards that read them.
+        "kubeproxy_sync_proxy_rules_duration_seconds_count",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+        "process_resident_memory_bytes",
     ] {
         assert!(metrics.contains(m), "{m} missing:\n{metrics}");
     }
@@ -151,6 +158,12 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         };
         let count = value("proxy_agent_network_programming_duration_seconds_count ");
         if count == Some(1.0) {
+            // kube-proxy's histogram (its buckets) saw the same change.
+            assert_eq!(
+                value("kubeproxy_network_programming_duration_seconds_count "),
+                Some(1.0),
+                "{metrics}"
+            );
             break value("proxy_agent_network_programming_duration_seconds_sum ").expect("sum");
         }
         assert!(Instant::now() < deadline, "no latency observed:\n{metrics}");

@@ -213,7 +213,7 @@ fn attach_failures(tb: &Testbed) -> u64 {
     let metrics = get_in_node(tb, "http://127.0.0.1:10249/metrics");
     metrics
         .lines()
-        .find_map(|l| l.strip_prefix("proxy_agent_interface_attach_failures "))
+        .find_map(|l| l.strip_prefix("proxy_agent_interface_attach_failures_total "))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("no attach failure metric:\n{metrics}"))
 }

@@ -6,7 +6,7 @@
 mod endpoints;
 mod view;
 
-pub use view::{HealthCheck, Rejection, health_checks, node_view};
+pub use view::{HealthCheck, Rejection, health_check_addresses, health_checks, node_view};
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -54,6 +54,9 @@ pub struct NodeInfo {
     pub labels: BTreeMap<String, String>,
     /// The node's own addresses (NodePorts listen on them).
     pub addresses: Vec<IpAddr>,
+    /// The Node is going away (a deletion timestamp, or the cluster autoscaler's
+    /// `ToBeDeletedByClusterAutoscaler` taint): `/healthz` fails so load balancers drain it.
+    pub draining: bool,
 }
 
 impl NodeInfo {
@@ -176,6 +179,8 @@ pub struct FrontendState {
     /// `externalTrafficPolicy: Local` on an external frontend: outside clients keep their
     /// source address.
     pub external_local: bool,
+    /// `internalTrafficPolicy: Local` on a ClusterIP frontend: only this node's endpoints.
+    pub internal_local: bool,
     /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
     pub source_ranges: Vec<ipnet::IpNet>,
 }

@@ -233,6 +233,7 @@ fn frontend_state(
         internal,
         affinity_timeout_s: affinity,
         external_local: kind != FrontendKind::ClusterIp && policies.external_local,
+        internal_local: kind == FrontendKind::ClusterIp && policies.internal_local,
         source_ranges: Vec::new(),
     }
 }
@@ -322,6 +323,21 @@ fn node_port(port: &ServicePort) -> Option<u16> {
     port.node_port
         .and_then(|p| u16::try_from(p).ok())
         .filter(|p| *p != 0)
+}
+
+/// Where health-check node ports listen, as kube-proxy's: every address (both families)
+/// unless `nodePortAddresses` narrows them to the node addresses it names.
+pub fn health_check_addresses(node: &NodeInfo, cfg: &ViewConfig) -> Option<Vec<IpAddr>> {
+    if cfg.node_port_addresses.is_empty() {
+        return None;
+    }
+    Some(
+        node.addresses
+            .iter()
+            .copied()
+            .filter(|ip| cfg.node_port_addresses.iter().any(|n| n.contains(ip)))
+            .collect(),
+    )
 }
 
 /// Node addresses of one family that serve NodePorts (`nodePortAddresses`, or all), plus

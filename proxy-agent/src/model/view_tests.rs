@@ -69,6 +69,7 @@ fn node_a() -> NodeInfo {
             "192.0.2.10".parse().expect("ip"),
             "2001:db8:a::10".parse().expect("ip"),
         ],
+        ..NodeInfo::default()
     }
 }
 

@@ -36,9 +36,9 @@ pub async fn client_config(opts: &ApiServerOptions) -> Result<kube::Config> {
             )
         })?,
         (None, None) => {
-            let config = kube::Config::infer()
-                .await
-                .context("no kubeconfig and no in-cluster config: give --kubeconfig or --api-server")?;
+            let config = kube::Config::infer().await.context(
+                "no kubeconfig and no in-cluster config: give --kubeconfig or --api-server",
+            )?;
             if let Some(ip) = in_cluster_service_ip(&config) {
                 tracing::warn!(
                     url = %config.cluster_url,

@@ -150,18 +150,25 @@ pub async fn run(
         }
     })?;
     watcher.watch(&dir, notify::RecursiveMode::NonRecursive)?;
+    let mut changes = super::ChangeCounts::default();
     loop {
         match load(&dir) {
             Ok((model, errors)) => {
                 for e in &errors {
                     tracing::warn!(error = %e, "skipping manifest");
                 }
+                let previous = tx.borrow().clone();
+                let empty = ClusterModel::default();
+                changes.add_differences(previous.as_ref().map_or(&empty, |p| &p.model), &model);
                 let snapshot = super::Snapshot {
                     model,
                     node: node.clone(),
+                    changes,
                 };
                 tx.send_if_modified(|current| {
-                    let changed = current.as_deref() != Some(&snapshot);
+                    let changed = current
+                        .as_ref()
+                        .is_none_or(|c| c.model != snapshot.model || c.node != snapshot.node);
                     if changed {
                         *current = Some(std::sync::Arc::new(snapshot));
                     }

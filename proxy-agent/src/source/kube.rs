@@ -45,8 +45,9 @@ impl<K> Default for Kind<K> {
 }
 
 impl<K: Resource + Clone + PartialEq> Kind<K> {
-    /// Applies one watch event; `true` if what the model holds changed.
-    fn apply(&mut self, event: watcher::Event<K>) -> bool {
+    /// Applies one watch event; `true` if what the model holds changed. Counts the objects
+    /// that changed into `changes`.
+    fn apply(&mut self, event: watcher::Event<K>, changes: &mut u64) -> bool {
         match event {
             watcher::Event::Init => {
                 self.relist = Some(BTreeMap::new());
@@ -61,6 +62,7 @@ impl<K: Resource + Clone + PartialEq> Kind<K> {
             }
             watcher::Event::InitDone => {
                 let fresh = self.relist.take().unwrap_or_default();
+                *changes += super::differing(&self.objects, &fresh);
                 let changed = fresh != self.objects || !self.listed;
                 self.objects = fresh;
                 self.listed = true;
@@ -74,10 +76,13 @@ impl<K: Resource + Clone + PartialEq> Kind<K> {
                     return false;
                 }
                 self.objects.insert(key, obj);
+                *changes += 1;
                 true
             }
             watcher::Event::Delete(obj) => {
-                self.objects.remove(&ObjectRef::of(obj.meta())).is_some()
+                let removed = self.objects.remove(&ObjectRef::of(obj.meta())).is_some();
+                *changes += u64::from(removed);
+                removed
             }
         }
     }
@@ -99,6 +104,7 @@ pub struct Store {
     slices: Kind<EndpointSlice>,
     nodes: Kind<Node>,
     node_name: String,
+    changes: super::ChangeCounts,
 }
 
 impl Store {
@@ -149,9 +155,9 @@ impl Store {
 
     fn apply(&mut self, update: Update) -> bool {
         match update {
-            Update::Service(e) => self.services.apply(*e),
-            Update::Slice(e) => self.slices.apply(*e),
-            Update::Node(e) => self.nodes.apply(*e),
+            Update::Service(e) => self.services.apply(*e, &mut self.changes.services),
+            Update::Slice(e) => self.slices.apply(*e, &mut self.changes.endpoint_slices),
+            Update::Node(e) => self.nodes.apply(*e, &mut 0),
         }
     }
 
@@ -164,6 +170,7 @@ impl Store {
                 slices: self.slices.objects.clone(),
             },
             node: node_info(&self.node_name, node),
+            changes: self.changes,
         }
     }
 }
@@ -185,10 +192,16 @@ pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
         .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
         .filter_map(|a| a.address.parse::<IpAddr>().ok())
         .collect();
+    let autoscaler_taint = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"));
     NodeInfo {
         name: name.to_string(),
         labels: node.labels().clone(),
         addresses,
+        draining: node.metadata.deletion_timestamp.is_some() || autoscaler_taint,
     }
 }
 

@@ -17,4 +17,33 @@ pub type SharedSnapshot = std::sync::Arc<Snapshot>;
 pub struct Snapshot {
     pub model: ClusterModel,
     pub node: NodeInfo,
+    /// Changes the source has seen up to this snapshot.
+    pub changes: ChangeCounts,
+}
+
+/// Object changes a source has seen since it started, counted as kube-proxy counts them
+/// (`sync_proxy_rules_service_changes_total`, `..._endpoint_changes_total`): one per
+/// Service or EndpointSlice added, modified or deleted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ChangeCounts {
+    pub services: u64,
+    pub endpoint_slices: u64,
+}
+
+impl ChangeCounts {
+    /// Adds the objects that differ between `old` and `new` (a reload, a relist).
+    pub fn add_differences(&mut self, old: &ClusterModel, new: &ClusterModel) {
+        self.services += differing(&old.services, &new.services);
+        self.endpoint_slices += differing(&old.slices, &new.slices);
+    }
+}
+
+/// How many keys were added, removed or changed between two maps.
+pub fn differing<K: Ord, V: PartialEq>(
+    old: &std::collections::BTreeMap<K, V>,
+    new: &std::collections::BTreeMap<K, V>,
+) -> u64 {
+    let changed_or_added = new.iter().filter(|(k, v)| old.get(*k) != Some(*v)).count();
+    let removed = old.keys().filter(|k| !new.contains_key(*k)).count();
+    (changed_or_added + removed) as u64
 }

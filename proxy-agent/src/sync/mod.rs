@@ -14,7 +14,10 @@ pub use self::status::Status;
 use crate::{
     dataplane::Dataplane,
     health::HealthServers,
-    model::{NodeInfo, NodeSettings, NodeView, ViewConfig, health_checks, node_view},
+    model::{
+        NodeInfo, NodeSettings, NodeView, ViewConfig, health_check_addresses, health_checks,
+        node_view,
+    },
     source::{SharedSnapshot, files},
 };
 
@@ -91,7 +94,7 @@ pub async fn run<D: Dataplane>(
     let mut current: Option<NodeView> = None;
     let mut last_rejections = Vec::new();
     let mut settings: Option<NodeSettings> = None;
-    let mut health = HealthServers::default();
+    let mut health = HealthServers::new(status.clone());
     let mut programmed = Programmed::default();
     loop {
         let wake = retry_at.map_or(next_resync, |r| r.min(next_resync));
@@ -104,6 +107,9 @@ pub async fn run<D: Dataplane>(
                     return Ok(());
                 }
                 status.queued(std::time::Instant::now());
+                if let Some(snapshot) = source.borrow().as_ref() {
+                    status.seen(snapshot.changes);
+                }
             }
             _ = tokio::time::sleep_until(wake) => forced = true,
         }
@@ -124,7 +130,10 @@ pub async fn run<D: Dataplane>(
                 ),
             }
         }
-        health.update(&health_checks(&snapshot.model, &snapshot.node, &cfg));
+        health.update(
+            &health_checks(&snapshot.model, &snapshot.node, &cfg),
+            health_check_addresses(&snapshot.node, &cfg).as_deref(),
+        );
         let (view, rejected) = node_view(&snapshot.model, &snapshot.node, &cfg);
         if rejected != last_rejections {
             for r in &rejected {
@@ -141,6 +150,7 @@ pub async fn run<D: Dataplane>(
             }
         } else if !forced && current.as_ref() == Some(&view) {
             // Nothing this node does changed: the change is in effect as it is.
+            status.record_unchanged(&snapshot);
             programmed.record(&snapshot, &status);
             continue;
         }

@@ -12,7 +12,7 @@ use tokio::sync::broadcast;
 use crate::{
     dataplane::{ApplyReport, bpf::AttachFailures},
     model::{NodeView, diff_lines},
-    source::SharedSnapshot,
+    source::{ChangeCounts, SharedSnapshot},
 };
 
 /// Counters and the latest state, as the debug endpoint shows them.
@@ -26,6 +26,16 @@ pub struct Counters {
     /// Classifier attachments to interfaces that failed.
     pub interface_attach_failures: u64,
     pub last_sync_seconds: f64,
+    /// Answers of `/healthz` and `/livez` by status code (kube-proxy's
+    /// `proxy_healthz_total` and `proxy_livez_total`).
+    pub healthz_answers: std::collections::BTreeMap<u16, u64>,
+    pub livez_answers: std::collections::BTreeMap<u16, u64>,
+    /// Changes the source has seen, and those the last sync included.
+    pub changes_seen: ChangeCounts,
+    pub changes_synced: ChangeCounts,
+    /// Service ports with a Local traffic policy and no local endpoint, by policy
+    /// (`internal`, `external`) and family (`IPv4`, `IPv6`), as of the last sync.
+    pub no_local_endpoints: std::collections::BTreeMap<(&'static str, &'static str), u64>,
     /// The per-packet path's connection tracking, as its collector last measured it.
     pub conntrack: ConntrackFill,
 }
@@ -53,12 +63,16 @@ struct State {
     health_timeout: Duration,
 }
 
-/// What `/healthz` answers: kube-proxy's rule — unhealthy once a change has waited
-/// longer than the timeout — plus ours: unhealthy until the first sync, so a load
-/// balancer never sends traffic to a node whose dataplane is still empty.
+/// What `/livez` and `/healthz` answer, by kube-proxy's rules: the proxy is healthy while
+/// starting and while synced, unhealthy once a change has waited longer than the timeout
+/// (2 × syncPeriod); `/healthz` also fails while the node is draining, so load balancers
+/// stop sending it traffic (`/livez` does not: restarting would not help).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Health {
+    /// The proxy itself (`/livez`).
     pub healthy: bool,
+    /// The Node is not being deleted nor tainted for deletion by the cluster autoscaler.
+    pub node_eligible: bool,
     pub last_updated: Option<std::time::SystemTime>,
     /// How long the oldest pending change has waited.
     pub pending_for: Option<Duration>,
@@ -78,6 +92,8 @@ pub struct Histograms {
     pub sync: Histogram,
     /// From an EndpointSlice change (its trigger time) to this node holding it.
     pub programming: Histogram,
+    /// The same, in kube-proxy's buckets (0.25 s to 5 min), under kube-proxy's name.
+    pub programming_kube: Histogram,
 }
 
 impl Default for Histograms {
@@ -87,6 +103,7 @@ impl Default for Histograms {
         Self {
             sync: buckets(),
             programming: buckets(),
+            programming_kube: crate::metrics::kube_proxy_programming_histogram(),
         }
     }
 }
@@ -121,6 +138,10 @@ impl Status {
 
     pub(crate) fn observe_programming(&self, took: Duration) {
         self.0.histograms.programming.observe(took.as_secs_f64());
+        self.0
+            .histograms
+            .programming_kube
+            .observe(took.as_secs_f64());
     }
 
     pub(crate) fn set_health_timeout(&self, timeout: Duration) {
@@ -132,6 +153,11 @@ impl Status {
         self.with(|s| {
             s.pending_since.get_or_insert(now);
         });
+    }
+
+    /// The source's change counts as of its latest snapshot.
+    pub(crate) fn seen(&self, changes: ChangeCounts) {
+        self.with(|s| s.counters.changes_seen = changes);
     }
 
     /// Everything the source said is in effect.
@@ -151,11 +177,24 @@ impl Status {
                 s.health_timeout
             };
             Health {
-                healthy: s.counters.syncs_ok > 0 && pending_for.is_none_or(|p| p < timeout),
+                healthy: pending_for.is_none_or(|p| p < timeout),
+                node_eligible: s.snapshot.as_ref().is_none_or(|snap| !snap.node.draining),
                 last_updated: s.last_updated,
                 pending_for,
             }
         })
+    }
+
+    /// Counts one answer of `/healthz` (`livez: false`) or `/livez`.
+    pub fn count_health_answer(&self, livez: bool, code: u16) {
+        self.with(|s| {
+            let answers = if livez {
+                &mut s.counters.livez_answers
+            } else {
+                &mut s.counters.healthz_answers
+            };
+            *answers.entry(code).or_insert(0) += 1;
+        });
     }
 
     pub(crate) fn count_rejections(&self, n: usize) {
@@ -176,8 +215,11 @@ impl Status {
             let _ = self.0.diffs.send(line);
         }
         self.0.histograms.sync.observe(took.as_secs_f64());
+        let no_local = no_local_endpoints(view);
         self.with(|s| {
             s.snapshot = Some(SharedSnapshot::clone(snapshot));
+            s.counters.changes_synced = snapshot.changes;
+            s.counters.no_local_endpoints = no_local;
             s.view = view.clone();
             s.counters.last_sync_seconds = took.as_secs_f64();
             match outcome {
@@ -191,6 +233,14 @@ impl Status {
                 }
                 Err(_) => s.counters.syncs_failed += 1,
             }
+        });
+    }
+
+    /// A snapshot that changed nothing in the view is in effect as it is.
+    pub(crate) fn record_unchanged(&self, snapshot: &SharedSnapshot) {
+        self.with(|s| {
+            s.snapshot = Some(SharedSnapshot::clone(snapshot));
+            s.counters.changes_synced = snapshot.changes;
         });
     }
 
@@ -232,6 +282,37 @@ impl Status {
     }
 }
 
+/// kube-proxy's `sync_proxy_rules_no_local_endpoints_total`: Service ports whose Local
+/// traffic policy finds no endpoint on this node, per policy and family.
+fn no_local_endpoints(
+    view: &NodeView,
+) -> std::collections::BTreeMap<(&'static str, &'static str), u64> {
+    let mut seen = std::collections::BTreeSet::new();
+    for (fe, st) in view {
+        let family = if fe.ip.is_ipv4() { "IPv4" } else { "IPv6" };
+        let policy = if st.internal_local {
+            "internal"
+        } else if st.external_local {
+            "external"
+        } else {
+            continue;
+        };
+        if st.backends.endpoints.is_empty() {
+            seen.insert((policy, family, st.service.as_str()));
+        }
+    }
+    let mut counts = std::collections::BTreeMap::new();
+    for policy in ["internal", "external"] {
+        for family in ["IPv4", "IPv6"] {
+            counts.insert((policy, family), 0);
+        }
+    }
+    for (policy, family, _) in seen {
+        *counts.entry((policy, family)).or_insert(0) += 1;
+    }
+    counts
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
@@ -243,8 +324,15 @@ mod tests {
         let st = Status::default();
         st.set_health_timeout(Duration::from_secs(60));
         let t0 = Instant::now();
-        assert!(!st.health(t0).healthy, "nothing programmed yet");
-        st.with(|s| s.counters.syncs_ok = 1);
+        assert!(
+            st.health(t0).healthy,
+            "healthy while starting, as kube-proxy"
+        );
+        st.queued(t0);
+        assert!(
+            !st.health(t0 + Duration::from_secs(61)).healthy,
+            "never synced"
+        );
         st.updated();
         assert!(st.health(t0).healthy);
         st.queued(t0);
@@ -255,5 +343,18 @@ mod tests {
         st.updated();
         let h = st.health(t0 + Duration::from_secs(61));
         assert!(h.healthy && h.pending_for.is_none() && h.last_updated.is_some());
+    }
+
+    #[test]
+    fn a_draining_node_is_not_eligible_but_still_live() {
+        use crate::source::Snapshot;
+        let st = Status::default();
+        let t0 = Instant::now();
+        assert!(st.health(t0).node_eligible);
+        let mut snap = Snapshot::default();
+        snap.node.draining = true;
+        st.with(|s| s.snapshot = Some(Arc::new(snap)));
+        let h = st.health(t0);
+        assert!(h.healthy && !h.node_eligible, "{h:?}");
     }
 }

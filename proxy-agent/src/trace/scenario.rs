@@ -201,6 +201,7 @@ fn node_settings(raw: serde_json::Map<String, serde_json::Value>) -> Result<Node
             name: raw.node_name.unwrap_or_else(|| "node-a".into()),
             labels: raw.labels.unwrap_or_default(),
             addresses: ips(raw.node_ips, "nodeIPs")?,
+            ..NodeInfo::default()
         },
         view: ViewConfig {
             pod_cidrs,

@@ -263,12 +263,12 @@ fn matches_selector(obj: &Value, q: &BTreeMap<String, String>) -> bool {
     });
     labels_match
         && match q
-        .get("fieldSelector")
-        .and_then(|f| f.strip_prefix("metadata.name="))
-    {
-        Some(name) => obj["metadata"]["name"].as_str() == Some(name),
-        None => true,
-    }
+            .get("fieldSelector")
+            .and_then(|f| f.strip_prefix("metadata.name="))
+        {
+            Some(name) => obj["metadata"]["name"].as_str() == Some(name),
+            None => true,
+        }
 }
 
 async fn handle(

@@ -139,6 +139,7 @@ pub fn frontend(
             internal: None,
             affinity_timeout_s: None,
             external_local: false,
+            internal_local: false,
             source_ranges: Vec::new(),
         },
     )

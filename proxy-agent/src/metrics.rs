@@ -1,0 +1,341 @@
+//! The Prometheus text of `/metrics` (metricsBindAddress): kube-proxy's own metrics under
+//! kube-proxy's names and types, so existing dashboards and alerts read this node as they
+//! read kube-proxy; the process metrics every Go component exports; and ours, under
+//! `proxy_agent_` (conntrack fill, BPF events by kind, interface attachments).
+
+use std::{path::Path, sync::atomic::AtomicU64};
+
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+
+use crate::{dataplane::bpf::MapSet, sync::Status};
+
+type Labels = Vec<(String, String)>;
+
+fn counter(registry: &mut Registry, name: &str, help: &str, v: u64) {
+    let c: Counter = Counter::default();
+    c.inc_by(v);
+    registry.register(name, help, c);
+}
+
+fn gauge(registry: &mut Registry, name: &str, help: &str, v: i64) {
+    let g: Gauge = Gauge::default();
+    g.set(v);
+    registry.register(name, help, g);
+}
+
+fn gauge_f64(registry: &mut Registry, name: &str, help: &str, v: f64) {
+    let g: Gauge<f64, AtomicU64> = Gauge::default();
+    g.set(v);
+    registry.register(name, help, g);
+}
+
+/// Renders every metric as of now.
+pub fn render(status: &Status, maps_dir: Option<&Path>) -> Result<String, std::fmt::Error> {
+    let mut root = Registry::default();
+    kube_proxy(root.sub_registry_with_prefix("kubeproxy"), status);
+    process(&mut root);
+    ours(
+        root.sub_registry_with_prefix("proxy_agent"),
+        status,
+        maps_dir,
+    );
+    let mut out = String::new();
+    encode(&mut out, &root)?;
+    Ok(out)
+}
+
+/// kube-proxy's metrics, by its names, types and buckets.
+fn kube_proxy(r: &mut Registry, status: &Status) {
+    let c = status.counters();
+    let h = status.histograms();
+    r.register(
+        "sync_proxy_rules_duration_seconds",
+        "SyncProxyRules latency in seconds",
+        h.sync,
+    );
+    r.register(
+        "network_programming_duration_seconds",
+        "In Cluster Network Programming Latency in seconds",
+        h.programming_kube,
+    );
+    if let Some(t) = status.health(std::time::Instant::now()).last_updated {
+        let secs = t
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        gauge_f64(
+            r,
+            "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            secs,
+        );
+    }
+    counter(
+        r,
+        "sync_proxy_rules_service_changes",
+        "Cumulative proxy rules Service changes",
+        c.changes_seen.services,
+    );
+    counter(
+        r,
+        "sync_proxy_rules_endpoint_changes",
+        "Cumulative proxy rules Endpoint changes",
+        c.changes_seen.endpoint_slices,
+    );
+    gauge(
+        r,
+        "sync_proxy_rules_service_changes_pending",
+        "Pending proxy rules Service changes",
+        c.changes_seen
+            .services
+            .saturating_sub(c.changes_synced.services) as i64,
+    );
+    gauge(
+        r,
+        "sync_proxy_rules_endpoint_changes_pending",
+        "Pending proxy rules Endpoint changes",
+        c.changes_seen
+            .endpoint_slices
+            .saturating_sub(c.changes_synced.endpoint_slices) as i64,
+    );
+    let no_local = Family::<Labels, Gauge>::default();
+    for ((policy, family), n) in &c.no_local_endpoints {
+        no_local
+            .get_or_create(&vec![
+                ("traffic_policy".into(), (*policy).into()),
+                ("address_family".into(), (*family).into()),
+            ])
+            .set(*n as i64);
+    }
+    r.register(
+        "sync_proxy_rules_no_local_endpoints_total",
+        "Number of services with a Local traffic policy and no endpoints",
+        no_local,
+    );
+    for (name, help, answers) in [
+        (
+            "proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            &c.healthz_answers,
+        ),
+        (
+            "proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            &c.livez_answers,
+        ),
+    ] {
+        let family = Family::<Labels, Counter>::default();
+        for (code, n) in answers {
+            family
+                .get_or_create(&vec![("code".into(), code.to_string())])
+                .inc_by(*n);
+        }
+        r.register(name, help, family);
+    }
+}
+
+/// `process_*`, as client_golang's process collector exports them (Linux /proc).
+fn process(r: &mut Registry) {
+    let Ok(me) = procfs::process::Process::myself() else {
+        return;
+    };
+    if let Ok(stat) = me.stat() {
+        let ticks = procfs::ticks_per_second() as f64;
+        let cpu: Counter<f64, AtomicU64> = Counter::default();
+        cpu.inc_by((stat.utime + stat.stime) as f64 / ticks);
+        r.register(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds",
+            cpu,
+        );
+        gauge(
+            r,
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes",
+            (stat.rss * procfs::page_size()) as i64,
+        );
+        gauge(
+            r,
+            "process_virtual_memory_bytes",
+            "Virtual memory size in bytes",
+            stat.vsize as i64,
+        );
+        if let Ok(boot) = procfs::boot_time_secs() {
+            gauge_f64(
+                r,
+                "process_start_time_seconds",
+                "Start time of the process since unix epoch in seconds",
+                boot as f64 + stat.starttime as f64 / ticks,
+            );
+        }
+    }
+    if let Ok(n) = me.fd_count() {
+        gauge(
+            r,
+            "process_open_fds",
+            "Number of open file descriptors",
+            n as i64,
+        );
+    }
+    if let Ok(limits) = me.limits()
+        && let procfs::process::LimitValue::Value(max) = limits.max_open_files.soft_limit
+    {
+        gauge(
+            r,
+            "process_max_fds",
+            "Maximum number of open file descriptors",
+            max as i64,
+        );
+    }
+}
+
+/// Ours: what kube-proxy has no name for.
+fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
+    let c = status.counters();
+    for (name, help, v) in [
+        ("syncs_ok", "Successful dataplane syncs", c.syncs_ok),
+        (
+            "syncs_failed",
+            "Dataplane syncs with a failure",
+            c.syncs_failed,
+        ),
+        (
+            "frontends_failed",
+            "Frontends that could not be programmed",
+            c.frontends_failed,
+        ),
+        (
+            "objects_rejected",
+            "Invalid objects left out of the view",
+            c.objects_rejected,
+        ),
+        (
+            "udp_sockets_destroyed",
+            "Connected UDP sockets destroyed because their backend went away",
+            c.udp_sockets_destroyed,
+        ),
+        (
+            "interface_attach_failures",
+            "Classifier attachments to interfaces that failed",
+            c.interface_attach_failures,
+        ),
+        (
+            "conntrack_collected",
+            "Entries the collector removed (expired flows, orphaned replies)",
+            c.conntrack.collected_total,
+        ),
+    ] {
+        counter(r, name, help, v);
+    }
+    for (name, help, v) in [
+        (
+            "conntrack_answered_entries",
+            "Entries (two per flow) in the table of answered flows",
+            c.conntrack.answered,
+        ),
+        (
+            "conntrack_answered_capacity",
+            "Capacity of the table of answered flows",
+            c.conntrack.answered_capacity,
+        ),
+        (
+            "conntrack_new_entries",
+            "Entries in the table of flows not answered yet (LRU)",
+            c.conntrack.new,
+        ),
+        (
+            "conntrack_new_capacity",
+            "Capacity of the table of flows not answered yet",
+            c.conntrack.new_capacity,
+        ),
+    ] {
+        gauge(r, name, help, v as i64);
+    }
+    gauge(
+        r,
+        "frontends",
+        "Frontends in this node's view",
+        status.view().len() as i64,
+    );
+    let h = status.histograms();
+    r.register(
+        "network_programming_duration_seconds",
+        "From an EndpointSlice change (last-change-trigger-time) to this node holding it, \
+         in buckets from 1 ms",
+        h.programming,
+    );
+    gauge(
+        r,
+        "last_sync_microseconds",
+        "Duration of the last sync",
+        (c.last_sync_seconds * 1e6) as i64,
+    );
+    if let Some(dir) = maps_dir
+        && let Ok(maps) = MapSet::open_pinned(dir)
+        && let Ok(counters) = maps.counters()
+    {
+        let events = Family::<Labels, Counter>::default();
+        for (name, value) in counters {
+            events
+                .get_or_create(&vec![("event".into(), name.to_string())])
+                .inc_by(value);
+        }
+        r.register(
+            "bpf_events",
+            "Events counted by the BPF programs (translations, drops by reason, conntrack)",
+            events,
+        );
+    }
+}
+
+/// kube-proxy's network programming buckets: 0.25 s to 5 min.
+pub fn kube_proxy_programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    b
+}
+
+/// A histogram with kube-proxy's network programming buckets.
+pub fn kube_proxy_programming_histogram() -> Histogram {
+    Histogram::new(kube_proxy_programming_buckets())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kube_proxys_names_and_types() {
+        let status = Status::default();
+        status.count_health_answer(false, 200);
+        status.count_health_answer(true, 503);
+        let text = render(&status, None).expect("render");
+        for line in [
+            "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_network_programming_duration_seconds histogram",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"300.0\"} 0",
+            "# TYPE kubeproxy_sync_proxy_rules_service_changes counter",
+            "kubeproxy_sync_proxy_rules_service_changes_total 0",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 0",
+            "kubeproxy_sync_proxy_rules_service_changes_pending 0",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+            "kubeproxy_proxy_livez_total{code=\"503\"} 1",
+            "# TYPE process_cpu_seconds counter",
+            "process_resident_memory_bytes ",
+            "process_start_time_seconds ",
+            "process_open_fds ",
+            "proxy_agent_syncs_ok_total 0",
+            "proxy_agent_conntrack_answered_entries 0",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
+        assert_eq!(kube_proxy_programming_buckets().len(), 2 + 59 + 12 + 7);
+    }
+}
