@@ -103,10 +103,11 @@ struct EbpfSection {
 /// How local (pod) traffic is told apart from other traffic.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum LocalDetector {
+    /// Sources in the cluster's pod CIDRs (`clusterCIDR`).
     ClusterCidr(Vec<ipnet::IpNet>),
-    BridgeInterface(String),
-    InterfaceNamePrefix(String),
-    /// `detectLocalMode: NodeCIDR` and the rest: not told apart.
+    /// Sources in this Node's `spec.podCIDRs` (API-server source only).
+    NodeCidr,
+    /// Not told apart: no `clusterCIDR` and no mode.
     None,
 }
 
@@ -193,6 +194,8 @@ pub struct Config {
     pub masquerade_all: bool,
     pub localhost_node_ports: bool,
     pub node_port_addresses: Vec<ipnet::IpNet>,
+    /// `nodePortAddresses` holds `primary`.
+    pub node_port_primary: bool,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
     pub healthz_bind_address: String,
@@ -220,6 +223,7 @@ impl Default for Config {
             masquerade_all: false,
             localhost_node_ports: true,
             node_port_addresses: Vec::new(),
+            node_port_primary: false,
             // kube-proxy defaults to 1s because each iptables sync is costly; a map
             // update is not, so bursts are coalesced over a much shorter window.
             min_sync_period: Duration::from_millis(100),
@@ -304,40 +308,27 @@ impl Config {
                 return Err("detectLocalMode ClusterCIDR needs clusterCIDR".into());
             }
             "ClusterCIDR" => LocalDetector::ClusterCidr(cidrs),
-            "BridgeInterface" => LocalDetector::BridgeInterface(
-                detect
-                    .bridge_interface
-                    .filter(|s| !s.is_empty())
-                    .ok_or("detectLocalMode BridgeInterface needs detectLocal.bridgeInterface")?,
-            ),
-            "InterfaceNamePrefix" => LocalDetector::InterfaceNamePrefix(
-                detect
-                    .interface_name_prefix
-                    .filter(|s| !s.is_empty())
-                    .ok_or(
-                        "detectLocalMode InterfaceNamePrefix needs detectLocal.interfaceNamePrefix",
-                    )?,
-            ),
-            "NodeCIDR" => {
-                warnings.push(
-                    "detectLocalMode NodeCIDR: not supported, local traffic is not told apart"
-                        .into(),
-                );
-                LocalDetector::None
+            // Refused rather than accepted and ignored: traffic from pods would then be
+            // masqueraded (or not) against the operator's intent.
+            mode @ ("BridgeInterface" | "InterfaceNamePrefix") => {
+                let named = if mode == "BridgeInterface" {
+                    detect.bridge_interface
+                } else {
+                    detect.interface_name_prefix
+                };
+                return Err(format!(
+                    "detectLocalMode {mode} ({:?}) is not supported by the eBPF proxy: use \
+                     ClusterCIDR (with clusterCIDR) or NodeCIDR",
+                    named.unwrap_or_default()
+                ));
             }
+            "NodeCIDR" => LocalDetector::NodeCidr,
             other => return Err(format!("unknown detectLocalMode {other:?}")),
         };
         if let Some(list) = &file.node_port_addresses {
-            let mut nets = Vec::new();
-            for entry in list {
-                match entry.as_str() {
-                    // kube-proxy's "primary" keyword: the node's primary addresses.
-                    "primary" => warnings
-                        .push("nodePortAddresses \"primary\": using every node address".into()),
-                    s => nets.extend(parse_cidrs(s, "nodePortAddresses")?),
-                }
-            }
+            let (nets, primary) = parse_node_port_addresses(list)?;
             cfg.node_port_addresses = nets;
+            cfg.node_port_primary = primary;
         }
         // Mode sections: masqueradeAll and the sync periods apply whichever mode named them.
         for (name, section) in [("iptables", &file.iptables), ("nftables", &file.nftables)] {
@@ -452,12 +443,37 @@ impl Config {
     }
 }
 
+/// `nodePortAddresses` as kube-proxy expands it: CIDRs and the keywords `primary` (this
+/// node's primary address of each family, known once the Node is), `localhost`
+/// (127.0.0.0/8, ::1/128) and `all` (0.0.0.0/0, ::/0), each keyword at most once.
+fn parse_node_port_addresses(list: &[String]) -> Result<(Vec<ipnet::IpNet>, bool), String> {
+    let mut nets = Vec::new();
+    let mut primary = false;
+    let mut seen = std::collections::BTreeSet::new();
+    for entry in list {
+        let entry = entry.trim();
+        let keyword = matches!(entry, "primary" | "localhost" | "all");
+        if keyword && !seen.insert(entry) {
+            return Err(format!("nodePortAddresses: duplicate keyword {entry:?}"));
+        }
+        match entry {
+            "primary" => primary = true,
+            "localhost" => nets.extend(parse_cidrs("127.0.0.0/8,::1/128", "nodePortAddresses")?),
+            "all" => nets.extend(parse_cidrs("0.0.0.0/0,::/0", "nodePortAddresses")?),
+            s => nets.extend(parse_cidrs(s, "nodePortAddresses").map_err(|e| {
+                format!("{e} (a CIDR or one of the keywords primary, localhost, all)")
+            })?),
+        }
+    }
+    Ok((nets, primary))
+}
+
 fn parse_cidrs(s: &str, field: &str) -> Result<Vec<ipnet::IpNet>, String> {
     s.split(',')
         .map(str::trim)
         .filter(|c| !c.is_empty())
         .map(|c| {
-            c.parse()
+            crate::model::sloppy::parse_cidr(c)
                 .map_err(|e| format!("{field}: invalid CIDR {c:?}: {e}"))
         })
         .collect()
@@ -619,6 +635,30 @@ ebpf:
         assert!(warnings.iter().any(|w| w.contains("ipvs")), "{warnings:?}");
     }
 
+    /// kube-proxy's `nodePortAddresses` keywords and `detectLocalMode: NodeCIDR`.
+    #[test]
+    fn node_port_keywords_and_node_cidr() {
+        let text = "kind: KubeProxyConfiguration
+detectLocalMode: NodeCIDR
+nodePortAddresses: [primary, localhost, 010.001.0.0/16]
+";
+        let (cfg, warnings) = Config::from_text(text).expect("valid");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(cfg.local_detector, LocalDetector::NodeCidr);
+        assert!(cfg.node_port_primary);
+        let nets: Vec<String> = cfg
+            .node_port_addresses
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(nets, ["127.0.0.0/8", "::1/128", "10.1.0.0/16"]);
+        let (all, _) =
+            Config::from_text("kind: KubeProxyConfiguration\nnodePortAddresses: [all]\n")
+                .expect("valid");
+        assert!(!all.node_port_primary);
+        assert_eq!(all.node_port_addresses.len(), 2, "0.0.0.0/0 and ::/0");
+    }
+
     #[test]
     fn invalid_files_are_refused_with_the_field() {
         for (text, needle) in [
@@ -643,6 +683,24 @@ ebpf:
             (
                 "kind: KubeProxyConfiguration\nconntrack: {maxPerCore: -1}\n",
                 "conntrack.maxPerCore",
+            ),
+            // Refused by name, never accepted and ignored.
+            (
+                "kind: KubeProxyConfiguration\ndetectLocalMode: BridgeInterface\n\
+                 detectLocal: {bridgeInterface: cbr0}\n",
+                "detectLocalMode BridgeInterface (\"cbr0\") is not supported",
+            ),
+            (
+                "kind: KubeProxyConfiguration\ndetectLocalMode: InterfaceNamePrefix\n",
+                "detectLocalMode InterfaceNamePrefix",
+            ),
+            (
+                "kind: KubeProxyConfiguration\nnodePortAddresses: [primary, primary]\n",
+                "duplicate keyword \"primary\"",
+            ),
+            (
+                "kind: KubeProxyConfiguration\nnodePortAddresses: [everything]\n",
+                "one of the keywords primary, localhost, all",
             ),
         ] {
             let err = Config::from_text(text).expect_err(text);

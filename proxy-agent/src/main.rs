@@ -257,7 +257,7 @@ impl NodeArgs {
             name: proxy_agent::node_name(name_override)?,
             labels: self.node_labels.iter().cloned().collect(),
             addresses: self.node_ips.clone(),
-            draining: false,
+            ..Default::default()
         })
     }
 }
@@ -352,14 +352,22 @@ async fn run(args: RunArgs) -> Result<()> {
         tracing::info!("shutting down; pinned programs keep serving traffic");
     };
     let node = args.node.info(cfg.hostname_override.as_deref())?;
+    use proxy_agent::config::LocalDetector;
+    if cfg.local_detector == LocalDetector::NodeCidr && matches!(args.source, SourceKind::Files) {
+        anyhow::bail!(
+            "detectLocalMode NodeCIDR reads this Node's spec.podCIDRs: it needs --source kube"
+        );
+    }
     let view_cfg = proxy_agent::model::ViewConfig {
         pod_cidrs: match &cfg.local_detector {
-            proxy_agent::config::LocalDetector::ClusterCidr(nets) => nets.clone(),
-            _ => Vec::new(),
+            LocalDetector::ClusterCidr(nets) => nets.clone(),
+            LocalDetector::NodeCidr | LocalDetector::None => Vec::new(),
         },
+        pod_cidrs_from_node: cfg.local_detector == LocalDetector::NodeCidr,
         masquerade_all: cfg.masquerade_all,
         conntrack: cfg.conntrack.clone(),
         node_port_addresses: cfg.node_port_addresses.clone(),
+        node_port_primary: cfg.node_port_primary,
         localhost_node_ports: cfg.localhost_node_ports,
         service_proxy_name: cfg.service_proxy_name.clone(),
     };

@@ -4,6 +4,7 @@
 //! traffic leads to. Plain data in, plain data out.
 
 mod endpoints;
+pub mod sloppy;
 mod view;
 
 pub use view::{HealthCheck, Rejection, health_check_addresses, health_checks, node_view};
@@ -57,9 +58,19 @@ pub struct NodeInfo {
     /// The Node is going away (a deletion timestamp, or the cluster autoscaler's
     /// `ToBeDeletedByClusterAutoscaler` taint): `/healthz` fails so load balancers drain it.
     pub draining: bool,
+    /// The Node's `spec.podCIDRs` (for `detectLocalMode: NodeCIDR`).
+    pub pod_cidrs: Vec<ipnet::IpNet>,
 }
 
 impl NodeInfo {
+    /// The node's primary address of each family, as kube-proxy picks them: the first of
+    /// that family (the Node's InternalIPs come before its ExternalIPs).
+    pub fn primary_addresses(&self) -> Vec<IpAddr> {
+        let v4 = self.addresses.iter().find(|ip| ip.is_ipv4());
+        let v6 = self.addresses.iter().find(|ip| ip.is_ipv6());
+        v4.into_iter().chain(v6).copied().collect()
+    }
+
     /// `topology.kubernetes.io/zone`, if the node has one.
     pub fn zone(&self) -> Option<&str> {
         self.labels
@@ -74,12 +85,17 @@ pub struct ViewConfig {
     /// The pod network (`clusterCIDR` with `detectLocalMode: ClusterCIDR`); empty when
     /// pod traffic cannot be told apart.
     pub pod_cidrs: Vec<ipnet::IpNet>,
+    /// `detectLocalMode: NodeCIDR`: the pod network is this Node's `spec.podCIDRs`.
+    pub pod_cidrs_from_node: bool,
     /// kube-proxy's `masqueradeAll`.
     pub masquerade_all: bool,
     /// Connection-tracking timeouts of the per-packet path.
     pub conntrack: crate::config::ConntrackSettings,
-    /// CIDRs whose node addresses get NodePorts; empty: every node address.
+    /// CIDRs whose node addresses get NodePorts; empty (and not `primary`): every node
+    /// address.
     pub node_port_addresses: Vec<ipnet::IpNet>,
+    /// `nodePortAddresses: [primary]`: this node's primary addresses get NodePorts too.
+    pub node_port_primary: bool,
     /// `127.0.0.1:<nodePort>` works (IPv4 only).
     pub localhost_node_ports: bool,
     /// Services labelled `service.kubernetes.io/service-proxy-name` are ours only when the
@@ -91,9 +107,11 @@ impl Default for ViewConfig {
     fn default() -> Self {
         Self {
             pod_cidrs: Vec::new(),
+            pod_cidrs_from_node: false,
             masquerade_all: false,
             conntrack: Default::default(),
             node_port_addresses: Vec::new(),
+            node_port_primary: false,
             localhost_node_ports: true,
             service_proxy_name: None,
         }
@@ -197,7 +215,11 @@ pub struct NodeSettings {
 impl NodeSettings {
     pub fn new(node: &NodeInfo, cfg: &ViewConfig) -> Self {
         Self {
-            pod_cidrs: cfg.pod_cidrs.clone(),
+            pod_cidrs: if cfg.pod_cidrs_from_node {
+                node.pod_cidrs.clone()
+            } else {
+                cfg.pod_cidrs.clone()
+            },
             node_addresses: node.addresses.clone(),
             masquerade_all: cfg.masquerade_all,
             conntrack: cfg.conntrack.clone(),

@@ -243,7 +243,7 @@ fn parse_cidrs<'a>(raw: impl Iterator<Item = &'a String>) -> (Vec<ipnet::IpNet>,
     let mut nets = Vec::new();
     let mut bad = Vec::new();
     for s in raw {
-        match s.trim().parse() {
+        match super::sloppy::parse_cidr(s.trim()) {
             Ok(n) => nets.push(n),
             Err(e) => bad.push(format!("invalid loadBalancerSourceRange {s:?}: {e}")),
         }
@@ -285,8 +285,7 @@ fn cluster_ips(spec: &ServiceSpec) -> Result<Vec<IpAddr>, String> {
             return Ok(vec![]);
         }
         ips.push(
-            ip.parse::<IpAddr>()
-                .map_err(|e| format!("invalid clusterIP {ip:?}: {e}"))?,
+            super::sloppy::parse_ip(ip).map_err(|e| format!("invalid clusterIP {ip:?}: {e}"))?,
         );
     }
     Ok(ips)
@@ -297,7 +296,7 @@ fn parse_ips<'a>(raw: impl Iterator<Item = &'a String>, what: &str) -> (Vec<IpAd
     let mut ips = Vec::new();
     let mut bad = Vec::new();
     for s in raw {
-        match s.parse() {
+        match super::sloppy::parse_ip(s) {
             Ok(ip) => ips.push(ip),
             Err(e) => bad.push(format!("invalid {what} {s:?}: {e}")),
         }
@@ -325,17 +324,33 @@ fn node_port(port: &ServicePort) -> Option<u16> {
         .filter(|p| *p != 0)
 }
 
+/// Whether NodePorts answer on `ip`: `nodePortAddresses` CIDRs (`all` and `localhost`
+/// are CIDRs by then) and `primary` (this node's first address of each family); unset,
+/// every address.
+fn node_port_allowed(ip: &IpAddr, node: &NodeInfo, cfg: &ViewConfig) -> bool {
+    if cfg.node_port_addresses.is_empty() && !cfg.node_port_primary {
+        return true;
+    }
+    cfg.node_port_addresses.iter().any(|n| n.contains(ip))
+        || (cfg.node_port_primary && node.primary_addresses().contains(ip))
+}
+
 /// Where health-check node ports listen, as kube-proxy's: every address (both families)
 /// unless `nodePortAddresses` narrows them to the node addresses it names.
 pub fn health_check_addresses(node: &NodeInfo, cfg: &ViewConfig) -> Option<Vec<IpAddr>> {
-    if cfg.node_port_addresses.is_empty() {
+    if cfg.node_port_addresses.is_empty() && !cfg.node_port_primary {
         return None;
     }
+    let loopbacks = [
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+    ];
     Some(
         node.addresses
             .iter()
+            .chain(&loopbacks)
             .copied()
-            .filter(|ip| cfg.node_port_addresses.iter().any(|n| n.contains(ip)))
+            .filter(|ip| node_port_allowed(ip, node, cfg))
             .collect(),
     )
 }
@@ -348,17 +363,10 @@ fn node_port_ips(node: &NodeInfo, cfg: &ViewConfig, v4: bool) -> Vec<IpAddr> {
         .iter()
         .copied()
         .filter(|ip| ip.is_ipv4() == v4)
-        .filter(|ip| {
-            cfg.node_port_addresses.is_empty()
-                || cfg.node_port_addresses.iter().any(|n| n.contains(ip))
-        })
+        .filter(|ip| node_port_allowed(ip, node, cfg))
         .collect();
     let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let loopback_allowed = cfg.node_port_addresses.is_empty()
-        || cfg
-            .node_port_addresses
-            .iter()
-            .any(|n| n.contains(&loopback));
+    let loopback_allowed = node_port_allowed(&loopback, node, cfg);
     if v4 && cfg.localhost_node_ports && loopback_allowed && !ips.contains(&loopback) {
         ips.push(loopback);
     }
@@ -426,8 +434,10 @@ fn endpoints_for(
         for ep in &slice.endpoints {
             let cond = ep.conditions.as_ref();
             let hints = ep.hints.as_ref();
-            for addr in &ep.addresses {
-                let Ok(ip) = addr.parse::<IpAddr>() else {
+            // kube-proxy uses an endpoint's first address only (the others are the same
+            // pod's, and the API requires at least one).
+            for addr in ep.addresses.iter().take(1) {
+                let Ok(ip) = super::sloppy::parse_ip(addr) else {
                     bad.push(Rejection {
                         kind: "EndpointSlice",
                         object: ObjectRef::of(&slice.metadata),
@@ -440,9 +450,10 @@ fn endpoints_for(
                 }
                 eps.push(Endpoint {
                     addr: SocketAddr::new(ip, target_port),
-                    // A missing condition means "ready"/"serving" (discovery.k8s.io/v1).
+                    // A missing condition means "ready"/"serving" (discovery.k8s.io/v1), each
+                    // on its own, as kube-proxy's endpointslicecache reads them.
                     ready: cond.and_then(|c| c.ready).unwrap_or(true),
-                    serving: cond.and_then(|c| c.serving.or(c.ready)).unwrap_or(true),
+                    serving: cond.and_then(|c| c.serving).unwrap_or(true),
                     terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
                     local: ep.node_name.as_deref() == Some(node),
                     zone_hints: hints

@@ -126,6 +126,17 @@ fn endpoints_by_condition() {
             json!([{"addresses": ["10.244.3.7"]}]),
             vec!["10.244.3.7:8080"],
         ),
+        // A missing serving condition means serving, whatever ready says (kube-proxy's
+        // endpointslicecache): a terminating one is a fallback.
+        (
+            json!([{"addresses": ["10.244.3.8"], "conditions": {"ready": false, "terminating": true}}]),
+            vec!["10.244.3.8:8080"],
+        ),
+        // Only an endpoint's first address counts; leading zeros read as decimal.
+        (
+            json!([{"addresses": ["010.244.003.009", "10.244.3.10"]}]),
+            vec!["10.244.3.9:8080"],
+        ),
         (json!([]), vec![]),
     ];
     for (endpoints, expected) in cases {
@@ -527,6 +538,37 @@ fn node_port_addresses_and_localhost() {
             "nodePortAddresses {cidrs:?} localhost {localhost}"
         );
     }
+}
+
+/// `nodePortAddresses: [primary]`: the node's first address of each family only; the
+/// Node's pod CIDRs are the pod network under `detectLocalMode: NodeCIDR`.
+#[test]
+fn primary_node_port_addresses_and_node_cidr() {
+    let m = model(&[svc("web", nodeport_spec("Cluster"))], &[]);
+    let mut node = node_a();
+    node.addresses.insert(1, "192.0.2.99".parse().expect("ip"));
+    node.pod_cidrs = vec!["10.244.3.0/24".parse().expect("cidr")];
+    let cfg = ViewConfig {
+        node_port_primary: true,
+        pod_cidrs_from_node: true,
+        ..ViewConfig::default()
+    };
+    let (view, _) = node_view(&m, &node, &cfg);
+    let got: Vec<String> = view
+        .iter()
+        .filter(|(_, s)| s.kind == FrontendKind::NodePort)
+        .map(|(f, _)| f.ip.to_string())
+        .collect();
+    assert_eq!(got, ["192.0.2.10"], "primary, no loopback, IPv4 Service");
+    let settings = crate::model::NodeSettings::new(&node, &cfg);
+    assert_eq!(settings.pod_cidrs, node.pod_cidrs);
+    assert_eq!(
+        crate::model::health_check_addresses(&node, &cfg),
+        Some(vec![
+            "192.0.2.10".parse().expect("ip"),
+            "2001:db8:a::10".parse().expect("ip")
+        ])
+    );
 }
 
 #[test]

@@ -183,15 +183,23 @@ pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
             ..Default::default()
         };
     };
-    let addresses = node
+    let listed = node
         .status
         .as_ref()
         .and_then(|s| s.addresses.as_ref())
         .into_iter()
-        .flatten()
-        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
-        .filter_map(|a| a.address.parse::<IpAddr>().ok())
-        .collect();
+        .flatten();
+    // InternalIPs first: the first of each family is the node's primary address.
+    let addresses = ["InternalIP", "ExternalIP"]
+        .iter()
+        .flat_map(|kind| listed.clone().filter(move |a| a.type_ == *kind))
+        .filter_map(|a| crate::model::sloppy::parse_ip(&a.address).ok())
+        .fold(Vec::<IpAddr>::new(), |mut all, ip| {
+            if !all.contains(&ip) {
+                all.push(ip);
+            }
+            all
+        });
     let autoscaler_taint = node
         .spec
         .as_ref()
@@ -202,6 +210,14 @@ pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
         labels: node.labels().clone(),
         addresses,
         draining: node.metadata.deletion_timestamp.is_some() || autoscaler_taint,
+        pod_cidrs: node
+            .spec
+            .as_ref()
+            .and_then(|s| s.pod_cidrs.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|c| crate::model::sloppy::parse_cidr(c).ok())
+            .collect(),
     }
 }
 
@@ -274,5 +290,31 @@ pub async fn run(
             // The backoff wrapper retries; the error is worth a line, not a stop.
             Err(e) => tracing::warn!(error = %e, "watch failed; retrying with backoff"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_info_orders_internal_addresses_first_and_reads_pod_cidrs_and_draining() {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "node-a", "deletionTimestamp": "2026-12-01T00:00:00Z"},
+            "spec": {"podCIDRs": ["10.244.3.0/24", "fd00:244:3::/64"]},
+            "status": {"addresses": [
+                {"type": "ExternalIP", "address": "203.0.113.7"},
+                {"type": "Hostname", "address": "node-a"},
+                {"type": "InternalIP", "address": "192.0.2.10"},
+                {"type": "InternalIP", "address": "2001:db8::10"},
+            ]},
+        }))
+        .expect("node");
+        let info = node_info("node-a", Some(&node));
+        let addrs: Vec<String> = info.addresses.iter().map(ToString::to_string).collect();
+        assert_eq!(addrs, ["192.0.2.10", "2001:db8::10", "203.0.113.7"]);
+        assert_eq!(info.primary_addresses(), info.addresses[..2]);
+        assert_eq!(info.pod_cidrs.len(), 2);
+        assert!(info.draining, "a deletion timestamp drains the node");
     }
 }
