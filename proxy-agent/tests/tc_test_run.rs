@@ -450,6 +450,29 @@ fn hairpin_and_masquerade_all() {
         "192.0.2.10",
         "masqueradeAll masquerades pod traffic too"
     );
+    // masqueradeAll is kube-proxy's cluster-IP rule: an outside client of an eTP Local
+    // NodePort keeps its address (and eTP Cluster masquerades as always).
+    for (external_local, masq) in [(true, false), (false, true)] {
+        let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
+        st.kind = FrontendKind::NodePort;
+        st.external_local = external_local;
+        h.apply(&NodeView::from([(np, st)]));
+        let port = if external_local { 41000 } else { 41001 };
+        let seen = inspect(
+            &h.run(&packet(
+                SocketAddr::new("198.51.100.7".parse().expect("ip"), port),
+                sa("192.0.2.10:30080"),
+                true,
+            ))
+            .1,
+        );
+        assert_eq!(
+            seen.src.ip().to_string() == "192.0.2.10",
+            masq,
+            "masqueradeAll, eTP Local {external_local}: source {}",
+            seen.src
+        );
+    }
 }
 
 #[test]

@@ -31,9 +31,11 @@ pub struct Origin {
     pub node: bool,
 }
 
-/// kube-proxy's masquerade rules: `masqueradeAll`; hairpin (a pod reaching itself);
-/// external frontends always with `externalTrafficPolicy: Cluster`, only for traffic the
-/// node sends with `Local`; ClusterIPs for traffic from outside the pod network.
+/// kube-proxy's masquerade rules: hairpin (a pod reaching itself); external frontends
+/// always with `externalTrafficPolicy: Cluster`, only for traffic the node sends with
+/// `Local`; ClusterIPs with `masqueradeAll`, else for traffic from outside the pod
+/// network. (`masqueradeAll` is a rule of kube-proxy's cluster-IP chain only, so outside
+/// clients of an eTP Local NodePort keep their address even then.)
 pub fn masquerade(
     svc: &ServiceValue,
     cfg: &NodeConfig,
@@ -41,13 +43,13 @@ pub fn masquerade(
     pkt: &Packet,
     be: &Backend,
 ) -> bool {
-    if cfg.flags & CFG_MASQUERADE_ALL != 0 || be.addr == pkt.saddr {
+    if be.addr == pkt.saddr {
         return true;
     }
     if svc.flags & SVC_F_EXTERNAL != 0 {
         return svc.flags & SVC_F_EXT_LOCAL == 0 || origin.node;
     }
-    cfg.flags & CFG_LOCAL_DETECTOR != 0 && !origin.pod
+    cfg.flags & CFG_MASQUERADE_ALL != 0 || (cfg.flags & CFG_LOCAL_DETECTOR != 0 && !origin.pod)
 }
 
 /// Random ports tried before a flow is refused for want of one (netfilter tries up to

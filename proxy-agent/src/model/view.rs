@@ -127,6 +127,17 @@ pub fn node_view(
                             .copied()
                             .filter(|n| n.addr().is_ipv4() == v4)
                             .collect();
+                        // kube-proxy: when the ranges admit the node, the node reaching
+                        // the LB IP is admitted even with the LB IP as its source (a VIP
+                        // held locally, where such traffic loops back from it).
+                        let node_admitted = node
+                            .primary_addresses()
+                            .iter()
+                            .any(|ip| st.source_ranges.iter().any(|n| n.contains(ip)));
+                        if node_admitted {
+                            st.source_ranges
+                                .extend(family_ips(&lb_ips).into_iter().map(ipnet::IpNet::from));
+                        }
                     }
                     view.insert(Frontend { ip, port, protocol }, st);
                 };

@@ -571,6 +571,33 @@ fn primary_node_port_addresses_and_node_cidr() {
     );
 }
 
+/// loadBalancerSourceRanges that admit the node admit the LB IP as a source too (the node
+/// reaching a VIP it holds locally), as kube-proxy's firewall chain does.
+#[test]
+fn source_ranges_admitting_the_node_admit_its_load_balancer_ip() {
+    for (ranges, lb_admitted) in [
+        (vec!["192.0.2.0/24"], true),
+        (vec!["198.51.100.0/24"], false),
+    ] {
+        let mut spec = nodeport_spec("Cluster");
+        spec["type"] = json!("LoadBalancer");
+        spec["loadBalancerSourceRanges"] = json!(ranges);
+        let s = with_lb_status(svc("web", spec), json!([{"ip": "203.0.113.50"}]));
+        let (view, _) = view_of(&model(&[s], &[]));
+        let (_, st) = view
+            .iter()
+            .find(|(_, s)| s.kind == FrontendKind::LoadBalancer)
+            .expect("LB frontend");
+        let lb: ipnet::IpNet = "203.0.113.50/32".parse().expect("net");
+        assert_eq!(
+            st.source_ranges.contains(&lb),
+            lb_admitted,
+            "{ranges:?}: {:?}",
+            st.source_ranges
+        );
+    }
+}
+
 #[test]
 fn external_traffic_policy_local_keeps_two_scopes() {
     let cases: Vec<(serde_json::Value, Vec<&str>, WhenEmpty)> = vec![
