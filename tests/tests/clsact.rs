@@ -236,8 +236,8 @@ fn clsact_cleanup_removes_only_our_filters() {
         "u32",
         "0",
         "0",
-        "action",
-        "pass",
+        "classid",
+        "1:1",
     ])
     .expect("foreign filter");
     let t = target(VIP4, TCP_PORT);
