@@ -427,7 +427,7 @@ impl Testbed {
             "--interfaces".as_ref(),
             interfaces.as_ref(),
         ];
-        args.extend(extra.iter().map(|a| std::ffi::OsStr::new(a)));
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
         self.spawn_agent(&args, Path_::PerPacket, frontends)
     }
 
@@ -495,6 +495,33 @@ impl Testbed {
         self.pin_dir()
             .join("links")
             .join(format!("tc_egress@{interface}"))
+    }
+
+    /// One TCP connection asking `count` times, 20 ms apart, in the background (a live
+    /// connection for restarts and backend changes to keep).
+    pub fn spawn_session(&self, target: &str, count: u32) -> Result<Child> {
+        self.spawn_client(&[
+            "--target",
+            target,
+            "--reuse-socket",
+            "--count",
+            &count.to_string(),
+            "--interval-ms",
+            "20",
+        ])
+    }
+
+    /// Waits up to 10 s for `cond`; fails naming `what`, with the agent's log.
+    pub fn wait_for(&self, what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}\nagent log:\n{}",
+                self.agent_log()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// `tc filter show dev <interface> <hook>` in the node's namespace (hook: `ingress`

@@ -5,10 +5,7 @@
 //! `cleanup` deleting only our filters. `auto` picks tcx on this kernel and takes over
 //! from the filters. Root only; everything happens in the testbed's namespaces.
 
-use std::{
-    thread,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeMap, thread, time::Duration};
 
 use proxy_e2e::{
     Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, first_attempt,
@@ -21,16 +18,20 @@ const FRONTENDS: usize = 5;
 const NODEPORT_FRONTENDS: usize = 8;
 const CLSACT: [&str; 2] = ["--tc-attach", "clsact"];
 
-fn wait_for(what: &str, tb: &Testbed, cond: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}\nagent log:\n{}",
-            tb.agent_log()
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
+/// A testbed with `backends` backends serving `files`, its agent on the node's
+/// interfaces in clsact mode (with `extra` arguments).
+fn clsact_testbed(
+    backends: usize,
+    files: &BTreeMap<&str, String>,
+    frontends: usize,
+    extra: &[&str],
+) -> Testbed {
+    let mut tb = Testbed::new(backends).expect("testbed");
+    tb.write_manifests(files).expect("manifests");
+    let args: Vec<&str> = CLSACT.iter().chain(extra).copied().collect();
+    tb.start_agent_with(Path_::PerPacket, frontends, &args)
+        .expect("agent");
+    tb
 }
 
 /// Our filters on `interface`'s `hook`: lines of `tc filter show` naming the program
@@ -88,15 +89,12 @@ fn clsact_serves_cluster_ips_and_a_nodeport() {
     if !require_root("clsact_serves_cluster_ips_and_a_nodeport") {
         return;
     }
-    let mut tb = Testbed::new(1).expect("testbed");
-    tb.write_manifests(&nodeport_manifests())
-        .expect("manifests");
-    tb.start_agent_with(
-        Path_::PerPacket,
+    let tb = clsact_testbed(
+        1,
+        &nodeport_manifests(),
         NODEPORT_FRONTENDS,
-        &["--node-ip", "10.10.0.1", CLSACT[0], CLSACT[1]],
-    )
-    .expect("agent");
+        &["--node-ip", "10.10.0.1"],
+    );
     assert!(tb.agent_log().contains("hook=Clsact"), "{}", tb.agent_log());
     one_filter_each(&tb, &tb.node_interfaces());
     for (vip, proto, port) in [
@@ -127,23 +125,9 @@ fn clsact_restart_keeps_a_live_connection_and_one_filter() {
     if !require_root("clsact_restart_keeps_a_live_connection_and_one_filter") {
         return;
     }
-    let mut tb = Testbed::new(2).expect("testbed");
-    tb.write_manifests(&web_manifests(&[0, 1], None))
-        .expect("manifests");
-    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &CLSACT)
-        .expect("agent");
+    let mut tb = clsact_testbed(2, &web_manifests(&[0, 1], None), FRONTENDS, &[]);
     let t = target(VIP4, TCP_PORT);
-    let mut session = tb
-        .spawn_client(&[
-            "--target",
-            &t,
-            "--reuse-socket",
-            "--count",
-            "150",
-            "--interval-ms",
-            "20",
-        ])
-        .expect("client");
+    let mut session = tb.spawn_session(&t, 150).expect("client");
     let first = first_attempt(&mut session).expect("first answer");
     thread::sleep(Duration::from_millis(500));
     tb.kill_agent().expect("kill");
@@ -185,10 +169,10 @@ fn clsact_serves_an_interface_created_after_start() {
         .expect("agent");
     let pod = tb.add_pod(0).expect("pod");
     let veth = tb.pod_interface(0);
-    wait_for("the new veth's filters", &tb, || {
+    tb.wait_for("the new veth's filters", || {
         our_filters(&tb, &veth, "ingress") == 1 && our_filters(&tb, &veth, "egress") == 1
     });
-    one_filter_each(&tb, &[veth.clone()]);
+    one_filter_each(&tb, std::slice::from_ref(&veth));
     all_reach(&tb, Some(&pod), &target(VIP4, TCP_PORT), "tcp");
     all_reach(&tb, Some(&pod), &target(VIP6, TCP_PORT), "tcp");
 }
@@ -298,24 +282,10 @@ fn auto_chooses_tcx_here_and_takes_over_from_clsact() {
         eprintln!("skipping: kernel {release} has no tcx");
         return;
     }
-    let mut tb = Testbed::new(1).expect("testbed");
-    tb.write_manifests(&web_manifests(&[0], None))
-        .expect("manifests");
-    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &CLSACT)
-        .expect("agent");
+    let mut tb = clsact_testbed(1, &web_manifests(&[0], None), FRONTENDS, &[]);
     one_filter_each(&tb, &tb.node_interfaces());
     let t = target(VIP4, TCP_PORT);
-    let mut session = tb
-        .spawn_client(&[
-            "--target",
-            &t,
-            "--reuse-socket",
-            "--count",
-            "100",
-            "--interval-ms",
-            "20",
-        ])
-        .expect("client");
+    let mut session = tb.spawn_session(&t, 100).expect("client");
     let first = first_attempt(&mut session).expect("first answer");
     tb.kill_agent().expect("kill");
     tb.start_agent(Path_::PerPacket, FRONTENDS)

@@ -74,7 +74,7 @@ fn hook_name(hook: TcAttachType) -> &'static str {
 }
 
 fn channel() -> Result<Channel> {
-    Channel::open(NETLINK_ROUTE as isize, "route netlink")
+    Channel::open(NETLINK_ROUTE, "route netlink")
 }
 
 /// Sends a dump request and collects the answers `each` picks.
