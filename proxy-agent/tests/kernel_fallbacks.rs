@@ -52,17 +52,13 @@ fn auto_chooses_tcx_on_this_kernel() {
     if !root("auto_chooses_tcx_on_this_kernel") {
         return;
     }
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
-    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>());
-    let (Some(Ok(major)), Some(Ok(minor))) = (parts.next(), parts.next()) else {
-        panic!("kernel release {release:?}");
-    };
+    let release = kernel::release().expect("kernel release");
     assert_eq!(
         kernel::tcx_supported().expect("probe"),
-        (major, minor) >= (6, 6),
-        "tcx probe on {release}"
+        release >= (6, 6),
+        "tcx probe on {release:?}"
     );
-    if (major, minor) < (6, 6) {
+    if release < (6, 6) {
         return;
     }
     assert_eq!(

@@ -273,13 +273,9 @@ fn auto_chooses_tcx_here_and_takes_over_from_clsact() {
     if !require_root("auto_chooses_tcx_here_and_takes_over_from_clsact") {
         return;
     }
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
-    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>());
-    let (Some(Ok(major)), Some(Ok(minor))) = (parts.next(), parts.next()) else {
-        panic!("kernel release {release:?}");
-    };
-    if (major, minor) < (6, 6) {
-        eprintln!("skipping: kernel {release} has no tcx");
+    let release = proxy_agent::dataplane::bpf::kernel::release().expect("kernel release");
+    if release < (6, 6) {
+        eprintln!("skipping: kernel {release:?} has no tcx");
         return;
     }
     let mut tb = clsact_testbed(1, &web_manifests(&[0], None), FRONTENDS, &[]);

@@ -95,6 +95,18 @@ pub fn tcx_supported() -> Result<bool> {
     }
 }
 
+/// This kernel's version (major, minor), from `/proc/sys/kernel/osrelease`: for logs and
+/// tests only — the probes decide.
+pub fn release() -> Result<(u32, u32)> {
+    let path = "/proc/sys/kernel/osrelease";
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    let mut parts = text.trim().split(['.', '-']).map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => Ok((major, minor)),
+        _ => bail!("{path}: unexpected release {text:?}"),
+    }
+}
+
 /// Whether sock_addr programs may call `bpf_set_retval` (Linux 5.18); probed once.
 pub fn has_set_retval() -> bool {
     static PROBED: OnceLock<bool> = OnceLock::new();

@@ -244,12 +244,19 @@ impl Classifiers {
         match self.hook {
             TcHook::Tcx => {
                 let how = attach_tcx(prog, program, hook, link, &pin)?;
-                if clsact::remove(link.index, hook, program)? {
-                    tracing::info!(
+                // The tcx link serves already: a filter left over only costs a second look.
+                match clsact::remove(link.index, hook, program) {
+                    Ok(true) => tracing::info!(
                         interface = link.name,
                         program,
                         "clsact filter replaced by tcx"
-                    );
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(
+                        interface = link.name,
+                        error = format!("{e:#}"),
+                        "clsact filter left beside the tcx link"
+                    ),
                 }
                 Ok(how)
             }

@@ -244,7 +244,9 @@ impl BpfDataplane {
         } else {
             // Links and filters of interfaces no longer configured: unpinning detaches.
             links::prune_pins(&links_dir, |_| false);
-            remove_filters(&links_dir)?;
+            if let Err(e) = remove_filters(&links_dir) {
+                tracing::warn!(error = format!("{e:#}"), "clsact filters left");
+            }
             None
         };
         tracing::info!(
