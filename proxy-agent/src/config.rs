@@ -93,6 +93,7 @@ struct EbpfSection {
     bpffs: Option<String>,
     cgroup: Option<String>,
     interfaces: Option<Vec<String>>,
+    tc_attach: Option<String>,
     bpf_log_level: Option<String>,
     service_proxy_name: Option<String>,
     debug_bind_address: Option<String>,
@@ -209,6 +210,8 @@ pub struct Config {
     pub bpffs: String,
     pub cgroup: String,
     pub interfaces: Vec<String>,
+    /// How the classifier is hooked: `auto`, `tcx` or `clsact` (`ebpf.tcAttach`).
+    pub tc_attach: String,
     pub bpf_log_level: String,
     pub service_proxy_name: Option<String>,
     /// An extra debug endpoint (model, view, watch); empty (the default) disables it: the
@@ -237,6 +240,7 @@ impl Default for Config {
             bpffs: "/sys/fs/bpf/proxy-agent".into(),
             cgroup: "auto".into(),
             interfaces: Vec::new(),
+            tc_attach: "auto".into(),
             bpf_log_level: "warn".into(),
             service_proxy_name: None,
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
@@ -426,6 +430,11 @@ impl Config {
             if let Some(v) = e.interfaces {
                 cfg.interfaces = v;
             }
+            if let Some(v) = e.tc_attach {
+                v.parse::<crate::dataplane::bpf::TcAttachMode>()
+                    .map_err(|e| format!("ebpf.tcAttach: {e}"))?;
+                cfg.tc_attach = v;
+            }
             if let Some(v) = e.bpf_log_level {
                 cfg.bpf_log_level = v;
             }
@@ -559,6 +568,7 @@ clientConnection:
 someFutureField: true
 ebpf:
   interfaces: [eth0]
+  tcAttach: clsact
   serviceProxyName: ebpf-proxy
 ";
         let (cfg, warnings) = Config::from_text(text).expect("valid");
@@ -585,6 +595,8 @@ ebpf:
             Some("/var/lib/kube-proxy/kubeconfig.conf")
         );
         assert_eq!(cfg.interfaces, vec!["eth0"]);
+        assert_eq!(cfg.tc_attach, "clsact");
+        assert_eq!(Config::default().tc_attach, "auto");
         assert_eq!(cfg.service_proxy_name.as_deref(), Some("ebpf-proxy"));
         for needle in [
             "mode: not applicable",
@@ -679,6 +691,10 @@ nodePortAddresses: [primary, localhost, 010.001.0.0/16]
             (
                 "kind: KubeProxyConfiguration\nebpf: {masqueradePortRange: 30000-2000}\n",
                 "masqueradePortRange",
+            ),
+            (
+                "kind: KubeProxyConfiguration\nebpf: {tcAttach: netlink}\n",
+                "ebpf.tcAttach",
             ),
             (
                 "kind: KubeProxyConfiguration\nconntrack: {maxPerCore: -1}\n",

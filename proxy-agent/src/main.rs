@@ -106,6 +106,11 @@ struct RunArgs {
     /// [default: none].
     #[arg(long, value_delimiter = ',')]
     interfaces: Option<Vec<String>>,
+    /// How the classifier is hooked to those interfaces: `tcx` (bpf links, Linux 6.6),
+    /// `clsact` (filters on a clsact qdisc, older kernels), `auto`: tcx where the kernel
+    /// has it [default: auto].
+    #[arg(long)]
+    tc_attach: Option<String>,
     /// Level of log messages from the BPF programs: off, error, warn, info, debug, trace
     /// [default: warn].
     #[arg(long)]
@@ -149,6 +154,9 @@ impl RunArgs {
         }
         if let Some(v) = &self.interfaces {
             cfg.interfaces = v.iter().filter(|s| !s.is_empty()).cloned().collect();
+        }
+        if let Some(v) = &self.tc_attach {
+            cfg.tc_attach = v.clone();
         }
         if let Some(v) = &self.bpf_log_level {
             cfg.bpf_log_level = v.clone();
@@ -313,6 +321,10 @@ async fn run(args: RunArgs) -> Result<()> {
         cgroup: resolve_cgroup(&cfg.cgroup)?,
         interfaces: InterfaceSelector::parse(&cfg.interfaces)
             .context("--interfaces (ebpf.interfaces)")?,
+        tc_attach: cfg
+            .tc_attach
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--tc-attach (ebpf.tcAttach): {e}"))?,
         bpf_log_level: log_level(&cfg.bpf_log_level)?,
         conntrack_entries: cfg
             .conntrack

@@ -99,7 +99,7 @@ fn fib(ctx: &TcContext, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32
     // With `tot_len` left zero the helper checks the skb against the egress device's
     // MTU and reports that MTU in `mtu_result`.
     // SAFETY: `p` is a valid, correctly sized parameter block on our stack.
-    let rc = unsafe {
+    let mut rc = unsafe {
         fib_lookup(
             ctx.as_ptr(),
             &mut p,
@@ -107,6 +107,19 @@ fn fib(ctx: &TcContext, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32
             BPF_FIB_LOOKUP_SKIP_NEIGH,
         )
     };
+    if rc < 0 {
+        // Kernels before 6.3 refuse SKIP_NEIGH (-EINVAL, before touching `p`): ask again
+        // with the neighbour lookup, whose NO_NEIGH answer is accepted below as well.
+        // SAFETY: as above.
+        rc = unsafe {
+            fib_lookup(
+                ctx.as_ptr(),
+                &mut p,
+                core::mem::size_of::<bpf_fib_lookup>() as i32,
+                0,
+            )
+        };
+    }
     // SAFETY: the helper wrote the union's `mtu_result` (zero when it did not).
     let mtu = u32::from(unsafe { p.__bindgen_anon_1.mtu_result });
     if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {

@@ -3,7 +3,7 @@
 //! replies and `getpeername` are translated back so applications only ever see the VIP.
 
 use aya_ebpf::{
-    EbpfContext as _,
+    EbpfContext as _, Global,
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     programs::{SockAddrContext, SockContext},
@@ -24,6 +24,11 @@ const ALLOW: i32 = 1;
 /// Fail the call (with EPERM, or the errno set by `bpf_set_retval`).
 const DENY: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+
+/// Whether this kernel has `bpf_set_retval` for sock_addr programs (Linux 5.18): set by
+/// the agent at load from its probe.
+#[unsafe(no_mangle)]
+static SET_RETVAL: Global<u8> = Global::new(1);
 
 /// Which hook runs `translate_to_backend`.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -85,8 +90,13 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
         }
         Err(NoBackend::Reject) => {
             debug!(ctx, "service {} has no usable backends: refused", svc.id);
-            // SAFETY: helper with no memory arguments.
-            unsafe { bpf_set_retval(-ECONNREFUSED) };
+            // A constant to the verifier (frozen .rodata): where the agent found no
+            // bpf_set_retval the call is dead code, never checked, and the caller gets
+            // EPERM instead of ECONNREFUSED.
+            if SET_RETVAL.load() != 0 {
+                // SAFETY: helper with no memory arguments.
+                unsafe { bpf_set_retval(-ECONNREFUSED) };
+            }
             DENY
         }
         Err(NoBackend::Drop) => DENY,

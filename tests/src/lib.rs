@@ -411,16 +411,24 @@ impl Testbed {
     /// globs or `auto`: the agent runs in the node's namespace, so these only ever name
     /// the testbed's own interfaces).
     pub fn start_agent_on(&mut self, interfaces: &str, frontends: usize) -> Result<()> {
-        self.spawn_agent(
-            &[
-                "--cgroup".as_ref(),
-                "none".as_ref(),
-                "--interfaces".as_ref(),
-                interfaces.as_ref(),
-            ],
-            Path_::PerPacket,
-            frontends,
-        )
+        self.start_agent_on_with(interfaces, frontends, &[])
+    }
+
+    /// `start_agent_on` with more arguments for `proxy-agent run` (`--tc-attach`).
+    pub fn start_agent_on_with(
+        &mut self,
+        interfaces: &str,
+        frontends: usize,
+        extra: &[&str],
+    ) -> Result<()> {
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            "--cgroup".as_ref(),
+            "none".as_ref(),
+            "--interfaces".as_ref(),
+            interfaces.as_ref(),
+        ];
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        self.spawn_agent(&args, Path_::PerPacket, frontends)
     }
 
     fn spawn_agent(
@@ -487,6 +495,63 @@ impl Testbed {
         self.pin_dir()
             .join("links")
             .join(format!("tc_egress@{interface}"))
+    }
+
+    /// One TCP connection asking `count` times, 20 ms apart, in the background (a live
+    /// connection for restarts and backend changes to keep).
+    pub fn spawn_session(&self, target: &str, count: u32) -> Result<Child> {
+        self.spawn_client(&[
+            "--target",
+            target,
+            "--reuse-socket",
+            "--count",
+            &count.to_string(),
+            "--interval-ms",
+            "20",
+        ])
+    }
+
+    /// Waits up to 10 s for `cond`; fails naming `what`, with the agent's log.
+    pub fn wait_for(&self, what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}\nagent log:\n{}",
+                self.agent_log()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `tc filter show dev <interface> <hook>` in the node's namespace (hook: `ingress`
+    /// or `egress`).
+    pub fn tc_filters(&self, interface: &str, hook: &str) -> Result<String> {
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.node_ns(),
+            "tc",
+            "filter",
+            "show",
+            "dev",
+            interface,
+            hook,
+        ])
+    }
+
+    /// `proxy-agent cleanup` of this testbed's pins, in the node's namespace (where the
+    /// agent's clsact filters are).
+    pub fn cleanup_agent(&self) -> Result<String> {
+        sh(&[
+            path_str(&agent_bin())?,
+            "--netns",
+            &format!("/run/netns/{}", self.node_ns()),
+            "cleanup",
+            "--bpffs",
+            path_str(&self.pin_dir())?,
+        ])
     }
 
     /// Runs the client in namespace `ns` (no cgroup: the per-packet path).
@@ -730,7 +795,14 @@ impl Drop for Testbed {
             let _ = echo.kill();
             let _ = echo.wait();
         }
-        let _ = Command::new(agent_bin())
+        // In the node's namespace, where clsact filters would be; outside it when it was
+        // never made (the pins are all there is then).
+        let node_ns = PathBuf::from(format!("/run/netns/{}", self.node_ns()));
+        let mut cleanup = Command::new(agent_bin());
+        if node_ns.exists() {
+            cleanup.arg("--netns").arg(node_ns);
+        }
+        let _ = cleanup
             .args(["cleanup", "--bpffs"])
             .arg(self.pin_dir())
             .stderr(Stdio::null())
@@ -748,6 +820,39 @@ impl Drop for Testbed {
         }
         let _ = fs::remove_dir_all(&self.root);
     }
+}
+
+/// The web manifests plus a NodePort Service (eTP Cluster: masqueraded) on 10.96.0.30,
+/// NodePort 30080, with backend 0 as its one endpoint.
+pub fn nodeport_manifests() -> BTreeMap<&'static str, String> {
+    let mut files = web_manifests(&[0], None);
+    files.insert(
+        "nodeport.yaml",
+        "apiVersion: v1
+kind: Service
+metadata: {name: np, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.30
+  ports:
+  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: np-ipv4
+  namespace: default
+  labels: {kubernetes.io/service-name: np}
+addressType: IPv4
+ports:
+- {name: http, protocol: TCP, port: 8080}
+endpoints:
+- addresses: [\"10.30.0.2\"]
+  conditions: {ready: true}
+"
+        .replace("10.30.0.2", &Testbed::backend_ip4(0)),
+    );
+    files
 }
 
 /// The cgroup v2 mount (`/sys/fs/cgroup/unified` here, `/sys/fs/cgroup` on most hosts).

@@ -238,17 +238,7 @@ fn per_packet_backend_removal_is_hitless() {
 fn established_tcp_outlives_backend_removal(path: Path_) {
     let tb = testbed(path, &[0], None);
     let t = target(VIP4, TCP_PORT);
-    let mut session = tb
-        .spawn_client(&[
-            "--target",
-            &t,
-            "--reuse-socket",
-            "--count",
-            "150",
-            "--interval-ms",
-            "20",
-        ])
-        .expect("client");
+    let mut session = tb.spawn_session(&t, 150).expect("client");
     let first = first_attempt(&mut session).expect("first answer");
     thread::sleep(Duration::from_millis(300));
     tb.write_manifests(&web_manifests(&[1, 2], None))

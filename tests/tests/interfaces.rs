@@ -4,27 +4,12 @@
 //! only ever see the testbed's own interfaces. Root only: each test says so and skips
 //! otherwise.
 
-use std::{
-    thread,
-    time::{Duration, Instant},
-};
+use std::{thread, time::Duration};
 
 use proxy_e2e::{TCP_PORT, Testbed, VIP4, VIP6, ip, require_root, target, web_manifests};
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
-
-fn wait_for(what: &str, tb: &Testbed, cond: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}\nagent log:\n{}",
-            tb.agent_log()
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// Every attempt from `ns` to the ClusterIP (both families) is answered by a backend:
 /// the node has no route to the ClusterIPs, so only the classifier on the pod's veth
@@ -67,20 +52,20 @@ fn new_pod_interface_is_served(interfaces: &str) {
     let pod = tb.add_pod(0).expect("pod");
     let veth = tb.pod_interface(0);
     let (pin, egress) = (tb.classifier_pin(&veth), tb.egress_pin(&veth));
-    wait_for("the new veth's pinned links", &tb, || {
+    tb.wait_for("the new veth's pinned links", || {
         pin.exists() && egress.exists()
     });
     reaches_cluster_ip(&tb, &pod);
 
     // The interface goes: so does its pin (the kernel detached the link with it).
     ip(&tb.node_ns(), &format!("link del {veth}")).expect("deleting the veth");
-    wait_for("the pins to go with the veth", &tb, || {
+    tb.wait_for("the pins to go with the veth", || {
         !pin.exists() && !egress.exists()
     });
 
     // Back under the same name (a new ifindex): a fresh link, and traffic flows again.
     tb.add_pod_link(0).expect("re-creating the veth");
-    wait_for("the re-created veth's pinned links", &tb, || {
+    tb.wait_for("the re-created veth's pinned links", || {
         pin.exists() && egress.exists()
     });
     reaches_cluster_ip(&tb, &pod);
@@ -137,7 +122,7 @@ fn restart_replaces_the_pin_of_an_interface_recreated_while_down() {
     );
 
     tb.start_agent_on("auto", FRONTENDS).expect("agent");
-    wait_for("the restarted agent's classifiers", &tb, || {
+    tb.wait_for("the restarted agent's classifiers", || {
         tb.agent_log().contains("following interfaces")
     });
     let log = tb.agent_log();
@@ -169,7 +154,7 @@ fn unmatched_and_non_ethernet_interfaces_are_left_out() {
     tb.start_agent_on("c*,b*,t*", FRONTENDS).expect("agent");
     let tun = format!("t{}", tb.id);
     ip(&tb.node_ns(), &format!("tuntap add dev {tun} mode tun")).expect("tun device");
-    wait_for("the tun device's skip line", &tb, || {
+    tb.wait_for("the tun device's skip line", || {
         tb.agent_log()
             .lines()
             .any(|l| l.contains("no Ethernet header") && l.contains(&tun))
@@ -236,7 +221,7 @@ fn attach_failure_is_logged_counted_and_retried() {
     std::fs::create_dir(&squatter).expect("squatting the pin path");
 
     let pod = tb.add_pod(0).expect("pod");
-    wait_for("the failure's log line", &tb, || {
+    tb.wait_for("the failure's log line", || {
         tb.agent_log()
             .lines()
             .any(|l| l.contains("classifier not attached") && l.contains(&veth))
@@ -245,6 +230,6 @@ fn attach_failure_is_logged_counted_and_retried() {
 
     std::fs::remove_dir(&squatter).expect("freeing the pin path");
     ip(&tb.node_ns(), &format!("link set {veth} mtu 1400")).expect("changing the veth");
-    wait_for("the retried attachment", &tb, || squatter.exists());
+    tb.wait_for("the retried attachment", || squatter.exists());
     reaches_cluster_ip(&tb, &pod);
 }

@@ -12,8 +12,8 @@ use std::{
 };
 
 use proxy_e2e::{
-    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, require_root, sh, target,
-    web_manifests,
+    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, nodeport_manifests,
+    require_root, sh, target, web_manifests,
 };
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
@@ -137,38 +137,6 @@ fn per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts() {
 fn metrics(tb: &Testbed) -> String {
     tb.get_in_node("http://127.0.0.1:10249/metrics")
         .expect("metrics")
-}
-
-/// A NodePort (eTP Cluster: masqueraded) on the node's client-side address, one backend.
-fn nodeport_manifests() -> std::collections::BTreeMap<&'static str, String> {
-    let mut files = web_manifests(&[0], None);
-    files.insert(
-        "nodeport.yaml",
-        "apiVersion: v1
-kind: Service
-metadata: {name: np, namespace: default}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.30
-  ports:
-  - {name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: np-ipv4
-  namespace: default
-  labels: {kubernetes.io/service-name: np}
-addressType: IPv4
-ports:
-- {name: http, protocol: TCP, port: 8080}
-endpoints:
-- addresses: [\"10.30.0.2\"]
-  conditions: {ready: true}
-"
-        .replace("10.30.0.2", &Testbed::backend_ip4(0)),
-    );
-    files
 }
 
 /// 100,000 connections, one after another, from one client through a masqueraded

@@ -139,6 +139,26 @@ impl LinkEvents {
     }
 }
 
+/// Every link of the calling thread's network namespace, now.
+pub fn list() -> Result<Vec<Link>> {
+    let mut events = LinkEvents::open()?;
+    events.request_dump()?;
+    let mut links = Vec::new();
+    loop {
+        for change in events.read().context("reading the link dump")? {
+            match change {
+                LinkChange::Present(link) => links.push(link),
+                LinkChange::Gone(_) => {}
+                LinkChange::DumpDone { interrupted: false } => return Ok(links),
+                LinkChange::DumpDone { interrupted: true } => {
+                    links.clear();
+                    events.request_dump()?;
+                }
+            }
+        }
+    }
+}
+
 impl AsRawFd for LinkEvents {
     fn as_raw_fd(&self) -> RawFd {
         self.socket.as_raw_fd()

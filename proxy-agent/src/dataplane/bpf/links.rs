@@ -1,10 +1,11 @@
 //! The classifier's links, two per served interface, pinned as `links/tc_ingress@<name>`
 //! and `links/tc_egress@<name>` (the egress program translates what the node itself
 //! sends about translated flows): attached when a wanted interface appears, unpinned when
-//! it goes, so a pin always belongs to the device that now has its name.
+//! it goes, so a pin always belongs to the device that now has its name. Without tcx the
+//! same two programs are filters on the device's clsact qdisc instead (`clsact`).
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     ffi::CString,
     fs, io,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
@@ -26,8 +27,9 @@ use aya::{
 };
 
 use super::{
-    TC_EGRESS_PROGRAM, TC_PROGRAM,
+    TC_EGRESS_PROGRAM, TC_PROGRAM, clsact,
     interfaces::{Decision, InterfaceSelector},
+    kernel::TcHook,
     link_events::{Link, LinkChange},
 };
 
@@ -35,6 +37,12 @@ use super::{
 const HOOKS: [(&str, TcAttachType, &str); 2] = [
     (TC_PROGRAM, TcAttachType::Ingress, "tc_ingress@"),
     (TC_EGRESS_PROGRAM, TcAttachType::Egress, "tc_egress@"),
+];
+
+/// The programs by hook, as clsact filters carry them.
+pub const FILTERS: [(&str, TcAttachType); 2] = [
+    (TC_PROGRAM, TcAttachType::Ingress),
+    (TC_EGRESS_PROGRAM, TcAttachType::Egress),
 ];
 
 /// Attach failures so far (a metric): shared between the dataplane and the endpoints.
@@ -57,12 +65,13 @@ pub struct Classifiers {
     ebpf: Arc<Mutex<Ebpf>>,
     links_dir: PathBuf,
     selector: InterfaceSelector,
+    hook: TcHook,
     /// Served interfaces: name → ifindex of the device the pinned link is on.
     attached: BTreeMap<String, u32>,
     /// Matching devices left out (no Ethernet header), so each is logged once.
     skipped: BTreeMap<String, u32>,
-    /// Names seen by the dump under way, if one is.
-    dumping: Option<BTreeSet<String>>,
+    /// Devices seen by the dump under way, if one is: name → ifindex.
+    dumping: Option<BTreeMap<String, u32>>,
     failures: AttachFailures,
 }
 
@@ -72,6 +81,7 @@ impl Classifiers {
         ebpf: Arc<Mutex<Ebpf>>,
         links_dir: &Path,
         selector: InterfaceSelector,
+        hook: TcHook,
         failures: AttachFailures,
     ) -> Result<Self> {
         {
@@ -88,6 +98,7 @@ impl Classifiers {
             ebpf,
             links_dir: links_dir.to_path_buf(),
             selector,
+            hook,
             attached: BTreeMap::new(),
             skipped: BTreeMap::new(),
             dumping: None,
@@ -97,7 +108,7 @@ impl Classifiers {
 
     /// A dump of every link starts: what it does not list is gone when it ends.
     pub fn begin_dump(&mut self) {
-        self.dumping = Some(BTreeSet::new());
+        self.dumping = Some(BTreeMap::new());
     }
 
     pub fn handle(&mut self, change: LinkChange) {
@@ -117,7 +128,7 @@ impl Classifiers {
 
     fn present(&mut self, link: &Link) {
         if let Some(seen) = &mut self.dumping {
-            seen.insert(link.name.clone());
+            seen.insert(link.name.clone(), link.index);
         }
         // A renamed device: its old name's link goes (the new name decides afresh).
         let renamed: Vec<String> = self
@@ -130,6 +141,11 @@ impl Classifiers {
             self.detach(&old, "interface renamed");
         }
         match self.selector.decide(&link.name, link.kind) {
+            // A filter of ours left on a device no longer wanted (the configuration changed
+            // while the agent was down): looked for at dumps, not on every link change.
+            Decision::Ignore if self.hook == TcHook::Clsact && self.dumping.is_some() => {
+                self.remove_filters(link.index, &link.name, "interface not wanted");
+            }
             Decision::Ignore => {}
             Decision::SkipNotEthernet => {
                 if self.skipped.insert(link.name.clone(), link.index) != Some(link.index) {
@@ -169,6 +185,8 @@ impl Classifiers {
 
     fn gone(&mut self, link: &Link) {
         self.skipped.remove(&link.name);
+        // Its qdisc went with it.
+        clsact::prune_records(&self.links_dir, |index| index != link.index);
         // The kernel detached the link with the device; its pin would only be stale.
         if self.attached.get(&link.name) == Some(&link.index)
             || (!self.attached.contains_key(&link.name) && self.pinned(&link.name))
@@ -184,14 +202,15 @@ impl Classifiers {
         let vanished: Vec<String> = self
             .attached
             .keys()
-            .filter(|n| !seen.contains(*n))
+            .filter(|n| !seen.contains_key(*n))
             .cloned()
             .collect();
         for name in vanished {
             self.detach(&name, "interface gone");
         }
-        self.skipped.retain(|n, _| seen.contains(n));
+        self.skipped.retain(|n, _| seen.contains_key(n));
         prune_pins(&self.links_dir, |name| self.attached.contains_key(name));
+        clsact::prune_records(&self.links_dir, |index| seen.values().any(|i| *i == index));
     }
 
     /// Both programs on `link` (ingress first); reports how the ingress one got there.
@@ -206,8 +225,9 @@ impl Classifiers {
         Ok(how)
     }
 
-    /// Adopts a pinned link still on this very device (swapping in our program), else
-    /// attaches a fresh one and pins it.
+    /// Attaches `program` to `link`'s `hook` the chosen way, then removes what the other
+    /// way left there (the mode changed across a restart): both run for that moment, so
+    /// there is no gap, and the first one's verdict stands for what it translates.
     fn attach_one(
         &mut self,
         link: &Link,
@@ -221,55 +241,43 @@ impl Classifiers {
             .program_mut(program)
             .with_context(|| format!("BPF object has no {program}"))?
             .try_into()?;
-        if pin.exists() {
-            match pinned_ifindex(&pin) {
-                Ok(index) if index == link.index => {
-                    let fd_link: FdLink = PinnedLink::from_pin(&pin)
-                        .with_context(|| format!("opening pinned link {}", pin.display()))?
-                        .into();
-                    let id = prog
-                        .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
-                        .with_context(|| format!("replacing {program} on {}", link.name))?;
-                    // Pinned already: dropping our fd keeps it attached.
-                    drop(FdLink::try_from(prog.take_link(id)?)?);
-                    return Ok("adopted pinned link");
+        match self.hook {
+            TcHook::Tcx => {
+                let how = attach_tcx(prog, program, hook, link, &pin)?;
+                // The tcx link serves already: a filter left over only costs a second look.
+                match clsact::remove(link.index, hook, program) {
+                    Ok(true) => tracing::info!(
+                        interface = link.name,
+                        program,
+                        "clsact filter replaced by tcx"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(
+                        interface = link.name,
+                        error = format!("{e:#}"),
+                        "clsact filter left beside the tcx link"
+                    ),
                 }
-                Ok(index) => tracing::info!(
-                    interface = link.name,
-                    pinned_ifindex = index,
-                    ifindex = link.index,
-                    "pinned link belongs to an earlier device of this name; replacing it"
-                ),
-                Err(e) => tracing::warn!(
-                    interface = link.name,
-                    error = format!("{e:#}"),
-                    "pinned link unreadable; replacing it"
-                ),
+                Ok(how)
             }
-            remove_pin(&pin)?;
+            TcHook::Clsact => {
+                let how =
+                    clsact::attach(prog, program, hook, link.index, &link.name, &self.links_dir)?;
+                if pin.exists() {
+                    remove_pin(&pin)?;
+                    tracing::info!(
+                        interface = link.name,
+                        program,
+                        "tcx link replaced by clsact"
+                    );
+                }
+                Ok(how)
+            }
         }
-        let id = prog
-            .attach(
-                link.index,
-                TcAttach::Tcx {
-                    attach_type: hook,
-                    order: Default::default(),
-                },
-            )
-            .with_context(|| {
-                format!(
-                    "attaching {program} to {} (ifindex {}) (tcx)",
-                    link.name, link.index
-                )
-            })?;
-        FdLink::try_from(prog.take_link(id)?)?
-            .pin(&pin)
-            .with_context(|| format!("pinning {}", pin.display()))?;
-        Ok("new link")
     }
 
     fn detach(&mut self, name: &str, why: &str) {
-        self.attached.remove(name);
+        let index = self.attached.remove(name);
         for (_, _, prefix) in HOOKS {
             match remove_pin(&pin_path(&self.links_dir, prefix, name)) {
                 Ok(()) => tracing::info!(interface = name, prefix, why, "classifier link unpinned"),
@@ -279,6 +287,35 @@ impl Classifiers {
                 }
             }
         }
+        // A device still there (renamed, or no longer wanted) keeps no filter of ours; one
+        // that is gone took them along.
+        if let Some(index) = index
+            && self.hook == TcHook::Clsact
+        {
+            self.remove_filters(index, name, why);
+        }
+    }
+
+    /// Deletes our clsact filters from `index` (and the qdisc, when we added it and it is
+    /// unused now).
+    fn remove_filters(&mut self, index: u32, name: &str, why: &str) {
+        for (program, hook) in FILTERS {
+            match clsact::remove(index, hook, program) {
+                Ok(true) => tracing::info!(interface = name, program, why, "clsact filter deleted"),
+                Ok(false) => {}
+                Err(e) => {
+                    self.failures.count();
+                    tracing::warn!(interface = name, error = format!("{e:#}"), "filter left");
+                }
+            }
+        }
+        if let Err(e) = clsact::release_qdisc(&self.links_dir, index) {
+            tracing::warn!(
+                interface = name,
+                error = format!("{e:#}"),
+                "clsact qdisc left"
+            );
+        }
     }
 
     /// Whether any of `name`'s links is pinned.
@@ -287,6 +324,62 @@ impl Classifiers {
             .iter()
             .any(|(_, _, prefix)| pin_path(&self.links_dir, prefix, name).exists())
     }
+}
+
+/// Adopts a pinned tcx link still on this very device (swapping in our program), else
+/// attaches a fresh one and pins it.
+fn attach_tcx(
+    prog: &mut SchedClassifier,
+    program: &str,
+    hook: TcAttachType,
+    link: &Link,
+    pin: &Path,
+) -> Result<&'static str> {
+    if pin.exists() {
+        match pinned_ifindex(pin) {
+            Ok(index) if index == link.index => {
+                let fd_link: FdLink = PinnedLink::from_pin(pin)
+                    .with_context(|| format!("opening pinned link {}", pin.display()))?
+                    .into();
+                let id = prog
+                    .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
+                    .with_context(|| format!("replacing {program} on {}", link.name))?;
+                // Pinned already: dropping our fd keeps it attached.
+                drop(FdLink::try_from(prog.take_link(id)?)?);
+                return Ok("adopted pinned link");
+            }
+            Ok(index) => tracing::info!(
+                interface = link.name,
+                pinned_ifindex = index,
+                ifindex = link.index,
+                "pinned link belongs to an earlier device of this name; replacing it"
+            ),
+            Err(e) => tracing::warn!(
+                interface = link.name,
+                error = format!("{e:#}"),
+                "pinned link unreadable; replacing it"
+            ),
+        }
+        remove_pin(pin)?;
+    }
+    let id = prog
+        .attach(
+            link.index,
+            TcAttach::Tcx {
+                attach_type: hook,
+                order: Default::default(),
+            },
+        )
+        .with_context(|| {
+            format!(
+                "attaching {program} to {} (ifindex {}) (tcx)",
+                link.name, link.index
+            )
+        })?;
+    FdLink::try_from(prog.take_link(id)?)?
+        .pin(pin)
+        .with_context(|| format!("pinning {}", pin.display()))?;
+    Ok("new link")
 }
 
 fn pin_path(links_dir: &Path, prefix: &str, name: &str) -> PathBuf {

@@ -4,11 +4,14 @@
 //!
 //! Pinned links keep the programs attached when the agent exits or crashes; a new agent
 //! swaps its freshly loaded programs into those links atomically (`bpf_link_update`), so
-//! traffic never sees a gap.
+//! traffic never sees a gap. Where the kernel has no tcx, the classifier's clsact filters
+//! stay attached the same way and are swapped in place.
 
+mod clsact;
 mod conntrack;
 pub mod ct_collector;
 pub mod interfaces;
+pub mod kernel;
 mod link_events;
 mod link_update;
 mod links;
@@ -39,7 +42,11 @@ use aya::{
 use proxy_common::map_names;
 
 pub use self::{
-    interfaces::InterfaceSelector, links::AttachFailures, maps::MapSet, sync::MapState,
+    interfaces::InterfaceSelector,
+    kernel::{TcAttachMode, TcHook},
+    links::AttachFailures,
+    maps::MapSet,
+    sync::MapState,
     watch::InterfaceWatch,
 };
 use super::{ApplyReport, Dataplane};
@@ -70,6 +77,9 @@ pub const TC_EGRESS_PROGRAM: &str = "tc_egress";
 /// Its tail call for SCTP checksums.
 pub const TC_SCTP_PROGRAM: &str = "tc_sctp_crc";
 
+/// The programs' switch for `bpf_set_retval` (see `kernel`).
+const SET_RETVAL_GLOBAL: &str = "SET_RETVAL";
+
 /// bpffs magic number (`statfs.f_type`).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -82,6 +92,9 @@ pub struct AttachOptions {
     pub cgroup: Option<PathBuf>,
     /// Interfaces whose ingress gets the per-packet classifier, now and as they appear.
     pub interfaces: InterfaceSelector,
+    /// How the classifier is hooked to them: tcx, a clsact filter, or whichever the
+    /// kernel has.
+    pub tc_attach: TcAttachMode,
     /// aya-log level for messages from the programs (0 off ... 5 trace).
     pub bpf_log_level: u8,
     /// Entries of the answered-flows table (`CONNTRACK`; the new-flows table gets a
@@ -175,6 +188,10 @@ impl BpfDataplane {
     /// rebuilds the mirror of the maps.
     pub fn start(opts: &AttachOptions) -> Result<Self> {
         check_bpffs(&opts.pin_dir)?;
+        let kernel = kernel::check(
+            opts.cgroup.is_some(),
+            (!opts.interfaces.is_empty()).then_some(opts.tc_attach),
+        )?;
         let maps_dir = maps_dir(&opts.pin_dir);
         let links_dir = links_dir(&opts.pin_dir);
         fs::create_dir_all(&maps_dir)
@@ -192,6 +209,8 @@ impl BpfDataplane {
         }
         let level = opts.bpf_log_level;
         loader.override_global("AYA_LOG_LEVEL", &level, false);
+        let set_retval = u8::from(kernel.set_retval);
+        loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
         if opts.conntrack_entries > 0 {
             for (name, size) in conntrack_capacities(opts.conntrack_entries) {
                 loader.map_max_entries(name, size);
@@ -210,20 +229,25 @@ impl BpfDataplane {
         let state = MapState::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
 
-        let interfaces = if opts.interfaces.is_empty() {
-            // Links of interfaces no longer configured: unpinning detaches them.
-            links::prune_pins(&links_dir, |_| false);
-            None
-        } else {
+        let interfaces = if let Some(hook) = kernel.tc_hook {
+            tracing::info!(mode = %opts.tc_attach, ?hook, "classifier hook chosen");
             let classifiers = links::Classifiers::new(
                 Arc::clone(&ebpf),
                 &links_dir,
                 opts.interfaces.clone(),
+                hook,
                 opts.attach_failures.clone(),
             )?;
             let watch = InterfaceWatch::start(classifiers)?;
             tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
             Some(watch)
+        } else {
+            // Links and filters of interfaces no longer configured: unpinning detaches.
+            links::prune_pins(&links_dir, |_| false);
+            if let Err(e) = remove_filters(&links_dir) {
+                tracing::warn!(error = format!("{e:#}"), "clsact filters left");
+            }
+            None
         };
         tracing::info!(
             pin_dir = %opts.pin_dir.display(),
@@ -272,6 +296,8 @@ pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
     for (name, size) in max_entries {
         loader.map_max_entries(name, *size);
     }
+    let set_retval = u8::from(kernel::has_set_retval());
+    loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
     let mut ebpf = loader.load(BPF_OBJECT).context("loading the BPF object")?;
     prepare_sctp(&mut ebpf)?;
     let maps = MapSet::take(&mut ebpf)?;
@@ -406,7 +432,17 @@ fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> R
             let id = prog
                 // Links are always multi-attach; the kernel rejects explicit flags for them.
                 .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
-                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+                .with_context(|| {
+                    format!(
+                        "attaching {name} to {} (needs cgroup bpf links, Linux 5.7{})",
+                        cgroup.display(),
+                        if name.starts_with("getpeername") {
+                            ", and the getpeername hooks, Linux 5.8"
+                        } else {
+                            ""
+                        }
+                    )
+                })?;
             let link = prog.take_link(id)?;
             FdLink::try_from(link)?
                 .pin(&pin)
@@ -440,25 +476,54 @@ fn attach_sock_release(
     }
     let id = prog
         .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
-        .with_context(|| format!("attaching {SOCK_RELEASE_PROGRAM} to {}", cgroup.display()))?;
+        .with_context(|| {
+            format!(
+                "attaching {SOCK_RELEASE_PROGRAM} to {} (needs the cgroup sock_release hook, \
+                 Linux 5.9)",
+                cgroup.display()
+            )
+        })?;
     FdLink::try_from(prog.take_link(id)?)?
         .pin(&pin)
         .with_context(|| format!("pinning {}", pin.display()))?;
     Ok(())
 }
 
+/// Deletes our clsact filters from every device of this network namespace, and the
+/// clsact qdiscs we added that nothing else uses.
+fn remove_filters(links_dir: &Path) -> Result<()> {
+    let indexes: Vec<u32> = link_events::list()?.iter().map(|l| l.index).collect();
+    let removed = clsact::remove_everywhere(links_dir, &indexes, &links::FILTERS)?;
+    if removed > 0 {
+        tracing::info!(filters = removed, "clsact filters deleted");
+    }
+    Ok(())
+}
+
 /// Removes everything the agent pinned under `pin_dir`: links first (which detaches the
-/// programs), then maps.
+/// programs), then the clsact filters of this network namespace (and the qdiscs we added,
+/// when nothing else uses them), then maps.
 pub fn cleanup(pin_dir: &Path) -> Result<()> {
-    for dir in [links_dir(pin_dir), maps_dir(pin_dir)] {
-        if let Ok(entries) = fs::read_dir(&dir) {
-            for entry in entries.flatten() {
+    let links_dir = links_dir(pin_dir);
+    remove_files(&links_dir)?;
+    remove_filters(&links_dir)?;
+    remove_files(&maps_dir(pin_dir))?;
+    for dir in [links_dir, maps_dir(pin_dir)] {
+        let _ = fs::remove_dir(&dir);
+    }
+    let _ = fs::remove_dir(pin_dir);
+    Ok(())
+}
+
+/// Removes the pins in `dir` (folders are qdisc records: `clsact` owns those).
+fn remove_files(dir: &Path) -> Result<()> {
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| !t.is_dir()) {
                 fs::remove_file(entry.path())
                     .with_context(|| format!("removing {}", entry.path().display()))?;
             }
         }
-        let _ = fs::remove_dir(&dir);
     }
-    let _ = fs::remove_dir(pin_dir);
     Ok(())
 }
