@@ -404,6 +404,7 @@ async fn run(args: RunArgs) -> Result<()> {
             let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
             tokio::spawn(async move {
                 source::api_server::wait_reachable(&client, &url).await;
+                source::events::announce_start(client.clone(), &node.name).await;
                 source::kube::run(client, node.name, selector, tx).await
             });
         }

@@ -317,6 +317,21 @@ async fn http(addr: &str, path: &str) -> std::io::Result<String> {
     Ok(out)
 }
 
+/// kube-proxy's birth cry: a "Starting" event about this Node.
+#[tokio::test]
+async fn starting_event_on_the_node() {
+    let server = FakeApiServer::start().await;
+    source::events::announce_start(server.client(), "node-a").await;
+    let events = server.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let e = &events[0];
+    assert_eq!(e["reason"], "Starting", "{e}");
+    assert_eq!(e["type"], "Normal", "{e}");
+    assert_eq!(e["regarding"]["kind"], "Node", "{e}");
+    assert_eq!(e["regarding"]["name"], "node-a", "{e}");
+    assert_eq!(e["reportingController"], "proxy-agent", "{e}");
+}
+
 /// A node whose Node object does not exist yet has no addresses and no topology: nothing
 /// is programmed from that empty node; the Node's creation releases the first view.
 #[tokio::test]

@@ -145,13 +145,14 @@ fn clsact_restart_keeps_a_live_connection_and_one_filter() {
         "the live connection broke across the restart: {broken:?}\n{}",
         tb.agent_log()
     );
-    let log = tb.agent_log();
+    // The old filters serve until the new agent has loaded its programs (seconds, when
+    // other tests load theirs too): wait for the swap, do not race it.
     for iface in tb.node_interfaces() {
-        assert!(
-            log.lines()
-                .any(|l| l.contains("adopted filter") && l.contains(&iface)),
-            "{iface}'s filter not adopted:\n{log}"
-        );
+        tb.wait_for(&format!("{iface}'s filter adopted"), || {
+            tb.agent_log()
+                .lines()
+                .any(|l| l.contains("adopted filter") && l.contains(&iface))
+        });
     }
     one_filter_each(&tb, &tb.node_interfaces());
     all_reach(&tb, None, &t, "tcp");
@@ -294,17 +295,14 @@ fn auto_chooses_tcx_here_and_takes_over_from_clsact() {
     );
     assert!(tb.agent_log().contains("hook=Tcx"), "{}", tb.agent_log());
     for iface in tb.node_interfaces() {
-        assert!(
-            tb.classifier_pin(&iface).exists() && tb.egress_pin(&iface).exists(),
-            "{iface}: no tcx links"
-        );
+        // Attaching follows loading the programs: wait for it rather than race it.
+        tb.wait_for(&format!("{iface}'s tcx links"), || {
+            tb.classifier_pin(&iface).exists() && tb.egress_pin(&iface).exists()
+        });
         for hook in ["ingress", "egress"] {
-            assert_eq!(
-                our_filters(&tb, &iface, hook),
-                0,
-                "{iface} {hook}: the clsact filter is left\n{}",
-                tb.agent_log()
-            );
+            tb.wait_for(&format!("{iface} {hook}: the clsact filter gone"), || {
+                our_filters(&tb, &iface, hook) == 0
+            });
         }
     }
     all_reach(&tb, None, &t, "tcp");

@@ -63,6 +63,8 @@ struct Store {
     lists_served: BTreeMap<String, u64>,
     /// The label selector of the last list per resource.
     label_selectors: BTreeMap<String, String>,
+    /// events.k8s.io Events created, as posted.
+    events: Vec<Value>,
 }
 
 struct Shared {
@@ -103,6 +105,10 @@ impl FakeApiServer {
             .route(
                 "/apis/discovery.k8s.io/v1/{resource}",
                 get(handle_discovery),
+            )
+            .route(
+                "/apis/events.k8s.io/v1/namespaces/{namespace}/events",
+                axum::routing::post(handle_event),
             )
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -211,6 +217,11 @@ impl FakeApiServer {
         self.shared.released.notify_waiters();
     }
 
+    /// The Events posted so far.
+    pub fn events(&self) -> Vec<Value> {
+        self.store(|s| s.events.clone())
+    }
+
     /// The label selector the last list of `resource` asked for ("" for none).
     pub fn label_selector(&self, resource: &str) -> String {
         self.store(|s| s.label_selectors.get(resource).cloned().unwrap_or_default())
@@ -220,6 +231,19 @@ impl FakeApiServer {
     pub fn lists_served(&self, resource: &str) -> u64 {
         self.store(|s| s.lists_served.get(resource).copied().unwrap_or(0))
     }
+}
+
+async fn handle_event(
+    State(shared): State<Arc<Shared>>,
+    axum::Json(event): axum::Json<Value>,
+) -> Response {
+    shared
+        .store
+        .lock()
+        .expect("lock")
+        .events
+        .push(event.clone());
+    (axum::http::StatusCode::CREATED, axum::Json(event)).into_response()
 }
 
 async fn handle_core(
