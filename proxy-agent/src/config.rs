@@ -266,6 +266,24 @@ const NOT_APPLICABLE: [&str; 12] = [
 ];
 
 impl Config {
+    /// Checks what flags may have set beyond the file's checks: periods within
+    /// `MAX_SYNC_PERIOD`.
+    pub fn validate(&self) -> Result<(), String> {
+        for (field, d) in [
+            ("syncPeriod (--resync-s)", self.sync_period),
+            ("minSyncPeriod (--min-sync-ms)", self.min_sync_period),
+        ] {
+            if d > MAX_SYNC_PERIOD {
+                return Err(format!(
+                    "{field}: {} s is above the longest accepted period, {} s (a year)",
+                    d.as_secs(),
+                    MAX_SYNC_PERIOD.as_secs()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Reads a config file. Returns the config and a warning for every field that is
     /// unknown or not supported.
     pub fn from_file(path: &Path) -> Result<(Self, Vec<String>), ConfigError> {
@@ -273,10 +291,12 @@ impl Config {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_text(&text).map_err(|message| ConfigError::Invalid {
-            path: path.display().to_string(),
-            message,
-        })
+        Self::from_text(&text)
+            .and_then(|(cfg, warnings)| cfg.validate().map(|()| (cfg, warnings)))
+            .map_err(|message| ConfigError::Invalid {
+                path: path.display().to_string(),
+                message,
+            })
     }
 
     /// Parses the YAML of a config file.
@@ -517,11 +537,28 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             "ns" => 1e-9,
             _ => return Err(format!("invalid duration {s:?}: unit {unit:?}")),
         };
-        total += Duration::from_secs_f64(n * secs);
+        let part = n * secs;
+        // Go's durations are i64 nanoseconds: nothing longer is a duration.
+        if !part.is_finite() || part > GO_DURATION_MAX_S {
+            return Err(format!(
+                "duration {s:?} out of range (Go durations end at 2562047h47m16s)"
+            ));
+        }
+        total = total
+            .checked_add(Duration::from_secs_f64(part))
+            .filter(|t| t.as_secs_f64() <= GO_DURATION_MAX_S)
+            .ok_or_else(|| format!("duration {s:?} out of range"))?;
         rest = tail;
     }
     Ok(total)
 }
+
+/// The longest Go `time.Duration`, in seconds (i64::MAX nanoseconds).
+const GO_DURATION_MAX_S: f64 = 9_223_372_036.854_775;
+
+/// The longest sync period the agent accepts: longer ones are typos, and the timers
+/// built from them must not overflow.
+pub const MAX_SYNC_PERIOD: Duration = Duration::from_secs(365 * 24 * 3600);
 
 #[cfg(test)]
 mod tests {
@@ -669,6 +706,29 @@ nodePortAddresses: [primary, localhost, 010.001.0.0/16]
                 .expect("valid");
         assert!(!all.node_port_primary);
         assert_eq!(all.node_port_addresses.len(), 2, "0.0.0.0/0 and ::/0");
+    }
+
+    /// Huge durations are errors naming the field, never a panic (hostile input).
+    #[test]
+    fn durations_out_of_range_are_refused() {
+        for (text, needle) in [
+            ("syncPeriod: 4000000000000000h", "syncPeriod"),
+            ("syncPeriod: 2562047788015215h", "syncPeriod"),
+            ("syncPeriod: 99999999999999999999999h", "syncPeriod"),
+            ("conntrack: {udpTimeout: 2562048h}", "conntrack.udpTimeout"),
+            ("syncPeriod: 2562047h2562047h", "syncPeriod"),
+        ] {
+            let text = format!("kind: KubeProxyConfiguration\n{text}\n");
+            let err = Config::from_text(&text).expect_err(&text);
+            assert!(err.contains(needle) && err.contains("range"), "{err}");
+        }
+        // Within Go's range but beyond a sane period: refused by validate, with the field.
+        let (cfg, _) = Config::from_text("kind: KubeProxyConfiguration\nsyncPeriod: 9000h\n")
+            .expect("a Go duration");
+        assert!(cfg.validate().expect_err("a year").contains("syncPeriod"));
+        let mut cfg = Config::default();
+        cfg.sync_period = Duration::from_secs(u64::MAX);
+        assert!(cfg.validate().is_err());
     }
 
     #[test]

@@ -182,6 +182,7 @@ impl RunArgs {
         if let Some(v) = &self.node.node_name {
             cfg.hostname_override = Some(v.clone());
         }
+        cfg.validate().map_err(anyhow::Error::msg)?;
         Ok(cfg)
     }
 }
