@@ -113,9 +113,13 @@ pub async fn run<D: Dataplane>(
             }
             _ = tokio::time::sleep_until(wake) => forced = true,
         }
-        // Coalesce: at most one sync per minimum interval.
+        // Coalesce: at most one sync per minimum interval — but a shutdown does not wait
+        // for it (the pinned programs keep serving what is programmed).
         if let Some(last) = last_sync {
-            tokio::time::sleep_until(last + timing.min_interval).await;
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                _ = tokio::time::sleep_until(last + timing.min_interval) => {}
+            }
         }
         let Some(snapshot) = source.borrow_and_update().clone() else {
             continue; // the source has not seen everything yet
