@@ -119,6 +119,18 @@ pub fn node_view(
                 let (eps, bad) = endpoints_for(slices, port, protocol, v4, &node.name);
                 rejected.extend(bad);
                 let sets = categorize(&eps, policies, &node.name, node.zone());
+                // Too many for one frontend's backend slots: refused alone, named and
+                // counted, so the rest of the node stays programmed and healthy.
+                let most = sets.cluster.len().max(sets.local.len());
+                if most > proxy_common::MAX_BACKENDS_PER_SERVICE as usize {
+                    rejected.push(rejection(format!(
+                        "port {} ({}): {most} endpoints exceed the {} one Service port can hold",
+                        number,
+                        if v4 { "IPv4" } else { "IPv6" },
+                        proxy_common::MAX_BACKENDS_PER_SERVICE
+                    )));
+                    continue;
+                }
                 let mut add = |ip: IpAddr, port: u16, kind: FrontendKind| {
                     let mut st = frontend_state(&service, kind, &sets, policies, affinity);
                     if kind == FrontendKind::LoadBalancer {

@@ -598,6 +598,60 @@ fn source_ranges_admitting_the_node_admit_its_load_balancer_ip() {
     }
 }
 
+/// 70 slices × 1,000 endpoints: more than a Service port's backend slots. That Service is
+/// refused alone, with its reason; the others are programmed.
+#[test]
+fn a_service_too_big_for_the_maps_is_refused_alone() {
+    let mut slices = Vec::new();
+    for s in 0..70u32 {
+        let eps: Vec<serde_json::Value> = (0..1000u32)
+            .map(|i| {
+                let n = s * 1000 + i;
+                ep(
+                    &format!("10.{}.{}.{}", 100 + n / 65536, (n / 256) % 256, n % 256),
+                    true,
+                    true,
+                    false,
+                )
+            })
+            .collect();
+        slices.push(slice(
+            &format!("big-{s}"),
+            "big",
+            "IPv4",
+            http_ports(),
+            json!(eps),
+        ));
+    }
+    slices.push(slice(
+        "web-1",
+        "web",
+        "IPv4",
+        http_ports(),
+        json!([ep("10.244.1.5", true, true, false)]),
+    ));
+    let mut big = web_spec();
+    big["clusterIP"] = json!("10.96.0.99");
+    let m = model(&[svc("big", big), svc("web", web_spec())], &slices);
+    let (view, rejected) = view_of(&m);
+    assert!(!view.contains_key(&fe("10.96.0.99", 80, Protocol::Tcp)));
+    assert_eq!(
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints,
+        set(&["10.244.1.5:8080"])
+    );
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert_eq!(rejected[0].object.name, "big");
+    assert!(
+        rejected[0]
+            .reason
+            .contains("70000 endpoints exceed the 65535"),
+        "{}",
+        rejected[0].reason
+    );
+}
+
 #[test]
 fn external_traffic_policy_local_keeps_two_scopes() {
     let cases: Vec<(serde_json::Value, Vec<&str>, WhenEmpty)> = vec![
