@@ -307,8 +307,16 @@ fn main() -> Result<()> {
         Cmd::Trace(args) => trace(args),
         Cmd::TraceProbe => proxy_agent::trace::connect::probe_main(),
         Cmd::Cleanup { bpffs } => {
-            bpf::cleanup(&bpffs)?;
-            tracing::info!(bpffs = %bpffs.display(), "removed every pin; programs detached");
+            let report = bpf::cleanup(&bpffs)?;
+            for (path, why) in &report.left {
+                tracing::warn!(pin = %path.display(), "left in place: {why}");
+            }
+            tracing::info!(
+                bpffs = %bpffs.display(),
+                removed = report.removed,
+                left = report.left.len(),
+                "removed our pins; our programs are detached"
+            );
             Ok(())
         }
     }

@@ -705,6 +705,63 @@ fn cleanup_detaches_and_unpins_everything() {
     );
 }
 
+/// `cleanup` removes only what it can tell is its own: on a folder that is not on a bpffs
+/// it removes nothing and says why; on a bpffs, a foreign pin (a map pinned under a name
+/// that is not ours) and a foreign file stay, named in the output.
+#[test]
+fn cleanup_removes_only_its_own_pins() {
+    if !require_root("cleanup_removes_only_its_own_pins") {
+        return;
+    }
+    let cleanup = |dir: &std::path::Path| {
+        std::process::Command::new(proxy_e2e::agent_bin())
+            .args(["cleanup", "--bpffs", dir.to_str().expect("utf-8")])
+            .output()
+            .expect("cleanup")
+    };
+    // Not a bpffs: refused, nothing deleted.
+    let plain = std::env::temp_dir().join(format!("cleanup-plain-{}", std::process::id()));
+    std::fs::create_dir_all(plain.join("maps")).expect("mkdir");
+    std::fs::create_dir_all(plain.join("links")).expect("mkdir");
+    std::fs::write(plain.join("maps/notes.txt"), "data").expect("write");
+    let out = cleanup(&plain);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("not on a BPF filesystem"), "{stderr}");
+    assert!(
+        plain.join("maps/notes.txt").exists(),
+        "a foreign file was deleted"
+    );
+    std::fs::remove_dir_all(&plain).expect("rm");
+
+    // A bpffs with our pins and a foreign one.
+    let mut tb = testbed(Path_::ConnectTime, &[0], None);
+    tb.kill_agent().expect("kill");
+    let maps = tb.pin_dir().join("maps");
+    let foreign = maps.join("someone_elses_map");
+    aya::maps::MapData::from_pin(maps.join(proxy_common::map_names::SERVICES))
+        .expect("our pinned map")
+        .pin(&foreign)
+        .expect("pin a foreign name");
+    let out = cleanup(&tb.pin_dir());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("someone_elses_map") && stderr.contains("not a name of ours"),
+        "{stderr}"
+    );
+    assert!(foreign.exists(), "the foreign pin was removed");
+    assert!(
+        !maps.join(proxy_common::map_names::SERVICES).exists(),
+        "our own pin stayed"
+    );
+    assert!(
+        !tb.pin_dir().join("links").exists(),
+        "our links folder (empty) stayed"
+    );
+    std::fs::remove_file(&foreign).expect("unpin the foreign map");
+}
+
 /// Killing the agent (as a crash would) and starting a new one while a client loops loses
 /// no connection: pinned links keep the programs attached, and the new agent adopts the
 /// pinned maps (same frontend ids, no rewrite) and keeps reconciling.

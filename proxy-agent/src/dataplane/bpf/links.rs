@@ -40,6 +40,9 @@ const HOOKS: [(&str, TcAttachType, &str); 2] = [
 ];
 
 /// The programs by hook, as clsact filters carry them.
+/// The pin-name prefixes of the classifier's links (`cleanup` knows its own by them).
+pub const HOOK_PREFIXES: [&str; 2] = [HOOKS[0].2, HOOKS[1].2];
+
 pub const FILTERS: [(&str, TcAttachType); 2] = [
     (TC_PROGRAM, TcAttachType::Ingress),
     (TC_EGRESS_PROGRAM, TcAttachType::Egress),
