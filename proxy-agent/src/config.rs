@@ -726,8 +726,10 @@ nodePortAddresses: [primary, localhost, 010.001.0.0/16]
         let (cfg, _) = Config::from_text("kind: KubeProxyConfiguration\nsyncPeriod: 9000h\n")
             .expect("a Go duration");
         assert!(cfg.validate().expect_err("a year").contains("syncPeriod"));
-        let mut cfg = Config::default();
-        cfg.sync_period = Duration::from_secs(u64::MAX);
+        let cfg = Config {
+            sync_period: Duration::from_secs(u64::MAX),
+            ..Config::default()
+        };
         assert!(cfg.validate().is_err());
     }
 
