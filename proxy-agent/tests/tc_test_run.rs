@@ -10,7 +10,7 @@ use std::{collections::BTreeSet, net::SocketAddr};
 
 use proxy_agent::{
     dataplane::bpf,
-    model::{BackendSet, FrontendKind, NodeView, Protocol, WhenEmpty},
+    model::{BackendSet, FrontendKind, NodeSettings, NodeView, Protocol, WhenEmpty},
     trace::{
         self,
         packet::{fold, sum16},
@@ -848,4 +848,49 @@ fn fragmented_udp_is_translated_in_every_fragment() {
     let (verdict, out) = h.run(&orphan);
     assert_eq!(verdict, TC_ACT_UNSPEC);
     assert_eq!(out, orphan, "untouched");
+}
+
+/// A table of local networks left full (by an earlier config with more pod CIDRs than it
+/// holds) does not poison the next configuration: stale entries go before new ones.
+#[test]
+fn a_full_local_networks_table_does_not_poison_the_next_config() {
+    if !root("a_full_local_networks_table_does_not_poison_the_next_config") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    let capacity = proxy_common::capacity::LOCAL_NETS;
+    let many: Vec<ipnet::IpNet> = (0..capacity)
+        .map(|i| {
+            format!("10.{}.{}.0/24", 100 + i / 256, i % 256)
+                .parse()
+                .expect("cidr")
+        })
+        .collect();
+    let too_many = NodeSettings {
+        pod_cidrs: many
+            .iter()
+            .copied()
+            .chain(["172.16.0.0/12".parse().expect("cidr")])
+            .collect(),
+        ..Default::default()
+    };
+    let err = bpf::sync::configure(&mut h.maps, &too_many).expect_err("more than it holds");
+    assert!(format!("{err:#}").contains("local networks"), "{err:#}");
+    // The table is full now; the usual config still applies, and works.
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.1.5:8080"],
+    )]));
+    let seen = inspect(
+        &h.run(&packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), true))
+            .1,
+    );
+    assert_eq!(
+        seen.src,
+        sa("10.244.0.3:40000"),
+        "pod traffic told apart again"
+    );
 }

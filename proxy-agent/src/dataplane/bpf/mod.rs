@@ -18,6 +18,7 @@ mod links;
 pub mod maps;
 mod members;
 mod netlink;
+mod pin_lock;
 mod sockets;
 pub mod sync;
 mod watch;
@@ -145,6 +146,8 @@ pub struct BpfDataplane {
     cgroup: Option<PathBuf>,
     /// Follows interfaces for the classifier, until [`Self::take_interface_watch`].
     interfaces: Option<InterfaceWatch>,
+    /// This agent's hold on the pin folder.
+    _lock: pin_lock::PinLock,
 }
 
 fn maps_dir(pin_dir: &Path) -> PathBuf {
@@ -198,6 +201,7 @@ impl BpfDataplane {
             .with_context(|| format!("creating {}", maps_dir.display()))?;
         fs::create_dir_all(&links_dir)
             .with_context(|| format!("creating {}", links_dir.display()))?;
+        let lock = pin_lock::lock(&opts.pin_dir)?;
 
         let mut loader = EbpfLoader::new();
         let pins: Vec<(&str, PathBuf)> = map_names::ALL
@@ -260,6 +264,7 @@ impl BpfDataplane {
             state,
             cgroup: opts.cgroup.clone(),
             interfaces,
+            _lock: lock,
         })
     }
 
@@ -510,6 +515,9 @@ pub fn cleanup(pin_dir: &Path) -> Result<CleanupReport> {
     }
     // Only a bpffs holds our pins: anywhere else, nothing is ours to delete.
     check_bpffs(pin_dir).context("refusing to clean up")?;
+    // Not under a running agent, which would go on with its programs detached.
+    let _lock = pin_lock::lock_within(pin_dir, std::time::Duration::from_secs(2))
+        .context("refusing to clean up under a running agent")?;
     let links_dir = links_dir(pin_dir);
     remove_ours(&links_dir, is_our_link, &mut report)?;
     remove_filters(&links_dir)?;

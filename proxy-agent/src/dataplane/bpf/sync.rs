@@ -11,7 +11,7 @@ use std::{
     net::{IpAddr, SocketAddr},
 };
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
@@ -750,9 +750,8 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
         wanted.push(lpm_key(LPM_TAG_NODE | u32::from(family), &net));
     }
     let present: Vec<LpmKey<LpmData>> = maps.local_nets.keys().filter_map(|k| k.ok()).collect();
-    for key in &wanted {
-        maps.local_nets.insert(key, &1, 0)?;
-    }
+    // Stale entries go first: a table left full by an earlier run (or config) must not
+    // refuse the entries this one needs.
     for key in present {
         let still = wanted
             .iter()
@@ -760,6 +759,11 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
         if !still {
             remove_ignoring_absent(maps.local_nets.remove(&key))?;
         }
+    }
+    for key in &wanted {
+        maps.local_nets
+            .insert(key, &1, 0)
+            .with_context(|| format!("writing {} local networks", wanted.len()))?;
     }
     Ok(())
 }
