@@ -324,6 +324,13 @@ fn main() -> Result<()> {
 
 async fn run(args: RunArgs) -> Result<()> {
     let cfg = args.config()?;
+    // Before anything is attached: a typo must not leave a node with programs and no source.
+    if matches!(args.source, SourceKind::Files) && !args.manifests.exists() {
+        anyhow::bail!(
+            "--manifests {}: no such file or folder",
+            args.manifests.display()
+        );
+    }
     let status = sync::Status::default();
     let opts = AttachOptions {
         pin_dir: PathBuf::from(&cfg.bpffs),
@@ -397,7 +404,7 @@ async fn run(args: RunArgs) -> Result<()> {
         SourceKind::Files => {
             let dir = args.manifests.clone();
             tokio::spawn(async move {
-                if let Err(e) = source::files::run(dir, node, tx).await {
+                if let Err(e) = source::manifest_watch::run(dir, node, tx).await {
                     tracing::error!(error = format!("{e:#}"), "file source stopped");
                 }
             });

@@ -32,45 +32,130 @@ pub enum ManifestError {
 /// Reads every `*.yaml`, `*.yml` and `*.json` file of `dir` (or the one file `dir` names).
 /// Objects that fail to parse are reported and left out; the rest are returned.
 pub fn load(dir: &Path) -> Result<(ClusterModel, Vec<ManifestError>), ManifestError> {
-    let mut files = Vec::new();
-    if dir.is_file() {
-        files.push(dir.to_path_buf());
-    } else {
-        let entries = fs::read_dir(dir).map_err(|source| ManifestError::Read {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-            if path.is_file() && matches!(ext, "yaml" | "yml" | "json") {
-                files.push(path);
-            }
-        }
-    }
-    files.sort();
     let mut model = ClusterModel::default();
     let mut errors = Vec::new();
-    for path in files {
-        let text = match fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(source) => {
-                errors.push(ManifestError::Read { path, source });
-                continue;
-            }
-        };
-        add_documents(&mut model, &mut errors, &path, &text);
+    for path in manifest_files(dir)? {
+        let parsed = parse_file(&path);
+        errors.extend(parsed.errors);
+        model.services.extend(parsed.model.services);
+        model.slices.extend(parsed.model.slices);
     }
     Ok((model, errors))
 }
 
-/// Parses the documents of one file into `model`.
+/// The manifest files at `path`: the file itself, or a folder's `.yaml`, `.yml` and
+/// `.json` files (symlinks followed, as in kubelet's ConfigMap volumes), sorted.
+pub fn manifest_files(path: &Path) -> Result<Vec<PathBuf>, ManifestError> {
+    if path.is_file() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let entries = fs::read_dir(path).map_err(|source| ManifestError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut files: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+            p.is_file() && matches!(ext, "yaml" | "yml" | "json")
+        })
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// The largest manifest file read: a bigger one is refused as a whole.
+pub const MAX_FILE_BYTES: u64 = 16 << 20;
+/// The deepest `[`/`{` nesting accepted: deeper YAML costs the parser quadratic time and
+/// no Kubernetes object needs it.
+pub const MAX_FLOW_DEPTH: usize = 64;
+
+/// One file's objects and what went wrong reading it.
+#[derive(Debug, Default)]
+pub struct ParsedFile {
+    pub model: ClusterModel,
+    pub errors: Vec<ManifestError>,
+    /// The whole file was read and its YAML parsed to the end (objects that do not fit
+    /// their kind are errors, but the file is whole); `false` for a file that could not
+    /// be read, is too big or too deep, or breaks off — possibly one being written.
+    pub complete: bool,
+    /// The file holds nothing but white space (truncated, e.g. by `> file`).
+    pub empty: bool,
+}
+
+/// Reads and parses one manifest file.
+pub fn parse_file(path: &Path) -> ParsedFile {
+    let mut parsed = ParsedFile::default();
+    let refuse = |message: String| ManifestError::Parse {
+        path: path.to_path_buf(),
+        doc: 0,
+        message,
+    };
+    match fs::metadata(path) {
+        Ok(m) if m.len() > MAX_FILE_BYTES => {
+            parsed.errors.push(refuse(format!(
+                "{} bytes: larger than the {MAX_FILE_BYTES} a manifest file may be",
+                m.len()
+            )));
+            return parsed;
+        }
+        Ok(_) => {}
+        Err(source) => {
+            parsed.errors.push(ManifestError::Read {
+                path: path.to_path_buf(),
+                source,
+            });
+            return parsed;
+        }
+    }
+    let text = match fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(source) => {
+            parsed.errors.push(ManifestError::Read {
+                path: path.to_path_buf(),
+                source,
+            });
+            return parsed;
+        }
+    };
+    parsed.empty = text.trim().is_empty();
+    if let Some(depth) = flow_depth_beyond(&text, MAX_FLOW_DEPTH) {
+        parsed.errors.push(refuse(format!(
+            "nested {depth} levels deep: deeper than the {MAX_FLOW_DEPTH} accepted"
+        )));
+        return parsed;
+    }
+    parsed.complete = add_documents(&mut parsed.model, &mut parsed.errors, path, &text);
+    parsed
+}
+
+/// The depth reached when `[`/`{` nesting goes beyond `max` (quotes are not parsed: a
+/// bracket inside a string counts too, which only makes the bound stricter).
+fn flow_depth_beyond(text: &str, max: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    for b in text.bytes() {
+        match b {
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return Some(depth);
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Parses the documents of one file into `model`; `false` when the YAML breaks off.
 pub fn add_documents(
     model: &mut ClusterModel,
     errors: &mut Vec<ManifestError>,
     path: &Path,
     text: &str,
-) {
+) -> bool {
     for (doc, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let parse_err = |message: String| ManifestError::Parse {
             path: path.to_path_buf(),
@@ -84,7 +169,7 @@ pub fn add_documents(
                 // A YAML syntax error: nothing after it in this file can be trusted (and
                 // the document iterator would repeat the error forever).
                 errors.push(parse_err(e.to_string()));
-                break;
+                return false;
             }
         };
         let items = match value.get("kind").and_then(|k| k.as_str()) {
@@ -101,6 +186,7 @@ pub fn add_documents(
             }
         }
     }
+    true
 }
 
 fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), String> {
@@ -132,58 +218,6 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
         ),
     }
     Ok(())
-}
-
-/// Publishes the folder's contents now and whenever a file in it changes (bursts of
-/// events are read once). An unreadable folder keeps the last published snapshot.
-pub async fn run(
-    dir: PathBuf,
-    node: crate::model::NodeInfo,
-    tx: tokio::sync::watch::Sender<Option<super::SharedSnapshot>>,
-) -> anyhow::Result<()> {
-    use notify::Watcher as _;
-    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
-    let mut watcher = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
-        // Our own reads raise access events: reacting to them would reload forever.
-        if ev.is_ok_and(|e| !matches!(e.kind, notify::EventKind::Access(_))) {
-            let _ = events_tx.send(());
-        }
-    })?;
-    watcher.watch(&dir, notify::RecursiveMode::NonRecursive)?;
-    let mut changes = super::ChangeCounts::default();
-    loop {
-        match load(&dir) {
-            Ok((model, errors)) => {
-                for e in &errors {
-                    tracing::warn!(error = %e, "skipping manifest");
-                }
-                let previous = tx.borrow().clone();
-                let empty = ClusterModel::default();
-                changes.add_differences(previous.as_ref().map_or(&empty, |p| &p.model), &model);
-                let snapshot = super::Snapshot {
-                    model,
-                    node: node.clone(),
-                    changes,
-                };
-                tx.send_if_modified(|current| {
-                    let changed = current
-                        .as_ref()
-                        .is_none_or(|c| c.model != snapshot.model || c.node != snapshot.node);
-                    if changed {
-                        *current = Some(std::sync::Arc::new(snapshot));
-                    }
-                    changed
-                });
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot read manifests; keeping the current state")
-            }
-        }
-        if events.recv().await.is_none() {
-            return Ok(());
-        }
-        while events.try_recv().is_ok() {}
-    }
 }
 
 #[cfg(test)]
