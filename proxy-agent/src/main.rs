@@ -304,7 +304,13 @@ fn main() -> Result<()> {
         }
         Cmd::Dump { bpffs, json, .. } => dump(&bpffs, json),
         Cmd::Watch { debug_addr } => watch(&debug_addr),
-        Cmd::Trace(args) => trace(args),
+        // 1 means one thing: a packet differs. Anything else that stops a trace (a
+        // malformed file or packet, a missing file, no arguments) is 2, like clap's usage
+        // errors.
+        Cmd::Trace(args) => trace(args).or_else(|e| {
+            eprintln!("Error: {e:#}");
+            std::process::exit(EXIT_BAD_SCENARIO)
+        }),
         Cmd::TraceProbe => proxy_agent::trace::connect::probe_main(),
         Cmd::Cleanup { bpffs } => {
             let report = bpf::cleanup(&bpffs)?;
@@ -532,6 +538,24 @@ fn resolve_cgroup(arg: &str) -> Result<Option<PathBuf>> {
 /// Exit status for a scenario file that cannot be used at all.
 const EXIT_BAD_SCENARIO: i32 = 2;
 
+/// The largest scenario file read (`--scenario /dev/zero` once grew to 10 GB).
+const MAX_SCENARIO_BYTES: u64 = 64 << 20;
+
+fn read_scenario(path: &Path) -> Result<String> {
+    let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if !meta.is_file() {
+        anyhow::bail!("{}: not a regular file", path.display());
+    }
+    if meta.len() > MAX_SCENARIO_BYTES {
+        anyhow::bail!(
+            "{}: {} bytes, larger than the {MAX_SCENARIO_BYTES} a scenario may be",
+            path.display(),
+            meta.len()
+        );
+    }
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
 fn trace(args: TraceArgs) -> Result<()> {
     use proxy_agent::trace::{self, scenario};
     if args.live {
@@ -549,8 +573,7 @@ fn trace(args: TraceArgs) -> Result<()> {
     }
     let cases = match (&args.scenario, &args.packet, &args.objects) {
         (Some(path), _, _) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
+            let text = read_scenario(path)?;
             match scenario::parse(&text) {
                 Ok(c) => c,
                 Err(e) => {

@@ -115,6 +115,23 @@ fn trace_exit_statuses_and_diff() {
         "{stderr}"
     );
 
+    // Usage errors are 2 as well, never 1 (which means "a packet differs"): a missing
+    // file, a device, a malformed packet, no arguments.
+    for args in [
+        vec!["trace", "--scenario", "/nonexistent/scenario.json"],
+        vec!["trace", "--scenario", "/dev/zero"],
+        vec!["trace", "--objects", "/tmp", "--packet", "tcp nonsense"],
+        vec!["trace"],
+    ] {
+        let out = agent().args(&args).output().expect("run");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     // The single-packet form, JSON.
     let manifests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
     let out = agent()
