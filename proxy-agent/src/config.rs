@@ -99,6 +99,7 @@ struct EbpfSection {
     debug_bind_address: Option<String>,
     masquerade_port_range: Option<String>,
     api_server: Option<String>,
+    node_port_range: Option<String>,
 }
 
 /// How local (pod) traffic is told apart from other traffic.
@@ -164,8 +165,8 @@ fn duration_or(v: Option<&str>, field: &str, default: Duration) -> Result<Durati
     }
 }
 
-/// `ebpf.masqueradePortRange`: `FIRST-LAST`, both in 1024..=65535.
-fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
+/// A port range, `FIRST-LAST`, both in `lowest..=65535`.
+fn parse_port_range(text: &str, lowest: u16) -> Result<(u16, u16), String> {
     let (a, b) = text
         .split_once('-')
         .ok_or_else(|| format!("{text:?}: expected FIRST-LAST, e.g. 20000-29999"))?;
@@ -174,8 +175,8 @@ fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
             .parse::<u16>()
             .map_err(|e| format!("{s:?}: {e}"))
             .and_then(|p| {
-                if p < 1024 {
-                    Err(format!("{p}: below 1024"))
+                if p < lowest {
+                    Err(format!("{p}: below {lowest}"))
                 } else {
                     Ok(p)
                 }
@@ -197,6 +198,8 @@ pub struct Config {
     pub node_port_addresses: Vec<ipnet::IpNet>,
     /// `nodePortAddresses` holds `primary`.
     pub node_port_primary: bool,
+    /// The API server's `--service-node-port-range` (`ebpf.nodePortRange`).
+    pub node_port_range: (u16, u16),
     pub min_sync_period: Duration,
     pub sync_period: Duration,
     pub healthz_bind_address: String,
@@ -227,6 +230,7 @@ impl Default for Config {
             localhost_node_ports: true,
             node_port_addresses: Vec::new(),
             node_port_primary: false,
+            node_port_range: crate::model::DEFAULT_NODE_PORT_RANGE,
             // kube-proxy defaults to 1s because each iptables sync is costly; a map
             // update is not, so bursts are coalesced over a much shorter window.
             min_sync_period: Duration::from_millis(100),
@@ -463,9 +467,13 @@ impl Config {
                 cfg.debug_bind_address = v;
             }
             cfg.api_server = e.api_server.filter(|s| !s.is_empty());
+            if let Some(v) = e.node_port_range {
+                cfg.node_port_range =
+                    parse_port_range(&v, 1).map_err(|e| format!("ebpf.nodePortRange: {e}"))?;
+            }
             if let Some(v) = e.masquerade_port_range {
-                cfg.conntrack.masquerade_ports =
-                    parse_port_range(&v).map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;
+                cfg.conntrack.masquerade_ports = parse_port_range(&v, 1024)
+                    .map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;
             }
         }
         Ok((cfg, warnings))

@@ -402,6 +402,7 @@ async fn run(args: RunArgs) -> Result<()> {
         conntrack: cfg.conntrack.clone(),
         node_port_addresses: cfg.node_port_addresses.clone(),
         node_port_primary: cfg.node_port_primary,
+        node_port_range: cfg.node_port_range,
         localhost_node_ports: cfg.localhost_node_ports,
         service_proxy_name: cfg.service_proxy_name.clone(),
     };

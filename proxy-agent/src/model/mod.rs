@@ -79,6 +79,9 @@ impl NodeInfo {
     }
 }
 
+/// The API server's default `--service-node-port-range`.
+pub const DEFAULT_NODE_PORT_RANGE: (u16, u16) = (30_000, 32_767);
+
 /// This node's proxy settings (kube-proxy's, where it has them).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ViewConfig {
@@ -96,6 +99,9 @@ pub struct ViewConfig {
     pub node_port_addresses: Vec<ipnet::IpNet>,
     /// `nodePortAddresses: [primary]`: this node's primary addresses get NodePorts too.
     pub node_port_primary: bool,
+    /// NodePorts outside this range (the API server's `--service-node-port-range`) are
+    /// refused, as the API server refuses them.
+    pub node_port_range: (u16, u16),
     /// `127.0.0.1:<nodePort>` works (IPv4 only).
     pub localhost_node_ports: bool,
     /// Services labelled `service.kubernetes.io/service-proxy-name` are ours only when the
@@ -112,6 +118,7 @@ impl Default for ViewConfig {
             conntrack: Default::default(),
             node_port_addresses: Vec::new(),
             node_port_primary: false,
+            node_port_range: DEFAULT_NODE_PORT_RANGE,
             localhost_node_ports: true,
             service_proxy_name: None,
         }

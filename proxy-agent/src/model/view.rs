@@ -68,6 +68,10 @@ pub fn node_view(
         if !is_ours(svc, cfg) || spec.type_.as_deref() == Some("ExternalName") {
             continue;
         }
+        if let Err(reason) = check_ports(spec, cfg.node_port_range) {
+            rejected.push(rejection(reason));
+            continue;
+        }
         let cluster_ips = match cluster_ips(spec) {
             // Headless: DNS only, nothing to proxy.
             Ok(ips) if ips.is_empty() => continue,
@@ -132,6 +136,17 @@ pub fn node_view(
                     continue;
                 }
                 let mut add = |ip: IpAddr, port: u16, kind: FrontendKind| {
+                    let fe = Frontend { ip, port, protocol };
+                    // Two Services on one VIP and port (the API server allocates ClusterIPs
+                    // and NodePorts once; files and external IPs can collide): the first
+                    // in namespace/name order keeps it, the other is refused, named.
+                    if let Some(other) = view.get(&fe).filter(|o| o.service != service) {
+                        rejected.push(rejection(format!(
+                            "{fe} already belongs to {}; not programmed for {service}",
+                            other.service
+                        )));
+                        return;
+                    }
                     let mut st = frontend_state(&service, kind, &sets, policies, affinity);
                     if kind == FrontendKind::LoadBalancer {
                         st.source_ranges = source_ranges
@@ -151,7 +166,7 @@ pub fn node_view(
                                 .extend(family_ips(&lb_ips).into_iter().map(ipnet::IpNet::from));
                         }
                     }
-                    view.insert(Frontend { ip, port, protocol }, st);
+                    view.insert(fe, st);
                 };
                 for ip in cips {
                     add(ip, number, FrontendKind::ClusterIp);
@@ -302,16 +317,50 @@ fn cluster_ips(spec: &ServiceSpec) -> Result<Vec<IpAddr>, String> {
         (_, Some(ip)) => vec![ip],
         _ => vec![],
     };
+    // Headless: "None" (or nothing) alone; beside an address it is invalid, as the API
+    // server says.
+    if raw.iter().all(|ip| ip.is_empty() || *ip == "None") {
+        return Ok(vec![]);
+    }
     let mut ips = Vec::new();
     for ip in raw {
-        if ip.is_empty() || ip == "None" {
-            return Ok(vec![]);
+        let parsed =
+            super::sloppy::parse_ip(ip).map_err(|e| format!("invalid clusterIP {ip:?}: {e}"))?;
+        if !is_unicast_service_ip(parsed) {
+            return Err(format!(
+                "clusterIP {ip:?}: not a unicast address a Service can have (loopback, \
+                 unspecified, broadcast, multicast and link-local are not)"
+            ));
         }
-        ips.push(
-            super::sloppy::parse_ip(ip).map_err(|e| format!("invalid clusterIP {ip:?}: {e}"))?,
-        );
+        if ips.contains(&parsed) {
+            return Err(format!("clusterIPs: {ip} twice"));
+        }
+        ips.push(parsed);
+    }
+    if ips.len() == 2 && ips[0].is_ipv4() == ips[1].is_ipv4() {
+        return Err("clusterIPs: two addresses of one family".into());
     }
     Ok(ips)
+}
+
+/// What the API server accepts as a Service VIP (ClusterIP, external or LB IP) — and what
+/// would otherwise hijack the node's own traffic (loopback) or every host (broadcast).
+fn is_unicast_service_ip(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            !(v4.is_loopback()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_link_local())
+        }
+        IpAddr::V6(v6) => {
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || v6.is_unicast_link_local())
+        }
+    }
 }
 
 /// Parses addresses; the invalid ones are left out and described.
@@ -345,6 +394,44 @@ fn node_port(port: &ServicePort) -> Option<u16> {
     port.node_port
         .and_then(|p| u16::try_from(p).ok())
         .filter(|p| *p != 0)
+}
+
+/// The API server's checks of a Service's ports that kube-proxy relies on: no port or
+/// nodePort out of range or given twice (per protocol), nodePorts inside the node-port
+/// range (a NodePort of 22 would take over the node's ssh, and through
+/// `localhostNodePorts` its loopback too).
+fn check_ports(spec: &ServiceSpec, range: (u16, u16)) -> Result<(), String> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut node_ports = std::collections::BTreeSet::new();
+    for port in spec.ports.iter().flatten() {
+        // A bad number or protocol leaves out that port alone (reported where ports are
+        // read); the checks here are of the Service as a whole.
+        let Ok((number, protocol)) = port_and_protocol(port) else {
+            continue;
+        };
+        if !seen.insert((number, protocol)) {
+            return Err(format!("port {number}/{protocol} given twice"));
+        }
+        match port.node_port {
+            None | Some(0) => {}
+            Some(n) => {
+                let Some(n) = u16::try_from(n).ok().filter(|n| *n != 0) else {
+                    return Err(format!("nodePort {n} out of range 1-65535"));
+                };
+                if n < range.0 || n > range.1 {
+                    return Err(format!(
+                        "nodePort {n} outside the node-port range {}-{} \
+                         (ebpf.nodePortRange, the API server's --service-node-port-range)",
+                        range.0, range.1
+                    ));
+                }
+                if !node_ports.insert((n, protocol)) {
+                    return Err(format!("nodePort {n}/{protocol} given twice"));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether NodePorts answer on `ip`: `nodePortAddresses` CIDRs (`all` and `localhost`
@@ -451,8 +538,17 @@ fn endpoints_for(
         if slice.address_type != family {
             continue;
         }
-        let Some(target_port) = slice_port(slice, port_name, protocol, svc_port) else {
-            continue;
+        let target_port = match slice_port(slice, port_name, protocol, svc_port) {
+            None => continue,
+            Some(Ok(p)) => p,
+            Some(Err(n)) => {
+                bad.push(Rejection {
+                    kind: "EndpointSlice",
+                    object: ObjectRef::of(&slice.metadata),
+                    reason: format!("port {n} out of range 1-65535"),
+                });
+                continue;
+            }
         };
         for ep in &slice.endpoints {
             let cond = ep.conditions.as_ref();
@@ -506,7 +602,7 @@ fn slice_port(
     port_name: &str,
     protocol: Protocol,
     svc_port: &ServicePort,
-) -> Option<u16> {
+) -> Option<Result<u16, i32>> {
     let matched = slice.ports.iter().flatten().find(|p| {
         p.name.as_deref().unwrap_or("") == port_name
             && self::protocol(p.protocol.as_deref()).ok() == Some(protocol)
@@ -516,7 +612,7 @@ fn slice_port(
         None => Some(svc_port.port),
         Some(IntOrString::String(_)) => None,
     })?;
-    u16::try_from(number).ok().filter(|p| *p != 0)
+    Some(u16::try_from(number).ok().filter(|p| *p != 0).ok_or(number))
 }
 
 #[cfg(test)]

@@ -652,6 +652,86 @@ fn a_service_too_big_for_the_maps_is_refused_alone() {
     );
 }
 
+/// What the API server's validation refuses, refused here too (the file source has no API
+/// server in front of it), each named; the rest of the node stays programmed.
+#[test]
+fn objects_the_api_server_would_refuse_are_refused_by_name() {
+    let port = |p: i64, np: i64| json!({"name": format!("p{p}"), "port": p, "targetPort": 8080, "nodePort": np, "protocol": "TCP"});
+    let cases: Vec<(serde_json::Value, &str)> = vec![
+        (
+            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 22)]}),
+            "nodePort 22 outside the node-port range",
+        ),
+        (
+            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 70000)]}),
+            "nodePort 70000 out of range",
+        ),
+        (
+            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 30100), port(81, 30100)]}),
+            "nodePort 30100/TCP given twice",
+        ),
+        (
+            json!({"clusterIP": "10.96.0.50", "ports": [port(80, 0), port(80, 0)]}),
+            "port 80/TCP given twice",
+        ),
+        (
+            json!({"clusterIPs": ["None", "10.96.0.50"], "ports": [port(80, 0)]}),
+            "invalid clusterIP \"None\"",
+        ),
+        (
+            json!({"clusterIP": "127.0.0.1", "ports": [port(80, 0)]}),
+            "not a unicast address",
+        ),
+        (
+            json!({"clusterIP": "255.255.255.255", "ports": [port(80, 0)]}),
+            "not a unicast address",
+        ),
+        // Another Service's ClusterIP and port: the first (default/a-web) keeps it.
+        (
+            json!({"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}),
+            "already belongs to default/a-web:http",
+        ),
+    ];
+    for (spec, needle) in cases {
+        let mut web = svc("a-web", web_spec());
+        web["metadata"]["name"] = json!("a-web");
+        let m = model(&[web, svc("bad", spec.clone())], &[]);
+        let (view, rejected) = view_of(&m);
+        assert!(
+            rejected
+                .iter()
+                .any(|r| r.object.name == "bad" && r.reason.contains(needle)),
+            "{spec}: {needle:?} not in {rejected:?}"
+        );
+        assert!(
+            view.values().all(|s| !s.service.starts_with("default/bad")),
+            "{spec}: programmed anyway"
+        );
+        assert_eq!(
+            view[&fe("10.96.0.10", 80, Protocol::Tcp)].service,
+            "default/a-web:http"
+        );
+    }
+    // A slice port out of range is named, not silently dropped.
+    let m = model(
+        &[svc("web", web_spec())],
+        &[slice(
+            "web-1",
+            "web",
+            "IPv4",
+            json!([{"name": "http", "port": 0, "protocol": "TCP"}]),
+            json!([ep("10.244.1.5", true, true, false)]),
+        )],
+    );
+    let (_, rejected) = view_of(&m);
+    assert!(
+        rejected
+            .iter()
+            .any(|r| r.kind == "EndpointSlice" && r.reason.contains("port 0 out of range")),
+        "{rejected:?}"
+    );
+}
+
 #[test]
 fn external_traffic_policy_local_keeps_two_scopes() {
     let cases: Vec<(serde_json::Value, Vec<&str>, WhenEmpty)> = vec![

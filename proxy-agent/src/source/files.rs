@@ -211,10 +211,11 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
                 serde_json::from_value(item).map_err(|e| format!("EndpointSlice {name}: {e}"))?;
             model.slices.insert(ObjectRef::of(&slice.metadata), slice);
         }
-        _ => tracing::debug!(
+        // Said out loud: a typo ("Servce") would otherwise drop a Service without a word.
+        _ => tracing::warn!(
             kind,
             name,
-            "ignoring object of a kind the proxy does not use"
+            "ignoring an object that is not a Service or an EndpointSlice"
         ),
     }
     Ok(())
