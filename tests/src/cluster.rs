@@ -5,6 +5,7 @@
 //! are removed on drop, also when a test fails.
 
 use std::{
+    collections::HashMap,
     fs::{self, File, OpenOptions},
     io::{Read as _, Write as _},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
@@ -12,7 +13,8 @@ use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
-        atomic::{AtomicU32, Ordering},
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU32, Ordering},
         mpsc,
     },
     thread,
@@ -279,6 +281,14 @@ impl Cluster {
         self.start_apiserver().await
     }
 
+    /// Makes the API server reachable at the same address, [`Cluster::server`], inside
+    /// the network namespace `netns` (a testbed node's, where an agent run with
+    /// `--netns` lives), so the same kubeconfigs work there. Loopback to loopback; stops
+    /// when dropped. Needs root (setns).
+    pub fn expose_in_netns(&self, netns: &Path) -> Result<NetnsRelay> {
+        NetnsRelay::start(netns, self.api_port)
+    }
+
     /// The API server's URL (`https://127.0.0.1:PORT`).
     pub fn server(&self) -> String {
         format!("https://{LOOPBACK}:{}", self.api_port)
@@ -476,6 +486,114 @@ pub async fn kubeconfig_client(path: &Path) -> Result<Client> {
         .await
         .with_context(|| format!("loading {}", path.display()))?;
     Ok(Client::try_from(config)?)
+}
+
+/// A TCP relay from 127.0.0.1:PORT in a network namespace to 127.0.0.1:PORT in this
+/// process's (see [`Cluster::expose_in_netns`]). Sockets keep the namespace they were made
+/// in: the listener is made by a thread that entered `netns`, the connections onward by
+/// one that stayed here.
+pub struct NetnsRelay {
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<usize, [TcpStream; 2]>>>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl NetnsRelay {
+    fn start(netns: &Path, port: u16) -> Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<HashMap<usize, [TcpStream; 2]>>> = Arc::default();
+        let (accepted_tx, accepted_rx) = mpsc::channel::<TcpStream>();
+        // Dials out from this namespace. A connection is forgotten once both directions
+        // ended; the relay's drop shuts down those still open.
+        let dialer = {
+            let conns = conns.clone();
+            thread::Builder::new()
+                .name("relay-dial".into())
+                .spawn(move || {
+                    for (id, inside) in accepted_rx.into_iter().enumerate() {
+                        let Ok(outside) = TcpStream::connect((LOOPBACK, port)) else {
+                            continue; // the API server is down (a restart): refused
+                        };
+                        let ends = Arc::new(AtomicU32::new(0));
+                        for (from, to) in [(&inside, &outside), (&outside, &inside)] {
+                            let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone())
+                            else {
+                                continue;
+                            };
+                            let (ends, conns) = (ends.clone(), conns.clone());
+                            thread::spawn(move || {
+                                let _ = std::io::copy(&mut from, &mut to);
+                                let _ = to.shutdown(std::net::Shutdown::Write);
+                                if ends.fetch_add(1, Ordering::Relaxed) == 1 {
+                                    lock(&conns).remove(&id);
+                                }
+                            });
+                        }
+                        lock(&conns).insert(id, [inside, outside]);
+                    }
+                })?
+        };
+        // Listens inside `netns`.
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
+        let acceptor = {
+            let (stop, netns) = (stop.clone(), netns.to_path_buf());
+            thread::Builder::new()
+                .name("relay-accept".into())
+                .spawn(move || {
+                    let listener = crate::client::enter(Some(&netns), None)
+                        .and_then(|()| Ok(TcpListener::bind((LOOPBACK, port))?))
+                        .and_then(|l| l.set_nonblocking(true).map(|()| l).map_err(Into::into));
+                    let listener = match listener {
+                        Ok(l) => {
+                            let _ = ready_tx.send(Ok(()));
+                            l
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    while !stop.load(Ordering::Relaxed) {
+                        match listener.accept() {
+                            Ok((conn, _)) => {
+                                let _ = conn.set_nonblocking(false);
+                                if accepted_tx.send(conn).is_err() {
+                                    return;
+                                }
+                            }
+                            Err(_) => thread::sleep(Duration::from_millis(20)),
+                        }
+                    }
+                })?
+        };
+        let relay = NetnsRelay {
+            stop,
+            conns,
+            threads: vec![acceptor, dialer],
+        };
+        ready_rx
+            .recv()
+            .context("relay thread gone")?
+            .with_context(|| format!("listening on {LOOPBACK}:{port} in {}", netns.display()))?;
+        Ok(relay)
+    }
+}
+
+impl Drop for NetnsRelay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for conn in lock(&self.conns).drain().flat_map(|(_, pair)| pair) {
+            let _ = conn.shutdown(std::net::Shutdown::Both);
+        }
+        // The acceptor ends on the flag, then the dialer when the acceptor's sender goes.
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Spawns the cluster's processes from one thread that lives exactly as long as the

@@ -4,7 +4,10 @@
 //! data. Needs the binaries (`cargo xtask cluster --build-only`), not root: everything
 //! listens on 127.0.0.1.
 
-use std::time::{Duration, Instant};
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, Result, bail};
 use k8s_openapi::api::{
@@ -209,5 +212,61 @@ async fn service_account_tokens_meet_rbac_and_survive_an_apiserver_restart() -> 
             .await?
             .is_some()
     );
+    Ok(())
+}
+
+/// A network namespace of the test's own, deleted on drop.
+struct Netns(String);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = proxy_e2e::sh(&["ip", "netns", "del", &self.0]);
+    }
+}
+
+/// `/readyz` through the admin kubeconfig, from a thread inside `netns`.
+fn readyz_from(netns: &Path, kubeconfig: &Path) -> Result<String> {
+    let (netns, kubeconfig) = (netns.to_path_buf(), kubeconfig.to_path_buf());
+    std::thread::spawn(move || -> Result<String> {
+        proxy_e2e::client::enter(Some(&netns), None)?;
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(async {
+                let client = kubeconfig_client(&kubeconfig).await?;
+                let req = http::Request::get("/readyz").body(Vec::new())?;
+                Ok(client.request_text(req).await?)
+            })
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("readyz thread panicked"))?
+}
+
+#[tokio::test]
+async fn the_api_server_is_reachable_from_a_testbed_namespace() -> Result<()> {
+    const TEST: &str = "the_api_server_is_reachable_from_a_testbed_namespace";
+    if !proxy_e2e::require_root(TEST) {
+        return Ok(());
+    }
+    let Some(mut cluster) = cluster(TEST).await? else {
+        return Ok(());
+    };
+    let ns = Netns(format!("pxyclu{}", std::process::id()));
+    proxy_e2e::sh(&["ip", "netns", "add", &ns.0])?;
+    proxy_e2e::ip(&ns.0, "link set lo up")?;
+    let path = PathBuf::from(format!("/run/netns/{}", ns.0));
+    let kubeconfig = cluster.admin_kubeconfig().to_path_buf();
+    assert!(
+        readyz_from(&path, &kubeconfig).is_err(),
+        "its loopback is not ours"
+    );
+
+    let relay = cluster.expose_in_netns(&path)?;
+    assert_eq!(readyz_from(&path, &kubeconfig)?, "ok");
+    // The relay dials anew for each connection: a restarted API server is found again.
+    cluster.restart_apiserver().await?;
+    assert_eq!(readyz_from(&path, &kubeconfig)?, "ok");
+    drop(relay);
+    assert!(readyz_from(&path, &kubeconfig).is_err(), "relay stopped");
     Ok(())
 }
