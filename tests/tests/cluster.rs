@@ -270,3 +270,26 @@ async fn the_api_server_is_reachable_from_a_testbed_namespace() -> Result<()> {
     assert!(readyz_from(&path, &kubeconfig).is_err(), "relay stopped");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_component_that_fails_to_start_is_reported_with_its_log() -> Result<()> {
+    let Some(bin_dir) =
+        require_binaries("a_component_that_fails_to_start_is_reported_with_its_log")
+    else {
+        return Ok(());
+    };
+    let opts = ClusterOptions {
+        apiserver_args: vec!["--no-such-flag".into()],
+        ..ClusterOptions::new(bin_dir)
+    };
+    let Err(e) = Cluster::start(opts).await else {
+        bail!("started with an unknown flag");
+    };
+    let text = format!("{e:#}");
+    assert!(text.contains("kube-apiserver exited"), "{text}");
+    assert!(
+        text.contains("no-such-flag"),
+        "the log's last lines: {text}"
+    );
+    Ok(())
+}
