@@ -122,6 +122,7 @@ impl Cluster {
     /// Starts etcd, kube-apiserver and kube-controller-manager and returns once the API
     /// server is ready and the controllers run (the `default` ServiceAccount exists).
     pub async fn start(opts: ClusterOptions) -> Result<Self> {
+        let (etcd_port, api_port, keeper) = (free_port()?, free_port()?, Keeper::new()?);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("pxy-cluster-{}-{n}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
@@ -136,8 +137,8 @@ impl Cluster {
             }
         };
         let mut cluster = Cluster {
-            etcd_port: free_port()?,
-            api_port: free_port()?,
+            etcd_port,
+            api_port,
             admin_kubeconfig: dir.join("admin.kubeconfig"),
             dir,
             opts,
@@ -145,7 +146,7 @@ impl Cluster {
             etcd: None,
             apiserver: None,
             controller_manager: None,
-            keeper: Keeper::new()?,
+            keeper,
         };
         // On error the cluster is dropped here, which stops what started.
         cluster.boot().await?;
@@ -160,7 +161,8 @@ impl Cluster {
             &["system:masters"],
         )?;
         let kcm_kubeconfig = self.dir.join("controller-manager.kubeconfig");
-        // The user the RBAC bootstrap policy grants the controllers' permissions to.
+        // The user the RBAC bootstrap policy lets read what the controllers share and mint
+        // each controller's ServiceAccount token.
         self.write_client_kubeconfig(&kcm_kubeconfig, "system:kube-controller-manager", &[])?;
         self.start_apiserver().await?;
         let pki = self.dir.join("pki");
@@ -218,38 +220,31 @@ impl Cluster {
         }
         let pki = self.dir.join("pki");
         let file = |name: &str| pki.join(name).display().to_string();
+        let args = [
+            format!("--etcd-servers=http://{LOOPBACK}:{}", self.etcd_port),
+            format!("--bind-address={LOOPBACK}"),
+            format!("--secure-port={}", self.api_port),
+            format!("--advertise-address={LOOPBACK}"),
+            // The `kubernetes` Service gets no endpoints: a loopback address is not a
+            // valid one, and none other may be published from here.
+            "--endpoint-reconciler-type=none".into(),
+            format!("--cert-dir={}", pki.display()),
+            format!("--tls-cert-file={}", file("apiserver.crt")),
+            format!("--tls-private-key-file={}", file("apiserver.key")),
+            format!("--client-ca-file={}", file("ca.crt")),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+            format!("--service-account-key-file={}", file("sa.pub")),
+            format!("--service-account-signing-key-file={}", file("sa.key")),
+            format!("--service-cluster-ip-range={}", self.opts.service_cidr),
+            "--authorization-mode=RBAC,Node".into(),
+            format!(
+                "--min-request-timeout={}",
+                self.opts.min_request_timeout.as_secs().max(1)
+            ),
+            "--profiling=false".into(),
+        ];
         let mut api = Command::new(self.opts.bin_dir.join("kube-apiserver"));
-        api.arg(format!(
-            "--etcd-servers=http://{LOOPBACK}:{}",
-            self.etcd_port
-        ))
-        .arg(format!("--bind-address={LOOPBACK}"))
-        .arg(format!("--secure-port={}", self.api_port))
-        .arg(format!("--advertise-address={LOOPBACK}"))
-        // The `kubernetes` Service gets no endpoints: a loopback address is not a
-        // valid one, and none other may be published from here.
-        .arg("--endpoint-reconciler-type=none")
-        .arg(format!("--cert-dir={}", pki.display()))
-        .arg(format!("--tls-cert-file={}", file("apiserver.crt")))
-        .arg(format!("--tls-private-key-file={}", file("apiserver.key")))
-        .arg(format!("--client-ca-file={}", file("ca.crt")))
-        .arg("--service-account-issuer=https://kubernetes.default.svc.cluster.local")
-        .arg(format!("--service-account-key-file={}", file("sa.pub")))
-        .arg(format!(
-            "--service-account-signing-key-file={}",
-            file("sa.key")
-        ))
-        .arg(format!(
-            "--service-cluster-ip-range={}",
-            self.opts.service_cidr
-        ))
-        .arg("--authorization-mode=RBAC,Node")
-        .arg(format!(
-            "--min-request-timeout={}",
-            self.opts.min_request_timeout.as_secs().max(1)
-        ))
-        .arg("--profiling=false")
-        .args(&self.opts.apiserver_args);
+        api.args(args).args(&self.opts.apiserver_args);
         self.apiserver = Some(self.spawn("kube-apiserver", api)?);
         let client = self.client().await?;
         let deadline = Instant::now() + START_TIMEOUT;
