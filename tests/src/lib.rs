@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod client;
+pub mod cluster;
 pub mod echo;
 pub mod multinode;
 

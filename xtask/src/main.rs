@@ -1,7 +1,10 @@
-//! Developer workflow: `cargo xtask setup | build-ebpf | build | test | bench | soak | demo`.
+//! Developer workflow: `cargo xtask setup | build-ebpf | build | test | bench | soak | demo |
+//! cluster`.
 //!
 //! Toolchains are pinned here (and in `rust-toolchain.toml`); bpf-linker is installed into
 //! the project-local `.tools/` folder, linked against the pinned nightly's own LLVM.
+
+mod cluster;
 
 use std::{
     env,
@@ -57,6 +60,13 @@ enum Cmd {
         /// Requests to send.
         #[arg(long, default_value_t = 300)]
         requests: u32,
+    },
+    /// Build (once, cached in .tools/) etcd, kube-apiserver and kube-controller-manager and
+    /// run them on loopback with TLS until Ctrl-C: a cluster in a box, without kubelets.
+    Cluster {
+        /// Only build the binaries (CI prebuilds them for the tests).
+        #[arg(long)]
+        build_only: bool,
     },
 }
 
@@ -146,6 +156,27 @@ fn main() -> Result<()> {
                 .arg(root.join("deploy/examples"))
                 .arg("--requests")
                 .arg(requests.to_string());
+            run(&mut cmd)
+        }
+        Cmd::Cluster { build_only } => {
+            let bin_dir = cluster::build(&root)?;
+            if build_only {
+                eprintln!("xtask: cluster binaries in {}", bin_dir.display());
+                return Ok(());
+            }
+            setup(&root)?;
+            let mut cmd = cargo(&root, STABLE);
+            cmd.args([
+                "run",
+                "--quiet",
+                "-p",
+                "proxy-e2e",
+                "--bin",
+                "cluster",
+                "--",
+            ])
+            .arg("--bin-dir")
+            .arg(bin_dir);
             run(&mut cmd)
         }
     }
@@ -332,6 +363,8 @@ fn test(root: &Path, args: &[String]) -> Result<()> {
     let mut cmd = cargo(root, STABLE);
     cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"])
         .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
+        // Built or not: tests that need them skip, saying how to build them.
+        .env(cluster::BIN_DIR_ENV, cluster::bin_dir(root)?)
         .args(args);
     run(&mut cmd)
 }

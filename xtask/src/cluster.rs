@@ -1,0 +1,136 @@
+//! `cargo xtask cluster`: builds etcd, kube-apiserver and kube-controller-manager from the
+//! versions `tools/cluster/go.mod` pins, once, into `.tools/cluster/<versions>/`, then runs
+//! the cluster in a box (`proxy_e2e::cluster`) until Ctrl-C.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// The variable through which tests learn where the binaries are (`proxy_e2e::cluster`).
+pub const BIN_DIR_ENV: &str = "PROXY_CLUSTER_BIN_DIR";
+
+/// Output name and Go package of each binary. etcd's main package is its server module.
+const BINARIES: [(&str, &str); 3] = [
+    ("etcd", "go.etcd.io/etcd/server/v3"),
+    ("kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver"),
+    (
+        "kube-controller-manager",
+        "k8s.io/kubernetes/cmd/kube-controller-manager",
+    ),
+];
+
+fn module_dir(root: &Path) -> PathBuf {
+    root.join("tools/cluster")
+}
+
+/// The version `go.mod` requires of `module`.
+fn required_version(go_mod: &str, module: &str) -> Result<String> {
+    go_mod
+        .lines()
+        .filter_map(|l| l.split("//").next())
+        .map(str::split_whitespace)
+        .find_map(|mut words| {
+            let mut name = words.next()?;
+            if name == "require" {
+                name = words.next()?;
+            }
+            let version = words.next()?;
+            (name == module && version.starts_with('v') && words.next().is_none())
+                .then(|| version.to_string())
+        })
+        .with_context(|| format!("tools/cluster/go.mod requires no {module}"))
+}
+
+/// Where the binaries of the pinned versions live (built or not): the cache key is the
+/// pair of versions, so a version bump builds anew and never reuses stale binaries.
+pub fn bin_dir(root: &Path) -> Result<PathBuf> {
+    let go_mod = fs::read_to_string(module_dir(root).join("go.mod"))?;
+    let kube = required_version(&go_mod, "k8s.io/kubernetes")?;
+    let etcd = required_version(&go_mod, "go.etcd.io/etcd/server/v3")?;
+    Ok(root
+        .join(".tools/cluster")
+        .join(format!("kubernetes-{kube}-etcd-{etcd}")))
+}
+
+/// Builds the binaries unless all are there; returns their folder.
+pub fn build(root: &Path) -> Result<PathBuf> {
+    let dir = bin_dir(root)?;
+    if BINARIES.iter().all(|(name, _)| dir.join(name).is_file()) {
+        return Ok(dir);
+    }
+    let go_mod = fs::read_to_string(module_dir(root).join("go.mod"))?;
+    let kube = required_version(&go_mod, "k8s.io/kubernetes")?;
+    let minor = kube
+        .trim_start_matches('v')
+        .split('.')
+        .nth(1)
+        .context("k8s.io/kubernetes version has no minor")?;
+    // What hack/lib/version.sh stamps into a release build (`--version`, /version); the
+    // compatibility version itself is compiled in, not stamped.
+    let mut ldflags = String::from("-s -w");
+    for pkg in [
+        "k8s.io/component-base/version",
+        "k8s.io/client-go/pkg/version",
+    ] {
+        ldflags += &format!(
+            " -X {pkg}.gitVersion={kube} -X {pkg}.gitMajor=1 -X {pkg}.gitMinor={minor} -X {pkg}.gitTreeState=clean"
+        );
+    }
+    // Built into a scratch folder and renamed, so an interrupted build never looks done.
+    let partial = dir.with_extension("partial");
+    let _ = fs::remove_dir_all(&partial);
+    fs::create_dir_all(&partial)?;
+    eprintln!(
+        "xtask: building etcd, kube-apiserver and kube-controller-manager {kube} into {} \
+         (the first build takes a while: see README)",
+        dir.display()
+    );
+    let started = Instant::now();
+    for (name, pkg) in BINARIES {
+        let status = Command::new("go")
+            .current_dir(module_dir(root))
+            // Static binaries, as Kubernetes releases them.
+            .env("CGO_ENABLED", "0")
+            .args(["build", "-trimpath", "-ldflags", &ldflags, "-o"])
+            .arg(partial.join(name))
+            .arg(pkg)
+            .status()
+            .context("running `go` (Go 1.26 or newer must be on PATH)")?;
+        if !status.success() {
+            bail!("go build {pkg} failed: {status}");
+        }
+    }
+    let _ = fs::remove_dir_all(&dir);
+    fs::rename(&partial, &dir)?;
+    eprintln!(
+        "xtask: built in {:.1} min",
+        started.elapsed().as_secs_f64() / 60.0
+    );
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::required_version;
+
+    #[test]
+    fn reads_required_versions_from_go_mod() {
+        let go_mod = "module m\n\nrequire (\n\tgo.etcd.io/etcd/server/v3 v3.7.3\n\tk8s.io/kubernetes v1.37.2\n\tk8s.io/api v0.37.2 // indirect\n)\nrequire k8s.io/utils v0.1.0\nreplace k8s.io/api => k8s.io/api v0.37.2\n";
+        assert_eq!(
+            required_version(go_mod, "k8s.io/kubernetes").unwrap(),
+            "v1.37.2"
+        );
+        assert_eq!(
+            required_version(go_mod, "go.etcd.io/etcd/server/v3").unwrap(),
+            "v3.7.3"
+        );
+        assert_eq!(required_version(go_mod, "k8s.io/api").unwrap(), "v0.37.2");
+        assert_eq!(required_version(go_mod, "k8s.io/utils").unwrap(), "v0.1.0");
+        assert!(required_version(go_mod, "k8s.io/client-go").is_err());
+    }
+}
