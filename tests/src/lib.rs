@@ -432,6 +432,28 @@ impl Testbed {
         self.spawn_agent(&args, Path_::PerPacket, frontends)
     }
 
+    /// Starts `proxy-agent ARGV...` as given (a DaemonSet's command line), in the node's
+    /// namespace with `env` added; returns once it has programmed `frontends` frontends.
+    /// `path` says which path the testbed's client exercises.
+    pub fn start_agent_argv(
+        &mut self,
+        argv: &[String],
+        env: &[(String, String)],
+        path: Path_,
+        frontends: usize,
+    ) -> Result<()> {
+        let mut cmd = Command::new(agent_bin());
+        cmd.arg("--netns")
+            .arg(format!("/run/netns/{}", self.node_ns()))
+            .args(argv)
+            .envs(env.iter().map(|(k, v)| (k, v)));
+        let log = fs::File::create(self.root.join("agent.log"))?;
+        cmd.stdout(log.try_clone()?).stderr(log);
+        self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
+        self.agent_path = Some(path);
+        self.wait_frontends(frontends)
+    }
+
     fn spawn_agent(
         &mut self,
         args: &[&std::ffi::OsStr],

@@ -1,0 +1,368 @@
+//! The DaemonSet on a real control plane: the cluster in a box (`proxy_e2e::cluster`: the
+//! real kube-apiserver, etcd and EndpointSlice controller), `deploy/rbac.yaml` applied,
+//! and the agent run with exactly the command line and environment of
+//! `deploy/daemonset.yaml` (read from it, not copied), authenticated as the `proxy-agent`
+//! ServiceAccount through kubeadm's kube-proxy ConfigMap — so a missing RBAC verb or a
+//! wrong flag fails here. The "node" is a namespace testbed; Pods are made Ready through
+//! the API (standing in for the kubelet) with the testbed's backend addresses, so the
+//! real controller writes the slices the agent programs, and traffic checks each step.
+//!
+//! Two deliberate differences from a node, both for the safety rules of this repository:
+//! host paths are the test's own folders (`/var/lib/kube-proxy`, `/sys/fs/bpf`), and
+//! `--cgroup=auto` becomes the testbed's cgroup (auto would hook every process here).
+//!
+//! Needs root (namespaces, BPF) and the cluster binaries (`cargo xtask cluster
+//! --build-only`); says which is missing when it skips.
+
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use k8s_openapi::api::{
+    core::v1::{Node, Pod, Service, ServiceAccount},
+    discovery::v1::EndpointSlice,
+    events::v1::Event,
+    rbac::v1::{ClusterRole, ClusterRoleBinding},
+};
+use kube::{
+    Api, Client,
+    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
+};
+use proxy_e2e::{
+    Path_, TCP_PORT, TCP_TARGET, Testbed,
+    cluster::{Cluster, ClusterOptions, require_binaries},
+    require_root, target,
+};
+use serde_json::{Value, json};
+
+const NODE: &str = "node-a";
+/// The testbed node's address on the client side.
+const NODE_IP: &str = "10.10.0.1";
+const VIP: &str = "10.96.0.10";
+const OTHER_PROXY_VIP: &str = "10.96.0.30";
+
+fn deploy() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+fn yaml_docs(path: &Path) -> Result<Vec<Value>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| Ok(serde::Deserialize::deserialize(d)?))
+        .filter(|v: &Result<Value>| !matches!(v, Ok(Value::Null)))
+        .collect()
+}
+
+fn object<T: serde::de::DeserializeOwned>(value: Value) -> Result<T> {
+    Ok(serde_json::from_value(value)?)
+}
+
+/// `deploy/rbac.yaml`, applied as it is.
+async fn apply_rbac(client: &Client) -> Result<()> {
+    let pp = PostParams::default();
+    for doc in yaml_docs(&deploy().join("rbac.yaml"))? {
+        match doc["kind"].as_str() {
+            Some("ServiceAccount") => {
+                let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");
+                Api::<ServiceAccount>::namespaced(client.clone(), ns)
+                    .create(&pp, &object(doc.clone())?)
+                    .await?;
+            }
+            Some("ClusterRole") => {
+                Api::<ClusterRole>::all(client.clone())
+                    .create(&pp, &object(doc.clone())?)
+                    .await?;
+            }
+            Some("ClusterRoleBinding") => {
+                Api::<ClusterRoleBinding>::all(client.clone())
+                    .create(&pp, &object(doc.clone())?)
+                    .await?;
+            }
+            other => bail!("rbac.yaml: unexpected kind {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+/// The agent container of `deploy/daemonset.yaml`: its argv (after the command's program)
+/// with host paths mapped into `kube_proxy_dir` and the testbed, and its environment with
+/// the downward API resolved for `NODE`.
+fn daemonset_command(
+    kube_proxy_dir: &Path,
+    tb: &Testbed,
+) -> Result<(Vec<String>, Vec<(String, String)>)> {
+    let ds = yaml_docs(&deploy().join("daemonset.yaml"))?
+        .into_iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet")?;
+    let container = ds["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["name"] == "agent"))
+        .context("no agent container")?;
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s.as_str().map(String::from))
+            .collect()
+    };
+    let command = strings(&container["command"]);
+    assert_eq!(command.first().map(String::as_str), Some("proxy-agent"));
+    let pin_dir = tb.pin_dir().display().to_string();
+    let argv: Vec<String> = command[1..]
+        .iter()
+        .cloned()
+        .chain(strings(&container["args"]))
+        .map(|a| {
+            let a = a
+                .replace("/var/lib/kube-proxy", &kube_proxy_dir.display().to_string())
+                .replace("/sys/fs/bpf/proxy-agent", &pin_dir);
+            if a == "--cgroup=auto" {
+                format!("--cgroup={}", tb.cgroup_path().display())
+            } else {
+                a
+            }
+        })
+        .collect();
+    let mut env = Vec::new();
+    for e in container["env"].as_array().into_iter().flatten() {
+        let name = e["name"].as_str().context("env name")?.to_string();
+        if let Some(v) = e["value"].as_str() {
+            env.push((name, v.to_string()));
+        } else if e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName" {
+            env.push((name, NODE.to_string()));
+        } else if e["valueFrom"]["configMapKeyRef"]["optional"] == true {
+            // proxy-agent-config has no such key on a kubeadm cluster: left unset.
+        } else {
+            bail!("daemonset.yaml: env {name} of a kind this test does not know: {e}");
+        }
+    }
+    Ok((argv, env))
+}
+
+/// kubeadm's `kube-proxy` ConfigMap: its config.conf verbatim (paths mapped) and a
+/// kubeconfig.conf as kubeadm writes it, naming the API server and the token file.
+fn write_kube_proxy_configmap(dir: &Path, cluster: &Cluster, token: &str) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let config = include_str!("../../proxy-agent/tests/data/kubeadm-kube-proxy-config.conf")
+        .replace("/var/lib/kube-proxy", &dir.display().to_string());
+    std::fs::write(dir.join("config.conf"), config)?;
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, token)?;
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    certificate-authority: {}\n    \
+         server: {}\n  name: default\ncontexts:\n- context:\n    cluster: default\n    \
+         namespace: default\n    user: default\n  name: default\ncurrent-context: default\n\
+         users:\n- name: default\n  user:\n    tokenFile: {}\n",
+        cluster.ca_file().display(),
+        cluster.server(),
+        token_file.display()
+    );
+    std::fs::write(dir.join("kubeconfig.conf"), kubeconfig)?;
+    Ok(())
+}
+
+async fn eventually<T, F, Fut>(what: &str, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(v) = f().await? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What the kubelet would report for Pod `i` (the testbed's backend `i`), the Ready
+/// condition's transition now (the controller's trigger time comes from it).
+async fn set_ready(pods: &Api<Pod>, i: usize, ready: bool) -> Result<()> {
+    let ip = Testbed::backend_ip4(i);
+    let now = k8s_openapi::chrono::Utc::now()
+        .to_rfc3339_opts(k8s_openapi::chrono::SecondsFormat::Secs, true);
+    let status = json!({"status": {
+        "phase": "Running",
+        "podIP": ip,
+        "podIPs": [{"ip": ip}],
+        "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" },
+                        "lastTransitionTime": now}],
+    }});
+    pods.patch_status(
+        &format!("web-{i}"),
+        &PatchParams::default(),
+        &Patch::Merge(&status),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The distinct backends that answered `count` connections to the VIP.
+fn backends_seen(tb: &Testbed, count: u32) -> Result<BTreeSet<String>> {
+    let t = target(VIP, TCP_PORT);
+    let attempts = tb.client(&["--target", &t, "--count", &count.to_string()])?;
+    if let Some(bad) = attempts.iter().find(|a| !a.ok) {
+        bail!("a connection to {t} failed: {bad:?}\n{}", tb.agent_log());
+    }
+    Ok(attempts.into_iter().filter_map(|a| a.backend).collect())
+}
+
+async fn until_backends(tb: &Testbed, want: usize, what: &str) -> Result<()> {
+    eventually(what, || async {
+        Ok((backends_seen(tb, 12)?.len() == want).then_some(()))
+    })
+    .await
+    .with_context(|| tb.agent_log())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result<()> {
+    const TEST: &str = "the_daemonsets_command_line_serves_a_real_clusters_services";
+    if !require_root(TEST) {
+        return Ok(());
+    }
+    let Some(bin_dir) = require_binaries(TEST) else {
+        return Ok(());
+    };
+    let mut cluster = Cluster::start(ClusterOptions::new(bin_dir)).await?;
+    let client = cluster.client().await?;
+    apply_rbac(&client).await?;
+
+    let mut tb = Testbed::new(2)?;
+    let node: Node = object(json!({
+        "metadata": {"name": NODE, "labels": {"kubernetes.io/os": "linux"}},
+        "status": {"addresses": [{"type": "InternalIP", "address": NODE_IP}]},
+    }))?;
+    Api::<Node>::all(client.clone())
+        .create(&PostParams::default(), &node)
+        .await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let pp = PostParams::default();
+    let port = json!([{"name": "http", "port": TCP_PORT, "targetPort": TCP_TARGET}]);
+    for spec in [
+        json!({"metadata": {"name": "web"},
+               "spec": {"clusterIP": VIP, "selector": {"app": "web"}, "ports": port}}),
+        // Never programmed: headless, ExternalName, and one for another service proxy.
+        json!({"metadata": {"name": "headless"},
+               "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": port}}),
+        json!({"metadata": {"name": "external"},
+               "spec": {"type": "ExternalName", "externalName": "example.invalid"}}),
+        json!({"metadata": {"name": "other", "labels": {"service.kubernetes.io/service-proxy-name": "other-proxy"}},
+               "spec": {"clusterIP": OTHER_PROXY_VIP, "selector": {"app": "web"}, "ports": port}}),
+    ] {
+        services.create(&pp, &object(spec)?).await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    for i in 0..2 {
+        let pod: Pod = object(json!({
+            "metadata": {"name": format!("web-{i}"), "labels": {"app": "web"}},
+            "spec": {"nodeName": NODE,
+                     "containers": [{"name": "web", "image": "example.invalid/web"}]},
+        }))?;
+        pods.create(&pp, &pod).await?;
+        set_ready(&pods, i, true).await?;
+    }
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    eventually("the controller's slice with both Pods", || async {
+        let lp = ListParams::default().labels("kubernetes.io/service-name=web");
+        let ready = slices
+            .list(&lp)
+            .await?
+            .items
+            .iter()
+            .flat_map(|s| s.endpoints.iter())
+            .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+            .count();
+        Ok((ready == 2).then_some(()))
+    })
+    .await
+    .with_context(|| cluster.log_tail("kube-controller-manager"))?;
+
+    // The agent, as the DaemonSet runs it, as the proxy-agent ServiceAccount.
+    let token = cluster
+        .service_account_token("kube-system", "proxy-agent")
+        .await?;
+    let kube_proxy_dir = std::env::temp_dir().join(format!("pxy-kp-{}", tb.id));
+    write_kube_proxy_configmap(&kube_proxy_dir, &cluster, &token)?;
+    let _relay = cluster.expose_in_netns(Path::new(&format!("/run/netns/{}", tb.node_ns())))?;
+    let (argv, env) = daemonset_command(&kube_proxy_dir, &tb)?;
+    // `kubernetes` (10.96.0.1:443, no endpoints here) and web: nothing else.
+    tb.start_agent_argv(&argv, &env, Path_::PerPacket, 2)
+        .with_context(|| format!("argv {argv:?}"))?;
+    let log = tb.agent_log();
+    assert!(log.contains("API server reachable"), "{log}");
+    until_backends(&tb, 2, "both Pods serving").await?;
+    let dump = tb.dump()?;
+    let vips: BTreeSet<String> = dump["services"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["frontend"].as_str().map(String::from))
+        .collect();
+    assert!(
+        !vips.iter().any(|v| v.contains(OTHER_PROXY_VIP)),
+        "another proxy's Service was programmed: {vips:?}"
+    );
+
+    // kube-proxy's birth cry, written with the ServiceAccount's RBAC.
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    eventually("the Starting event on the Node", || async {
+        Ok(events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("Starting")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(NODE)
+            }))
+    })
+    .await?;
+
+    // A Pod turning NotReady: new connections avoid it.
+    set_ready(&pods, 1, false).await?;
+    until_backends(&tb, 1, "only web-0 after web-1 turned NotReady").await?;
+
+    // The API server restarts: traffic keeps flowing, and a change made as it comes back
+    // (before the agent's watch is back) is caught by the relist.
+    cluster.stop_apiserver();
+    assert_eq!(
+        backends_seen(&tb, 6)?.len(),
+        1,
+        "traffic while the API server is down"
+    );
+    cluster.start_apiserver().await?;
+    set_ready(&pods, 1, true).await?;
+    until_backends(&tb, 2, "web-1 back after the API server restart").await?;
+
+    // Network programming latency from the real controller's trigger times.
+    let metrics = tb.get_in_node("http://127.0.0.1:10249/metrics")?;
+    let count = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kubeproxy_network_programming_duration_seconds_count "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .with_context(|| format!("no programming histogram:\n{metrics}"))?;
+    assert!(count >= 2.0, "changes observed: {count}\n{metrics}");
+
+    // The Service deleted: its VIP is no longer translated.
+    services.delete("web", &DeleteParams::default()).await?;
+    tb.wait_frontends(1).with_context(|| tb.agent_log())?;
+    let gone = tb.client(&[
+        "--target",
+        &target(VIP, TCP_PORT),
+        "--count",
+        "1",
+        "--timeout-ms",
+        "500",
+    ])?;
+    assert!(!gone[0].ok, "still served after deletion: {gone:?}");
+    let _ = std::fs::remove_dir_all(&kube_proxy_dir);
+    Ok(())
+}
