@@ -87,13 +87,19 @@ async fn apply_rbac(client: &Client) -> Result<()> {
     Ok(())
 }
 
+/// An agent's argv and the environment it runs with.
+struct Command {
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
 /// The agent container of `deploy/daemonset.yaml`: its argv (after the command's program)
 /// with host paths mapped into `kube_proxy_dir` and the testbed, and its environment with
 /// the downward API resolved for `NODE`.
 fn daemonset_command(
     kube_proxy_dir: &Path,
     tb: &Testbed,
-) -> Result<(Vec<String>, Vec<(String, String)>)> {
+) -> Result<Command> {
     let ds = yaml_docs(&deploy().join("daemonset.yaml"))?
         .into_iter()
         .find(|d| d["kind"] == "DaemonSet")
@@ -140,7 +146,7 @@ fn daemonset_command(
             bail!("daemonset.yaml: env {name} of a kind this test does not know: {e}");
         }
     }
-    Ok((argv, env))
+    Ok(Command { argv, env })
 }
 
 /// kubeadm's `kube-proxy` ConfigMap: its config.conf verbatim (paths mapped) and a
@@ -292,7 +298,7 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
     let kube_proxy_dir = std::env::temp_dir().join(format!("pxy-kp-{}", tb.id));
     write_kube_proxy_configmap(&kube_proxy_dir, &cluster, &token)?;
     let _relay = cluster.expose_in_netns(Path::new(&format!("/run/netns/{}", tb.node_ns())))?;
-    let (argv, env) = daemonset_command(&kube_proxy_dir, &tb)?;
+    let Command { argv, env } = daemonset_command(&kube_proxy_dir, &tb)?;
     // `kubernetes` (10.96.0.1:443, no endpoints here) and web: nothing else.
     tb.start_agent_argv(&argv, &env, Path_::PerPacket, 2)
         .with_context(|| format!("argv {argv:?}"))?;
