@@ -363,13 +363,19 @@ fn is_unicast_service_ip(ip: IpAddr) -> bool {
     }
 }
 
-/// Parses addresses; the invalid ones are left out and described.
+/// Parses a Service's extra VIPs (external and load-balancer IPs); invalid ones, and
+/// those no Service may have (an external IP of 127.0.0.1 would take over the node's own
+/// loopback traffic), are left out and described.
 fn parse_ips<'a>(raw: impl Iterator<Item = &'a String>, what: &str) -> (Vec<IpAddr>, Vec<String>) {
     let mut ips = Vec::new();
     let mut bad = Vec::new();
     for s in raw {
         match super::sloppy::parse_ip(s) {
-            Ok(ip) => ips.push(ip),
+            Ok(ip) if is_unicast_service_ip(ip) => ips.push(ip),
+            Ok(_) => bad.push(format!(
+                "{what} {s:?}: not a unicast address a Service can have (loopback, \
+                 unspecified, broadcast, multicast and link-local are not)"
+            )),
             Err(e) => bad.push(format!("invalid {what} {s:?}: {e}")),
         }
     }

@@ -732,6 +732,35 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
     );
 }
 
+/// Found by `tests/fuzz_parsers.rs`: external and load-balancer IPs were taken as they came,
+/// so `externalIPs: ["::1"]` or an ingress IP of 127.0.0.1 took over the node's own
+/// loopback traffic to that port. They are left out by name, as invalid ones are; the
+/// Service's other frontends stay.
+#[test]
+fn special_external_and_load_balancer_ips_are_refused_by_name() {
+    let spec = json!({"type": "LoadBalancer", "clusterIP": "10.96.0.10",
+                      "externalIPs": ["::1", "203.0.113.7", "0.0.0.0", "169.254.1.1"],
+                      "ports": [{"port": 80, "protocol": "TCP", "nodePort": 30080}]});
+    let service = with_lb_status(
+        svc("a", spec),
+        json!([{"ip": "127.0.0.1"}, {"ip": "224.0.0.1"}, {"ip": "198.51.100.1"}]),
+    );
+    let (view, rejected) = view_of(&model(&[service], &[]));
+    let vips: Vec<String> = view
+        .iter()
+        .filter(|(_, s)| s.kind != FrontendKind::NodePort)
+        .map(|(f, _)| f.ip.to_string())
+        .collect();
+    assert_eq!(vips, ["10.96.0.10", "198.51.100.1", "203.0.113.7"]);
+    for ip in ["::1", "0.0.0.0", "169.254.1.1", "127.0.0.1", "224.0.0.1"] {
+        assert!(
+            rejected.iter().any(|r| r.object.name == "a"
+                && r.reason.contains(&format!("{ip:?}: not a unicast address"))),
+            "{ip} not refused: {rejected:?}"
+        );
+    }
+}
+
 #[test]
 fn external_traffic_policy_local_keeps_two_scopes() {
     let cases: Vec<(serde_json::Value, Vec<&str>, WhenEmpty)> = vec![
