@@ -13,3 +13,18 @@ pub fn root(test: &str) -> bool {
     eprintln!("SKIP {test}: loading BPF programs and maps (and BPF_PROG_TEST_RUN) needs root");
     false
 }
+
+/// Cases per property: `PROXY_FUZZ_CASES` (the long run, `cargo xtask fuzz`), else
+/// `default` (a few seconds, for every `cargo xtask test`). `PROPTEST_RNG_SEED` replays a run.
+pub fn fuzz_config(default: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROXY_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default);
+    proptest::test_runner::Config {
+        cases,
+        // Minimized failures become named regression tests, not files beside the source.
+        failure_persistence: None,
+        ..proptest::test_runner::Config::default()
+    }
+}
