@@ -125,6 +125,51 @@ fn packets_not_for_a_service_pass_untouched() {
     }
 }
 
+/// Found by `fuzz_packets.rs`: the classifier read an IP header without its version, so an
+/// "IPv6" frame whose header said version 7 (which `ipv6_rcv` drops) was masqueraded to a
+/// NodePort's backend, taking a flow entry and a masquerade port; an "IPv4" header of
+/// version 5 was translated too. Only headers of their own version are ours.
+#[test]
+fn ip_headers_of_another_version_pass_untouched() {
+    if !root("ip_headers_of_another_version_pass_untouched") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let (np, mut st) = frontend(
+        "2001:db8:a::10",
+        30053,
+        Protocol::Udp,
+        &["[fd00:244:1::7]:5353"],
+    );
+    st.kind = FrontendKind::NodePort;
+    h.apply(&NodeView::from([
+        frontend("10.96.0.10", 80, Protocol::Tcp, &["10.244.1.5:8080"]),
+        (np, st),
+    ]));
+    // The fuzzer's minimized input: fd00:244::3:1024 -> [2001:db8:a::10]:30053, version 7.
+    let mut v6 = packet(
+        sa("[fd00:244::3]:1024"),
+        sa("[2001:db8:a::10]:30053"),
+        false,
+    );
+    v6[14] = 0x70;
+    let mut v4 = packet(sa("10.244.0.3:40000"), sa("10.96.0.10:80"), true);
+    v4[14] = 0x55;
+    v4[24..26].fill(0);
+    let c = fold(sum16(&v4[14..34], 0));
+    v4[24..26].copy_from_slice(&c.to_be_bytes());
+    for pkt in [v6, v4] {
+        let (verdict, out) = h.run(&pkt);
+        assert_eq!(verdict, TC_ACT_UNSPEC, "{pkt:02x?}");
+        assert_eq!(out, pkt, "bytes untouched");
+    }
+    assert!(
+        h.ct_entries().is_empty(),
+        "no flow for a packet that is not one"
+    );
+}
+
 #[test]
 fn service_without_backends_rejects_tcp_with_a_reset_and_udp_with_icmp() {
     if !root("service_without_backends_rejects_tcp_with_a_reset_and_udp_with_icmp") {

@@ -153,8 +153,9 @@ fn parse_into(ctx: &TcContext, q: &mut Quote) -> Option<()> {
         q.daddr[0] = inner[4];
         q.l4_off = q.inner_off + 20;
     } else if ether_type == ETH_P_IPV6 {
+        let version: u8 = ctx.load(ETH_HLEN).ok()?;
         let next: u8 = ctx.load(ETH_HLEN + 6).ok()?;
-        if next != IPPROTO_ICMPV6 {
+        if version >> 4 != 6 || next != IPPROTO_ICMPV6 {
             return None;
         }
         q.family = FAMILY_V6;
@@ -166,6 +167,10 @@ fn parse_into(ctx: &TcContext, q: &mut Quote) -> Option<()> {
         q.outer_saddr = ctx.load(ETH_HLEN + 8).ok()?;
         q.outer_daddr = ctx.load(ETH_HLEN + 24).ok()?;
         q.inner_off = q.icmp_off + ICMP_HLEN;
+        let inner_version: u8 = ctx.load(q.inner_off).ok()?;
+        if inner_version >> 4 != 6 {
+            return None;
+        }
         q.proto = ctx.load(q.inner_off + 6).ok()?;
         q.saddr = ctx.load(q.inner_off + 8).ok()?;
         q.daddr = ctx.load(q.inner_off + 24).ok()?;

@@ -81,7 +81,8 @@ pub fn parse(ctx: &TcContext, pass: i32) -> Result<Option<Packet>, i32> {
         ETH_P_IP => {
             let ver_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| pass)?;
             let ihl = usize::from(ver_ihl & 0x0f) * 4;
-            if ihl < 20 {
+            // Not IPv4 (the stack drops it: ip_rcv checks the version): not ours either.
+            if ver_ihl >> 4 != 4 || ihl < 20 {
                 return Ok(None);
             }
             let proto: u8 = ctx.load(ETH_HLEN + 9).map_err(|_| pass)?;
@@ -100,7 +101,11 @@ pub fn parse(ctx: &TcContext, pass: i32) -> Result<Option<Packet>, i32> {
         }
         ETH_P_IPV6 => {
             // Extension headers (fragments among them) are not walked: such packets pass
-            // untranslated.
+            // untranslated. So does a header of another version (ipv6_rcv drops it).
+            let version: u8 = ctx.load(ETH_HLEN).map_err(|_| pass)?;
+            if version >> 4 != 6 {
+                return Ok(None);
+            }
             let proto: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| pass)?;
             let s: [u32; 4] = ctx.load(IPV6_SADDR_OFF).map_err(|_| pass)?;
             let d: [u32; 4] = ctx.load(IPV6_DADDR_OFF).map_err(|_| pass)?;
