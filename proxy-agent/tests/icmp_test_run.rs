@@ -565,6 +565,51 @@ fn the_nodes_own_fragmentation_needed_quotes_the_frontend() {
     );
 }
 
+/// Found by `fuzz_packets.rs`: an error whose IP length ends at its ICMP header, followed
+/// by padding that looks like a quote, had the padding translated and the ICMP checksum
+/// adjusted for it — so the error's own (8-byte) message no longer checked. Only a quote
+/// inside the error's IP packet is read; this one passes untouched.
+#[test]
+fn a_quote_past_the_errors_ip_length_is_not_read() {
+    if !root("a_quote_past_the_errors_ip_length_is_not_read") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.1.5:8080"],
+    )]));
+    let (client, vip, be) = (
+        sa("10.244.0.3:1024"),
+        sa("10.96.0.10:80"),
+        sa("10.244.1.5:8080"),
+    );
+    assert_eq!(open(&h, client, vip, true), client);
+    // The fuzzer's minimized input: a router's port unreachable whose IP length (28)
+    // holds the ICMP header alone, with a checksum right for those 8 bytes.
+    let mut err = icmp_error(
+        ip("192.0.2.1"),
+        ip("10.244.0.3"),
+        3,
+        3,
+        0,
+        &quote(client, be, true, None),
+    );
+    err[16..18].copy_from_slice(&28u16.to_be_bytes());
+    err[24..26].fill(0);
+    let c = fold(sum16(&err[14..34], 0));
+    err[24..26].copy_from_slice(&c.to_be_bytes());
+    err[36..38].fill(0);
+    let c = fold(sum16(&err[34..42], 0));
+    err[36..38].copy_from_slice(&c.to_be_bytes());
+    let (verdict, out) = h.run(&err);
+    assert_eq!(verdict, TC_ACT_UNSPEC, "not an error about a flow");
+    assert_eq!(out, err, "bytes untouched");
+}
+
 /// Both classifiers load, and the verifier's walk of each stays well inside its budget
 /// (1,000,000 instructions): ICMP translation added paths to both.
 #[test]

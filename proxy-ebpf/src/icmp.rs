@@ -43,6 +43,9 @@ struct Quote {
     /// The quoted IP header and its L4 header.
     inner_off: usize,
     l4_off: usize,
+    /// Where the error's IP packet ends (its length, within the frame): what follows is
+    /// padding, which no checksum covers.
+    end: usize,
     /// The error's own addresses.
     outer_saddr: [u32; 4],
     outer_daddr: [u32; 4],
@@ -120,6 +123,7 @@ fn parse(ctx: &TcContext, q: &mut Quote) -> bool {
 fn parse_into(ctx: &TcContext, q: &mut Quote) -> Option<()> {
     let ether_type = u16::from_be(ctx.load::<u16>(12).ok()?);
     let len = ctx.len() as usize;
+    let ip_end;
     q.family = FAMILY_V4;
     q.outer_saddr = [0; 4];
     q.outer_daddr = [0; 4];
@@ -127,7 +131,8 @@ fn parse_into(ctx: &TcContext, q: &mut Quote) -> Option<()> {
     q.daddr = [0; 4];
     if ether_type == ETH_P_IP {
         let head: [u32; 5] = ctx.load(ETH_HLEN).ok()?;
-        let [ver_ihl, _, _, _] = head[0].to_ne_bytes();
+        let [ver_ihl, _, len_hi, len_lo] = head[0].to_ne_bytes();
+        ip_end = ETH_HLEN + usize::from(u16::from_be_bytes([len_hi, len_lo]));
         let [_, proto, _, _] = head[2].to_ne_bytes();
         if ver_ihl != 0x45 || proto != IPPROTO_ICMP {
             return None;
@@ -154,6 +159,8 @@ fn parse_into(ctx: &TcContext, q: &mut Quote) -> Option<()> {
         q.l4_off = q.inner_off + 20;
     } else if ether_type == ETH_P_IPV6 {
         let version: u8 = ctx.load(ETH_HLEN).ok()?;
+        let payload: u16 = ctx.load(ETH_HLEN + 4).ok()?;
+        ip_end = ETH_HLEN + IPV6_HLEN + usize::from(u16::from_be(payload));
         let next: u8 = ctx.load(ETH_HLEN + 6).ok()?;
         if version >> 4 != 6 || next != IPPROTO_ICMPV6 {
             return None;
@@ -181,7 +188,12 @@ fn parse_into(ctx: &TcContext, q: &mut Quote) -> Option<()> {
     if q.proto != PROTO_TCP && q.proto != PROTO_UDP && q.proto != PROTO_SCTP {
         return None;
     }
-    if len < q.l4_off + 4 {
+    // The quoted ports must lie inside the error's own IP packet: bytes past its length
+    // (padding) are not part of the message its checksum covers.
+    // The quoted ports must lie inside the error's own IP packet: bytes past its length
+    // (padding) are not part of the message its checksum covers.
+    q.end = if ip_end < len { ip_end } else { len };
+    if q.end < q.l4_off + 4 {
         return None;
     }
     q.sport = ctx.load(q.l4_off).ok()?;
@@ -310,7 +322,7 @@ fn rewrite(ctx: &TcContext, q: &Quote, e: &Edit) -> Result<(), i32> {
     ctx.store(q.l4_off, &e.sport, 0).map_err(fail)?;
     ctx.store(q.l4_off + 2, &e.dport, 0).map_err(fail)?;
     // The quote's L4 checksum (pseudo-header and ports), when the quote holds it.
-    let len = ctx.len() as usize;
+    let len = q.end;
     let csum_off = match q.proto {
         PROTO_UDP => q.l4_off + 6,
         PROTO_TCP => q.l4_off + 16,
