@@ -1,10 +1,11 @@
-//! Developer workflow: `cargo xtask setup | build-ebpf | build | test | bench | soak | demo |
-//! cluster`.
+//! Developer workflow: `cargo xtask setup | build-ebpf | build | test | fuzz | bench | soak |
+//! demo | cluster`.
 //!
 //! Toolchains are pinned here (and in `rust-toolchain.toml`); bpf-linker is installed into
 //! the project-local `.tools/` folder, linked against the pinned nightly's own LLVM.
 
 mod cluster;
+mod fuzz;
 
 use std::{
     env,
@@ -41,6 +42,16 @@ enum Cmd {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
+    },
+    /// The fuzzing property tests (parsers, and packets through the real classifiers as
+    /// root) with many cases; a failure prints its minimized input.
+    Fuzz {
+        /// Cases per property (`cargo xtask test` runs a few hundred).
+        #[arg(long, default_value_t = 100_000)]
+        cases: u32,
+        /// Replay a run: proptest's RNG seed (`PROPTEST_RNG_SEED`).
+        #[arg(long)]
+        seed: Option<u64>,
     },
     /// Benchmarks (figures, not pass/fail): control-plane scale of the node view and map diff.
     Bench {
@@ -87,6 +98,10 @@ fn main() -> Result<()> {
             setup(&root)?;
             build(&root)?;
             test(&root, &args)
+        }
+        Cmd::Fuzz { cases, seed } => {
+            setup(&root)?;
+            fuzz::run_all(&root, cases, seed)
         }
         Cmd::Bench { quick } => {
             setup(&root)?;
