@@ -530,23 +530,22 @@ fn read(path: &str) -> Vec<u8> {
 
 /// What the API server accepts as a Service VIP: nothing that takes over the node's own
 /// traffic (loopback, unspecified) or reaches many hosts (broadcast, multicast,
-/// link-local).
+/// link-local). Written as ranges, apart from the agent's own check.
 fn unicast(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => {
-            !(v4.is_loopback()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
-                || v4.is_multicast()
-                || v4.is_link_local())
-        }
-        IpAddr::V6(v6) => {
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                || v6.is_unicast_link_local())
-        }
-    }
+    const SPECIAL: [&str; 9] = [
+        "127.0.0.0/8",
+        "0.0.0.0/32",
+        "255.255.255.255/32",
+        "224.0.0.0/4",
+        "169.254.0.0/16",
+        "::1/128",
+        "::/128",
+        "ff00::/8",
+        "fe80::/10",
+    ];
+    !SPECIAL
+        .iter()
+        .any(|n| n.parse::<ipnet::IpNet>().expect("CIDR").contains(&ip))
 }
 
 /// Whether this node must program the Service or refuse it by name: ours, not

@@ -17,54 +17,6 @@ use proxy_agent::{
 };
 use support::{root, tc_harness::*};
 
-/// An Ethernet frame carrying an ICMP (IPv4) or ICMPv6 error from `src` to `dst`:
-/// `kind`, `code`, the 32-bit word after the checksum (`info`: an MTU, or 0), `quote`.
-fn icmp_error(src: IpAddr, dst: IpAddr, kind: u8, code: u8, info: u32, quote: &[u8]) -> Vec<u8> {
-    let mut msg = vec![kind, code, 0, 0];
-    msg.extend_from_slice(&info.to_be_bytes());
-    msg.extend_from_slice(quote);
-    let mut pkt = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2];
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let c = fold(sum16(&msg, 0));
-            msg[2..4].copy_from_slice(&c.to_be_bytes());
-            pkt.extend_from_slice(&[0x08, 0x00]);
-            let mut ip = vec![0u8; 20];
-            ip[0] = 0x45;
-            ip[1] = 0xc0;
-            ip[2..4].copy_from_slice(&((20 + msg.len()) as u16).to_be_bytes());
-            ip[8] = 64;
-            ip[9] = 1;
-            ip[12..16].copy_from_slice(&s.octets());
-            ip[16..20].copy_from_slice(&d.octets());
-            let c = fold(sum16(&ip, 0));
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            pkt.extend_from_slice(&ip);
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            let mut pseudo = Vec::new();
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-            pseudo.extend_from_slice(&[0, 0, 0, 58]);
-            let c = fold(sum16(&msg, sum16(&pseudo, 0)));
-            msg[2..4].copy_from_slice(&c.to_be_bytes());
-            pkt.extend_from_slice(&[0x86, 0xdd]);
-            let mut ip = vec![0u8; 40];
-            ip[0] = 0x60;
-            ip[4..6].copy_from_slice(&(msg.len() as u16).to_be_bytes());
-            ip[6] = 58;
-            ip[7] = 64;
-            ip[8..24].copy_from_slice(&s.octets());
-            ip[24..40].copy_from_slice(&d.octets());
-            pkt.extend_from_slice(&ip);
-        }
-        _ => unreachable!("one family"),
-    }
-    pkt.extend_from_slice(&msg);
-    pkt
-}
-
 /// The IP packet `src` -> `dst` (TCP or UDP, valid checksums) as an error quotes it: its
 /// first `len` bytes (`None`: all of it).
 fn quote(src: SocketAddr, dst: SocketAddr, tcp: bool, len: Option<usize>) -> Vec<u8> {
@@ -532,14 +484,7 @@ fn the_nodes_own_fragmentation_needed_quotes_the_frontend() {
     if !root("the_nodes_own_fragmentation_needed_quotes_the_frontend") {
         return;
     }
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    h.apply(&NodeView::from([frontend(
-        "10.96.0.10",
-        80,
-        Protocol::Tcp,
-        &["10.244.1.5:8080"],
-    )]));
+    let mut h = one_service("10.96.0.10", 80, "10.244.1.5:8080");
     let (client, vip, be) = (
         sa("10.244.0.3:40000"),
         sa("10.96.0.10:80"),
@@ -565,6 +510,19 @@ fn the_nodes_own_fragmentation_needed_quotes_the_frontend() {
     );
 }
 
+/// A harness serving one TCP frontend from one backend, the node configured.
+fn one_service(vip: &str, port: u16, backend: &str) -> Harness {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([frontend(
+        vip,
+        port,
+        Protocol::Tcp,
+        &[backend],
+    )]));
+    h
+}
+
 /// Found by `fuzz_packets.rs`: an error whose IP length ends at its ICMP header, followed
 /// by padding that looks like a quote, had the padding translated and the ICMP checksum
 /// adjusted for it — so the error's own (8-byte) message no longer checked. Only a quote
@@ -574,14 +532,7 @@ fn a_quote_past_the_errors_ip_length_is_not_read() {
     if !root("a_quote_past_the_errors_ip_length_is_not_read") {
         return;
     }
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    h.apply(&NodeView::from([frontend(
-        "10.96.0.10",
-        80,
-        Protocol::Tcp,
-        &["10.244.1.5:8080"],
-    )]));
+    let h = one_service("10.96.0.10", 80, "10.244.1.5:8080");
     let (client, vip, be) = (
         sa("10.244.0.3:1024"),
         sa("10.96.0.10:80"),

@@ -1,7 +1,7 @@
 //! A BPF_PROG_TEST_RUN harness for the per-packet classifier: the real program, maps
 //! written by the agent's own sync code, crafted packets in, verdicts and bytes out.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
@@ -10,7 +10,10 @@ use proxy_agent::{
         BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
         WhenEmpty,
     },
-    trace,
+    trace::{
+        self,
+        packet::{fold, sum16},
+    },
 };
 
 pub const TC_ACT_OK: u32 = 0;
@@ -191,4 +194,59 @@ pub fn configure_node_with(
 /// TCP with a packet's flags (SYN for new flows, then ACK, FIN...).
 pub fn tcp_with_flags(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
     trace::packet::build_tcp(src, dst, flags)
+}
+
+/// An Ethernet frame carrying an ICMP (IPv4) or ICMPv6 error from `src` to `dst`:
+/// `kind`, `code`, the 32-bit word after the checksum (`info`: an MTU, or 0), `quote`.
+pub fn icmp_error(
+    src: IpAddr,
+    dst: IpAddr,
+    kind: u8,
+    code: u8,
+    info: u32,
+    quote: &[u8],
+) -> Vec<u8> {
+    let mut msg = vec![kind, code, 0, 0];
+    msg.extend_from_slice(&info.to_be_bytes());
+    msg.extend_from_slice(quote);
+    let mut pkt = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2];
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let c = fold(sum16(&msg, 0));
+            msg[2..4].copy_from_slice(&c.to_be_bytes());
+            pkt.extend_from_slice(&[0x08, 0x00]);
+            let mut ip = vec![0u8; 20];
+            ip[0] = 0x45;
+            ip[1] = 0xc0;
+            ip[2..4].copy_from_slice(&((20 + msg.len()) as u16).to_be_bytes());
+            ip[8] = 64;
+            ip[9] = 1;
+            ip[12..16].copy_from_slice(&s.octets());
+            ip[16..20].copy_from_slice(&d.octets());
+            let c = fold(sum16(&ip, 0));
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            pkt.extend_from_slice(&ip);
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let mut pseudo = Vec::new();
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, 58]);
+            let c = fold(sum16(&msg, sum16(&pseudo, 0)));
+            msg[2..4].copy_from_slice(&c.to_be_bytes());
+            pkt.extend_from_slice(&[0x86, 0xdd]);
+            let mut ip = vec![0u8; 40];
+            ip[0] = 0x60;
+            ip[4..6].copy_from_slice(&(msg.len() as u16).to_be_bytes());
+            ip[6] = 58;
+            ip[7] = 64;
+            ip[8..24].copy_from_slice(&s.octets());
+            ip[24..40].copy_from_slice(&d.octets());
+            pkt.extend_from_slice(&ip);
+        }
+        _ => unreachable!("one family"),
+    }
+    pkt.extend_from_slice(&msg);
+    pkt
 }
