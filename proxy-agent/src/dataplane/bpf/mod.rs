@@ -221,9 +221,24 @@ impl BpfDataplane {
                 warn_if_pinned_size_differs(&maps_dir.join(name), size);
             }
         }
-        let mut ebpf = loader
-            .load(BPF_OBJECT)
-            .context("loading the BPF object (is this kernel eBPF-capable, are we root?)")?;
+        let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();
+        let mut ebpf = match loader.load(BPF_OBJECT) {
+            Ok(ebpf) => ebpf,
+            Err(e) => {
+                // A pin set this object cannot use (another version's maps) fails midway:
+                // the pins this attempt made go again, so nothing half-made is left for
+                // the next run to trip on; the older pins stay for their own agent.
+                for ((_, path), existed) in pins.iter().zip(pinned_before) {
+                    if !existed {
+                        let _ = fs::remove_file(path);
+                    }
+                }
+                return Err(anyhow::Error::new(e).context(
+                    "loading the BPF object (is this kernel eBPF-capable, are we root? pins of \
+                     another version under the pin folder: `proxy-agent cleanup` removes them)",
+                ));
+            }
+        };
 
         prepare_sctp(&mut ebpf)?;
         if let Some(cgroup) = &opts.cgroup {
