@@ -442,11 +442,21 @@ impl Testbed {
         path: Path_,
         frontends: usize,
     ) -> Result<()> {
+        let mut cmd = self.agent_command();
+        cmd.args(argv).envs(env.iter().map(|(k, v)| (k, v)));
+        self.spawn(cmd, path, frontends)
+    }
+
+    /// `proxy-agent --netns <node>`, to which the subcommand is added.
+    fn agent_command(&self) -> Command {
         let mut cmd = Command::new(agent_bin());
         cmd.arg("--netns")
-            .arg(format!("/run/netns/{}", self.node_ns()))
-            .args(argv)
-            .envs(env.iter().map(|(k, v)| (k, v)));
+            .arg(format!("/run/netns/{}", self.node_ns()));
+        cmd
+    }
+
+    /// Starts `cmd` as the testbed's agent, its output in `agent.log`.
+    fn spawn(&mut self, mut cmd: Command, path: Path_, frontends: usize) -> Result<()> {
         let log = fs::File::create(self.root.join("agent.log"))?;
         cmd.stdout(log.try_clone()?).stderr(log);
         self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
@@ -460,21 +470,15 @@ impl Testbed {
         path: Path_,
         frontends: usize,
     ) -> Result<()> {
-        let mut cmd = Command::new(agent_bin());
-        cmd.arg("--netns")
-            .arg(format!("/run/netns/{}", self.node_ns()))
-            .arg("run")
+        let mut cmd = self.agent_command();
+        cmd.arg("run")
             .arg("--manifests")
             .arg(&self.manifests)
             .arg("--bpffs")
             .arg(self.pin_dir())
             .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"])
             .args(args);
-        let log = fs::File::create(self.root.join("agent.log"))?;
-        cmd.stdout(log.try_clone()?).stderr(log);
-        self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
-        self.agent_path = Some(path);
-        self.wait_frontends(frontends)
+        self.spawn(cmd, path, frontends)
     }
 
     /// A pod added to the node after the fact: namespace `pxy<id>p<i>` (removed with the
