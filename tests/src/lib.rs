@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod client;
 pub mod echo;
+pub mod kube_proxy;
 pub mod multinode;
 
 use std::{
