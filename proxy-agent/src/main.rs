@@ -60,10 +60,16 @@ enum Cmd {
     /// (Internal) the child side of `trace --path connect`.
     #[command(hide = true)]
     TraceProbe,
-    /// Detach every program and remove every pin the agent made.
+    /// Detach every program and remove every pin the agent made; with `--kube-proxy`,
+    /// remove kube-proxy's leftovers instead (as `kube-proxy --cleanup`).
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS)]
         bpffs: PathBuf,
+        /// Remove what kube-proxy leaves in this network namespace (its iptables chains,
+        /// nftables tables, IPVS services and kube-ipvs0), reporting what was removed and
+        /// what was left; our own pins are not touched. Exit status 1 if a step failed.
+        #[arg(long)]
+        kube_proxy: bool,
     },
 }
 
@@ -305,7 +311,17 @@ fn main() -> Result<()> {
         Cmd::Watch { debug_addr } => watch(&debug_addr),
         Cmd::Trace(args) => trace(args),
         Cmd::TraceProbe => proxy_agent::trace::connect::probe_main(),
-        Cmd::Cleanup { bpffs } => {
+        Cmd::Cleanup {
+            kube_proxy: true, ..
+        } => {
+            let report = proxy_agent::kube_proxy_cleanup::cleanup();
+            println!("{report}");
+            if report.count(proxy_agent::kube_proxy_cleanup::Outcome::Failed) > 0 {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Cmd::Cleanup { bpffs, .. } => {
             bpf::cleanup(&bpffs)?;
             tracing::info!(bpffs = %bpffs.display(), "removed every pin; programs detached");
             Ok(())

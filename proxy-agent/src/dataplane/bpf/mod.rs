@@ -17,7 +17,7 @@ mod link_update;
 mod links;
 pub mod maps;
 mod members;
-mod netlink;
+pub(crate) mod netlink;
 mod sockets;
 pub mod sync;
 mod watch;
