@@ -461,6 +461,13 @@ fn spawn_conntrack_collector(maps_dir: PathBuf, status: sync::Status) {
                     .ok();
             }
             let Some(m) = maps.as_mut() else { continue };
+            // While flows from before us (kube-proxy's) are left to netfilter, follow
+            // its table: they go from the map as they end there.
+            if m.netfilter_flows.keys().next().is_some()
+                && let Err(e) = bpf::sync_netfilter_flows(m)
+            {
+                tracing::warn!(error = format!("{e:#}"), "netfilter flows not refreshed");
+            }
             match ct_collector::collect(m, ct_collector::monotonic_ns()) {
                 Ok(st) => {
                     tracing::debug!(?st, "conntrack collected");

@@ -194,7 +194,17 @@ pub fn nft_one_change(svcs: &[(String, Vec<String>)], changed: usize) -> String 
 /// and filter, nat's KUBE-NODEPORTS; kubelet's KUBE-IPTABLES-HINT, KUBE-KUBELET-CANARY
 /// and (IPv4) KUBE-FIREWALL with its jumps. Needs `iptables_rules` loaded first (nat's
 /// KUBE-SERVICES).
-pub fn iptables_node_chains(v6: bool) -> String {
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NodeChains {
+    pub v6: bool,
+    /// kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP`, which it
+    /// leaves out when `nf_conntrack_tcp_be_liberal` is set (`conntrack.tcpBeLiberal`).
+    pub drop_invalid: bool,
+}
+
+/// `NodeChains` as an `iptables-restore --noflush` input.
+pub fn iptables_node_chains(opts: NodeChains) -> String {
+    let NodeChains { v6, drop_invalid } = opts;
     let mut r = String::from(
         "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n",
     );
@@ -257,7 +267,9 @@ pub fn iptables_node_chains(v6: bool) -> String {
             );
         }
     }
-    r.push_str("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n");
+    if drop_invalid {
+        r.push_str("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n");
+    }
     r.push_str("-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x4000/0x4000 -j ACCEPT\n");
     r.push_str("-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n");
     if !v6 {

@@ -1,5 +1,7 @@
 //! The kernel's own connection tracking: UDP entries towards a removed backend are
-//! deleted (ctnetlink), as kube-proxy does after a UDP endpoint goes away.
+//! deleted (ctnetlink), as kube-proxy does after a UDP endpoint goes away; flows netfilter
+//! translated before the classifier was attached (kube-proxy's, during a migration) are
+//! mirrored into `NETFILTER_FLOWS`, so the classifier leaves them to netfilter.
 //!
 //! Our programs never leave their NAT decision in the kernel's table (the per-packet path
 //! translates before netfilter sees the packet), but other NAT on the node does: a
@@ -8,16 +10,23 @@
 
 use std::{collections::HashSet, net::IpAddr};
 
+use aya::maps::{HashMap, MapData};
+
 use anyhow::{Context as _, Result};
 use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_netfilter::{
     NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
-    conntrack::{ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol, Tuple},
+    conntrack::{
+        ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol, Status, Tuple,
+    },
 };
 use netlink_sys::protocols::NETLINK_NETFILTER;
-use proxy_common::{Backend, PROTO_UDP};
+use proxy_common::{Backend, CT_DIR_FORWARD, CtKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
-use super::{netlink::Channel, sync::words_addr};
+use super::{
+    netlink::Channel,
+    sync::{addr_words, words_addr},
+};
 
 /// Deletes the UDP entries of the current network namespace whose original destination
 /// or reply source is one of `gone`. Returns how many went.
@@ -97,15 +106,118 @@ fn udp_entries(
     Ok(found)
 }
 
+/// The forward tuples (as the classifier keys them) of the kernel's entries that
+/// netfilter destination-NATed: TCP, UDP and SCTP flows some NAT rule (kube-proxy's
+/// DNAT, a CNI's hostPort) translated. Only the ones aimed at a frontend ever matter.
+pub fn dnat_flows() -> Result<HashSet<CtKey>> {
+    let mut nl = Channel::open(NETLINK_NETFILTER, "ctnetlink")?;
+    let mut keys = HashSet::new();
+    for family in [NetfilterProtoFamily::IPv4, NetfilterProtoFamily::IPv6] {
+        let seq = nl.send(
+            NLM_F_REQUEST | NLM_F_DUMP,
+            None,
+            NetfilterMessage::new(
+                NetfilterHeader::new(family, 0, 0),
+                ConntrackMessage::Get(Vec::new()),
+            ),
+        )?;
+        nl.receive::<NetfilterMessage>(seq, |payload| match payload {
+            NetlinkPayload::InnerMessage(NetfilterMessage {
+                inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
+                ..
+            }) => {
+                let dnat = attrs.iter().any(
+                    |a| matches!(a, ConntrackAttribute::CtaStatus(s) if s.contains(Status::DstNat)),
+                );
+                let orig = attrs.iter().find_map(|a| match a {
+                    ConntrackAttribute::CtaTupleOrig(t) => Some(t),
+                    _ => None,
+                });
+                if let (true, Some(key)) = (dnat, orig.and_then(|t| forward_key(t))) {
+                    keys.insert(key);
+                }
+                Ok(false)
+            }
+            NetlinkPayload::Done(_) => Ok(true),
+            NetlinkPayload::Error(e) => Err(anyhow::anyhow!("conntrack dump failed: {e}")),
+            _ => Ok(false),
+        })
+        .context("listing the kernel's conntrack entries")?;
+    }
+    Ok(keys)
+}
+
+/// Mirrors the kernel's destination-NATed flows into `NETFILTER_FLOWS` (before the
+/// classifier is attached, and then while any are left: entries go as netfilter's go).
+/// Returns how many the map holds now.
+pub fn sync_netfilter_flows(maps: &mut super::MapSet) -> Result<usize> {
+    let flows = dnat_flows()?;
+    let (added, removed) = mirror_netfilter_flows(&mut maps.netfilter_flows, &flows)?;
+    if added + removed > 0 {
+        tracing::info!(
+            flows = flows.len(),
+            added,
+            removed,
+            "flows netfilter translated (kube-proxy's from before us) are left to it"
+        );
+    }
+    Ok(flows.len())
+}
+
+/// Makes `NETFILTER_FLOWS` hold exactly `flows`; returns (added, removed).
+fn mirror_netfilter_flows(
+    map: &mut HashMap<MapData, CtKey, u8>,
+    flows: &HashSet<CtKey>,
+) -> Result<(usize, usize)> {
+    let held: HashSet<CtKey> = map.keys().filter_map(Result::ok).collect();
+    let (mut added, mut removed) = (0, 0);
+    for key in flows.difference(&held) {
+        map.insert(key, &1, 0).context("writing NETFILTER_FLOWS")?;
+        added += 1;
+    }
+    for key in held.difference(flows) {
+        // Already gone (LRU) is fine.
+        if map.remove(key).is_ok() {
+            removed += 1;
+        }
+    }
+    Ok((added, removed))
+}
+
+/// The classifier's forward key of an entry's original tuple.
+fn forward_key(tuple: &[Tuple]) -> Option<CtKey> {
+    let e = endpoints(tuple);
+    let proto = match e.proto? {
+        Protocol::Tcp => PROTO_TCP,
+        Protocol::Udp => PROTO_UDP,
+        Protocol::Sctp => PROTO_SCTP,
+        _ => return None,
+    };
+    let ((saddr, sport), (daddr, dport)) = (e.src?, e.dst?);
+    let (saddr, family) = addr_words(saddr);
+    let (daddr, _) = addr_words(daddr);
+    Some(CtKey {
+        saddr,
+        daddr,
+        sport: sport.to_be(),
+        dport: dport.to_be(),
+        proto,
+        family,
+        dir: CT_DIR_FORWARD,
+        _pad: 0,
+    })
+}
+
 /// One direction of an entry: its protocol and its two ends.
 struct Ends {
+    proto: Option<Protocol>,
     udp: bool,
     src: Option<(IpAddr, u16)>,
     dst: Option<(IpAddr, u16)>,
 }
 
 fn endpoints(tuple: &[Tuple]) -> Ends {
-    let (mut saddr, mut daddr, mut sport, mut dport, mut udp) = (None, None, None, None, false);
+    let (mut saddr, mut daddr, mut sport, mut dport, mut proto) = (None, None, None, None, None);
     for part in tuple {
         match part {
             Tuple::Ip(ips) => {
@@ -120,7 +232,7 @@ fn endpoints(tuple: &[Tuple]) -> Ends {
             Tuple::Proto(protos) => {
                 for p in protos {
                     match p {
-                        ProtoTuple::Protocol(Protocol::Udp) => udp = true,
+                        ProtoTuple::Protocol(p) => proto = Some(*p),
                         ProtoTuple::SourcePort(p) => sport = Some(*p),
                         ProtoTuple::DestinationPort(p) => dport = Some(*p),
                         _ => {}
@@ -131,7 +243,8 @@ fn endpoints(tuple: &[Tuple]) -> Ends {
         }
     }
     Ends {
-        udp,
+        udp: proto == Some(Protocol::Udp),
+        proto,
         src: saddr.zip(sport),
         dst: daddr.zip(dport),
     }

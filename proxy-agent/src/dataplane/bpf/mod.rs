@@ -9,6 +9,7 @@
 
 mod clsact;
 mod conntrack;
+pub use conntrack::sync_netfilter_flows;
 pub mod ct_collector;
 pub mod interfaces;
 pub mod kernel;
@@ -225,7 +226,16 @@ impl BpfDataplane {
         if let Some(cgroup) = &opts.cgroup {
             attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
-        let maps = MapSet::take(&mut ebpf)?;
+        let mut maps = MapSet::take(&mut ebpf)?;
+        // Before the classifier meets their packets: flows netfilter is translating
+        // (kube-proxy's, while migrating) stay with it instead of being dropped as
+        // unknown mid-stream segments.
+        if let Err(e) = conntrack::sync_netfilter_flows(&mut maps) {
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "the kernel's conntrack table is unreadable: connections kube-proxy translated before this start may break"
+            );
+        }
         let state = MapState::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
 

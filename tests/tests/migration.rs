@@ -1,0 +1,469 @@
+//! Migration from kube-proxy and back, step by step as `docs/migration.md` gives them, in
+//! namespace testbeds with kube-proxy-shaped rules loaded first (`proxy_e2e::kube_proxy`):
+//! the agent serving beside kube-proxy's rules (our hooks run before netfilter), live
+//! connections kube-proxy translated outliving the agent's start and `cleanup
+//! --kube-proxy`, what that cleanup removes and leaves, and the way back. Root only;
+//! rules, interfaces and programs live in the testbed's namespaces.
+
+use std::{
+    collections::BTreeMap,
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use proxy_e2e::{
+    Attempt, Path_, TCP_PORT, Testbed, VIP4, VIP6, agent_bin, finish_client, first_attempt,
+    kube_proxy::{self, NodeChains},
+    require_root, sh, stop_client, target, web_manifests,
+};
+
+/// Frontends the web manifests program: web (2 families × 2 ports) + empty.
+const FRONTENDS: usize = 5;
+
+/// `iptables-restore`-like tool `tool` loads `text` into the node's namespace.
+fn load(tb: &Testbed, tool: &str, args: &[&str], name: &str, text: &str) {
+    let file = tb.write_file(name, text).expect("rules file");
+    kube_proxy::restore(&tb.node_ns(), tool, args, &file).expect(tool);
+}
+
+/// kube-proxy's iptables rules in the node's namespace (through `tool`, an
+/// iptables-restore of some backend and family): `vip:80` DNATed to `backends` (port
+/// 8080), and the filter/mangle chains kube-proxy and kubelet add.
+fn load_kube_proxy_iptables(
+    tb: &Testbed,
+    tool: &str,
+    vip: &str,
+    backends: &[String],
+    opts: NodeChains,
+) {
+    let eps = backends.iter().map(|ip| target(ip, 8080)).collect();
+    let svcs = vec![(vip.to_string(), eps)];
+    load(
+        tb,
+        tool,
+        &[],
+        "nat.rules",
+        &kube_proxy::iptables_rules(&svcs),
+    );
+    load(
+        tb,
+        tool,
+        &["--noflush"],
+        "node.rules",
+        &kube_proxy::iptables_node_chains(opts),
+    );
+}
+
+/// kube-proxy's rules (iptables, the host's default backend) sending `VIP4:80` to
+/// backends `backends`; with `tcpBeLiberal` (no INVALID drop) unless `drop_invalid`.
+fn kube_proxy_serves(tb: &Testbed, backends: &[usize], drop_invalid: bool) {
+    let ips: Vec<String> = backends.iter().map(|&i| Testbed::backend_ip4(i)).collect();
+    let opts = NodeChains {
+        v6: false,
+        drop_invalid,
+    };
+    load_kube_proxy_iptables(tb, "iptables-restore", VIP4, &ips, opts);
+}
+
+/// Backends that answered `attempts`, failures by their error.
+fn answered(attempts: &[Attempt]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for a in attempts {
+        let who = if a.ok {
+            a.backend.clone().unwrap_or_default()
+        } else {
+            format!("failed ({})", a.error.as_deref().unwrap_or("?"))
+        };
+        *m.entry(who).or_insert(0) += 1;
+    }
+    m
+}
+
+/// `n` new connections to `VIP4:80` from the client namespace (outside the testbed's
+/// cgroup unless the agent runs the connect-time path): who answered.
+fn new_connections(tb: &Testbed, n: u32) -> BTreeMap<String, usize> {
+    let t = target(VIP4, TCP_PORT);
+    let attempts = tb
+        .client(&[
+            "--target",
+            &t,
+            "--count",
+            &n.to_string(),
+            "--timeout-ms",
+            "1000",
+        ])
+        .expect("client");
+    answered(&attempts)
+}
+
+fn only(backends: &[&str], n: usize, got: &BTreeMap<String, usize>) -> bool {
+    got.values().sum::<usize>() == n && got.keys().all(|k| backends.contains(&k.as_str()))
+}
+
+/// `proxy-agent cleanup --kube-proxy` in the node's namespace: (exit code, report).
+fn cleanup_kube_proxy(tb: &Testbed) -> (i32, String) {
+    let out = Command::new(agent_bin())
+        .arg("--netns")
+        .arg(format!("/run/netns/{}", tb.node_ns()))
+        .args(["cleanup", "--kube-proxy"])
+        .output()
+        .expect("proxy-agent cleanup --kube-proxy");
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    (out.status.code().unwrap_or(-1), report)
+}
+
+/// A command's output in the node's namespace.
+fn in_node(tb: &Testbed, args: &[&str]) -> String {
+    let mut argv = vec!["ip", "netns", "exec"];
+    let ns = tb.node_ns();
+    argv.push(&ns);
+    argv.extend(args);
+    sh(&argv).expect("command in the node's namespace")
+}
+
+/// Chain names of a save dump.
+fn chains(save: &str) -> Vec<String> {
+    save.lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// docs/migration.md, "Remove kube-proxy's leftovers": every backend and family, both
+/// nftables tables and kube-ipvs0 loaded as kube-proxy (and kubelet, and a CNI) leave
+/// them; `cleanup --kube-proxy` removes kube-proxy's and nothing else, says why it left
+/// what it left, and a second run finds nothing to do.
+#[test]
+fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
+    if !require_root("cleanup_removes_kube_proxys_leftovers_and_nothing_else") {
+        return;
+    }
+    let tb = Testbed::new(0).expect("testbed");
+    let v4 = NodeChains {
+        v6: false,
+        drop_invalid: true,
+    };
+    let v6 = NodeChains {
+        v6: true,
+        drop_invalid: true,
+    };
+    let b4 = [Testbed::backend_ip4(0)];
+    let b6 = [Testbed::backend_ip6(0)];
+    let mut saves = vec![("iptables-nft-save", "iptables-nft-restore")];
+    load_kube_proxy_iptables(&tb, "iptables-nft-restore", VIP4, &b4, v4);
+    load_kube_proxy_iptables(&tb, "ip6tables-nft-restore", VIP6, &b6, v6);
+    saves.push(("ip6tables-nft-save", "ip6tables-nft-restore"));
+    // The legacy backend where this host has it (kube-proxy's image may pick either).
+    if kube_proxy_has("iptables-legacy-restore") {
+        load_kube_proxy_iptables(&tb, "iptables-legacy-restore", VIP4, &b4, v4);
+        saves.push(("iptables-legacy-save", "iptables-legacy-restore"));
+    }
+    // Someone else's: a filter chain jumped to from FORWARD, and a CNI's nat chain
+    // jumping to kube-proxy's KUBE-MARK-MASQ (which must then stay).
+    let others = "*filter\n:MINE - [0:0]\n-A FORWARD -j MINE\n-A MINE -j ACCEPT\nCOMMIT\n*nat\n:CNI-HOSTPORT-MASQ - [0:0]\n-A CNI-HOSTPORT-MASQ -j KUBE-MARK-MASQ\nCOMMIT\n";
+    load(
+        &tb,
+        "iptables-nft-restore",
+        &["--noflush"],
+        "others.rules",
+        others,
+    );
+    // kube-proxy's nftables mode, both families, and someone else's table.
+    let nft4 = kube_proxy::nft_rules(&[(VIP4.to_string(), vec![target(&b4[0], 8080)])]);
+    let nft6 = kube_proxy::nft_rules(&[(VIP6.to_string(), vec![target(&b6[0], 8080)])]);
+    load(&tb, "nft", &["-f"], "kube-proxy4.nft", &nft4);
+    load(&tb, "nft", &["-f"], "kube-proxy6.nft", &nft6);
+    load(
+        &tb,
+        "nft",
+        &["-f"],
+        "mine.nft",
+        "table inet mine {\n chain c { type filter hook forward priority 0; }\n}\n",
+    );
+    // A kube-ipvs0 that is not a dummy (this kernel has no dummy driver): left, as
+    // kube-proxy leaves it.
+    in_node(
+        &tb,
+        &[
+            "ip",
+            "link",
+            "add",
+            "kube-ipvs0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "kpx0",
+        ],
+    );
+
+    let (code, report) = cleanup_kube_proxy(&tb);
+    eprintln!("{report}");
+    assert_eq!(code, 0, "cleanup failed:\n{report}");
+    for (save, _) in &saves {
+        let dump = in_node(&tb, &[save]);
+        let left = chains(&dump);
+        let kube: Vec<&String> = left.iter().filter(|c| c.starts_with("KUBE-")).collect();
+        for c in &kube {
+            let kubelets = ["KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY", "KUBE-FIREWALL"];
+            let pinned = *save == "iptables-nft-save" && c.as_str() == "KUBE-MARK-MASQ";
+            assert!(
+                kubelets.contains(&c.as_str()) || pinned,
+                "{save}: kube-proxy's chain {c} is still there:\n{dump}"
+            );
+        }
+        assert!(
+            kube.iter().any(|c| c.as_str() == "KUBE-KUBELET-CANARY"),
+            "{save}: kubelet's chains must stay:\n{dump}"
+        );
+        assert!(
+            !dump.contains("kubernetes service portals") && !dump.contains("KUBE-SVC-"),
+            "{save}: jumps or Service chains left:\n{dump}"
+        );
+    }
+    let nft_save = in_node(&tb, &["iptables-nft-save"]);
+    assert!(nft_save.contains("-A FORWARD -j MINE") && nft_save.contains(":MINE"));
+    assert!(nft_save.contains("-A CNI-HOSTPORT-MASQ -j KUBE-MARK-MASQ"));
+    assert!(
+        report.contains("nat chain KUBE-MARK-MASQ: still jumped to from chain CNI-HOSTPORT-MASQ")
+    );
+    assert!(report.contains("chain KUBE-FIREWALL: kubelet's"));
+    let tables = in_node(&tb, &["nft", "list", "tables"]);
+    assert!(!tables.contains("kube-proxy"), "{tables}");
+    assert!(tables.contains("table inet mine"), "{tables}");
+    assert!(report.contains("removed  nftables         table ip kube-proxy"));
+    assert!(report.contains("removed  nftables         table ip6 kube-proxy"));
+    assert!(report.contains("no IPVS in this kernel"), "{report}");
+    assert!(
+        report.contains("device kube-ipvs0: a veth device"),
+        "{report}"
+    );
+    assert!(in_node(&tb, &["ip", "link", "show", "kube-ipvs0"]).contains("kube-ipvs0"));
+
+    let (code, again) = cleanup_kube_proxy(&tb);
+    assert_eq!(code, 0);
+    assert!(
+        again.contains("\n0 removed,"),
+        "a second run found more:\n{again}"
+    );
+}
+
+fn kube_proxy_has(cmd: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// docs/migration.md, steps 2–4 (kube-proxy → the agent): kube-proxy's rules serve the
+/// ClusterIP (to backend 2; ours say backends 0 and 1) and a keep-alive connection
+/// through them is open; the agent starts on the node's interfaces: new connections are
+/// ours (the classifier translates before netfilter sees the packet), the live
+/// connection goes on through netfilter's conntrack entry (the agent left its flow to
+/// netfilter: `netfilter_pass`, no `ct_invalid`); `cleanup --kube-proxy` removes the
+/// rules and the connection still goes on (the kernel's conntrack entry keeps its DNAT).
+#[test]
+fn migration_keeps_connections_kube_proxy_opened() {
+    if !require_root("migration_keeps_connections_kube_proxy_opened") {
+        return;
+    }
+    let mut tb = Testbed::new(3).expect("testbed");
+    tb.write_manifests(&web_manifests(&[0, 1], None))
+        .expect("manifests");
+    kube_proxy_serves(&tb, &[2], false);
+    let before = new_connections(&tb, 5);
+    assert!(
+        only(&["backend-2"], 5, &before),
+        "kube-proxy's rules: {before:?}"
+    );
+    // 20 ms apart for ~8 s: across the agent's start and the cleanup.
+    let t = target(VIP4, TCP_PORT);
+    let mut session = tb.spawn_session(&t, 400).expect("client");
+    let first = first_attempt(&mut session).expect("first answer");
+    assert_eq!(first.backend.as_deref(), Some("backend-2"));
+
+    tb.start_agent(Path_::PerPacket, FRONTENDS).expect("agent");
+    let with_agent = new_connections(&tb, 20);
+    assert!(
+        only(&["backend-0", "backend-1"], 20, &with_agent),
+        "new connections beside kube-proxy's rules: {with_agent:?}\n{}",
+        tb.agent_log()
+    );
+    let (code, report) = cleanup_kube_proxy(&tb);
+    assert_eq!(code, 0, "{report}");
+    let after = new_connections(&tb, 20);
+    assert!(only(&["backend-0", "backend-1"], 20, &after), "{after:?}");
+
+    let session = finish_client(session).expect("session");
+    let got = answered(&session);
+    // (`first_attempt` took the first answer.)
+    assert_eq!(
+        got,
+        BTreeMap::from([("backend-2".to_string(), 399)]),
+        "the connection kube-proxy opened, across the agent's start and the cleanup"
+    );
+    let counters = &tb.dump().expect("dump")["counters"];
+    assert_eq!(counters["ct_invalid"], 0, "{counters}");
+    assert!(counters["netfilter_pass"].as_u64() > Some(0), "{counters}");
+    // Once the connection is closed and netfilter forgets it, the agent's mirror of it
+    // goes too (refreshed every 10 s while it holds anything).
+    in_node(
+        &tb,
+        &[
+            "sysctl",
+            "-qw",
+            "net.netfilter.nf_conntrack_tcp_timeout_time_wait=1",
+        ],
+    );
+    let map = tb.pin_dir().join("maps").join("NETFILTER_FLOWS");
+    let empty = || {
+        sh(&[
+            "bpftool",
+            "map",
+            "dump",
+            "pinned",
+            map.to_str().unwrap_or(""),
+        ])
+        .is_ok_and(|d| !d.contains("key"))
+    };
+    if kube_proxy_has("bpftool") {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "NETFILTER_FLOWS not emptied"
+            );
+            thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+/// kube-proxy's iptables mode without `tcpBeLiberal` drops what netfilter marks INVALID
+/// in FORWARD, and netfilter sees the per-packet path's flows half-translated (the
+/// client's packets after our DNAT, the replies after our reverse NAT, two flows it never
+/// sees answered): their replies are INVALID, so every new per-packet connection fails
+/// while that rule is there. docs/migration.md step 1 sets `conntrack.tcpBeLiberal` first.
+/// The connect-time path is not affected (the socket itself is aimed at the backend).
+#[test]
+fn kube_proxys_invalid_drop_rule_stops_the_per_packet_path() {
+    if !require_root("kube_proxys_invalid_drop_rule_stops_the_per_packet_path") {
+        return;
+    }
+    let mut tb = Testbed::new(3).expect("testbed");
+    tb.write_manifests(&web_manifests(&[0, 1], None))
+        .expect("manifests");
+    kube_proxy_serves(&tb, &[2], true);
+    tb.start_agent(Path_::PerPacket, FRONTENDS).expect("agent");
+    let t = target(VIP4, TCP_PORT);
+    let failed = tb
+        .client(&["--target", &t, "--count", "3", "--timeout-ms", "1000"])
+        .expect("client");
+    assert!(failed.iter().all(|a| !a.ok), "{:?}", answered(&failed));
+    let drops = in_node(&tb, &["iptables", "-L", "KUBE-FORWARD", "-v", "-n", "-x"]);
+    let invalid = drops
+        .lines()
+        .find(|l| l.contains("ctstate INVALID"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok());
+    assert!(
+        invalid > Some(0),
+        "the INVALID rule dropped nothing:\n{drops}"
+    );
+    let (code, report) = cleanup_kube_proxy(&tb);
+    assert_eq!(code, 0, "{report}");
+    let after = new_connections(&tb, 10);
+    assert!(only(&["backend-0", "backend-1"], 10, &after), "{after:?}");
+}
+
+/// docs/migration.md, "Back to kube-proxy": the agent serves, a keep-alive connection is
+/// open through the per-packet path; the agent is stopped (its pinned programs keep
+/// serving, new connections included) and kube-proxy's rules come back; then `proxy-agent
+/// cleanup` detaches the programs. From then on kube-proxy serves new connections, and
+/// the live connection, which only our conntrack was translating, is lost: it stalls
+/// (no reset reaches the client).
+#[test]
+fn rollback_loses_connections_only_the_agent_translated() {
+    if !require_root("rollback_loses_connections_only_the_agent_translated") {
+        return;
+    }
+    let mut tb = Testbed::new(3).expect("testbed");
+    tb.write_manifests(&web_manifests(&[0, 1], None))
+        .expect("manifests");
+    tb.start_agent(Path_::PerPacket, FRONTENDS).expect("agent");
+    let t = target(VIP4, TCP_PORT);
+    let started = Instant::now();
+    let mut session = tb
+        .spawn_client(&[
+            "--target",
+            &t,
+            "--reuse-socket",
+            "--count",
+            "150",
+            "--interval-ms",
+            "20",
+            "--timeout-ms",
+            "500",
+        ])
+        .expect("client");
+    let first = first_attempt(&mut session).expect("first answer");
+    let ours = first.backend.clone().expect("a backend");
+    assert!(ours == "backend-0" || ours == "backend-1", "{ours}");
+
+    tb.kill_agent().expect("stop the agent");
+    thread::sleep(Duration::from_millis(300));
+    let rules_at = started.elapsed().as_secs_f64() * 1e3;
+    kube_proxy_serves(&tb, &[2], false);
+    let pinned = new_connections(&tb, 10);
+    assert!(
+        only(&["backend-0", "backend-1"], 10, &pinned),
+        "the pinned programs serve until cleanup: {pinned:?}"
+    );
+    thread::sleep(Duration::from_millis(500));
+    let cleanup_at = started.elapsed().as_secs_f64() * 1e3;
+    tb.cleanup_agent().expect("proxy-agent cleanup");
+    // Unpinned links go once the kernel releases them (deferred work), not at once.
+    tb.wait_for("the classifier's links to go", || {
+        only(&["backend-2"], 1, &new_connections(&tb, 1))
+    });
+    let after = new_connections(&tb, 10);
+    assert!(
+        only(&["backend-2"], 10, &after),
+        "kube-proxy serves: {after:?}"
+    );
+    thread::sleep(Duration::from_millis(1500));
+
+    let session = stop_client(session).expect("session");
+    let cut = session
+        .iter()
+        .position(|a| !a.ok)
+        .expect("the connection only our conntrack translated survived the cleanup");
+    eprintln!(
+        "live connection: {:?}; rules loaded at {rules_at:.0} ms, cleanup at {cleanup_at:.0} ms, first failure: {:?}",
+        answered(&session),
+        session[cut]
+    );
+    assert!(
+        session[..cut]
+            .iter()
+            .all(|a| a.backend.as_deref() == Some(&ours))
+    );
+    // The connection outlived kube-proxy's rules coming back (our programs still
+    // translate it) and failed at the cleanup.
+    assert!(
+        session[cut].at_ms + session[cut].ms > cleanup_at,
+        "failed before the cleanup"
+    );
+    // Not reset: it stalls. Its packets, addressed to the ClusterIP again, match the
+    // entry netfilter picked up from our translated replies (ClusterIP → client) in its
+    // reply direction, so no rule translates them and they go nowhere; the application
+    // sees timeouts until its own timeout or keepalive gives up.
+    assert!(
+        session[cut..]
+            .iter()
+            .all(|a| a.error.as_deref() == Some("WouldBlock")),
+        "{:?}",
+        answered(&session[cut..])
+    );
+}
