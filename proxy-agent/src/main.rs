@@ -739,6 +739,8 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
     // Per-packet flows (two entries each): answered, and not answered yet.
     let answered = maps.conntrack.keys().filter(Result::is_ok).count();
     let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
+    // Flows netfilter translated before the classifier was attached (kube-proxy's).
+    let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
     if json {
         let counters: serde_json::Map<String, serde_json::Value> = counters
             .iter()
@@ -751,6 +753,7 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 "counters": counters,
                 "sockets": sockets,
                 "conntrack": {"answered": answered, "new": new},
+                "netfilter_flows": netfilter,
             }))?
         );
     } else {
@@ -776,7 +779,8 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
             );
         }
         println!("\nsockets tracked: {sockets}");
-        println!("conntrack entries: {answered} answered, {new} new (two per flow)\n");
+        println!("conntrack entries: {answered} answered, {new} new (two per flow)");
+        println!("flows left to netfilter (translated before the classifier): {netfilter}\n");
         for (name, value) in counters {
             println!("{name:<24} {value}");
         }
