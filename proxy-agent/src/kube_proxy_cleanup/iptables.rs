@@ -91,10 +91,10 @@ pub fn parse_save(text: &str) -> Vec<Table> {
                 let builtin = parts.next().is_some_and(|policy| policy != "-");
                 t.chains.insert(name.to_string(), builtin);
             }
-        } else if let (Some(t), Some(rule)) = (cur.as_mut(), line.strip_prefix("-A ")) {
-            if let Some((chain, spec)) = rule.split_once(' ') {
-                t.rules.push((chain.to_string(), spec.to_string()));
-            }
+        } else if let (Some(t), Some(rule)) = (cur.as_mut(), line.strip_prefix("-A "))
+            && let Some((chain, spec)) = rule.split_once(' ')
+        {
+            t.rules.push((chain.to_string(), spec.to_string()));
         }
     }
     tables

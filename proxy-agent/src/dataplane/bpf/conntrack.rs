@@ -63,6 +63,37 @@ fn udp_entries(
     family: NetfilterProtoFamily,
     gone: &HashSet<(IpAddr, u16)>,
 ) -> Result<Vec<Vec<Tuple>>> {
+    let mut found = Vec::new();
+    dump(nl, family, |attrs| {
+        let mut orig = None;
+        let mut hit = false;
+        for attr in attrs {
+            match attr {
+                ConntrackAttribute::CtaTupleOrig(t) => {
+                    let e = endpoints(&t);
+                    hit |= e.udp && e.dst.is_some_and(|d| gone.contains(&d));
+                    orig = Some(t);
+                }
+                ConntrackAttribute::CtaTupleReply(t) => {
+                    let e = endpoints(&t);
+                    hit |= e.udp && e.src.is_some_and(|s| gone.contains(&s));
+                }
+                _ => {}
+            }
+        }
+        if let (true, Some(orig)) = (hit, orig) {
+            found.push(orig);
+        }
+    })?;
+    Ok(found)
+}
+
+/// Calls `each` with the attributes of every entry of one family.
+fn dump(
+    nl: &mut Channel,
+    family: NetfilterProtoFamily,
+    mut each: impl FnMut(Vec<ConntrackAttribute>),
+) -> Result<()> {
     let seq = nl.send(
         NLM_F_REQUEST | NLM_F_DUMP,
         None,
@@ -71,39 +102,19 @@ fn udp_entries(
             ConntrackMessage::Get(Vec::new()),
         ),
     )?;
-    let mut found = Vec::new();
     nl.receive::<NetfilterMessage>(seq, |payload| match payload {
         NetlinkPayload::InnerMessage(NetfilterMessage {
             inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
             ..
         }) => {
-            let mut orig = None;
-            let mut hit = false;
-            for attr in attrs {
-                match attr {
-                    ConntrackAttribute::CtaTupleOrig(t) => {
-                        let e = endpoints(&t);
-                        hit |= e.udp && e.dst.is_some_and(|d| gone.contains(&d));
-                        orig = Some(t);
-                    }
-                    ConntrackAttribute::CtaTupleReply(t) => {
-                        let e = endpoints(&t);
-                        hit |= e.udp && e.src.is_some_and(|s| gone.contains(&s));
-                    }
-                    _ => {}
-                }
-            }
-            if let (true, Some(orig)) = (hit, orig) {
-                found.push(orig);
-            }
+            each(attrs);
             Ok(false)
         }
         NetlinkPayload::Done(_) => Ok(true),
         NetlinkPayload::Error(e) => Err(anyhow::anyhow!("conntrack dump failed: {e}")),
         _ => Ok(false),
     })
-    .context("listing the kernel's conntrack entries")?;
-    Ok(found)
+    .context("listing the kernel's conntrack entries")
 }
 
 /// The forward tuples (as the classifier keys them) of the kernel's entries that
@@ -113,36 +124,18 @@ pub fn dnat_flows() -> Result<HashSet<CtKey>> {
     let mut nl = Channel::open(NETLINK_NETFILTER, "ctnetlink")?;
     let mut keys = HashSet::new();
     for family in [NetfilterProtoFamily::IPv4, NetfilterProtoFamily::IPv6] {
-        let seq = nl.send(
-            NLM_F_REQUEST | NLM_F_DUMP,
-            None,
-            NetfilterMessage::new(
-                NetfilterHeader::new(family, 0, 0),
-                ConntrackMessage::Get(Vec::new()),
-            ),
-        )?;
-        nl.receive::<NetfilterMessage>(seq, |payload| match payload {
-            NetlinkPayload::InnerMessage(NetfilterMessage {
-                inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
-                ..
-            }) => {
-                let dnat = attrs.iter().any(
-                    |a| matches!(a, ConntrackAttribute::CtaStatus(s) if s.contains(Status::DstNat)),
-                );
-                let orig = attrs.iter().find_map(|a| match a {
-                    ConntrackAttribute::CtaTupleOrig(t) => Some(t),
-                    _ => None,
-                });
-                if let (true, Some(key)) = (dnat, orig.and_then(|t| forward_key(t))) {
-                    keys.insert(key);
-                }
-                Ok(false)
+        dump(&mut nl, family, |attrs| {
+            let dnat = attrs.iter().any(
+                |a| matches!(a, ConntrackAttribute::CtaStatus(s) if s.contains(Status::DstNat)),
+            );
+            let orig = attrs.iter().find_map(|a| match a {
+                ConntrackAttribute::CtaTupleOrig(t) => Some(t),
+                _ => None,
+            });
+            if let (true, Some(key)) = (dnat, orig.and_then(|t| forward_key(t))) {
+                keys.insert(key);
             }
-            NetlinkPayload::Done(_) => Ok(true),
-            NetlinkPayload::Error(e) => Err(anyhow::anyhow!("conntrack dump failed: {e}")),
-            _ => Ok(false),
-        })
-        .context("listing the kernel's conntrack entries")?;
+        })?;
     }
     Ok(keys)
 }
