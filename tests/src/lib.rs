@@ -452,7 +452,17 @@ impl Testbed {
         cmd.stdout(log.try_clone()?).stderr(log);
         self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
         self.agent_path = Some(path);
-        self.wait_frontends(frontends)
+        self.wait_frontends(frontends)?;
+        // A restarted agent finds the frontends already pinned: wait for its own
+        // attachments too (its last start-up line), or the test would look at them early.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.agent_log().contains("BPF dataplane ready") {
+            if Instant::now() > deadline {
+                bail!("agent did not get ready:\n{}", self.agent_log());
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     /// A pod added to the node after the fact: namespace `pxy<id>p<i>` (removed with the
