@@ -56,8 +56,19 @@ fn load_kube_proxy_iptables(
 }
 
 /// kube-proxy's rules (iptables, the host's default backend) sending `VIP4:80` to
-/// backends `backends`; with `tcpBeLiberal` (no INVALID drop) unless `drop_invalid`.
+/// backends `backends`; with `tcpBeLiberal` unless `drop_invalid`: kube-proxy then sets
+/// `nf_conntrack_tcp_be_liberal` and leaves out its INVALID drop.
 fn kube_proxy_serves(tb: &Testbed, backends: &[usize], drop_invalid: bool) {
+    if !drop_invalid {
+        in_node(
+            tb,
+            &[
+                "sysctl",
+                "-qw",
+                "net.netfilter.nf_conntrack_tcp_be_liberal=1",
+            ],
+        );
+    }
     let ips: Vec<String> = backends.iter().map(|&i| Testbed::backend_ip4(i)).collect();
     let opts = NodeChains {
         v6: false,
@@ -367,19 +378,16 @@ fn kube_proxys_invalid_drop_rule_stops_the_per_packet_path() {
     assert!(only(&["backend-0", "backend-1"], 10, &after), "{after:?}");
 }
 
-/// docs/migration.md, "Back to kube-proxy": the agent serves, a keep-alive connection is
-/// open through the per-packet path; the agent is stopped (its pinned programs keep
-/// serving, new connections included) and kube-proxy's rules come back; then `proxy-agent
-/// cleanup` detaches the programs. From then on kube-proxy serves new connections, and
-/// the live connection, which only our conntrack was translating, is lost: it stalls
-/// (no reset reaches the client).
-#[test]
-fn rollback_loses_connections_only_the_agent_translated() {
-    if !require_root("rollback_loses_connections_only_the_agent_translated") {
-        return;
-    }
+/// docs/migration.md, "Back to kube-proxy", up to the cleanup: the agent serves
+/// (`ours`), a keep-alive connection is open through the per-packet path; the agent is
+/// stopped (its pinned programs keep serving, new connections included) and kube-proxy's
+/// rules come back (`kube_proxys`); then `proxy-agent cleanup` detaches the programs and
+/// kube-proxy serves new connections. Returns the live connection's attempts after its
+/// first one, the backend that answered that one, and when the cleanup ran (ms after
+/// the connection started).
+fn roll_back(ours: &[usize], kube_proxys: &[usize]) -> (Vec<Attempt>, String, f64) {
     let mut tb = Testbed::new(3).expect("testbed");
-    tb.write_manifests(&web_manifests(&[0, 1], None))
+    tb.write_manifests(&web_manifests(ours, None))
         .expect("manifests");
     tb.start_agent(Path_::PerPacket, FRONTENDS).expect("agent");
     let t = target(VIP4, TCP_PORT);
@@ -398,62 +406,91 @@ fn rollback_loses_connections_only_the_agent_translated() {
         ])
         .expect("client");
     let first = first_attempt(&mut session).expect("first answer");
-    let ours = first.backend.clone().expect("a backend");
-    assert!(ours == "backend-0" || ours == "backend-1", "{ours}");
+    let ours_names: Vec<String> = ours.iter().map(|&i| Testbed::backend_name(i)).collect();
+    let ours_names: Vec<&str> = ours_names.iter().map(String::as_str).collect();
+    let theirs: Vec<String> = kube_proxys
+        .iter()
+        .map(|&i| Testbed::backend_name(i))
+        .collect();
+    let theirs: Vec<&str> = theirs.iter().map(String::as_str).collect();
+    let answered_first = first.backend.clone().expect("a backend");
+    assert!(ours_names.contains(&answered_first.as_str()));
 
     tb.kill_agent().expect("stop the agent");
-    thread::sleep(Duration::from_millis(300));
-    let rules_at = started.elapsed().as_secs_f64() * 1e3;
-    kube_proxy_serves(&tb, &[2], false);
+    kube_proxy_serves(&tb, kube_proxys, false);
     let pinned = new_connections(&tb, 10);
     assert!(
-        only(&["backend-0", "backend-1"], 10, &pinned),
+        only(&ours_names, 10, &pinned),
         "the pinned programs serve until cleanup: {pinned:?}"
     );
-    thread::sleep(Duration::from_millis(500));
+    thread::sleep(Duration::from_millis(300));
     let cleanup_at = started.elapsed().as_secs_f64() * 1e3;
     tb.cleanup_agent().expect("proxy-agent cleanup");
-    // Unpinned links go once the kernel releases them (deferred work), not at once.
-    tb.wait_for("the classifier's links to go", || {
-        only(&["backend-2"], 1, &new_connections(&tb, 1))
-    });
-    let after = new_connections(&tb, 10);
-    assert!(
-        only(&["backend-2"], 10, &after),
-        "kube-proxy serves: {after:?}"
+    if ours != kube_proxys {
+        let after = new_connections(&tb, 10);
+        assert!(only(&theirs, 10, &after), "kube-proxy serves: {after:?}");
+    }
+    thread::sleep(Duration::from_millis(1000));
+    let attempts = stop_client(session).expect("session");
+    eprintln!(
+        "live connection: {:?}; cleanup at {cleanup_at:.0} ms",
+        answered(&attempts)
     );
-    thread::sleep(Duration::from_millis(1500));
+    (attempts, answered_first, cleanup_at)
+}
 
-    let session = stop_client(session).expect("session");
+/// The connection the per-packet path was translating is reset at the cleanup (not
+/// stalled: `cleanup` deleted the kernel's entries our translated packets had left), and
+/// the client's next connection goes through kube-proxy's rules to `theirs`.
+fn assert_reset_then_kube_proxys(session: &[Attempt], first: &str, cleanup_at: f64, theirs: &str) {
     let cut = session
         .iter()
         .position(|a| !a.ok)
         .expect("the connection only our conntrack translated survived the cleanup");
-    eprintln!(
-        "live connection: {:?}; rules loaded at {rules_at:.0} ms, cleanup at {cleanup_at:.0} ms, first failure: {:?}",
-        answered(&session),
-        session[cut]
-    );
     assert!(
         session[..cut]
             .iter()
-            .all(|a| a.backend.as_deref() == Some(&ours))
+            .all(|a| a.backend.as_deref() == Some(first))
     );
-    // The connection outlived kube-proxy's rules coming back (our programs still
-    // translate it) and failed at the cleanup.
+    let failed = &session[cut];
     assert!(
-        session[cut].at_ms + session[cut].ms > cleanup_at,
+        failed.at_ms + failed.ms > cleanup_at,
         "failed before the cleanup"
     );
-    // Not reset: it stalls. Its packets, addressed to the ClusterIP again, match the
-    // entry netfilter picked up from our translated replies (ClusterIP → client) in its
-    // reply direction, so no rule translates them and they go nowhere; the application
-    // sees timeouts until its own timeout or keepalive gives up.
-    assert!(
-        session[cut..]
-            .iter()
-            .all(|a| a.error.as_deref() == Some("WouldBlock")),
-        "{:?}",
-        answered(&session[cut..])
+    assert_eq!(
+        failed.error.as_deref(),
+        Some("ConnectionReset"),
+        "reset, not stalled: {failed:?}"
     );
+    assert!(
+        session.len() > cut + 1
+            && session[cut + 1..]
+                .iter()
+                .all(|a| a.ok && a.backend.as_deref() == Some(theirs)),
+        "reconnected through kube-proxy's rules: {:?}",
+        answered(&session[cut + 1..])
+    );
+}
+
+/// The way back with kube-proxy's rules choosing another backend (as they mostly will,
+/// with several).
+#[test]
+fn rollback_resets_a_connection_kube_proxy_sends_elsewhere() {
+    if !require_root("rollback_resets_a_connection_kube_proxy_sends_elsewhere") {
+        return;
+    }
+    let (session, first, cleanup_at) = roll_back(&[0, 1], &[2]);
+    assert_reset_then_kube_proxys(&session, &first, cleanup_at, "backend-2");
+}
+
+/// The way back with kube-proxy's rules choosing the very backend the connection has (one
+/// endpoint): reset all the same — the connection is not handed over to netfilter.
+#[test]
+fn rollback_resets_a_connection_even_to_the_same_backend() {
+    if !require_root("rollback_resets_a_connection_even_to_the_same_backend") {
+        return;
+    }
+    let (session, first, cleanup_at) = roll_back(&[0], &[0]);
+    assert_eq!(first, "backend-0");
+    assert_reset_then_kube_proxys(&session, &first, cleanup_at, "backend-0");
 }

@@ -57,6 +57,73 @@ pub fn forget_udp_flows_to(gone: &[Backend]) -> Result<usize> {
     Ok(deleted)
 }
 
+/// Deletes the kernel's entries that our per-packet flows left: netfilter saw each
+/// unmasqueraded flow's packets already translated, as two flows it never sees answered —
+/// the client's towards the backend, and the replies from the frontend (picked up
+/// mid-stream). Once the classifier is gone, the client's packets (to the frontend again)
+/// would match the second one's reply direction, go untranslated and stall; without
+/// them they are new to netfilter, and whatever NAT is loaded (kube-proxy's rules, on the
+/// way back) takes them: to the same backend the connection goes on, to another one it
+/// gets a reset. Masqueraded flows are redirected past netfilter and left none. Returns
+/// how many entries went.
+pub fn forget_translated_flows(maps: &super::MapSet) -> Result<usize> {
+    use proxy_common::CT_F_SNAT;
+    let mut nl = Channel::open(NETLINK_NETFILTER, "ctnetlink")?;
+    let mut deleted = 0;
+    for table in [&maps.conntrack, &maps.conntrack_new] {
+        for (key, value) in table.iter().filter_map(Result::ok) {
+            if key.dir != CT_DIR_FORWARD || value.flags & CT_F_SNAT != 0 {
+                continue;
+            }
+            let client = (words_addr(key.saddr, key.family), u16::from_be(key.sport));
+            let frontend = (words_addr(key.daddr, key.family), u16::from_be(key.dport));
+            let backend = (
+                words_addr(value.xlate_addr, key.family),
+                u16::from_be(value.xlate_port),
+            );
+            let family = if key.family == proxy_common::FAMILY_V4 {
+                NetfilterProtoFamily::IPv4
+            } else {
+                NetfilterProtoFamily::IPv6
+            };
+            for (src, dst) in [(client, backend), (frontend, client)] {
+                let request = NetfilterMessage::new(
+                    NetfilterHeader::new(family, 0, 0),
+                    ConntrackMessage::Delete(vec![ConntrackAttribute::CtaTupleOrig(tuple(
+                        key.proto, src, dst,
+                    ))]),
+                );
+                // None (never seen, or gone meanwhile) is fine.
+                if nl.act(0, None, request).is_ok() {
+                    deleted += 1;
+                }
+            }
+        }
+    }
+    Ok(deleted)
+}
+
+/// A conntrack tuple.
+fn tuple(proto: u8, (saddr, sport): (IpAddr, u16), (daddr, dport): (IpAddr, u16)) -> Vec<Tuple> {
+    let protocol = match proto {
+        PROTO_TCP => Protocol::Tcp,
+        PROTO_UDP => Protocol::Udp,
+        PROTO_SCTP => Protocol::Sctp,
+        other => Protocol::Other(other),
+    };
+    vec![
+        Tuple::Ip(vec![
+            IPTuple::SourceAddress(saddr),
+            IPTuple::DestinationAddress(daddr),
+        ]),
+        Tuple::Proto(vec![
+            ProtoTuple::Protocol(protocol),
+            ProtoTuple::SourcePort(sport),
+            ProtoTuple::DestinationPort(dport),
+        ]),
+    ]
+}
+
 /// The original tuples of the UDP entries of one family that involve a `gone` backend.
 fn udp_entries(
     nl: &mut Channel,

@@ -512,11 +512,27 @@ fn remove_filters(links_dir: &Path) -> Result<()> {
 
 /// Removes everything the agent pinned under `pin_dir`: links first (which detaches the
 /// programs), then the clsact filters of this network namespace (and the qdiscs we added,
-/// when nothing else uses them), then maps.
+/// when nothing else uses them), then the kernel's conntrack entries our flows left
+/// (`conntrack::forget_translated_flows`), then maps.
 pub fn cleanup(pin_dir: &Path) -> Result<()> {
     let links_dir = links_dir(pin_dir);
     remove_files(&links_dir)?;
     remove_filters(&links_dir)?;
+    if let Ok(maps) = MapSet::open_pinned(&maps_dir(pin_dir)) {
+        // The kernel releases an unpinned link in deferred work: a packet the classifier
+        // still translates meanwhile would leave its entry behind again.
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        match conntrack::forget_translated_flows(&maps) {
+            Ok(n) => tracing::info!(
+                entries = n,
+                "the kernel's conntrack entries of our flows deleted"
+            ),
+            Err(e) => tracing::warn!(
+                error = format!("{e:#}"),
+                "the kernel's conntrack entries of our flows left"
+            ),
+        }
+    }
     remove_files(&maps_dir(pin_dir))?;
     for dir in [links_dir, maps_dir(pin_dir)] {
         let _ = fs::remove_dir(&dir);
