@@ -7,6 +7,7 @@ pub mod bench;
 pub mod client;
 pub mod cluster;
 pub mod echo;
+pub mod kube_proxy;
 pub mod multinode;
 
 use std::{
@@ -461,7 +462,21 @@ impl Testbed {
         cmd.stdout(log.try_clone()?).stderr(log);
         self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
         self.agent_path = Some(path);
-        self.wait_frontends(frontends)
+        self.wait_frontends(frontends)?;
+        // A restarted agent finds the frontends already pinned: wait for its own
+        // attachments too (its last start-up line), or the test would look at them early.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.agent_log().contains("BPF dataplane ready") {
+            if Instant::now() > deadline {
+                bail!(
+                    "agent did not get ready:
+{}",
+                    self.agent_log()
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     fn spawn_agent(
