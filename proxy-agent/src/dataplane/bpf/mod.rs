@@ -222,6 +222,7 @@ impl BpfDataplane {
                 warn_if_pinned_size_differs(&maps_dir.join(name), size);
             }
         }
+        replace_outgrown_counters(&maps_dir.join(map_names::COUNTERS));
         let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();
         let mut ebpf = match loader.load(BPF_OBJECT) {
             Ok(ebpf) => ebpf,
@@ -302,6 +303,33 @@ impl BpfDataplane {
 
 /// A pinned map keeps the size it was created with (its entries are live flows): a new
 /// size takes effect after `proxy-agent cleanup`.
+/// The counters map grows when a release counts something new; an upgraded agent would
+/// otherwise refuse the older, smaller pin. Counts are not state traffic depends on, so a
+/// pin that is not this object's shape is unpinned (the programs still attached keep
+/// theirs until the new ones are swapped in) and a fresh one is made: counts restart.
+fn replace_outgrown_counters(pin: &Path) {
+    let Ok(data) = aya::maps::MapData::from_pin(pin) else {
+        return;
+    };
+    let Ok(info) = data.info() else { return };
+    let ours = info.max_entries() == proxy_common::counter::COUNT
+        && info.value_size() == std::mem::size_of::<u64>() as u32
+        && info.key_size() == std::mem::size_of::<u32>() as u32;
+    if ours {
+        return;
+    }
+    match fs::remove_file(pin) {
+        Ok(()) => tracing::info!(
+            pinned = info.max_entries(),
+            now = proxy_common::counter::COUNT,
+            "the counters map changed shape with this release; counts start over"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, pin = %pin.display(), "cannot replace the counters map")
+        }
+    }
+}
+
 fn warn_if_pinned_size_differs(pin: &Path, wanted: u32) {
     let Ok(data) = aya::maps::MapData::from_pin(pin) else {
         return;
