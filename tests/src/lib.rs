@@ -394,16 +394,15 @@ impl Testbed {
         frontends: usize,
         extra: &[&str],
     ) -> Result<()> {
-        let mut args = self.path_args(path);
-        args.extend(extra.iter().map(Into::into));
+        let args = self.path_args(path, extra);
         let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
         self.spawn_agent(&args, path, frontends)
     }
 
-    /// The agent's arguments that choose `path`'s hooks: the testbed's cgroup, or the
-    /// node's interfaces.
-    fn path_args(&self, path: Path_) -> Vec<std::ffi::OsString> {
-        match path {
+    /// The agent's arguments that choose `path`'s hooks (the testbed's cgroup, or the
+    /// node's interfaces), then `extra`.
+    fn path_args(&self, path: Path_, extra: &[&str]) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = match path {
             Path_::ConnectTime => vec!["--cgroup".into(), self.cgroup.clone().into()],
             Path_::PerPacket => vec![
                 "--cgroup".into(),
@@ -411,7 +410,9 @@ impl Testbed {
                 "--interfaces".into(),
                 self.node_interfaces().join(",").into(),
             ],
-        }
+        };
+        args.extend(extra.iter().map(Into::into));
+        args
     }
 
     /// Starts the agent for the per-packet path with `--interfaces interfaces` (names,
@@ -471,8 +472,7 @@ impl Testbed {
         frontends: usize,
         extra: &[&str],
     ) -> Result<()> {
-        let mut args = self.path_args(path);
-        args.extend(extra.iter().map(Into::into));
+        let args = self.path_args(path, extra);
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net=/run/netns/{}", self.node_ns()))
             .args(wrapper)

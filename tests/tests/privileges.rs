@@ -247,6 +247,20 @@ fn spawn_pod_client(tb: &Testbed, args: &[&str]) -> Child {
         .expect("starting the pod's client")
 }
 
+/// The DaemonSet's capabilities, when this test can run (root, util-linux's tools).
+fn setup(test: &str) -> Option<Vec<String>> {
+    (require_root(test) && tools_present(test)).then(daemonset_caps)
+}
+
+/// Both paths serve, but the stale connected UDP socket stays on its removed backend.
+fn serves_but_stale_stays(o: &Outcome) -> bool {
+    o.connect_start.is_none()
+        && o.packet_start.is_none()
+        && o.connect_serves
+        && o.packet_serves
+        && !o.stale_udp_destroyed
+}
+
 fn tools_present(test: &str) -> bool {
     let ok = ["setpriv", "nsenter"].iter().all(|t| {
         Command::new(t)
@@ -276,15 +290,13 @@ fn fails_without(cap: &str, o: &Outcome) -> bool {
         // sock_diag's SOCK_DESTROY and conntrack's netlink dump/delete: both paths serve,
         // but a stale connected UDP socket stays on its removed backend.
         "NET_ADMIN" => {
-            o.connect_serves
-                && o.packet_serves
-                && !o.stale_udp_destroyed
+            serves_but_stale_stays(o)
                 && o.logs.contains("SOCK_DESTROY refused")
                 && o.logs.contains("conntrack dump failed")
         }
         // /proc/<pid>/ns/net of a process of another uid (and with capabilities the agent
         // lacks): its namespace is not visited, the socket stays.
-        "SYS_PTRACE" => o.connect_serves && o.packet_serves && !o.stale_udp_destroyed,
+        "SYS_PTRACE" => serves_but_stale_stays(o),
         _ => panic!("no test shows that {cap} is needed: add one, or drop it from the manifest"),
     }
 }
@@ -302,21 +314,17 @@ fn assert_everything_works(caps: &[String], o: &Outcome) {
 
 #[test]
 fn daemonset_capabilities_serve_both_paths() {
-    const TEST: &str = "daemonset_capabilities_serve_both_paths";
-    if !require_root(TEST) || !tools_present(TEST) {
+    let Some(caps) = setup("daemonset_capabilities_serve_both_paths") else {
         return;
-    }
-    let caps = daemonset_caps();
+    };
     assert_everything_works(&caps, &run_with(&caps, false));
 }
 
 #[test]
 fn each_daemonset_capability_is_needed() {
-    const TEST: &str = "each_daemonset_capability_is_needed";
-    if !require_root(TEST) || !tools_present(TEST) {
+    let Some(caps) = setup("each_daemonset_capability_is_needed") else {
         return;
-    }
-    let caps = daemonset_caps();
+    };
     for cap in &caps {
         let less: Vec<String> = caps.iter().filter(|c| *c != cap).cloned().collect();
         let o = run_with(&less, false);
@@ -331,11 +339,9 @@ fn each_daemonset_capability_is_needed() {
 /// UDP socket stays.
 #[test]
 fn bpf_and_perfmon_cannot_replace_sys_admin() {
-    const TEST: &str = "bpf_and_perfmon_cannot_replace_sys_admin";
-    if !require_root(TEST) || !tools_present(TEST) {
+    let Some(caps) = setup("bpf_and_perfmon_cannot_replace_sys_admin") else {
         return;
-    }
-    let caps = daemonset_caps();
+    };
     for redundant in ["BPF", "PERFMON"] {
         assert!(
             !caps.iter().any(|c| c == redundant),
@@ -345,10 +351,7 @@ fn bpf_and_perfmon_cannot_replace_sys_admin() {
     let mut swapped: Vec<String> = caps.into_iter().filter(|c| c != "SYS_ADMIN").collect();
     swapped.extend(["BPF".to_string(), "PERFMON".to_string()]);
     let o = run_with(&swapped, false);
-    assert!(
-        o.connect_serves && o.packet_serves && !o.stale_udp_destroyed,
-        "with {swapped:?}: {o:#?}"
-    );
+    assert!(serves_but_stale_stays(&o), "with {swapped:?}: {o:#?}");
 }
 
 /// Without hostPID the agent sees no pod process: the cgroup's pids are not in its PID
@@ -356,18 +359,12 @@ fn bpf_and_perfmon_cannot_replace_sys_admin() {
 /// UDP sockets stay; serving works.
 #[test]
 fn host_pid_is_needed_for_stale_udp_sockets() {
-    const TEST: &str = "host_pid_is_needed_for_stale_udp_sockets";
-    if !require_root(TEST) || !tools_present(TEST) {
+    let Some(caps) = setup("host_pid_is_needed_for_stale_udp_sockets") else {
         return;
-    }
-    let caps = daemonset_caps();
+    };
     let o = run_with(&caps, true);
     assert!(
-        o.connect_start.is_none()
-            && o.packet_start.is_none()
-            && o.connect_serves
-            && o.packet_serves
-            && !o.stale_udp_destroyed,
+        serves_but_stale_stays(&o),
         "in its own PID namespace: {o:#?}"
     );
 }
