@@ -774,6 +774,24 @@ fn write_private(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// Polls `f` until it yields a value, for at most 60 s.
+pub async fn eventually<T, F, Fut>(what: &str, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(v) = f().await? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::first_service_ip;

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod client;
 pub mod cluster;
 pub mod echo;
+pub mod kube_proxy;
 pub mod multinode;
 
 use std::{
@@ -415,6 +416,25 @@ impl Testbed {
         args
     }
 
+    /// `start_agent_with`, but the agent is exec'd by `wrapper` (a command that ends by
+    /// exec'ing its arguments, e.g. `setpriv --bounding-set=...`) after `nsenter` has put
+    /// it in the node's namespace: unlike `--netns`, the agent itself then needs no
+    /// CAP_SYS_ADMIN to get there (a DaemonSet's agent starts in the host's namespace).
+    pub fn start_agent_wrapped(
+        &mut self,
+        wrapper: &[&str],
+        path: Path_,
+        frontends: usize,
+        extra: &[&str],
+    ) -> Result<()> {
+        let args = self.path_args(path, extra);
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", self.node_ns()))
+            .args(wrapper)
+            .arg(agent_bin());
+        self.spawn_run(cmd, &args, path, frontends)
+    }
+
     /// Starts the agent for the per-packet path with `--interfaces interfaces` (names,
     /// globs or `auto`: the agent runs in the node's namespace, so these only ever name
     /// the testbed's own interfaces).
@@ -449,35 +469,40 @@ impl Testbed {
         path: Path_,
         frontends: usize,
     ) -> Result<()> {
+        let mut cmd = self.agent_command();
+        cmd.args(argv).envs(env.iter().map(|(k, v)| (k, v)));
+        self.spawn(cmd, path, frontends)
+    }
+
+    /// `proxy-agent --netns <node>`, to which the subcommand is added.
+    fn agent_command(&self) -> Command {
         let mut cmd = Command::new(agent_bin());
         cmd.arg("--netns")
-            .arg(format!("/run/netns/{}", self.node_ns()))
-            .args(argv)
-            .envs(env.iter().map(|(k, v)| (k, v)));
+            .arg(format!("/run/netns/{}", self.node_ns()));
+        cmd
+    }
+
+    /// Starts `cmd` as the testbed's agent, its output in `agent.log`.
+    fn spawn(&mut self, mut cmd: Command, path: Path_, frontends: usize) -> Result<()> {
         let log = fs::File::create(self.root.join("agent.log"))?;
         cmd.stdout(log.try_clone()?).stderr(log);
         self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
         self.agent_path = Some(path);
-        self.wait_frontends(frontends)
-    }
-
-    /// `start_agent_with`, but the agent is exec'd by `wrapper` (a command that ends by
-    /// exec'ing its arguments, e.g. `setpriv --bounding-set=...`) after `nsenter` has put
-    /// it in the node's namespace: unlike `--netns`, the agent itself then needs no
-    /// CAP_SYS_ADMIN to get there (a DaemonSet's agent starts in the host's namespace).
-    pub fn start_agent_wrapped(
-        &mut self,
-        wrapper: &[&str],
-        path: Path_,
-        frontends: usize,
-        extra: &[&str],
-    ) -> Result<()> {
-        let args = self.path_args(path, extra);
-        let mut cmd = Command::new("nsenter");
-        cmd.arg(format!("--net=/run/netns/{}", self.node_ns()))
-            .args(wrapper)
-            .arg(agent_bin());
-        self.spawn_agent_cmd(cmd, &args, path, frontends)
+        self.wait_frontends(frontends)?;
+        // A restarted agent finds the frontends already pinned: wait for its own
+        // attachments too (its last start-up line), or the test would look at them early.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.agent_log().contains("BPF dataplane ready") {
+            if Instant::now() > deadline {
+                bail!(
+                    "agent did not get ready:
+{}",
+                    self.agent_log()
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     fn spawn_agent(
@@ -486,13 +511,12 @@ impl Testbed {
         path: Path_,
         frontends: usize,
     ) -> Result<()> {
-        let mut cmd = Command::new(agent_bin());
-        cmd.arg("--netns")
-            .arg(format!("/run/netns/{}", self.node_ns()));
-        self.spawn_agent_cmd(cmd, args, path, frontends)
+        let cmd = self.agent_command();
+        self.spawn_run(cmd, args, path, frontends)
     }
 
-    fn spawn_agent_cmd(
+    /// `cmd run` with the testbed's manifests, pins and `args`, as the testbed's agent.
+    fn spawn_run(
         &mut self,
         mut cmd: Command,
         args: &[impl AsRef<std::ffi::OsStr>],
@@ -506,11 +530,7 @@ impl Testbed {
             .arg(self.pin_dir())
             .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"])
             .args(args);
-        let log = fs::File::create(self.root.join("agent.log"))?;
-        cmd.stdout(log.try_clone()?).stderr(log);
-        self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
-        self.agent_path = Some(path);
-        self.wait_frontends(frontends)
+        self.spawn(cmd, path, frontends)
     }
 
     /// A pod added to the node after the fact: namespace `pxy<id>p<i>` (removed with the

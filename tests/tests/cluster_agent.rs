@@ -17,7 +17,6 @@
 use std::{
     collections::BTreeSet,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -33,7 +32,7 @@ use kube::{
 };
 use proxy_e2e::{
     Path_, TCP_PORT, TCP_TARGET, Testbed,
-    cluster::{Cluster, ClusterOptions, require_binaries},
+    cluster::{Cluster, ClusterOptions, eventually, require_binaries},
     require_root, target,
 };
 use serde_json::{Value, json};
@@ -170,23 +169,6 @@ fn write_kube_proxy_configmap(dir: &Path, cluster: &Cluster, token: &str) -> Res
     );
     std::fs::write(dir.join("kubeconfig.conf"), kubeconfig)?;
     Ok(())
-}
-
-async fn eventually<T, F, Fut>(what: &str, mut f: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Option<T>>>,
-{
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(v) = f().await? {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            bail!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// What the kubelet would report for Pod `i` (the testbed's backend `i`), the Ready

@@ -762,6 +762,44 @@ fn cleanup_removes_only_its_own_pins() {
     std::fs::remove_file(&foreign).expect("unpin the foreign map");
 }
 
+/// A pin set this object cannot use (a map of another shape under one of our names, as
+/// another version might leave) is refused with a clear error, and the attempt leaves no
+/// half-made pins behind.
+#[test]
+fn an_incompatible_pin_set_is_refused_and_leaves_no_partial_pins() {
+    if !require_root("an_incompatible_pin_set_is_refused_and_leaves_no_partial_pins") {
+        return;
+    }
+    use proxy_common::map_names::{BACKENDS, SERVICES};
+    let mut tb = testbed(Path_::ConnectTime, &[0], None);
+    tb.kill_agent().expect("kill");
+    let maps = tb.pin_dir().join("maps");
+    // SERVICES replaced by a map of another shape (BACKENDS'), the rest removed.
+    let other = aya::maps::MapData::from_pin(maps.join(BACKENDS)).expect("pinned map");
+    for entry in std::fs::read_dir(&maps).expect("maps").flatten() {
+        std::fs::remove_file(entry.path()).expect("unpin");
+    }
+    other.pin(maps.join(SERVICES)).expect("pin under our name");
+    drop(other);
+    let err = tb
+        .start_agent(Path_::ConnectTime, FRONTENDS)
+        .expect_err("an incompatible pin set must be refused");
+    let left: Vec<String> = std::fs::read_dir(&maps)
+        .expect("maps")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        left,
+        vec![SERVICES.to_string()],
+        "partial pins left: {left:?}\n{err:#}"
+    );
+    assert!(
+        format!("{err:#}").contains("cleanup"),
+        "the error does not say what to do: {err:#}"
+    );
+}
+
 /// Killing the agent (as a crash would) and starting a new one while a client loops loses
 /// no connection: pinned links keep the programs attached, and the new agent adopts the
 /// pinned maps (same frontend ids, no rewrite) and keeps reconciling.
