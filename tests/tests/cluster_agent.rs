@@ -125,7 +125,7 @@ fn daemonset_command(kube_proxy_dir: &Path, tb: &Testbed) -> Result<Command> {
         .map(|a| {
             let a = a
                 .replace("/var/lib/kube-proxy", &kube_proxy_dir.display().to_string())
-                .replace("/sys/fs/bpf/proxy-agent", &pin_dir);
+                .replace("/bpffs/proxy-agent", &pin_dir);
             if a == "--cgroup=auto" {
                 format!("--cgroup={}", tb.cgroup_path().display())
             } else {
