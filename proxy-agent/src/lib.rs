@@ -6,6 +6,7 @@ pub mod config;
 pub mod dataplane;
 pub mod debug;
 pub mod health;
+pub mod kube_proxy_cleanup;
 pub mod metrics;
 pub mod model;
 pub mod netns;

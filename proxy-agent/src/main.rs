@@ -60,10 +60,16 @@ enum Cmd {
     /// (Internal) the child side of `trace --path connect`.
     #[command(hide = true)]
     TraceProbe,
-    /// Detach every program and remove every pin the agent made.
+    /// Detach every program and remove every pin the agent made; with `--kube-proxy`,
+    /// remove kube-proxy's leftovers instead (as `kube-proxy --cleanup`).
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS)]
         bpffs: PathBuf,
+        /// Remove what kube-proxy leaves in this network namespace (its iptables chains,
+        /// nftables tables, IPVS services and kube-ipvs0), reporting what was removed and
+        /// what was left; our own pins are not touched. Exit status 1 if a step failed.
+        #[arg(long)]
+        kube_proxy: bool,
     },
 }
 
@@ -312,7 +318,17 @@ fn main() -> Result<()> {
             std::process::exit(EXIT_BAD_SCENARIO)
         }),
         Cmd::TraceProbe => proxy_agent::trace::connect::probe_main(),
-        Cmd::Cleanup { bpffs } => {
+        Cmd::Cleanup {
+            kube_proxy: true, ..
+        } => {
+            let report = proxy_agent::kube_proxy_cleanup::cleanup();
+            println!("{report}");
+            if report.count(proxy_agent::kube_proxy_cleanup::Outcome::Failed) > 0 {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Cmd::Cleanup { bpffs, .. } => {
             let report = bpf::cleanup(&bpffs)?;
             for (path, why) in &report.left {
                 tracing::warn!(pin = %path.display(), "left in place: {why}");
@@ -469,6 +485,13 @@ fn spawn_conntrack_collector(maps_dir: PathBuf, status: sync::Status) {
                     .ok();
             }
             let Some(m) = maps.as_mut() else { continue };
+            // While flows from before us (kube-proxy's) are left to netfilter, follow
+            // its table: they go from the map as they end there.
+            if m.netfilter_flows.keys().next().is_some()
+                && let Err(e) = bpf::sync_netfilter_flows(m)
+            {
+                tracing::warn!(error = format!("{e:#}"), "netfilter flows not refreshed");
+            }
             match ct_collector::collect(m, ct_collector::monotonic_ns()) {
                 Ok(st) => {
                     tracing::debug!(?st, "conntrack collected");
@@ -757,6 +780,8 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
     // Per-packet flows (two entries each): answered, and not answered yet.
     let answered = maps.conntrack.keys().filter(Result::is_ok).count();
     let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
+    // Flows netfilter translated before the classifier was attached (kube-proxy's).
+    let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
     if json {
         let counters: serde_json::Map<String, serde_json::Value> = counters
             .iter()
@@ -769,6 +794,7 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 "counters": counters,
                 "sockets": sockets,
                 "conntrack": {"answered": answered, "new": new},
+                "netfilter_flows": netfilter,
             }))?
         );
     } else {
@@ -794,7 +820,8 @@ fn dump(bpffs: &Path, json: bool) -> Result<()> {
             );
         }
         println!("\nsockets tracked: {sockets}");
-        println!("conntrack entries: {answered} answered, {new} new (two per flow)\n");
+        println!("conntrack entries: {answered} answered, {new} new (two per flow)");
+        println!("flows left to netfilter (translated before the classifier): {netfilter}\n");
         for (name, value) in counters {
             println!("{name:<24} {value}");
         }

@@ -477,3 +477,55 @@ fn the_collector_frees_expired_flows_and_orphans() {
     // The established ones live on and still translate.
     assert_eq!(seg(&h, be, client(3), ACK).1, vip);
 }
+
+/// A flow netfilter translated before the classifier was attached (in `NETFILTER_FLOWS`,
+/// as the agent writes it from the kernel's conntrack table at start): its mid-stream
+/// segments go on untouched to netfilter instead of being dropped as `ct_invalid`, and a
+/// SYN on its tuple is a new connection of ours.
+#[test]
+fn a_flow_netfilter_translated_before_us_is_left_to_it() {
+    if !root("a_flow_netfilter_translated_before_us_is_left_to_it") {
+        return;
+    }
+    use proxy_agent::dataplane::bpf::sync::addr_words;
+    let (mut h, client, vip, be) = one_clusterip();
+    let other = sa("10.244.0.4:40001");
+    let (saddr, family) = addr_words(client.ip());
+    let key = CtKey {
+        saddr,
+        daddr: addr_words(vip.ip()).0,
+        sport: client.port().to_be(),
+        dport: vip.port().to_be(),
+        proto: proxy_common::PROTO_TCP,
+        family,
+        dir: CT_DIR_FORWARD,
+        _pad: 0,
+    };
+    h.maps
+        .netfilter_flows
+        .insert(&key, &1, 0)
+        .expect("NETFILTER_FLOWS");
+
+    assert_eq!(
+        seg(&h, client, vip, ACK),
+        (TC_ACT_UNSPEC, client, vip),
+        "left to netfilter, untouched"
+    );
+    assert_eq!(
+        seg(&h, other, vip, ACK).0,
+        TC_ACT_SHOT,
+        "a flow nobody knows"
+    );
+    assert_eq!(
+        (h.counter("netfilter_pass"), h.counter("ct_invalid")),
+        (1, 1)
+    );
+    assert_eq!(counts(&h), (0, 0), "no flow of ours for either");
+
+    assert_eq!(
+        seg(&h, client, vip, SYN),
+        (TC_ACT_OK, client, be),
+        "a SYN on the tuple: a new connection, ours"
+    );
+    assert_eq!(seg(&h, client, vip, ACK).2, be, "and then its segments too");
+}

@@ -4,6 +4,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
+/// The agent container's capabilities (README, "Privileges").
+const PRIVILEGES: [&str; 3] = ["NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"];
+
 #[test]
 fn deploy_yaml_parses() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
@@ -19,13 +22,16 @@ fn deploy_yaml_parses() {
                 let pod = &v["spec"]["template"]["spec"];
                 assert_eq!(pod["hostNetwork"], true, "{pod}");
                 assert_eq!(pod["hostPID"], true, "{pod}");
-                let caps = &pod["containers"][0]["securityContext"]["capabilities"]["add"];
-                for cap in ["BPF", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"] {
-                    assert!(
-                        caps.as_array().is_some_and(|c| c.iter().any(|x| x == cap)),
-                        "{cap} missing: {caps}"
-                    );
-                }
+                // Exactly these capabilities, nothing of the runtime's default set: each
+                // one is needed by a feature (README, "Privileges"), as
+                // tests/tests/privileges.rs shows by running the agent without it.
+                let caps = &pod["containers"][0]["securityContext"]["capabilities"];
+                assert_eq!(caps["drop"], serde_json::json!(["ALL"]), "{caps}");
+                assert_eq!(caps["add"], serde_json::json!(PRIVILEGES), "{caps}");
+                assert_eq!(
+                    pod["containers"][0]["securityContext"]["privileged"], false,
+                    "{pod}"
+                );
                 // Cluster DNS is a Service this agent serves: the node's resolver instead.
                 assert_eq!(pod["dnsPolicy"], "Default", "{pod}");
                 // The API server, kube-proxy's ConfigMap (whose kubeconfig names the API

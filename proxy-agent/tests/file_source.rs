@@ -145,3 +145,56 @@ async fn a_missing_path_is_an_error() {
     .expect_err("missing");
     assert!(err.to_string().contains("no such file or folder"), "{err}");
 }
+
+/// `objects_rejected` counts what the file source could not read, not only what the view
+/// refused.
+#[tokio::test]
+async fn unreadable_documents_are_counted_as_rejected() {
+    struct Nothing;
+    impl proxy_agent::dataplane::Dataplane for Nothing {
+        fn apply(
+            &mut self,
+            _view: &proxy_agent::model::NodeView,
+        ) -> anyhow::Result<proxy_agent::dataplane::ApplyReport> {
+            Ok(Default::default())
+        }
+    }
+    let dir = temp("unreadable");
+    std::fs::write(
+        dir.join("web.yaml"),
+        format!(
+            "{}apiVersion: v1\nkind: Service\nmetadata: {{name: bad}}\nspec: {{ports: 7}}\n",
+            services(&["a"])
+        ),
+    )
+    .expect("write");
+    let rx = start(&dir);
+    let status = proxy_agent::sync::Status::default();
+    let st = status.clone();
+    tokio::spawn(async move {
+        let mut dp = Nothing;
+        let timing = proxy_agent::sync::SyncTiming {
+            min_interval: Duration::from_millis(10),
+            resync: Duration::from_secs(600),
+            retry: Duration::from_millis(100),
+        };
+        let _ = proxy_agent::sync::run(
+            rx,
+            Default::default(),
+            &mut dp,
+            timing,
+            st,
+            std::future::pending(),
+        )
+        .await;
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while status.counters().objects_rejected == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the unreadable Service was not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    std::fs::remove_dir_all(&dir).expect("rm");
+}

@@ -214,10 +214,13 @@ pub mod map_names {
     pub const SCTP_ZEROS: &str = "SCTP_ZEROS";
     /// The ports of IPv4 datagrams whose later fragments are in flight.
     pub const FRAGMENTS: &str = "FRAGMENTS";
+    /// Flows netfilter translated before the classifier was attached (kube-proxy's),
+    /// by their client tuple: the classifier leaves their packets to netfilter.
+    pub const NETFILTER_FLOWS: &str = "NETFILTER_FLOWS";
     /// Every map the agent pins, in a stable order. (The SCTP ones are pinned so a tail
     /// call keeps working while the agent is down: a program array loses its entries
     /// when nothing in user space holds it.)
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -235,6 +238,7 @@ pub mod map_names {
         SCTP_PENDING,
         SCTP_ZEROS,
         FRAGMENTS,
+        NETFILTER_FLOWS,
     ];
 }
 
@@ -279,6 +283,9 @@ pub mod capacity {
     pub const LOCAL_NETS: u32 = 1_024;
     pub const SOURCE_RANGES: u32 = 16_384;
     pub const FRAGMENTS: u32 = 8_192;
+    /// Flows netfilter already translated when the agent started (a migration's live
+    /// connections; LRU: beyond this, the oldest go back to being dropped as `ct_invalid`).
+    pub const NETFILTER_FLOWS: u32 = 65_536;
 }
 
 /// Most backend slots one service entry may reference; bounds the BPF loops.
@@ -705,8 +712,11 @@ pub mod counter {
     /// A translated packet too big for its route's MTU was answered with "fragmentation
     /// needed" / "packet too big" instead of being sent on.
     pub const TOO_BIG_SENT: u32 = 18;
+    /// A packet for a frontend with no flow of ours, of a flow netfilter translated
+    /// before the classifier was attached (`NETFILTER_FLOWS`): left to netfilter.
+    pub const NETFILTER_PASS: u32 = 19;
     /// Length of the array.
-    pub const COUNT: u32 = 19;
+    pub const COUNT: u32 = 20;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -728,6 +738,7 @@ pub mod counter {
         "ct_reused",
         "icmp_error_nat",
         "too_big_sent",
+        "netfilter_pass",
     ];
 }
 

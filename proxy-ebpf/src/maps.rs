@@ -110,6 +110,12 @@ pub static SCTP_PENDING: PerCpuArray<SctpPending, 1> = PerCpuArray::new();
 pub static FRAGMENTS: LruHashMap<FragKey, FragPorts, { capacity::FRAGMENTS as usize }> =
     LruHashMap::new();
 
+/// Flows netfilter translated before the classifier was attached (kube-proxy's), by
+/// their forward tuple; written by the agent from the kernel's conntrack table.
+#[btf_map]
+pub static NETFILTER_FLOWS: LruHashMap<CtKey, u8, { capacity::NETFILTER_FLOWS as usize }> =
+    LruHashMap::new();
+
 /// Per-CPU room for a new flow's two conntrack values while they are built (forward at
 /// `SCRATCH_FORWARD`, reply at `SCRATCH_REPLY`): the 512-byte BPF stack has none to spare
 /// on that path.

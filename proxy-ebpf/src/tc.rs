@@ -20,7 +20,10 @@ use proxy_common::{
 use crate::{
     conntrack, icmp,
     lb::{self, Client, NoBackend},
-    maps::{LOCAL_NETS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count, ct_scratch, scratch},
+    maps::{
+        LOCAL_NETS, NETFILTER_FLOWS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count,
+        ct_scratch, scratch,
+    },
     nat::{self, Origin, Side, rewrite},
     packet::{self, Packet, parse},
     reject, route,
@@ -256,10 +259,17 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<Option<i32>, i32> {
         count(counter::SOURCE_RANGE_DROP);
         return Err(DROP);
     }
-    // A mid-stream segment of a flow we do not know (lost, expired, from before us):
-    // balancing it would send it to a backend that never saw the connection. Dropped, as
-    // kube-proxy drops what netfilter marks INVALID; the client's retransmissions end
-    // in its own timeout or a reset from a backend it reconnects to.
+    // A flow netfilter translated before we were attached (kube-proxy's, during a
+    // migration): its conntrack entry still carries it, DNAT included, so it goes on
+    // there. A SYN on its tuple is a new connection, and ours.
+    if !pkt.is_syn() && netfilter_flow(pkt) {
+        count(counter::NETFILTER_PASS);
+        return Ok(Some(PASS_ON));
+    }
+    // A mid-stream segment of a flow we do not know (lost, expired): balancing it would
+    // send it to a backend that never saw the connection. Dropped, as kube-proxy drops
+    // what netfilter marks INVALID; the client's retransmissions end in its own timeout
+    // or a reset from a backend it reconnects to.
     if pkt.proto == PROTO_TCP && !pkt.is_syn() {
         count(counter::CT_INVALID);
         return Err(DROP);
@@ -361,6 +371,14 @@ fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
 pub fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
     LOCAL_NETS
         .get(&lpm_key(LPM_TAG_NODE | u32::from(family), family, *addr))
+        .is_some()
+}
+
+/// Whether netfilter was translating this flow before the classifier was attached.
+#[inline(never)]
+fn netfilter_flow(pkt: &Packet) -> bool {
+    NETFILTER_FLOWS
+        .get_ptr(&pkt.ct_key(CT_DIR_FORWARD))
         .is_some()
 }
 

@@ -214,7 +214,8 @@ impl Session {
                 };
                 exchange_with(s, to)
             }
-            Self::Tcp(r, greeting) => {
+            // In a closure, so that a failed write or read reaches the reconnect below.
+            Self::Tcp(r, greeting) => (|| {
                 if !std::mem::take(greeting) {
                     r.get_mut().write_all(b"who\n")?;
                 }
@@ -223,7 +224,7 @@ impl Session {
                     return Err(std::io::ErrorKind::UnexpectedEof.into());
                 }
                 Ok((line.trim().to_string(), r.get_ref().peer_addr()?))
-            }
+            })(),
         };
         if result.is_err() {
             match self {

@@ -665,7 +665,31 @@ fn stop(mut child: Child) {
 }
 
 /// A port free on loopback now (the kernel's choice; released before the component binds).
+/// A free port outside the kernel's ephemeral range: a port the kernel hands out can be
+/// taken by any outgoing connection between our choosing it and the server binding it
+/// (seen: kube-apiserver "address already in use" while other tests ran).
 fn free_port() -> Result<u16> {
+    let (low, high) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| {
+            let mut it = s.split_whitespace().map(|n| n.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32768, 60999));
+    // Above the range if there is room, else below it (but above the well-known ports).
+    let (from, to) = if high < 65000 {
+        (high + 1, 65535)
+    } else {
+        (10000, low.saturating_sub(1).max(10001))
+    };
+    let span = u32::from(to - from) + 1;
+    let seed = std::process::id() ^ COUNTER.fetch_add(1, Ordering::Relaxed).rotate_left(16);
+    for i in 0..200u32 {
+        let port = from + ((seed.wrapping_mul(2_654_435_761).wrapping_add(i * 7919)) % span) as u16;
+        if TcpListener::bind((LOOPBACK, port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(TcpListener::bind((LOOPBACK, 0))?.local_addr()?.port())
 }
 
@@ -748,6 +772,24 @@ fn write_private(path: &Path, text: &str) -> Result<()> {
         .open(path)?;
     file.write_all(text.as_bytes())?;
     Ok(())
+}
+
+/// Polls `f` until it yields a value, for at most 60 s.
+pub async fn eventually<T, F, Fut>(what: &str, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(v) = f().await? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod client;
 pub mod cluster;
 pub mod echo;
+pub mod kube_proxy;
 pub mod multinode;
 
 use std::{
@@ -109,7 +110,7 @@ pub fn agent_bin() -> PathBuf {
 
 /// Binaries of the workspace's target folder (e2e-echo, e2e-client, proxy-agent), found
 /// from the running executable (which may sit in `deps/`).
-pub(crate) fn helper_bin(name: &str) -> PathBuf {
+pub fn helper_bin(name: &str) -> PathBuf {
     let mut p = std::env::current_exe().unwrap_or_default();
     p.pop();
     if p.ends_with("deps") {
@@ -394,6 +395,14 @@ impl Testbed {
         frontends: usize,
         extra: &[&str],
     ) -> Result<()> {
+        let args = self.path_args(path, extra);
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        self.spawn_agent(&args, path, frontends)
+    }
+
+    /// The agent's arguments that choose `path`'s hooks (the testbed's cgroup, or the
+    /// node's interfaces), then `extra`.
+    fn path_args(&self, path: Path_, extra: &[&str]) -> Vec<std::ffi::OsString> {
         let mut args: Vec<std::ffi::OsString> = match path {
             Path_::ConnectTime => vec!["--cgroup".into(), self.cgroup.clone().into()],
             Path_::PerPacket => vec![
@@ -404,8 +413,26 @@ impl Testbed {
             ],
         };
         args.extend(extra.iter().map(Into::into));
-        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
-        self.spawn_agent(&args, path, frontends)
+        args
+    }
+
+    /// `start_agent_with`, but the agent is exec'd by `wrapper` (a command that ends by
+    /// exec'ing its arguments, e.g. `setpriv --bounding-set=...`) after `nsenter` has put
+    /// it in the node's namespace: unlike `--netns`, the agent itself then needs no
+    /// CAP_SYS_ADMIN to get there (a DaemonSet's agent starts in the host's namespace).
+    pub fn start_agent_wrapped(
+        &mut self,
+        wrapper: &[&str],
+        path: Path_,
+        frontends: usize,
+        extra: &[&str],
+    ) -> Result<()> {
+        let args = self.path_args(path, extra);
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", self.node_ns()))
+            .args(wrapper)
+            .arg(agent_bin());
+        self.spawn_run(cmd, &args, path, frontends)
     }
 
     /// Starts the agent for the per-packet path with `--interfaces interfaces` (names,
@@ -442,16 +469,40 @@ impl Testbed {
         path: Path_,
         frontends: usize,
     ) -> Result<()> {
+        let mut cmd = self.agent_command();
+        cmd.args(argv).envs(env.iter().map(|(k, v)| (k, v)));
+        self.spawn(cmd, path, frontends)
+    }
+
+    /// `proxy-agent --netns <node>`, to which the subcommand is added.
+    fn agent_command(&self) -> Command {
         let mut cmd = Command::new(agent_bin());
         cmd.arg("--netns")
-            .arg(format!("/run/netns/{}", self.node_ns()))
-            .args(argv)
-            .envs(env.iter().map(|(k, v)| (k, v)));
+            .arg(format!("/run/netns/{}", self.node_ns()));
+        cmd
+    }
+
+    /// Starts `cmd` as the testbed's agent, its output in `agent.log`.
+    fn spawn(&mut self, mut cmd: Command, path: Path_, frontends: usize) -> Result<()> {
         let log = fs::File::create(self.root.join("agent.log"))?;
         cmd.stdout(log.try_clone()?).stderr(log);
         self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
         self.agent_path = Some(path);
-        self.wait_frontends(frontends)
+        self.wait_frontends(frontends)?;
+        // A restarted agent finds the frontends already pinned: wait for its own
+        // attachments too (its last start-up line), or the test would look at them early.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.agent_log().contains("BPF dataplane ready") {
+            if Instant::now() > deadline {
+                bail!(
+                    "agent did not get ready:
+{}",
+                    self.agent_log()
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     fn spawn_agent(
@@ -460,21 +511,26 @@ impl Testbed {
         path: Path_,
         frontends: usize,
     ) -> Result<()> {
-        let mut cmd = Command::new(agent_bin());
-        cmd.arg("--netns")
-            .arg(format!("/run/netns/{}", self.node_ns()))
-            .arg("run")
+        let cmd = self.agent_command();
+        self.spawn_run(cmd, args, path, frontends)
+    }
+
+    /// `cmd run` with the testbed's manifests, pins and `args`, as the testbed's agent.
+    fn spawn_run(
+        &mut self,
+        mut cmd: Command,
+        args: &[impl AsRef<std::ffi::OsStr>],
+        path: Path_,
+        frontends: usize,
+    ) -> Result<()> {
+        cmd.arg("run")
             .arg("--manifests")
             .arg(&self.manifests)
             .arg("--bpffs")
             .arg(self.pin_dir())
             .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"])
             .args(args);
-        let log = fs::File::create(self.root.join("agent.log"))?;
-        cmd.stdout(log.try_clone()?).stderr(log);
-        self.agent = Some(cmd.spawn().context("starting proxy-agent")?);
-        self.agent_path = Some(path);
-        self.wait_frontends(frontends)
+        self.spawn(cmd, path, frontends)
     }
 
     /// A pod added to the node after the fact: namespace `pxy<id>p<i>` (removed with the

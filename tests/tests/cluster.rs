@@ -4,10 +4,7 @@
 //! data. Needs the binaries (`cargo xtask cluster --build-only`), not root: everything
 //! listens on 127.0.0.1.
 
-use std::{
-    path::{Path, PathBuf},
-    time::{Duration, Instant},
-};
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 use k8s_openapi::api::{
@@ -19,7 +16,9 @@ use kube::{
     Api,
     api::{ListParams, Patch, PatchParams, PostParams},
 };
-use proxy_e2e::cluster::{Cluster, ClusterOptions, kubeconfig_client, require_binaries};
+use proxy_e2e::cluster::{
+    Cluster, ClusterOptions, eventually, kubeconfig_client, require_binaries,
+};
 use serde_json::json;
 
 const NS: &str = "smoke";
@@ -38,24 +37,6 @@ async fn cluster(test: &str) -> Result<Option<Cluster>> {
 
 fn object<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T> {
     Ok(serde_json::from_value(value)?)
-}
-
-/// Polls `f` until it yields a value, for at most 60 s.
-async fn eventually<T, F, Fut>(what: &str, mut f: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Option<T>>>,
-{
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(v) = f().await? {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            bail!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 async fn slices_of(api: &Api<EndpointSlice>, service: &str) -> Result<Vec<EndpointSlice>> {

@@ -17,7 +17,6 @@
 use std::{
     collections::BTreeSet,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -33,7 +32,7 @@ use kube::{
 };
 use proxy_e2e::{
     Path_, TCP_PORT, TCP_TARGET, Testbed,
-    cluster::{Cluster, ClusterOptions, require_binaries},
+    cluster::{Cluster, ClusterOptions, eventually, require_binaries},
     require_root, target,
 };
 use serde_json::{Value, json};
@@ -43,6 +42,10 @@ const NODE: &str = "node-a";
 const NODE_IP: &str = "10.10.0.1";
 const VIP: &str = "10.96.0.10";
 const OTHER_PROXY_VIP: &str = "10.96.0.30";
+const STICKY_VIP: &str = "10.96.0.11";
+const NODE_PORT: i32 = 30081;
+/// The testbed client's address, as an unmasqueraded backend sees it.
+const CLIENT_IP: &str = "10.10.0.2";
 
 fn deploy() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
@@ -96,10 +99,7 @@ struct Command {
 /// The agent container of `deploy/daemonset.yaml`: its argv (after the command's program)
 /// with host paths mapped into `kube_proxy_dir` and the testbed, and its environment with
 /// the downward API resolved for `NODE`.
-fn daemonset_command(
-    kube_proxy_dir: &Path,
-    tb: &Testbed,
-) -> Result<Command> {
+fn daemonset_command(kube_proxy_dir: &Path, tb: &Testbed) -> Result<Command> {
     let ds = yaml_docs(&deploy().join("daemonset.yaml"))?
         .into_iter()
         .find(|d| d["kind"] == "DaemonSet")
@@ -125,7 +125,7 @@ fn daemonset_command(
         .map(|a| {
             let a = a
                 .replace("/var/lib/kube-proxy", &kube_proxy_dir.display().to_string())
-                .replace("/sys/fs/bpf/proxy-agent", &pin_dir);
+                .replace("/bpffs/proxy-agent", &pin_dir);
             if a == "--cgroup=auto" {
                 format!("--cgroup={}", tb.cgroup_path().display())
             } else {
@@ -169,23 +169,6 @@ fn write_kube_proxy_configmap(dir: &Path, cluster: &Cluster, token: &str) -> Res
     );
     std::fs::write(dir.join("kubeconfig.conf"), kubeconfig)?;
     Ok(())
-}
-
-async fn eventually<T, F, Fut>(what: &str, mut f: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Option<T>>>,
-{
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(v) = f().await? {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            bail!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// What the kubelet would report for Pod `i` (the testbed's backend `i`), the Ready
@@ -348,6 +331,90 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
     set_ready(&pods, 1, true).await?;
     until_backends(&tb, 2, "web-1 back after the API server restart").await?;
 
+    // Session affinity: one client, one Pod.
+    let sticky = json!({"metadata": {"name": "sticky"},
+        "spec": {"clusterIP": STICKY_VIP, "selector": {"app": "web"}, "ports": port,
+                 "sessionAffinity": "ClientIP"}});
+    services.create(&pp, &object(sticky)?).await?;
+    let t = target(STICKY_VIP, TCP_PORT);
+    let sticky_seen = eventually("the sticky Service", || async {
+        let attempts = tb.client(&["--target", &t, "--count", "12"])?;
+        Ok(attempts.iter().all(|a| a.ok).then(|| {
+            attempts
+                .into_iter()
+                .filter_map(|a| a.backend)
+                .collect::<BTreeSet<_>>()
+        }))
+    })
+    .await
+    .with_context(|| tb.agent_log())?;
+    assert_eq!(
+        sticky_seen.len(),
+        1,
+        "ClientIP affinity spread: {sticky_seen:?}"
+    );
+
+    // A LoadBalancer Service (no load balancer here: its NodePort and health check are
+    // what one would use) with externalTrafficPolicy: Local: outside clients keep their
+    // address; the healthCheckNodePort counts this node's endpoints.
+    let local = json!({"metadata": {"name": "local"},
+        "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local", "selector": {"app": "web"},
+                 "ports": [{"name": "http", "port": TCP_PORT, "targetPort": TCP_TARGET,
+                            "nodePort": NODE_PORT}]}});
+    let local = services.create(&pp, &object(local)?).await?;
+    let hc_port = local
+        .spec
+        .and_then(|s| s.health_check_node_port)
+        .context("no healthCheckNodePort allocated")?;
+    let t = target(NODE_IP, NODE_PORT as u16);
+    let attempts = eventually("the eTP Local NodePort", || async {
+        let attempts = tb.client(&["--target", &t, "--count", "6"])?;
+        Ok(attempts.iter().all(|a| a.ok).then_some(attempts))
+    })
+    .await
+    .with_context(|| tb.agent_log())?;
+    for a in &attempts {
+        let seen = a.seen_as.as_deref().unwrap_or("");
+        assert!(seen.starts_with(CLIENT_IP), "eTP Local masqueraded: {a:?}");
+    }
+    let health = eventually("the health-check node port", || async {
+        Ok(tb.get_in_node(&format!("http://{NODE_IP}:{hc_port}/")).ok())
+    })
+    .await?;
+    let health: Value = serde_json::from_str(health.trim()).context("health JSON")?;
+    assert_eq!(health["localEndpoints"], 2, "{health}");
+    assert_eq!(health["service"]["name"], "local", "{health}");
+
+    // A Pod terminating (deleted with a grace period; no kubelet ends it): its open
+    // connection finishes on it, new connections avoid it.
+    let mut session = tb.spawn_session(&target(VIP, TCP_PORT), 200)?;
+    let first = proxy_e2e::first_attempt(&mut session)?;
+    let held = first.backend.clone().context("first answer")?;
+    let held_pod = (0..2)
+        .find(|i| Testbed::backend_name(*i) == held)
+        .context("which Pod answered")?;
+    pods.delete(
+        &format!("web-{held_pod}"),
+        &DeleteParams {
+            grace_period_seconds: Some(300),
+            ..DeleteParams::default()
+        },
+    )
+    .await?;
+    eventually("new connections off the terminating Pod", || async {
+        let seen = backends_seen(&tb, 12)?;
+        Ok((seen.len() == 1 && !seen.contains(&held)).then_some(()))
+    })
+    .await
+    .with_context(|| tb.agent_log())?;
+    let attempts = proxy_e2e::finish_client(session)?;
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.ok && a.backend.as_deref() == Some(held.as_str())),
+        "the terminating Pod's connection broke or moved: {attempts:?}"
+    );
+
     // Network programming latency from the real controller's trigger times.
     let metrics = tb.get_in_node("http://127.0.0.1:10249/metrics")?;
     let count = metrics
@@ -358,8 +425,10 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
     assert!(count >= 2.0, "changes observed: {count}\n{metrics}");
 
     // The Service deleted: its VIP is no longer translated.
+    let before = tb.dump()?["services"].as_array().map_or(0, Vec::len);
     services.delete("web", &DeleteParams::default()).await?;
-    tb.wait_frontends(1).with_context(|| tb.agent_log())?;
+    tb.wait_frontends(before - 1)
+        .with_context(|| tb.agent_log())?;
     let gone = tb.client(&[
         "--target",
         &target(VIP, TCP_PORT),

@@ -762,6 +762,84 @@ fn cleanup_removes_only_its_own_pins() {
     std::fs::remove_file(&foreign).expect("unpin the foreign map");
 }
 
+/// An upgrade over the pins of a release that counted fewer things (a smaller counters
+/// map): the new agent replaces that pin and starts, and a live connection never notices.
+#[test]
+fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
+    if !require_root("an_upgrade_over_an_outgrown_counters_map_is_hitless") {
+        return;
+    }
+    use proxy_common::map_names::{BACKENDS, COUNTERS};
+    let mut tb = testbed(Path_::PerPacket, &[0, 1], None);
+    let t = target(VIP4, TCP_PORT);
+    let mut session = tb.spawn_session(&t, 150).expect("client");
+    let first = proxy_e2e::first_attempt(&mut session).expect("first answer");
+    tb.kill_agent().expect("kill");
+    // The older release's counters: a map of another shape under the name.
+    let maps = tb.pin_dir().join("maps");
+    let other = aya::maps::MapData::from_pin(maps.join(BACKENDS)).expect("pinned map");
+    std::fs::remove_file(maps.join(COUNTERS)).expect("unpin");
+    other.pin(maps.join(COUNTERS)).expect("pin the old shape");
+    drop(other);
+    tb.start_agent(Path_::PerPacket, FRONTENDS)
+        .expect("the upgraded agent starts over the old counters");
+    let attempts = proxy_e2e::finish_client(session).expect("client output");
+    assert!(
+        first.ok && attempts.iter().all(|a| a.ok && a.backend == first.backend),
+        "the live connection broke across the upgrade: {attempts:?}\n{}",
+        tb.agent_log()
+    );
+    assert!(
+        tb.agent_log().contains("counts start over"),
+        "{}",
+        tb.agent_log()
+    );
+    // The fresh counters map is the one the new programs count in.
+    let again = tb
+        .client(&["--target", &t, "--count", "3"])
+        .expect("client");
+    assert!(again.iter().all(|a| a.ok), "{again:?}");
+    assert!(tb.counter("service_hit") >= 3, "new flows not counted");
+}
+
+/// A pin set this object cannot use (a map of another shape under one of our names, as
+/// another version might leave) is refused with a clear error, and the attempt leaves no
+/// half-made pins behind.
+#[test]
+fn an_incompatible_pin_set_is_refused_and_leaves_no_partial_pins() {
+    if !require_root("an_incompatible_pin_set_is_refused_and_leaves_no_partial_pins") {
+        return;
+    }
+    use proxy_common::map_names::{BACKENDS, SERVICES};
+    let mut tb = testbed(Path_::ConnectTime, &[0], None);
+    tb.kill_agent().expect("kill");
+    let maps = tb.pin_dir().join("maps");
+    // SERVICES replaced by a map of another shape (BACKENDS'), the rest removed.
+    let other = aya::maps::MapData::from_pin(maps.join(BACKENDS)).expect("pinned map");
+    for entry in std::fs::read_dir(&maps).expect("maps").flatten() {
+        std::fs::remove_file(entry.path()).expect("unpin");
+    }
+    other.pin(maps.join(SERVICES)).expect("pin under our name");
+    drop(other);
+    let err = tb
+        .start_agent(Path_::ConnectTime, FRONTENDS)
+        .expect_err("an incompatible pin set must be refused");
+    let left: Vec<String> = std::fs::read_dir(&maps)
+        .expect("maps")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        left,
+        vec![SERVICES.to_string()],
+        "partial pins left: {left:?}\n{err:#}"
+    );
+    assert!(
+        format!("{err:#}").contains("cleanup"),
+        "the error does not say what to do: {err:#}"
+    );
+}
+
 /// Killing the agent (as a crash would) and starting a new one while a client loops loses
 /// no connection: pinned links keep the programs attached, and the new agent adopts the
 /// pinned maps (same frontend ids, no rewrite) and keeps reconciling.

@@ -79,6 +79,16 @@ enum Cmd {
         #[arg(long)]
         build_only: bool,
     },
+    /// The agent (release build) against the cluster in a box at N Services created through
+    /// the API: time to all programmed, then programming latency under readiness churn.
+    ClusterScale {
+        #[arg(long, default_value_t = 1000)]
+        services: usize,
+        #[arg(long, default_value_t = 20)]
+        changes_per_s: u32,
+        #[arg(long, default_value_t = 30)]
+        churn_s: u64,
+    },
 }
 
 fn main() -> Result<()> {
@@ -171,6 +181,36 @@ fn main() -> Result<()> {
                 .arg(root.join("deploy/examples"))
                 .arg("--requests")
                 .arg(requests.to_string());
+            run(&mut cmd)
+        }
+        Cmd::ClusterScale {
+            services,
+            changes_per_s,
+            churn_s,
+        } => {
+            let bin_dir = cluster::build(&root)?;
+            setup(&root)?;
+            run(cargo(&root, STABLE).args(["build", "--release", "-p", "proxy-agent"]))?;
+            run(cargo(&root, STABLE).args(["build", "-p", "proxy-e2e", "--bins"]))?;
+            let mut cmd = cargo(&root, STABLE);
+            cmd.args([
+                "run",
+                "--quiet",
+                "-p",
+                "proxy-e2e",
+                "--bin",
+                "cluster-scale",
+                "--",
+            ])
+            .env("PROXY_AGENT_BIN", root.join("target/release/proxy-agent"))
+            .arg("--bin-dir")
+            .arg(bin_dir)
+            .arg("--services")
+            .arg(services.to_string())
+            .arg("--changes-per-s")
+            .arg(changes_per_s.to_string())
+            .arg("--churn-s")
+            .arg(churn_s.to_string());
             run(&mut cmd)
         }
         Cmd::Cluster { build_only } => {

@@ -171,6 +171,8 @@ impl Store {
             },
             node: node_info(&self.node_name, node),
             changes: self.changes,
+            // The API server validated every object; kube-rs reports what fails to decode.
+            unreadable: 0,
         }
     }
 }

@@ -45,7 +45,7 @@ pub async fn run(
     let mut changes = ChangeCounts::default();
     loop {
         match cache.reload(&path) {
-            Ok(model) => publish(&tx, model, &node, &mut changes),
+            Ok((model, unreadable)) => publish(&tx, model, unreadable, &node, &mut changes),
             Err(e) => tracing::error!(
                 error = format!("{e:#}"),
                 "cannot read manifests; keeping the current state"
@@ -84,6 +84,7 @@ pub async fn run(
 fn publish(
     tx: &watch::Sender<Option<SharedSnapshot>>,
     model: ClusterModel,
+    unreadable: u64,
     node: &NodeInfo,
     changes: &mut ChangeCounts,
 ) {
@@ -94,11 +95,12 @@ fn publish(
         model,
         node: node.clone(),
         changes: *changes,
+        unreadable,
     };
     tx.send_if_modified(|current| {
-        let changed = current
-            .as_ref()
-            .is_none_or(|c| c.model != snapshot.model || c.node != snapshot.node);
+        let changed = current.as_ref().is_none_or(|c| {
+            c.model != snapshot.model || c.node != snapshot.node || c.unreadable != unreadable
+        });
         if changed {
             *current = Some(Arc::new(snapshot));
         }
@@ -169,11 +171,13 @@ struct FileCache {
 impl FileCache {
     /// Reads every file again; a file that is empty or breaks off keeps its last good
     /// reading (a writer at work), a removed file's objects go.
-    fn reload(&mut self, path: &Path) -> Result<ClusterModel> {
+    fn reload(&mut self, path: &Path) -> Result<(ClusterModel, u64)> {
         let paths = files::manifest_files(path)?;
         let mut fresh = BTreeMap::new();
+        let mut unreadable = 0;
         for file in paths {
             let parsed = files::parse_file(&file);
+            unreadable += parsed.errors.len() as u64;
             let kept = self.files.remove(&file);
             let reading = match (parsed.complete && !parsed.empty, kept) {
                 (true, _) | (false, None) => {
@@ -208,7 +212,7 @@ impl FileCache {
                 .slices
                 .extend(m.slices.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
-        Ok(model)
+        Ok((model, unreadable))
     }
 }
 
@@ -236,10 +240,10 @@ mod tests {
         )
         .expect("write");
         let mut cache = FileCache::default();
-        assert_eq!(cache.reload(&dir).expect("reload").services.len(), 3);
+        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 3);
         // Truncated (`> file` before the writer writes): kept.
         std::fs::write(&file, "").expect("truncate");
-        assert_eq!(cache.reload(&dir).expect("reload").services.len(), 3);
+        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 3);
         // Half written, breaking off mid-YAML: kept.
         std::fs::write(
             &file,
@@ -249,16 +253,16 @@ mod tests {
             ),
         )
         .expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").services.len(), 3);
+        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 3);
         // Whole again, with fewer objects: that is the new content.
         std::fs::write(&file, service("s0")).expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").services.len(), 1);
+        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 1);
         // Removed: its objects go.
         std::fs::remove_file(&file).expect("rm");
-        assert!(cache.reload(&dir).expect("reload").services.is_empty());
+        assert!(cache.reload(&dir).expect("reload").0.services.is_empty());
         // A new broken file with no earlier reading loads what it can.
         std::fs::write(&file, format!("{}: : [\n", service("s9"))).expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").services.len(), 1);
+        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 1);
         std::fs::remove_dir_all(&dir).expect("rm");
     }
 

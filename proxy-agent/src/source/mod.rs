@@ -21,6 +21,9 @@ pub struct Snapshot {
     pub node: NodeInfo,
     /// Changes the source has seen up to this snapshot.
     pub changes: ChangeCounts,
+    /// Documents or objects the source could not read into the model (malformed YAML, an
+    /// object that does not fit its kind): counted with the view's rejections.
+    pub unreadable: u64,
 }
 
 /// Object changes a source has seen since it started, counted as kube-proxy counts them

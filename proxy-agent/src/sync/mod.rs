@@ -93,6 +93,7 @@ pub async fn run<D: Dataplane>(
     let mut retry_delay = timing.retry;
     let mut current: Option<NodeView> = None;
     let mut last_rejections = Vec::new();
+    let mut last_unreadable = 0;
     let mut settings: Option<NodeSettings> = None;
     let mut health = HealthServers::new(status.clone());
     let mut programmed = Programmed::default();
@@ -139,12 +140,14 @@ pub async fn run<D: Dataplane>(
             health_check_addresses(&snapshot.node, &cfg).as_deref(),
         );
         let (view, rejected) = node_view(&snapshot.model, &snapshot.node, &cfg);
-        if rejected != last_rejections {
+        if rejected != last_rejections || snapshot.unreadable != last_unreadable {
             for r in &rejected {
                 tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
             }
-            status.count_rejections(rejected.len());
+            // What the source could not read counts too (its lines were logged there).
+            status.count_rejections(rejected.len() + snapshot.unreadable as usize);
             last_rejections = rejected;
+            last_unreadable = snapshot.unreadable;
         }
         let resync = forced && Instant::now() >= next_resync;
         if resync {

@@ -203,7 +203,7 @@ impl Bench {
             let want = p.expect.as_ref().map_or(0, |e| e.endpoints.len()).max(2);
             let tries = 16 + 24 * want as u16;
             for i in 1..=tries {
-                let port = first_port.wrapping_add(i).max(1024);
+                let port = probe_port(first_port, i);
                 let (ret, out) =
                     self.run(&packet::build(SocketAddr::new(p.src, port), p.dst, proto))?;
                 if ret == TC_ACT_OK {
@@ -489,4 +489,27 @@ pub fn describe(o: &Outcome, p: Option<&Packet>) -> String {
         }
     }
     s
+}
+
+/// The `i`-th source port after `first` for another new flow: distinct ports, wrapping
+/// within 1024..=65535 (a probe from 65535 once collapsed every later one onto 1024).
+fn probe_port(first: u16, i: u16) -> u16 {
+    const LOW: u32 = 1024;
+    const SPAN: u32 = 65536 - LOW;
+    let base = u32::from(first).max(LOW) - LOW;
+    (LOW + (base + u32::from(i)) % SPAN) as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_ports_stay_distinct_across_the_top() {
+        let ports: std::collections::BTreeSet<u16> =
+            (1..=100).map(|i| probe_port(65_535, i)).collect();
+        assert_eq!(ports.len(), 100);
+        assert!(ports.iter().all(|p| *p >= 1024 && *p != 65_535));
+        assert_eq!(probe_port(40_000, 1), 40_001);
+    }
 }

@@ -15,6 +15,7 @@ use clap::Parser;
 use proxy_e2e::{
     Path_, Testbed,
     bench::{self, PerPacket, WrkResult},
+    kube_proxy::{self, restore},
     sh,
 };
 
@@ -163,14 +164,17 @@ fn bed(contender: Contender, n: usize, work: &Path, scale: &mut Scale) -> Result
         }
         Contender::Iptables => {
             let rules = dir.join("rules.iptables");
-            std::fs::write(&rules, bench::iptables_rules(&svcs))?;
+            std::fs::write(&rules, kube_proxy::iptables_rules(&svcs))?;
             let t = Instant::now();
             restore(&node, "iptables-restore", &[], &rules)?;
             scale
                 .program_all_ms
                 .insert(label.clone(), t.elapsed().as_secs_f64() * 1e3);
             let change = dir.join("change.iptables");
-            std::fs::write(&change, bench::iptables_one_change(&svcs, svcs.len() - 1))?;
+            std::fs::write(
+                &change,
+                kube_proxy::iptables_one_change(&svcs, svcs.len() - 1),
+            )?;
             let t = Instant::now();
             restore(&node, "iptables-restore", &["--noflush"], &change)?;
             scale
@@ -181,14 +185,14 @@ fn bed(contender: Contender, n: usize, work: &Path, scale: &mut Scale) -> Result
         }
         Contender::Nftables => {
             let rules = dir.join("rules.nft");
-            std::fs::write(&rules, bench::nft_rules(&svcs))?;
+            std::fs::write(&rules, kube_proxy::nft_rules(&svcs))?;
             let t = Instant::now();
             restore(&node, "nft", &["-f"], &rules)?;
             scale
                 .program_all_ms
                 .insert(label.clone(), t.elapsed().as_secs_f64() * 1e3);
             let change = dir.join("change.nft");
-            std::fs::write(&change, bench::nft_one_change(&svcs, svcs.len() - 1))?;
+            std::fs::write(&change, kube_proxy::nft_one_change(&svcs, svcs.len() - 1))?;
             let t = Instant::now();
             restore(&node, "nft", &["-f"], &change)?;
             scale
@@ -199,20 +203,6 @@ fn bed(contender: Contender, n: usize, work: &Path, scale: &mut Scale) -> Result
         }
     }
     Ok(bed)
-}
-
-fn restore(ns: &str, tool: &str, args: &[&str], file: &Path) -> Result<()> {
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", ns, tool]).args(args);
-    let out = if tool == "nft" {
-        cmd.arg(file).output()?
-    } else {
-        cmd.stdin(std::fs::File::open(file)?).output()?
-    };
-    if !out.status.success() {
-        bail!("{tool} in {ns}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(())
 }
 
 /// The agent's RSS and the memory of its BPF maps (from the fdinfo of its map fds).

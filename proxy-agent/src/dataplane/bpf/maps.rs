@@ -31,6 +31,8 @@ pub struct MapSet {
     pub node_config: Array<MapData, NodeConfig>,
     pub local_nets: LpmTrie<MapData, LpmData, u8>,
     pub source_ranges: LpmTrie<MapData, LpmData, u8>,
+    /// Flows netfilter translated before the classifier was attached, left to it.
+    pub netfilter_flows: HashMap<MapData, CtKey, u8>,
 }
 
 impl MapSet {
@@ -92,6 +94,10 @@ impl MapSet {
                     &self.source_ranges,
                 ))?,
             ),
+            (
+                map_names::NETFILTER_FLOWS,
+                id(IterableMap::map(&self.netfilter_flows))?,
+            ),
         ];
         Self::build(|name| {
             let (_, id) = ids
@@ -124,6 +130,7 @@ impl MapSet {
             node_config: typed!(map_names::NODE_CONFIG),
             local_nets: typed!(map_names::LOCAL_NETS),
             source_ranges: typed!(map_names::SOURCE_RANGES),
+            netfilter_flows: typed!(map_names::NETFILTER_FLOWS),
         })
     }
 

@@ -9,6 +9,7 @@
 
 mod clsact;
 mod conntrack;
+pub use conntrack::sync_netfilter_flows;
 pub mod ct_collector;
 pub mod interfaces;
 pub mod kernel;
@@ -17,7 +18,7 @@ mod link_update;
 mod links;
 pub mod maps;
 mod members;
-mod netlink;
+pub(crate) mod netlink;
 mod pin_lock;
 mod sockets;
 pub mod sync;
@@ -221,15 +222,40 @@ impl BpfDataplane {
                 warn_if_pinned_size_differs(&maps_dir.join(name), size);
             }
         }
-        let mut ebpf = loader
-            .load(BPF_OBJECT)
-            .context("loading the BPF object (is this kernel eBPF-capable, are we root?)")?;
+        replace_outgrown_counters(&maps_dir.join(map_names::COUNTERS));
+        let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();
+        let mut ebpf = match loader.load(BPF_OBJECT) {
+            Ok(ebpf) => ebpf,
+            Err(e) => {
+                // A pin set this object cannot use (another version's maps) fails midway:
+                // the pins this attempt made go again, so nothing half-made is left for
+                // the next run to trip on; the older pins stay for their own agent.
+                for ((_, path), existed) in pins.iter().zip(pinned_before) {
+                    if !existed {
+                        let _ = fs::remove_file(path);
+                    }
+                }
+                return Err(anyhow::Error::new(e).context(
+                    "loading the BPF object (is this kernel eBPF-capable, are we root? pins of \
+                     another version under the pin folder: `proxy-agent cleanup` removes them)",
+                ));
+            }
+        };
 
         prepare_sctp(&mut ebpf)?;
         if let Some(cgroup) = &opts.cgroup {
             attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
-        let maps = MapSet::take(&mut ebpf)?;
+        let mut maps = MapSet::take(&mut ebpf)?;
+        // Before the classifier meets their packets: flows netfilter is translating
+        // (kube-proxy's, while migrating) stay with it instead of being dropped as
+        // unknown mid-stream segments.
+        if let Err(e) = conntrack::sync_netfilter_flows(&mut maps) {
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "the kernel's conntrack table is unreadable: connections kube-proxy translated before this start may break"
+            );
+        }
         let state = MapState::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
 
@@ -277,6 +303,33 @@ impl BpfDataplane {
 
 /// A pinned map keeps the size it was created with (its entries are live flows): a new
 /// size takes effect after `proxy-agent cleanup`.
+/// The counters map grows when a release counts something new; an upgraded agent would
+/// otherwise refuse the older, smaller pin. Counts are not state traffic depends on, so a
+/// pin that is not this object's shape is unpinned (the programs still attached keep
+/// theirs until the new ones are swapped in) and a fresh one is made: counts restart.
+fn replace_outgrown_counters(pin: &Path) {
+    let Ok(data) = aya::maps::MapData::from_pin(pin) else {
+        return;
+    };
+    let Ok(info) = data.info() else { return };
+    let ours = info.max_entries() == proxy_common::counter::COUNT
+        && info.value_size() == std::mem::size_of::<u64>() as u32
+        && info.key_size() == std::mem::size_of::<u32>() as u32;
+    if ours {
+        return;
+    }
+    match fs::remove_file(pin) {
+        Ok(()) => tracing::info!(
+            pinned = info.max_entries(),
+            now = proxy_common::counter::COUNT,
+            "the counters map changed shape with this release; counts start over"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, pin = %pin.display(), "cannot replace the counters map")
+        }
+    }
+}
+
 fn warn_if_pinned_size_differs(pin: &Path, wanted: u32) {
     let Ok(data) = aya::maps::MapData::from_pin(pin) else {
         return;
@@ -507,7 +560,8 @@ fn remove_filters(links_dir: &Path) -> Result<()> {
 
 /// Removes everything the agent pinned under `pin_dir`: links first (which detaches the
 /// programs), then the clsact filters of this network namespace (and the qdiscs we added,
-/// when nothing else uses them), then maps.
+/// when nothing else uses them), then the kernel's conntrack entries our flows left
+/// (`conntrack::forget_translated_flows`), then maps.
 pub fn cleanup(pin_dir: &Path) -> Result<CleanupReport> {
     let mut report = CleanupReport::default();
     if !pin_dir.exists() {
@@ -521,6 +575,21 @@ pub fn cleanup(pin_dir: &Path) -> Result<CleanupReport> {
     let links_dir = links_dir(pin_dir);
     remove_ours(&links_dir, is_our_link, &mut report)?;
     remove_filters(&links_dir)?;
+    if let Ok(maps) = MapSet::open_pinned(&maps_dir(pin_dir)) {
+        // The kernel releases an unpinned link in deferred work: a packet the classifier
+        // still translates meanwhile would leave its entry behind again.
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        match conntrack::forget_translated_flows(&maps) {
+            Ok(n) => tracing::info!(
+                entries = n,
+                "the kernel's conntrack entries of our flows deleted"
+            ),
+            Err(e) => tracing::warn!(
+                error = format!("{e:#}"),
+                "the kernel's conntrack entries of our flows left"
+            ),
+        }
+    }
     remove_ours(&maps_dir(pin_dir), is_our_map, &mut report)?;
     // Folders go only when empty: whatever someone else put there stays.
     for dir in [links_dir, maps_dir(pin_dir)] {
