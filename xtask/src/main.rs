@@ -162,9 +162,8 @@ fn main() -> Result<()> {
                 "proxy-e2e",
                 "--bins",
             ]))?;
-            let mut cmd = cargo(&root, STABLE);
-            cmd.args(["run", "--quiet", "-p", "proxy-e2e", "--bin", "soak", "--"])
-                .arg("--agent")
+            let mut cmd = e2e_bin(&root, "soak");
+            cmd.arg("--agent")
                 .arg(root.join("target/debug/proxy-agent"))
                 .arg("--minutes")
                 .arg(minutes.to_string());
@@ -173,9 +172,8 @@ fn main() -> Result<()> {
         Cmd::Demo { requests } => {
             setup(&root)?;
             build(&root)?;
-            let mut cmd = cargo(&root, STABLE);
-            cmd.args(["run", "--quiet", "-p", "proxy-e2e", "--bin", "demo", "--"])
-                .arg("--agent")
+            let mut cmd = e2e_bin(&root, "demo");
+            cmd.arg("--agent")
                 .arg(root.join("target/debug/proxy-agent"))
                 .arg("--manifests")
                 .arg(root.join("deploy/examples"))
@@ -192,25 +190,16 @@ fn main() -> Result<()> {
             setup(&root)?;
             run(cargo(&root, STABLE).args(["build", "--release", "-p", "proxy-agent"]))?;
             run(cargo(&root, STABLE).args(["build", "-p", "proxy-e2e", "--bins"]))?;
-            let mut cmd = cargo(&root, STABLE);
-            cmd.args([
-                "run",
-                "--quiet",
-                "-p",
-                "proxy-e2e",
-                "--bin",
-                "cluster-scale",
-                "--",
-            ])
-            .env("PROXY_AGENT_BIN", root.join("target/release/proxy-agent"))
-            .arg("--bin-dir")
-            .arg(bin_dir)
-            .arg("--services")
-            .arg(services.to_string())
-            .arg("--changes-per-s")
-            .arg(changes_per_s.to_string())
-            .arg("--churn-s")
-            .arg(churn_s.to_string());
+            let mut cmd = e2e_bin(&root, "cluster-scale");
+            cmd.env("PROXY_AGENT_BIN", root.join("target/release/proxy-agent"))
+                .arg("--bin-dir")
+                .arg(bin_dir)
+                .arg("--services")
+                .arg(services.to_string())
+                .arg("--changes-per-s")
+                .arg(changes_per_s.to_string())
+                .arg("--churn-s")
+                .arg(churn_s.to_string());
             run(&mut cmd)
         }
         Cmd::Cluster { build_only } => {
@@ -220,18 +209,8 @@ fn main() -> Result<()> {
                 return Ok(());
             }
             setup(&root)?;
-            let mut cmd = cargo(&root, STABLE);
-            cmd.args([
-                "run",
-                "--quiet",
-                "-p",
-                "proxy-e2e",
-                "--bin",
-                "cluster",
-                "--",
-            ])
-            .arg("--bin-dir")
-            .arg(bin_dir);
+            let mut cmd = e2e_bin(&root, "cluster");
+            cmd.arg("--bin-dir").arg(bin_dir);
             run(&mut cmd)
         }
     }
@@ -250,6 +229,13 @@ fn tools_dir(root: &Path) -> PathBuf {
 }
 
 /// A cargo command for `toolchain`, with the project's tools first on PATH.
+/// `cargo run` of one of proxy-e2e's binaries (debug build); its arguments follow.
+fn e2e_bin(root: &Path, name: &str) -> Command {
+    let mut cmd = cargo(root, STABLE);
+    cmd.args(["run", "--quiet", "-p", "proxy-e2e", "--bin", name, "--"]);
+    cmd
+}
+
 fn cargo(root: &Path, toolchain: &str) -> Command {
     let mut cmd = Command::new("rustup");
     cmd.args(["run", toolchain, "cargo"]).current_dir(root);
