@@ -119,7 +119,9 @@ impl Store {
     /// without it there are no node addresses (no NodePorts) and no topology, so nothing
     /// is published rather than an empty node.
     pub fn ready(&self) -> bool {
-        self.waiting_for().is_none()
+        // Checked on every watch event: flags and a lookup, no words (those are for the
+        // periodic log line, `waiting_for`).
+        self.services.listed && self.slices.listed && self.nodes.listed && self.node().is_some()
     }
 
     /// What publishing still waits for, in words for the log.
