@@ -82,12 +82,10 @@ enum Cmd {
     /// The agent (release build) against the cluster in a box at N Services created through
     /// the API: time to all programmed, then programming latency under readiness churn.
     ClusterScale {
-        #[arg(long, default_value_t = 1000)]
-        services: usize,
-        #[arg(long, default_value_t = 20)]
-        changes_per_s: u32,
-        #[arg(long, default_value_t = 30)]
-        churn_s: u64,
+        /// Passed to the `cluster-scale` binary, which owns them and their defaults:
+        /// `--services N`, `--changes-per-s R`, `--churn-s S`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
@@ -181,11 +179,7 @@ fn main() -> Result<()> {
                 .arg(requests.to_string());
             run(&mut cmd)
         }
-        Cmd::ClusterScale {
-            services,
-            changes_per_s,
-            churn_s,
-        } => {
+        Cmd::ClusterScale { args } => {
             let bin_dir = cluster::build(&root)?;
             setup(&root)?;
             run(cargo(&root, STABLE).args(["build", "--release", "-p", "proxy-agent"]))?;
@@ -194,12 +188,7 @@ fn main() -> Result<()> {
             cmd.env("PROXY_AGENT_BIN", root.join("target/release/proxy-agent"))
                 .arg("--bin-dir")
                 .arg(bin_dir)
-                .arg("--services")
-                .arg(services.to_string())
-                .arg("--changes-per-s")
-                .arg(changes_per_s.to_string())
-                .arg("--churn-s")
-                .arg(churn_s.to_string());
+                .args(args);
             run(&mut cmd)
         }
         Cmd::Cluster { build_only } => {
