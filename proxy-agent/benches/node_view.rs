@@ -10,7 +10,7 @@ use std::time::Instant;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
     dataplane::{Dataplane, bpf},
-    model::{ClusterModel, NodeInfo, ObjectRef, ViewConfig, node_view},
+    model::{ClusterModel, NodeInfo, ViewConfig, ViewTracker, node_view},
 };
 use serde_json::json;
 
@@ -25,6 +25,25 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// Service `i`'s EndpointSlice; `moved` replaces its first endpoint's address.
+fn slice(i: usize, endpoints: usize, moved: Option<&str>) -> EndpointSlice {
+    let eps: Vec<_> = (0..endpoints)
+        .map(|e| {
+            let addr = match (e, moved) {
+                (0, Some(a)) => a.to_string(),
+                _ => format!("10.{}.{}.{}", 100 + e, i / 250, i % 250 + 1),
+            };
+            json!({"addresses": [addr], "conditions": {"ready": true}, "nodeName": format!("node-{e}")})
+        })
+        .collect();
+    serde_json::from_value(
+        json!({"metadata": {"name": format!("svc-{i}-1"), "namespace": "bench",
+        "labels": {"kubernetes.io/service-name": format!("svc-{i}")}}, "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}], "endpoints": eps}),
+    )
+    .expect("slice")
+}
+
 fn model(services: usize, endpoints: usize) -> ClusterModel {
     let mut m = ClusterModel::default();
     for i in 0..services {
@@ -33,17 +52,8 @@ fn model(services: usize, endpoints: usize) -> ClusterModel {
         let svc: Service = serde_json::from_value(json!({"metadata": {"name": name, "namespace": "bench"},
             "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}))
         .expect("service");
-        let eps: Vec<_> = (0..endpoints)
-            .map(|e| json!({"addresses": [format!("10.{}.{}.{}", 100 + e, i / 250, i % 250 + 1)], "conditions": {"ready": true}, "nodeName": format!("node-{e}")}))
-            .collect();
-        let slice: EndpointSlice = serde_json::from_value(
-            json!({"metadata": {"name": format!("{name}-1"), "namespace": "bench",
-            "labels": {"kubernetes.io/service-name": name}}, "addressType": "IPv4",
-            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}], "endpoints": eps}),
-        )
-        .expect("slice");
-        m.services.insert(ObjectRef::of(&svc.metadata), svc);
-        m.slices.insert(ObjectRef::of(&slice.metadata), slice);
+        m.add_service(&svc);
+        m.add_slice(&slice(i, endpoints, None));
     }
     m
 }
@@ -70,7 +80,9 @@ fn main() {
     let rss_model = rss_kib();
 
     let t = Instant::now();
-    let (view, _) = node_view(&m, &node, &cfg);
+    let mut tracker = ViewTracker::new(node.clone(), cfg.clone());
+    tracker.rebuild(&m);
+    let view = tracker.view().clone();
     let t_view = ms(t);
     let rss_view = rss_kib();
     println!(
@@ -80,19 +92,24 @@ fn main() {
     println!("  build model (parse)      {t_model:>9.1} ms");
     println!("  build node view          {t_view:>9.1} ms");
 
-    // One endpoint changes in one Service.
-    let key = ObjectRef {
-        namespace: "bench".into(),
-        name: format!("svc-{}-1", services / 2),
-    };
-    if let Some(slice) = m.slices.get_mut(&key) {
-        slice.endpoints[0].addresses = vec!["10.99.99.99".into()];
-    }
+    // One endpoint changes in one Service: the model diff, that Service's part of the
+    // view, and (below) that frontend's map entries.
+    let before = m.clone();
+    m.add_slice(&slice(services / 2, endpoints, Some("10.99.99.99")));
     let t = Instant::now();
-    let (view2, _) = node_view(&m, &node, &cfg);
+    let model_changes = before.changes_to(&m);
+    let changes = tracker.update(&m, &model_changes.services);
+    let view2 = tracker.view().clone();
     let t_view2 = ms(t);
-    let changed = view.iter().filter(|(f, s)| view2.get(f) != Some(s)).count();
-    println!("  rebuild after 1 change   {t_view2:>9.1} ms ({changed} frontend changed)");
+    println!(
+        "  update after 1 change    {t_view2:>9.3} ms ({} frontend changed)",
+        changes.frontends.len()
+    );
+    let t = Instant::now();
+    let (rebuilt, _) = node_view(&m, &node, &cfg);
+    let t_rebuild = ms(t);
+    assert_eq!(rebuilt, view2, "the updated view is the rebuilt one");
+    println!("  full rebuild (resync)    {t_rebuild:>9.1} ms");
 
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -113,7 +130,7 @@ fn main() {
             maps: &mut maps,
             state: &mut state,
         }
-        .apply(&view2)
+        .apply_changes(&view2, &changes.frontends)
         .expect("apply");
         let t_one = ms(t);
         println!(

@@ -104,8 +104,12 @@ async fn model(State(s): State<AppState>) -> Response {
     match s.status.snapshot() {
         Some(snap) => Json(json!({
             "node": snap.node,
-            "services": snap.model.services.values().collect::<Vec<_>>(),
-            "endpointSlices": snap.model.slices.values().collect::<Vec<_>>(),
+            "services": snap.model.services()
+                .map(|(r, svc)| json!({"object": r, "service": svc}))
+                .collect::<Vec<_>>(),
+            "endpointSlices": snap.model.slices()
+                .map(|(k, slice)| json!({"object": k.object(), "slice": slice}))
+                .collect::<Vec<_>>(),
         }))
         .into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "no complete model yet\n").into_response(),

@@ -40,7 +40,7 @@ fn start(path: &Path) -> watch::Receiver<Option<SharedSnapshot>> {
 fn names(rx: &watch::Receiver<Option<SharedSnapshot>>) -> Vec<String> {
     rx.borrow()
         .as_ref()
-        .map(|s| s.model.services.keys().map(|k| k.name.clone()).collect())
+        .map(|s| s.model.services().map(|(k, _)| k.name.clone()).collect())
         .unwrap_or_default()
 }
 

@@ -550,25 +550,19 @@ fn unicast(ip: IpAddr) -> bool {
 
 /// Whether this node must program the Service or refuse it by name: ours, not
 /// ExternalName, not headless, with ports (a Service without a spec must be refused).
-fn must_be_accounted(svc: &k8s_openapi::api::core::v1::Service, cfg: &ViewConfig) -> bool {
-    let Some(spec) = &svc.spec else { return true };
-    let label = svc
-        .metadata
-        .labels
+fn must_be_accounted(svc: &proxy_agent::model::ServiceInfo, cfg: &ViewConfig) -> bool {
+    if svc
+        .proxy_name
         .as_ref()
-        .and_then(|l| l.get("service.kubernetes.io/service-proxy-name"));
-    if label.is_some_and(|l| cfg.service_proxy_name.as_deref() != Some(l.as_str())) {
+        .is_some_and(|l| cfg.service_proxy_name.as_deref() != Some(l.as_str()))
+        || svc.external_name
+    {
         return false;
     }
-    if spec.type_.as_deref() == Some("ExternalName") || spec.ports.iter().flatten().count() == 0 {
-        return false;
+    if svc.invalid.is_some() {
+        return true;
     }
-    let ips: Vec<&String> = match (&spec.cluster_ips, &spec.cluster_ip) {
-        (Some(ips), _) if !ips.is_empty() => ips.iter().collect(),
-        (_, Some(ip)) => vec![ip],
-        _ => vec![],
-    };
-    !ips.iter().all(|ip| ip.is_empty() || *ip == "None")
+    !svc.ports.is_empty() && !svc.cluster_ips.is_empty()
 }
 
 /// The node view of `model`, checked: every frontend a real port and a unicast VIP (or,
@@ -616,7 +610,7 @@ fn checked_view(
         prop_assert!(matches!(r.kind, "Service" | "EndpointSlice"), "{r:?}");
         prop_assert!(!r.object.name.is_empty() && !r.reason.is_empty(), "{r:?}");
     }
-    for (sref, svc) in &model.services {
+    for (sref, svc) in model.services() {
         if !must_be_accounted(svc, cfg) {
             continue;
         }
@@ -628,7 +622,7 @@ fn checked_view(
         prop_assert!(
             programmed || refused,
             "{sref} neither programmed nor refused: {:?}",
-            svc.spec
+            svc
         );
     }
     Ok((view, rejected))

@@ -228,8 +228,19 @@ async fn services_and_slices_are_listed_with_kube_proxys_label_selector() {
     assert_eq!(server.label_selector("nodes"), "");
     // Filtered by the server: the model never held them.
     let model = status.snapshot().expect("snapshot").model.clone();
-    assert_eq!(model.services.len(), 1, "{:?}", model.services.keys());
-    assert_eq!(model.slices.len(), 1, "{:?}", model.slices.keys());
+    let names = |it: Vec<String>| it.join(",");
+    assert_eq!(
+        model.service_count(),
+        1,
+        "{}",
+        names(model.services().map(|(r, _)| r.to_string()).collect())
+    );
+    assert_eq!(
+        model.slice_count(),
+        1,
+        "{}",
+        names(model.slices().map(|(k, _)| k.object().to_string()).collect())
+    );
 }
 
 /// kube-proxy's `/healthz` fails while the node is draining (the cluster autoscaler's

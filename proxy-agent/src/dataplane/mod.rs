@@ -3,7 +3,9 @@
 pub mod bpf;
 pub mod log;
 
-use crate::model::{NodeSettings, NodeView};
+use std::collections::BTreeSet;
+
+use crate::model::{Frontend, NodeSettings, NodeView};
 
 /// What one apply changed, and what it could not.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -20,7 +22,19 @@ pub struct ApplyReport {
 
 /// A dataplane: brings itself to the desired view with as few changes as it can.
 pub trait Dataplane {
+    /// Brings the dataplane to `view`, comparing every frontend.
     fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport>;
+
+    /// Brings the dataplane to `view` where only `changed` frontends differ from the view
+    /// of the last successful apply: a dataplane that can, touches only those.
+    fn apply_changes(
+        &mut self,
+        view: &NodeView,
+        changed: &BTreeSet<Frontend>,
+    ) -> anyhow::Result<ApplyReport> {
+        let _ = changed;
+        self.apply(view)
+    }
 
     /// Tells the dataplane who this node is (addresses, pod network, masquerade).
     fn configure(&mut self, _node: &NodeSettings) -> anyhow::Result<()> {

@@ -5,22 +5,27 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
+    sync::Arc,
 };
 
 /// One endpoint address of one Service port, with what the view needs to know about it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Endpoint {
+pub struct Endpoint<'a> {
     pub addr: SocketAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
     /// On this node.
     pub local: bool,
-    pub zone_hints: BTreeSet<String>,
-    pub node_hints: BTreeSet<String>,
+    pub zone_hints: &'a [Arc<str>],
+    pub node_hints: &'a [Arc<str>],
 }
 
-impl Endpoint {
+fn names_contain(names: &[Arc<str>], name: &str) -> bool {
+    names.iter().any(|n| &**n == name)
+}
+
+impl Endpoint<'_> {
     fn serving_terminating(&self) -> bool {
         self.serving && self.terminating
     }
@@ -39,8 +44,8 @@ impl Endpoint {
 }
 
 /// Keeps one entry per address, the best-ranked one.
-pub fn dedupe(endpoints: Vec<Endpoint>) -> Vec<Endpoint> {
-    let mut by_addr: BTreeMap<SocketAddr, Endpoint> = BTreeMap::new();
+pub fn dedupe(endpoints: Vec<Endpoint<'_>>) -> Vec<Endpoint<'_>> {
+    let mut by_addr: BTreeMap<SocketAddr, Endpoint<'_>> = BTreeMap::new();
     for ep in endpoints {
         match by_addr.get(&ep.addr) {
             Some(existing) if existing.rank() >= ep.rank() => {}
@@ -84,7 +89,7 @@ pub struct Categorized {
 
 /// kube-proxy's categorisation for `node` in `zone`.
 pub fn categorize(
-    endpoints: &[Endpoint],
+    endpoints: &[Endpoint<'_>],
     policies: Policies,
     node: &str,
     zone: Option<&str>,
@@ -92,7 +97,7 @@ pub fn categorize(
     let mut out = Categorized::default();
     if policies.uses_cluster_endpoints() {
         let mode = topology_mode(endpoints, node, zone);
-        let pick = |f: &dyn Fn(&Endpoint) -> bool| -> BTreeSet<SocketAddr> {
+        let pick = |f: &dyn Fn(&Endpoint<'_>) -> bool| -> BTreeSet<SocketAddr> {
             endpoints
                 .iter()
                 .filter(|e| f(e) && mode.allows(e, node, zone))
@@ -133,11 +138,11 @@ enum TopologyMode {
 }
 
 impl TopologyMode {
-    fn allows(&self, e: &Endpoint, node: &str, zone: Option<&str>) -> bool {
+    fn allows(&self, e: &Endpoint<'_>, node: &str, zone: Option<&str>) -> bool {
         match self {
             TopologyMode::None => true,
-            TopologyMode::SameNode => e.node_hints.contains(node),
-            TopologyMode::SameZone => zone.is_some_and(|z| e.zone_hints.contains(z)),
+            TopologyMode::SameNode => names_contain(e.node_hints, node),
+            TopologyMode::SameZone => zone.is_some_and(|z| names_contain(e.zone_hints, z)),
         }
     }
 }
@@ -146,17 +151,17 @@ impl TopologyMode {
 /// this node (node hints, from `PreferSameNode`) or zone (zone hints, from
 /// `PreferClose`/`PreferSameZone` or topology-aware routing); otherwise all endpoints
 /// are used, as kube-proxy falls back.
-fn topology_mode(endpoints: &[Endpoint], node: &str, zone: Option<&str>) -> TopologyMode {
-    let ready: Vec<&Endpoint> = endpoints.iter().filter(|e| e.ready).collect();
+fn topology_mode(endpoints: &[Endpoint<'_>], node: &str, zone: Option<&str>) -> TopologyMode {
+    let ready: Vec<&Endpoint<'_>> = endpoints.iter().filter(|e| e.ready).collect();
     if ready.is_empty() {
         return TopologyMode::None;
     }
     let all_node_hints = ready.iter().all(|e| !e.node_hints.is_empty());
-    if all_node_hints && ready.iter().any(|e| e.node_hints.contains(node)) {
+    if all_node_hints && ready.iter().any(|e| names_contain(e.node_hints, node)) {
         return TopologyMode::SameNode;
     }
     let all_zone_hints = ready.iter().all(|e| !e.zone_hints.is_empty());
-    if all_zone_hints && zone.is_some_and(|z| ready.iter().any(|e| e.zone_hints.contains(z))) {
+    if all_zone_hints && zone.is_some_and(|z| ready.iter().any(|e| names_contain(e.zone_hints, z))) {
         return TopologyMode::SameZone;
     }
     TopologyMode::None

@@ -4,15 +4,21 @@
 //! traffic leads to. Plain data in, plain data out.
 
 mod endpoints;
+pub mod objects;
 pub mod sloppy;
+mod tracker;
 mod view;
 
-pub use view::{HealthCheck, Rejection, health_check_addresses, health_checks, node_view};
+pub use objects::{ServiceInfo, SliceInfo};
+
+pub use tracker::{ViewChanges, ViewTracker};
+pub use view::{HealthCheck, Rejection, health_check_addresses, node_view};
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::{IpAddr, SocketAddr},
+    sync::Arc,
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
@@ -41,11 +47,243 @@ impl ObjectRef {
     }
 }
 
-/// Every Service and EndpointSlice the source knows, keyed by reference.
+/// Where an EndpointSlice sits in the model: under the Service it belongs to, so a
+/// Service's slices are one range of the map.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct SliceKey {
+    pub namespace: String,
+    /// `kubernetes.io/service-name` ("" for a slice that names none).
+    pub service: String,
+    pub name: String,
+}
+
+impl SliceKey {
+    /// The slice's own reference.
+    pub fn object(&self) -> ObjectRef {
+        ObjectRef {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+        }
+    }
+}
+
+/// Every Service and EndpointSlice the source knows, in their compact form. Persistent
+/// maps: a copy costs O(1) and shares everything with the original, and two versions of
+/// one lineage diff in proportion to what changed between them (`changed_services`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ClusterModel {
-    pub services: BTreeMap<ObjectRef, Service>,
-    pub slices: BTreeMap<ObjectRef, EndpointSlice>,
+    services: imbl::OrdMap<ObjectRef, Arc<ServiceInfo>>,
+    slices: imbl::OrdMap<SliceKey, Arc<SliceInfo>>,
+    /// Each slice's owner, to find its entry when it is deleted or relabelled.
+    slice_owners: imbl::OrdMap<ObjectRef, String>,
+}
+
+impl ClusterModel {
+    /// Adds or replaces a Service; `false` if the model already held it as it is.
+    pub fn insert_service(&mut self, r: ObjectRef, svc: ServiceInfo) -> bool {
+        if self.services.get(&r).is_some_and(|old| **old == svc) {
+            return false;
+        }
+        self.services.insert(r, Arc::new(svc));
+        true
+    }
+
+    pub fn remove_service(&mut self, r: &ObjectRef) -> bool {
+        self.services.remove(r).is_some()
+    }
+
+    /// Adds or replaces an EndpointSlice; `false` if the model already held it as it is.
+    pub fn insert_slice(&mut self, r: ObjectRef, slice: SliceInfo) -> bool {
+        let key = SliceKey {
+            namespace: r.namespace.clone(),
+            service: slice.service.clone().unwrap_or_default(),
+            name: r.name.clone(),
+        };
+        if self.slices.get(&key).is_some_and(|old| **old == slice) {
+            return false;
+        }
+        // Relabelled to another Service: it leaves the old one.
+        if let Some(old_owner) = self.slice_owners.get(&r).filter(|o| **o != key.service) {
+            let old = SliceKey {
+                service: old_owner.clone(),
+                ..key.clone()
+            };
+            self.slices.remove(&old);
+        }
+        self.slice_owners.insert(r, key.service.clone());
+        self.slices.insert(key, Arc::new(slice));
+        true
+    }
+
+    pub fn remove_slice(&mut self, r: &ObjectRef) -> bool {
+        let Some(owner) = self.slice_owners.remove(r) else {
+            return false;
+        };
+        self.slices
+            .remove(&SliceKey {
+                namespace: r.namespace.clone(),
+                service: owner,
+                name: r.name.clone(),
+            })
+            .is_some()
+    }
+
+    /// Adds a Service from its API object.
+    pub fn add_service(&mut self, svc: &Service) -> bool {
+        self.insert_service(ObjectRef::of(&svc.metadata), ServiceInfo::from_k8s(svc))
+    }
+
+    /// Adds an EndpointSlice from its API object.
+    pub fn add_slice(&mut self, slice: &EndpointSlice) -> bool {
+        self.insert_slice(ObjectRef::of(&slice.metadata), SliceInfo::from_k8s(slice))
+    }
+
+    pub fn services(&self) -> impl Iterator<Item = (&ObjectRef, &ServiceInfo)> {
+        self.services.iter().map(|(r, s)| (r, &**s))
+    }
+
+    pub fn service(&self, r: &ObjectRef) -> Option<&ServiceInfo> {
+        self.services.get(r).map(|s| &**s)
+    }
+
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    pub fn slices(&self) -> impl Iterator<Item = (&SliceKey, &SliceInfo)> {
+        self.slices.iter().map(|(k, s)| (k, &**s))
+    }
+
+    pub fn slice_count(&self) -> usize {
+        self.slices.len()
+    }
+
+    /// The slices of one Service: one range of the map.
+    pub fn slices_of<'a>(
+        &'a self,
+        service: &'a ObjectRef,
+    ) -> impl Iterator<Item = (&'a SliceKey, &'a SliceInfo)> {
+        let from = SliceKey {
+            namespace: service.namespace.clone(),
+            service: service.name.clone(),
+            name: String::new(),
+        };
+        self.slices
+            .range(from..)
+            .take_while(move |(k, _)| {
+                k.namespace == service.namespace && k.service == service.name
+            })
+            .map(|(k, s)| (k, &**s))
+    }
+
+    /// Makes this model equal to `fresh` (a relist, a reload) by changing only the
+    /// entries that differ, so it keeps sharing the rest with its earlier versions (and
+    /// diffs against them stay proportional). Returns how many objects changed.
+    pub fn replace_with(&mut self, fresh: &ClusterModel) -> u64 {
+        let mut changed = 0;
+        let gone: Vec<ObjectRef> = self
+            .services
+            .keys()
+            .filter(|r| !fresh.services.contains_key(*r))
+            .cloned()
+            .collect();
+        for r in gone {
+            changed += u64::from(self.remove_service(&r));
+        }
+        for (r, svc) in &fresh.services {
+            if self.services.get(r) != Some(svc) {
+                self.services.insert(r.clone(), Arc::clone(svc));
+                changed += 1;
+            }
+        }
+        let gone: Vec<ObjectRef> = self
+            .slice_owners
+            .keys()
+            .filter(|r| !fresh.slice_owners.contains_key(*r))
+            .cloned()
+            .collect();
+        for r in gone {
+            changed += u64::from(self.remove_slice(&r));
+        }
+        for (key, slice) in &fresh.slices {
+            let r = ObjectRef {
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+            };
+            if self.slices.get(key) != Some(slice) {
+                changed += u64::from(self.insert_slice(r, (**slice).clone()));
+            }
+        }
+        changed
+    }
+
+    /// Adds every object of `other` (later files win).
+    pub fn extend(&mut self, other: &ClusterModel) {
+        for (r, svc) in &other.services {
+            self.services.insert(r.clone(), Arc::clone(svc));
+        }
+        for (key, slice) in &other.slices {
+            let r = ObjectRef {
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+            };
+            self.insert_slice(r, (**slice).clone());
+        }
+    }
+
+    /// The Services whose inputs differ between `self` and `newer` (the Service itself,
+    /// or one of its slices), and the slices whose change-trigger time is new. In
+    /// proportion to the changes when `newer` was derived from `self`.
+    pub fn changes_to(&self, newer: &ClusterModel) -> ModelChanges {
+        let mut out = ModelChanges::default();
+        for d in self.services.diff(&newer.services) {
+            let r = match d {
+                imbl::ordmap::DiffItem::Add(r, _) | imbl::ordmap::DiffItem::Remove(r, _) => r,
+                imbl::ordmap::DiffItem::Update { new: (r, _), .. } => r,
+            };
+            out.services.insert(r.clone());
+            out.service_objects += 1;
+        }
+        let owner = |k: &SliceKey| ObjectRef {
+            namespace: k.namespace.clone(),
+            name: k.service.clone(),
+        };
+        for d in self.slices.diff(&newer.slices) {
+            match d {
+                imbl::ordmap::DiffItem::Add(k, s) => {
+                    out.services.insert(owner(k));
+                    out.slices += 1;
+                    out.triggers.extend(s.trigger_time);
+                }
+                imbl::ordmap::DiffItem::Remove(k, _) => {
+                    out.services.insert(owner(k));
+                    out.slices += 1;
+                }
+                imbl::ordmap::DiffItem::Update { old, new } => {
+                    out.services.insert(owner(new.0));
+                    out.slices += 1;
+                    if new.1.trigger_time != old.1.trigger_time {
+                        out.triggers.extend(new.1.trigger_time);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// What differs between two versions of the model.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelChanges {
+    /// Services to rebuild: changed themselves, or one of their slices did (a Service
+    /// that no longer exists is in here too: its frontends go).
+    pub services: BTreeSet<ObjectRef>,
+    /// Service objects added, changed or removed.
+    pub service_objects: u64,
+    /// EndpointSlice entries added, changed or removed.
+    pub slices: u64,
+    /// Change-trigger times new in the newer version (each EndpointSlice change once).
+    pub triggers: Vec<std::time::SystemTime>,
 }
 
 /// This node, as the view needs it: from its Node object, or from flags and config.
@@ -234,20 +472,124 @@ impl NodeSettings {
     }
 }
 
-/// This node's desired dataplane state.
-pub type NodeView = BTreeMap<Frontend, FrontendState>;
+/// This node's desired dataplane state: what it does with each frontend. A persistent
+/// map of shared states: a copy (for the debug endpoint, the last programmed view) costs
+/// O(1), and one frontend changes without copying the others.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeView(imbl::OrdMap<Frontend, Arc<FrontendState>>);
+
+impl NodeView {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn insert(&mut self, fe: Frontend, st: FrontendState) -> Option<Arc<FrontendState>> {
+        self.0.insert(fe, Arc::new(st))
+    }
+
+    /// Sets a frontend's state, shared with whoever else holds it.
+    pub fn set(&mut self, fe: Frontend, st: Arc<FrontendState>) -> Option<Arc<FrontendState>> {
+        self.0.insert(fe, st)
+    }
+
+    pub fn remove(&mut self, fe: &Frontend) -> Option<Arc<FrontendState>> {
+        self.0.remove(fe)
+    }
+
+    pub fn get(&self, fe: &Frontend) -> Option<&FrontendState> {
+        self.0.get(fe).map(|s| &**s)
+    }
+
+    pub fn shared(&self, fe: &Frontend) -> Option<&Arc<FrontendState>> {
+        self.0.get(fe)
+    }
+
+    pub fn contains_key(&self, fe: &Frontend) -> bool {
+        self.0.contains_key(fe)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&Frontend, &FrontendState)> {
+        self.0.iter().map(|(f, s)| (f, &**s))
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &Frontend> {
+        self.0.keys()
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &FrontendState> {
+        self.0.values().map(|s| &**s)
+    }
+
+    /// The frontends whose state differs between `self` and `newer`: in proportion to
+    /// the changes when one was derived from the other.
+    pub fn changed_frontends(&self, newer: &NodeView) -> BTreeSet<Frontend> {
+        self.0
+            .diff(&newer.0)
+            .map(|d| match d {
+                imbl::ordmap::DiffItem::Add(f, _) | imbl::ordmap::DiffItem::Remove(f, _) => *f,
+                imbl::ordmap::DiffItem::Update { new: (f, _), .. } => *f,
+            })
+            .collect()
+    }
+}
+
+impl std::ops::Index<&Frontend> for NodeView {
+    type Output = FrontendState;
+
+    fn index(&self, fe: &Frontend) -> &FrontendState {
+        &self.0[fe]
+    }
+}
+
+impl FromIterator<(Frontend, FrontendState)> for NodeView {
+    fn from_iter<I: IntoIterator<Item = (Frontend, FrontendState)>>(iter: I) -> Self {
+        Self(iter.into_iter().map(|(f, s)| (f, Arc::new(s))).collect())
+    }
+}
+
+impl<'a> IntoIterator for &'a NodeView {
+    type Item = (&'a Frontend, &'a FrontendState);
+    type IntoIter = Box<dyn Iterator<Item = Self::Item> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+impl<const N: usize> From<[(Frontend, FrontendState); N]> for NodeView {
+    fn from(entries: [(Frontend, FrontendState); N]) -> Self {
+        entries.into_iter().collect()
+    }
+}
+
+impl Extend<(Frontend, FrontendState)> for NodeView {
+    fn extend<I: IntoIterator<Item = (Frontend, FrontendState)>>(&mut self, iter: I) {
+        for (f, s) in iter {
+            self.insert(f, s);
+        }
+    }
+}
 
 /// KPNG-style node log lines: `-` for each frontend state that went away or changed, `+`
 /// for each that appeared or changed.
 pub fn diff_lines(old: &NodeView, new: &NodeView) -> Vec<String> {
+    let changed = old.changed_frontends(new);
     let mut lines = Vec::new();
-    for (fe, st) in old {
-        if new.get(fe) != Some(st) {
+    for fe in &changed {
+        if let Some(st) = old.get(fe) {
             lines.push(format!("- {fe} {}", describe(st)));
         }
     }
-    for (fe, st) in new {
-        if old.get(fe) != Some(st) {
+    for fe in &changed {
+        if let Some(st) = new.get(fe) {
             lines.push(format!("+ {fe} {}", describe(st)));
         }
     }

@@ -2,22 +2,23 @@
 
 use std::{collections::BTreeSet, net::SocketAddr};
 
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::json;
 
 use super::*;
 use crate::model::{
-    ClusterModel, Frontend, FrontendKind, NodeInfo, ObjectRef, Protocol, ViewConfig, WhenEmpty,
+    ClusterModel, Frontend, FrontendKind, NodeInfo, Protocol, ViewConfig, WhenEmpty,
 };
 
 fn model(services: &[serde_json::Value], slices: &[serde_json::Value]) -> ClusterModel {
     let mut m = ClusterModel::default();
     for s in services {
         let svc: Service = serde_json::from_value(s.clone()).expect("service");
-        m.services.insert(ObjectRef::of(&svc.metadata), svc);
+        m.add_service(&svc);
     }
     for s in slices {
         let slice: EndpointSlice = serde_json::from_value(s.clone()).expect("slice");
-        m.slices.insert(ObjectRef::of(&slice.metadata), slice);
+        m.add_slice(&slice);
     }
     m
 }
@@ -71,6 +72,16 @@ fn node_a() -> NodeInfo {
         ],
         ..NodeInfo::default()
     }
+}
+
+fn health_checks(
+    m: &ClusterModel,
+    node: &NodeInfo,
+    cfg: &ViewConfig,
+) -> std::collections::BTreeMap<u16, HealthCheck> {
+    let mut t = crate::model::ViewTracker::new(node.clone(), cfg.clone());
+    t.rebuild(m);
+    t.health_checks()
 }
 
 fn view_of(m: &ClusterModel) -> (crate::model::NodeView, Vec<Rejection>) {

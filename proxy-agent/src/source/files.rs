@@ -10,7 +10,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde::Deserialize as _;
 use thiserror::Error;
 
-use crate::model::{ClusterModel, ObjectRef};
+use crate::model::ClusterModel;
 
 /// A manifest that could not be used, with where it came from.
 #[derive(Debug, Error)]
@@ -37,8 +37,7 @@ pub fn load(dir: &Path) -> Result<(ClusterModel, Vec<ManifestError>), ManifestEr
     for path in manifest_files(dir)? {
         let parsed = parse_file(&path);
         errors.extend(parsed.errors);
-        model.services.extend(parsed.model.services);
-        model.slices.extend(parsed.model.slices);
+        model.extend(&parsed.model);
     }
     Ok((model, errors))
 }
@@ -204,12 +203,12 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
         "Service" => {
             let svc: Service =
                 serde_json::from_value(item).map_err(|e| format!("Service {name}: {e}"))?;
-            model.services.insert(ObjectRef::of(&svc.metadata), svc);
+            model.add_service(&svc);
         }
         "EndpointSlice" => {
             let slice: EndpointSlice =
                 serde_json::from_value(item).map_err(|e| format!("EndpointSlice {name}: {e}"))?;
-            model.slices.insert(ObjectRef::of(&slice.metadata), slice);
+            model.add_slice(&slice);
         }
         // Said out loud: a typo ("Servce") would otherwise drop a Service without a word.
         _ => tracing::warn!(
@@ -234,8 +233,8 @@ mod tests {
         let mut errors = Vec::new();
         add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
         assert!(errors.is_empty(), "{errors:?}");
-        assert_eq!(model.services.len(), 1);
-        assert_eq!(model.slices.len(), 1);
+        assert_eq!(model.service_count(), 1);
+        assert_eq!(model.slice_count(), 1);
     }
 
     #[test]
@@ -245,7 +244,7 @@ apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0
         let mut model = ClusterModel::default();
         let mut errors = Vec::new();
         add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
-        assert_eq!(model.services.len(), 1);
+        assert_eq!(model.service_count(), 1);
         assert!(!errors.is_empty(), "{errors:?}");
         let first = errors[0].to_string();
         assert!(

@@ -4,7 +4,7 @@
 //! Nothing is published until every resource has been listed once, so a restart never
 //! programs a partial view.
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{collections::BTreeSet, net::IpAddr};
 
 use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::{
@@ -12,13 +12,13 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
 };
 use kube::{
-    Api, Client, Resource, ResourceExt as _,
+    Api, Client, ResourceExt as _,
     runtime::{WatchStreamExt as _, watcher},
 };
 use tokio::sync::watch;
 
 use super::Snapshot;
-use crate::model::{ClusterModel, NodeInfo, ObjectRef};
+use crate::model::{ClusterModel, NodeInfo, ObjectRef, ServiceInfo, SliceInfo};
 
 /// Which watched resource an event is about.
 enum Update {
@@ -27,82 +27,49 @@ enum Update {
     Node(Box<watcher::Event<Node>>),
 }
 
-/// Objects of one kind, with the buffer a relist fills before it replaces them.
-struct Kind<K> {
-    objects: BTreeMap<ObjectRef, K>,
-    relist: Option<BTreeMap<ObjectRef, K>>,
+/// A relist of one kind: buffered, then swapped in whole when it is complete.
+struct Listing<T> {
+    relist: Option<Vec<(ObjectRef, T)>>,
     listed: bool,
 }
 
-impl<K> Default for Kind<K> {
+impl<T> Default for Listing<T> {
     fn default() -> Self {
         Self {
-            objects: BTreeMap::new(),
             relist: None,
             listed: false,
         }
     }
 }
 
-impl<K: Resource + Clone + PartialEq> Kind<K> {
-    /// Applies one watch event; `true` if what the model holds changed. Counts the objects
-    /// that changed into `changes`.
-    fn apply(&mut self, event: watcher::Event<K>, changes: &mut u64) -> bool {
-        match event {
-            watcher::Event::Init => {
-                self.relist = Some(BTreeMap::new());
-                false
-            }
-            watcher::Event::InitApply(obj) => {
-                let key = ObjectRef::of(obj.meta());
-                self.relist
-                    .get_or_insert_with(BTreeMap::new)
-                    .insert(key, strip(obj));
-                false
-            }
-            watcher::Event::InitDone => {
-                let fresh = self.relist.take().unwrap_or_default();
-                *changes += super::differing(&self.objects, &fresh);
-                let changed = fresh != self.objects || !self.listed;
-                self.objects = fresh;
-                self.listed = true;
-                changed
-            }
-            watcher::Event::Apply(obj) => {
-                let key = ObjectRef::of(obj.meta());
-                let obj = strip(obj);
-                // A change that nets to nothing (only bookkeeping metadata moved) is dropped.
-                if self.objects.get(&key) == Some(&obj) {
-                    return false;
-                }
-                self.objects.insert(key, obj);
-                *changes += 1;
-                true
-            }
-            watcher::Event::Delete(obj) => {
-                let removed = self.objects.remove(&ObjectRef::of(obj.meta())).is_some();
-                *changes += u64::from(removed);
-                removed
-            }
-        }
+impl<T> Listing<T> {
+    fn begin(&mut self) {
+        self.relist = Some(Vec::new());
+    }
+
+    fn add(&mut self, r: ObjectRef, obj: T) {
+        self.relist.get_or_insert_with(Vec::new).push((r, obj));
+    }
+
+    /// The complete relist; `first` is true the first time.
+    fn done(&mut self) -> (Vec<(ObjectRef, T)>, bool) {
+        let first = !self.listed;
+        self.listed = true;
+        (self.relist.take().unwrap_or_default(), first)
     }
 }
 
-/// Drops metadata that changes without changing meaning, so no-op updates compare equal.
-fn strip<K: Resource>(mut obj: K) -> K {
-    let meta = obj.meta_mut();
-    meta.resource_version = None;
-    meta.managed_fields = None;
-    meta.generation = None;
-    obj
-}
-
-/// Everything the watchers have told us.
+/// Everything the watchers have told us, in the compact model: objects are parsed once
+/// as they arrive, and the model is shared (not copied) with each published snapshot.
 #[derive(Default)]
 pub struct Store {
-    services: Kind<Service>,
-    slices: Kind<EndpointSlice>,
-    nodes: Kind<Node>,
+    model: ClusterModel,
+    services: Listing<ServiceInfo>,
+    slices: Listing<SliceInfo>,
+    nodes: Listing<NodeInfo>,
+    /// This node, from its Node object (only the fields we use: heartbeats and other
+    /// status churn compare equal and are dropped).
+    node: Option<NodeInfo>,
     node_name: String,
     changes: super::ChangeCounts,
 }
@@ -119,9 +86,9 @@ impl Store {
     /// without it there are no node addresses (no NodePorts) and no topology, so nothing
     /// is published rather than an empty node.
     pub fn ready(&self) -> bool {
-        // Checked on every watch event: flags and a lookup, no words (those are for the
-        // periodic log line, `waiting_for`).
-        self.services.listed && self.slices.listed && self.nodes.listed && self.node().is_some()
+        // Checked on every watch event: flags only, no words (those are for the periodic
+        // log line, `waiting_for`).
+        self.services.listed && self.slices.listed && self.nodes.listed && self.node.is_some()
     }
 
     /// What publishing still waits for, in words for the log.
@@ -138,7 +105,7 @@ impl Store {
         if !unlisted.is_empty() {
             return Some(format!("the first list of {}", unlisted.join(", ")));
         }
-        if self.node().is_none() {
+        if self.node.is_none() {
             return Some(format!(
                 "the Node object {:?} (NODE_NAME / --node-name / hostnameOverride, else the \
                  host name lowercased)",
@@ -148,30 +115,144 @@ impl Store {
         None
     }
 
-    fn node(&self) -> Option<&Node> {
-        self.nodes
-            .objects
-            .values()
-            .find(|n| n.name_any() == self.node_name)
-    }
-
+    /// Applies one watch event; `true` if the model or this node changed.
     fn apply(&mut self, update: Update) -> bool {
         match update {
-            Update::Service(e) => self.services.apply(*e, &mut self.changes.services),
-            Update::Slice(e) => self.slices.apply(*e, &mut self.changes.endpoint_slices),
-            Update::Node(e) => self.nodes.apply(*e, &mut 0),
+            Update::Service(e) => self.apply_service(*e),
+            Update::Slice(e) => self.apply_slice(*e),
+            Update::Node(e) => self.apply_node(*e),
         }
     }
 
-    /// The model and this node, as the view needs them.
+    fn apply_service(&mut self, event: watcher::Event<Service>) -> bool {
+        let changes = &mut self.changes.services;
+        match event {
+            watcher::Event::Init => self.services.begin(),
+            watcher::Event::InitApply(svc) => self
+                .services
+                .add(ObjectRef::of(&svc.metadata), ServiceInfo::from_k8s(&svc)),
+            watcher::Event::InitDone => {
+                let (fresh, first) = self.services.done();
+                let keep: BTreeSet<&ObjectRef> = fresh.iter().map(|(r, _)| r).collect();
+                let gone: Vec<ObjectRef> = self
+                    .model
+                    .services()
+                    .map(|(r, _)| r)
+                    .filter(|r| !keep.contains(r))
+                    .cloned()
+                    .collect();
+                let mut changed = 0;
+                for r in gone {
+                    changed += u64::from(self.model.remove_service(&r));
+                }
+                for (r, svc) in fresh {
+                    changed += u64::from(self.model.insert_service(r, svc));
+                }
+                *changes += changed;
+                return changed > 0 || first;
+            }
+            watcher::Event::Apply(svc) => {
+                // A change that nets to nothing we use (status, annotations, bookkeeping
+                // metadata) is dropped here.
+                let changed = self
+                    .model
+                    .insert_service(ObjectRef::of(&svc.metadata), ServiceInfo::from_k8s(&svc));
+                *changes += u64::from(changed);
+                return changed;
+            }
+            watcher::Event::Delete(svc) => {
+                let removed = self.model.remove_service(&ObjectRef::of(&svc.metadata));
+                *changes += u64::from(removed);
+                return removed;
+            }
+        }
+        false
+    }
+
+    fn apply_slice(&mut self, event: watcher::Event<EndpointSlice>) -> bool {
+        let changes = &mut self.changes.endpoint_slices;
+        match event {
+            watcher::Event::Init => self.slices.begin(),
+            watcher::Event::InitApply(slice) => self
+                .slices
+                .add(ObjectRef::of(&slice.metadata), SliceInfo::from_k8s(&slice)),
+            watcher::Event::InitDone => {
+                let (fresh, first) = self.slices.done();
+                let keep: BTreeSet<&ObjectRef> = fresh.iter().map(|(r, _)| r).collect();
+                let gone: Vec<ObjectRef> = self
+                    .model
+                    .slices()
+                    .map(|(k, _)| k.object())
+                    .filter(|r| !keep.contains(r))
+                    .collect();
+                let mut changed = 0;
+                for r in gone {
+                    changed += u64::from(self.model.remove_slice(&r));
+                }
+                for (r, slice) in fresh {
+                    changed += u64::from(self.model.insert_slice(r, slice));
+                }
+                *changes += changed;
+                return changed > 0 || first;
+            }
+            watcher::Event::Apply(slice) => {
+                let changed = self
+                    .model
+                    .insert_slice(ObjectRef::of(&slice.metadata), SliceInfo::from_k8s(&slice));
+                *changes += u64::from(changed);
+                return changed;
+            }
+            watcher::Event::Delete(slice) => {
+                let removed = self.model.remove_slice(&ObjectRef::of(&slice.metadata));
+                *changes += u64::from(removed);
+                return removed;
+            }
+        }
+        false
+    }
+
+    fn apply_node(&mut self, event: watcher::Event<Node>) -> bool {
+        let ours = |node: &Node| node.name_any() == self.node_name;
+        let next = match event {
+            watcher::Event::Init => {
+                self.nodes.begin();
+                return false;
+            }
+            watcher::Event::InitApply(node) => {
+                if ours(&node) {
+                    let info = node_info(&self.node_name, Some(&node));
+                    self.nodes.add(ObjectRef::of(&node.metadata), info);
+                }
+                return false;
+            }
+            watcher::Event::InitDone => {
+                let (fresh, first) = self.nodes.done();
+                let next = fresh.into_iter().next().map(|(_, n)| n);
+                if first {
+                    self.node = next;
+                    return true;
+                }
+                next
+            }
+            watcher::Event::Apply(node) if ours(&node) => {
+                Some(node_info(&self.node_name, Some(&node)))
+            }
+            watcher::Event::Delete(node) if ours(&node) => None,
+            _ => return false,
+        };
+        let changed = self.node != next;
+        self.node = next;
+        changed
+    }
+
+    /// The model and this node, as the view needs them: the model shared, not copied.
     pub fn snapshot(&self) -> Snapshot {
-        let node = self.node();
         Snapshot {
-            model: ClusterModel {
-                services: self.services.objects.clone(),
-                slices: self.slices.objects.clone(),
-            },
-            node: node_info(&self.node_name, node),
+            model: self.model.clone(),
+            node: self
+                .node
+                .clone()
+                .unwrap_or_else(|| node_info(&self.node_name, None)),
             changes: self.changes,
             // The API server validated every object; kube-rs reports what fails to decode.
             unreadable: 0,

@@ -88,18 +88,27 @@ fn publish(
     node: &NodeInfo,
     changes: &mut ChangeCounts,
 ) {
-    let previous = tx.borrow().clone();
-    let empty = ClusterModel::default();
-    changes.add_differences(previous.as_ref().map_or(&empty, |p| &p.model), &model);
+    // The fresh reading folded into the last published model: what did not change stays
+    // shared, so the sync loop's diff is of the changes alone.
+    let mut next = tx
+        .borrow()
+        .as_ref()
+        .map(|p| p.model.clone())
+        .unwrap_or_default();
+    let before = next.clone();
+    next.replace_with(&model);
+    let diff = before.changes_to(&next);
+    changes.add(&diff);
+    let model_changed = diff.service_objects + diff.slices > 0;
     let snapshot = Snapshot {
-        model,
+        model: next,
         node: node.clone(),
         changes: *changes,
         unreadable,
     };
     tx.send_if_modified(|current| {
         let changed = current.as_ref().is_none_or(|c| {
-            c.model != snapshot.model || c.node != snapshot.node || c.unreadable != unreadable
+            model_changed || c.node != snapshot.node || c.unreadable != unreadable
         });
         if changed {
             *current = Some(Arc::new(snapshot));
@@ -194,7 +203,7 @@ impl FileCache {
                     tracing::warn!(
                         file = %file.display(),
                         reason = why,
-                        services = kept.services.len(),
+                        services = kept.service_count(),
                         "manifest file incomplete (being written?); keeping its last good reading"
                     );
                     kept
@@ -205,12 +214,7 @@ impl FileCache {
         self.files = fresh;
         let mut model = ClusterModel::default();
         for m in self.files.values() {
-            model
-                .services
-                .extend(m.services.iter().map(|(k, v)| (k.clone(), v.clone())));
-            model
-                .slices
-                .extend(m.slices.iter().map(|(k, v)| (k.clone(), v.clone())));
+            model.extend(m);
         }
         Ok((model, unreadable))
     }
@@ -240,10 +244,10 @@ mod tests {
         )
         .expect("write");
         let mut cache = FileCache::default();
-        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 3);
+        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 3);
         // Truncated (`> file` before the writer writes): kept.
         std::fs::write(&file, "").expect("truncate");
-        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 3);
+        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 3);
         // Half written, breaking off mid-YAML: kept.
         std::fs::write(
             &file,
@@ -253,16 +257,16 @@ mod tests {
             ),
         )
         .expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 3);
+        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 3);
         // Whole again, with fewer objects: that is the new content.
         std::fs::write(&file, service("s0")).expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 1);
+        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 1);
         // Removed: its objects go.
         std::fs::remove_file(&file).expect("rm");
-        assert!(cache.reload(&dir).expect("reload").0.services.is_empty());
+        assert!(cache.reload(&dir).expect("reload").0.service_count() == 0);
         // A new broken file with no earlier reading loads what it can.
         std::fs::write(&file, format!("{}: : [\n", service("s9"))).expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").0.services.len(), 1);
+        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 1);
         std::fs::remove_dir_all(&dir).expect("rm");
     }
 

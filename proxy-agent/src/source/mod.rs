@@ -10,6 +10,7 @@ pub mod manifest_watch;
 
 use crate::model::{ClusterModel, NodeInfo};
 
+
 /// What sources publish: shared, so the runner and the debug endpoint hold the same
 /// model rather than copies of it.
 pub type SharedSnapshot = std::sync::Arc<Snapshot>;
@@ -36,19 +37,9 @@ pub struct ChangeCounts {
 }
 
 impl ChangeCounts {
-    /// Adds the objects that differ between `old` and `new` (a reload, a relist).
-    pub fn add_differences(&mut self, old: &ClusterModel, new: &ClusterModel) {
-        self.services += differing(&old.services, &new.services);
-        self.endpoint_slices += differing(&old.slices, &new.slices);
+    /// Adds the objects that differ between two versions of the model.
+    pub fn add(&mut self, changes: &crate::model::ModelChanges) {
+        self.services += changes.service_objects;
+        self.endpoint_slices += changes.slices;
     }
-}
-
-/// How many keys were added, removed or changed between two maps.
-pub fn differing<K: Ord, V: PartialEq>(
-    old: &std::collections::BTreeMap<K, V>,
-    new: &std::collections::BTreeMap<K, V>,
-) -> u64 {
-    let changed_or_added = new.iter().filter(|(k, v)| old.get(*k) != Some(*v)).count();
-    let removed = old.keys().filter(|k| !new.contains_key(*k)).count();
-    (changed_or_added + removed) as u64
 }

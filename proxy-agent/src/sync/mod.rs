@@ -5,7 +5,7 @@
 pub mod latency;
 pub mod status;
 
-use std::time::Duration;
+use std::{collections::BTreeSet, time::Duration};
 
 use anyhow::Result;
 use tokio::{sync::watch, time::Instant};
@@ -15,28 +15,26 @@ use crate::{
     dataplane::Dataplane,
     health::HealthServers,
     model::{
-        NodeInfo, NodeSettings, NodeView, ViewConfig, health_check_addresses, health_checks,
-        node_view,
+        Frontend, NodeInfo, NodeSettings, NodeView, ViewConfig, ViewTracker,
+        health_check_addresses, node_view,
     },
     source::{SharedSnapshot, files},
 };
 
-/// The last snapshot the dataplane fully holds, for network programming latency.
+/// Trigger times of EndpointSlice changes not yet in the dataplane, for network
+/// programming latency (kube-proxy's histogram): observed when a sync holding them
+/// succeeds.
 #[derive(Default)]
-struct Programmed(Option<SharedSnapshot>);
+struct Programming(Vec<std::time::SystemTime>);
 
-impl Programmed {
-    /// `snapshot` is now in effect: observes how long its new EndpointSlice changes
-    /// took. The first snapshot is only remembered (its trigger times are history).
-    fn record(&mut self, snapshot: &SharedSnapshot, status: &Status) {
+impl Programming {
+    /// Everything seen so far is in effect.
+    fn done(&mut self, status: &Status) {
         status.updated();
-        if let Some(prev) = &self.0 {
-            let now = std::time::SystemTime::now();
-            for t in latency::new_triggers(&prev.model, &snapshot.model) {
-                status.observe_programming(latency::since(t, now));
-            }
+        let now = std::time::SystemTime::now();
+        for t in self.0.drain(..) {
+            status.observe_programming(latency::since(t, now));
         }
-        self.0 = Some(SharedSnapshot::clone(snapshot));
     }
 }
 
@@ -77,6 +75,11 @@ pub fn view_from_manifests(
 }
 
 /// Runs until `shutdown` resolves or the source goes away.
+///
+/// Each snapshot is compared with the previous one (persistent maps: in proportion to
+/// the changes), only the Services that changed are rebuilt in the view, and only the
+/// frontends that changed are handed to the dataplane. The periodic resync is the one
+/// full pass: it re-reads the dataplane and rebuilds and compares everything.
 pub async fn run<D: Dataplane>(
     mut source: watch::Receiver<Option<SharedSnapshot>>,
     cfg: ViewConfig,
@@ -91,12 +94,18 @@ pub async fn run<D: Dataplane>(
     let mut next_resync = Instant::now() + timing.resync;
     let mut retry_at: Option<Instant> = None;
     let mut retry_delay = timing.retry;
-    let mut current: Option<NodeView> = None;
-    let mut last_rejections = Vec::new();
     let mut last_unreadable = 0;
     let mut settings: Option<NodeSettings> = None;
     let mut health = HealthServers::new(status.clone());
-    let mut programmed = Programmed::default();
+    let mut programming = Programming::default();
+    let mut tracker: Option<ViewTracker> = None;
+    // The model the tracker's view was built from.
+    let mut tracked: Option<SharedSnapshot> = None;
+    // Frontends changed since the last successful apply, and whether the next apply must
+    // compare everything (the first, after a failure, after a resync).
+    let mut pending: BTreeSet<Frontend> = BTreeSet::new();
+    let mut full_apply = true;
+    let mut applied: Option<NodeView> = None;
     loop {
         let wake = retry_at.map_or(next_resync, |r| r.min(next_resync));
         let mut forced = false;
@@ -135,52 +144,86 @@ pub async fn run<D: Dataplane>(
                 ),
             }
         }
-        health.update(
-            &health_checks(&snapshot.model, &snapshot.node, &cfg),
-            health_check_addresses(&snapshot.node, &cfg).as_deref(),
-        );
-        let (view, rejected) = node_view(&snapshot.model, &snapshot.node, &cfg);
-        if rejected != last_rejections || snapshot.unreadable != last_unreadable {
-            for r in &rejected {
-                tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
-            }
-            // What the source could not read counts too (its lines were logged there).
-            status.count_rejections(rejected.len() + snapshot.unreadable as usize);
-            last_rejections = rejected;
-            last_unreadable = snapshot.unreadable;
-        }
         let resync = forced && Instant::now() >= next_resync;
+        // The view: the changed Services, or everything (the first snapshot, a new node
+        // identity or settings, the periodic resync).
+        let t = tracker.get_or_insert_with(|| ViewTracker::new(snapshot.node.clone(), cfg.clone()));
+        let node_changed = t.set_node(&snapshot.node, &cfg);
+        let changes = match &tracked {
+            Some(prev) => {
+                let model_changes = prev.model.changes_to(&snapshot.model);
+                programming.0.extend(model_changes.triggers);
+                if node_changed || resync {
+                    t.rebuild(&snapshot.model)
+                } else {
+                    t.update(&snapshot.model, &model_changes.services)
+                }
+            }
+            None => t.rebuild(&snapshot.model),
+        };
+        let first = tracked.is_none();
+        tracked = Some(SharedSnapshot::clone(&snapshot));
+        pending.extend(changes.frontends.iter().copied());
+        if changes.health || node_changed || first {
+            health.update(
+                &t.health_checks(),
+                health_check_addresses(&snapshot.node, &cfg).as_deref(),
+            );
+        }
+        for r in &changes.new_rejections {
+            tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
+        }
+        let unreadable = if snapshot.unreadable != last_unreadable {
+            last_unreadable = snapshot.unreadable;
+            snapshot.unreadable as usize
+        } else {
+            0
+        };
+        if !changes.new_rejections.is_empty() || unreadable > 0 {
+            // What the source could not read counts too (its lines were logged there).
+            status.count_rejections(changes.new_rejections.len() + unreadable);
+        }
         if resync {
             next_resync = Instant::now() + timing.resync;
+            full_apply = true;
             if let Err(e) = dataplane.resync() {
                 tracing::warn!(error = format!("{e:#}"), "re-reading the dataplane failed");
             }
-        } else if !forced && current.as_ref() == Some(&view) {
+        } else if !forced && !full_apply && pending.is_empty() {
             // Nothing this node does changed: the change is in effect as it is.
             status.record_unchanged(&snapshot);
-            programmed.record(&snapshot, &status);
+            programming.done(&status);
             continue;
         }
         last_sync = Some(Instant::now());
+        let view = t.view().clone();
         let started = std::time::Instant::now();
-        let outcome = dataplane.apply(&view);
+        let outcome = if full_apply {
+            dataplane.apply(&view)
+        } else {
+            dataplane.apply_changes(&view, &pending)
+        };
         status.record_sync(
             &snapshot,
             &view,
-            current.as_ref(),
+            applied.as_ref(),
             started.elapsed(),
             &outcome,
+            t.no_local_endpoints(),
         );
+        applied = Some(view);
         match outcome {
             Ok(report) if report.failed.is_empty() => {
-                programmed.record(&snapshot, &status);
+                programming.done(&status);
+                pending.clear();
+                full_apply = false;
                 if report.frontends_written + report.frontends_removed > 0 {
                     tracing::info!(
                         written = report.frontends_written,
                         removed = report.frontends_removed,
                         backends_removed = report.backends_removed,
                         udp_sockets_destroyed = report.udp_sockets_destroyed,
-                        frontends = view.len(),
+                        frontends = t.view().len(),
                         "dataplane synced"
                     );
                 }
@@ -191,6 +234,7 @@ pub async fn run<D: Dataplane>(
                 for f in &report.failed {
                     tracing::error!(frontend = f, "frontend not programmed; will retry");
                 }
+                full_apply = true;
                 retry_at = Some(Instant::now() + retry_delay);
                 retry_delay = (retry_delay * 2).min(timing.resync);
             }
@@ -199,10 +243,10 @@ pub async fn run<D: Dataplane>(
                     error = format!("{e:#}"),
                     "dataplane sync failed; will retry"
                 );
+                full_apply = true;
                 retry_at = Some(Instant::now() + retry_delay);
                 retry_delay = (retry_delay * 2).min(timing.resync);
             }
         }
-        current = Some(view);
     }
 }

@@ -208,6 +208,7 @@ impl Status {
         previous: Option<&NodeView>,
         took: Duration,
         outcome: &anyhow::Result<ApplyReport>,
+        no_local: std::collections::BTreeMap<(&'static str, &'static str), u64>,
     ) {
         let empty = NodeView::new();
         for line in diff_lines(previous.unwrap_or(&empty), view) {
@@ -215,7 +216,6 @@ impl Status {
             let _ = self.0.diffs.send(line);
         }
         self.0.histograms.sync.observe(took.as_secs_f64());
-        let no_local = no_local_endpoints(view);
         self.with(|s| {
             s.snapshot = Some(SharedSnapshot::clone(snapshot));
             s.counters.changes_synced = snapshot.changes;
@@ -280,37 +280,6 @@ impl Status {
     pub fn subscribe(&self) -> broadcast::Receiver<String> {
         self.0.diffs.subscribe()
     }
-}
-
-/// kube-proxy's `sync_proxy_rules_no_local_endpoints_total`: Service ports whose Local
-/// traffic policy finds no endpoint on this node, per policy and family.
-fn no_local_endpoints(
-    view: &NodeView,
-) -> std::collections::BTreeMap<(&'static str, &'static str), u64> {
-    let mut seen = std::collections::BTreeSet::new();
-    for (fe, st) in view {
-        let family = if fe.ip.is_ipv4() { "IPv4" } else { "IPv6" };
-        let policy = if st.internal_local {
-            "internal"
-        } else if st.external_local {
-            "external"
-        } else {
-            continue;
-        };
-        if st.backends.endpoints.is_empty() {
-            seen.insert((policy, family, st.service.as_str()));
-        }
-    }
-    let mut counts = std::collections::BTreeMap::new();
-    for policy in ["internal", "external"] {
-        for family in ["IPv4", "IPv6"] {
-            counts.insert((policy, family), 0);
-        }
-    }
-    for (policy, family, _) in seen {
-        *counts.entry((policy, family)).or_insert(0) += 1;
-    }
-    counts
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::{
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde::Deserialize;
 
-use crate::model::{ClusterModel, NodeInfo, ObjectRef, Protocol, ViewConfig};
+use crate::model::{ClusterModel, NodeInfo, Protocol, ViewConfig};
 
 /// What a packet's fate is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -151,12 +151,12 @@ pub fn parse(text: &str) -> Result<Vec<Case>, String> {
         for (j, v) in rc.objects.services.iter().enumerate() {
             let svc: Service = serde_json::from_value(v.clone())
                 .map_err(|e| at(&format!("objects.services[{j}]"), e.to_string()))?;
-            model.services.insert(ObjectRef::of(&svc.metadata), svc);
+            model.add_service(&svc);
         }
         for (j, v) in rc.objects.endpointslices.iter().enumerate() {
             let slice: EndpointSlice = serde_json::from_value(v.clone())
                 .map_err(|e| at(&format!("objects.endpointslices[{j}]"), e.to_string()))?;
-            model.slices.insert(ObjectRef::of(&slice.metadata), slice);
+            model.add_slice(&slice);
         }
         let mut packets = Vec::new();
         for (j, v) in rc.packets.iter().enumerate() {

@@ -395,7 +395,36 @@ fn prepare_sctp(ebpf: &mut Ebpf) -> Result<()> {
 
 impl Dataplane for BpfDataplane {
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
-        let mut report = self.maps_dataplane().apply(view)?;
+        self.apply_some(view, None)
+    }
+
+    fn apply_changes(
+        &mut self,
+        view: &NodeView,
+        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+    ) -> Result<ApplyReport> {
+        self.apply_some(view, Some(changed))
+    }
+
+    fn resync(&mut self) -> Result<()> {
+        self.state = MapState::adopt(&self.maps)?;
+        Ok(())
+    }
+
+    fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
+        sync::configure(&mut self.maps, node)
+    }
+}
+
+impl BpfDataplane {
+    /// Applies the view (all of it, or the `changed` frontends), then clears what the
+    /// endpoints that left need cleared.
+    fn apply_some(
+        &mut self,
+        view: &NodeView,
+        changed: Option<&std::collections::BTreeSet<crate::model::Frontend>>,
+    ) -> Result<ApplyReport> {
+        let mut report = self.state.apply_changes(&mut self.maps, view, changed)?;
         let left = self.state.take_left_udp();
         // The kernel's entries carry no Service: only backends no frontend uses go.
         let gone: Vec<_> = left.iter().filter(|l| l.gone).map(|l| l.backend).collect();
@@ -427,24 +456,6 @@ impl Dataplane for BpfDataplane {
         }
         Ok(report)
     }
-
-    fn resync(&mut self) -> Result<()> {
-        self.state = MapState::adopt(&self.maps)?;
-        Ok(())
-    }
-
-    fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
-        sync::configure(&mut self.maps, node)
-    }
-}
-
-impl BpfDataplane {
-    fn maps_dataplane(&mut self) -> MapsDataplane<'_> {
-        MapsDataplane {
-            maps: &mut self.maps,
-            state: &mut self.state,
-        }
-    }
 }
 
 /// The map-writing half of the dataplane, on any set of maps (pinned or private).
@@ -456,6 +467,14 @@ pub struct MapsDataplane<'a> {
 impl Dataplane for MapsDataplane<'_> {
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
         self.state.apply(self.maps, view)
+    }
+
+    fn apply_changes(
+        &mut self,
+        view: &NodeView,
+        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+    ) -> Result<ApplyReport> {
+        self.state.apply_changes(self.maps, view, Some(changed))
     }
 
     fn resync(&mut self) -> Result<()> {

@@ -7,7 +7,7 @@
 //! before the backends they used.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeSet, HashMap, HashSet},
     net::{IpAddr, SocketAddr},
 };
 
@@ -43,9 +43,11 @@ struct Desired<'a> {
 
 /// The service-map entries of a view: the external (or only) scope of each frontend, and
 /// an internal scope where internal traffic uses other backends.
-fn desired_entries(view: &NodeView) -> Vec<(ServiceKey, Desired<'_>)> {
-    let mut out = Vec::with_capacity(view.len());
-    for (fe, st) in view {
+fn desired_entries<'a>(
+    frontends: impl Iterator<Item = (&'a Frontend, &'a FrontendState)>,
+) -> Vec<(ServiceKey, Desired<'a>)> {
+    let mut out = Vec::with_capacity(frontends.size_hint().0);
+    for (fe, st) in frontends {
         let affinity = if st.affinity_timeout_s.is_some() {
             SVC_F_AFFINITY
         } else {
@@ -299,11 +301,28 @@ impl MapState {
         self.services.len()
     }
 
-    /// Applies `view`. A frontend that cannot be written (a full map) keeps its previous
-    /// entries and is reported; the others still apply.
+    /// Applies `view`, comparing every frontend. A frontend that cannot be written (a
+    /// full map) keeps its previous entries and is reported; the others still apply.
     pub fn apply(&mut self, maps: &mut MapSet, view: &NodeView) -> Result<ApplyReport> {
+        self.apply_changes(maps, view, None)
+    }
+
+    /// Applies `view`; with `changed`, only those frontends are compared and written
+    /// (the ones that differ from the view of the last successful apply), so a sync
+    /// costs what changed, not what exists.
+    pub fn apply_changes(
+        &mut self,
+        maps: &mut MapSet,
+        view: &NodeView,
+        changed: Option<&BTreeSet<Frontend>>,
+    ) -> Result<ApplyReport> {
         let mut report = ApplyReport::default();
-        let desired = desired_entries(view);
+        let desired = match changed {
+            None => desired_entries(view.iter()),
+            Some(changed) => {
+                desired_entries(changed.iter().filter_map(|fe| Some((fe, view.get(fe)?))))
+            }
+        };
         self.members_fix.apply(maps)?;
 
         self.epoch += 1;
@@ -325,35 +344,26 @@ impl MapState {
                 }
             }
         }
-        // 2. Frontends no longer wanted.
-        let stale: Vec<ServiceKey> = self
-            .services
-            .iter()
-            .filter(|(_, p)| p.seen != self.epoch)
-            .map(|(k, _)| *k)
-            .collect();
+        // 2. Frontends (or scopes of them) no longer wanted.
+        let stale: Vec<ServiceKey> = match changed {
+            None => self
+                .services
+                .iter()
+                .filter(|(_, p)| p.seen != self.epoch)
+                .map(|(k, _)| *k)
+                .collect(),
+            Some(changed) => changed
+                .iter()
+                .flat_map(|fe| {
+                    let key = service_key(fe);
+                    [key, ServiceKey { scope: SCOPE_INTERNAL, ..key }]
+                })
+                .filter(|k| self.services.get(k).is_some_and(|p| p.seen != self.epoch))
+                .collect(),
+        };
         for key in stale {
-            if let Some(old) = self.services.remove(&key) {
-                self.note_left(key, &old, &[]);
-                self.release(&old.backend_ids);
-                remove_ignoring_absent(maps.services.remove(&key))?;
-                for slot in 0..old.backend_ids.len() as u32 {
-                    remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
-                        service_id: old.value.id,
-                        rev: old.value.rev,
-                        slot,
-                    }))?;
-                }
-                remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
-                members::leave(maps, old.value.id, &old.backend_ids, &[])?;
-                for net in &old.ranges {
-                    remove_ignoring_absent(
-                        maps.source_ranges.remove(&range_key(old.value.id, net)),
-                    )?;
-                }
-                self.used_service_ids.remove(&old.value.id);
-                report.frontends_removed += 1;
-            }
+            self.remove_frontend(maps, key)?;
+            report.frontends_removed += 1;
         }
         // 3. Backends no frontend uses any more.
         let candidates: Vec<u32> = self.maybe_unused.drain().collect();
@@ -407,6 +417,31 @@ impl MapState {
             }
         }
         Ok(report)
+    }
+
+    /// Removes one service-map entry with its slots, reverse-NAT entry, members and
+    /// source ranges; its backends go when no other frontend uses them.
+    fn remove_frontend(&mut self, maps: &mut MapSet, key: ServiceKey) -> Result<()> {
+        let Some(old) = self.services.remove(&key) else {
+            return Ok(());
+        };
+        self.note_left(key, &old, &[]);
+        self.release(&old.backend_ids);
+        remove_ignoring_absent(maps.services.remove(&key))?;
+        for slot in 0..old.backend_ids.len() as u32 {
+            remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
+                service_id: old.value.id,
+                rev: old.value.rev,
+                slot,
+            }))?;
+        }
+        remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
+        members::leave(maps, old.value.id, &old.backend_ids, &[])?;
+        for net in &old.ranges {
+            remove_ignoring_absent(maps.source_ranges.remove(&range_key(old.value.id, net)))?;
+        }
+        self.used_service_ids.remove(&old.value.id);
+        Ok(())
     }
 
     /// The UDP endpoints that left a frontend since the last call (their connected

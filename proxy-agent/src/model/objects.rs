@@ -1,0 +1,481 @@
+//! The compact model: from each Service and EndpointSlice only what the node view reads,
+//! parsed once when the object arrives (addresses as `IpAddr`, ports as numbers, node
+//! and zone names shared), instead of whole API objects with every annotation kept and
+//! parsed again on every sync. What cannot be parsed is kept as the reason, so the view
+//! reports it exactly where it would have used the value.
+
+use std::{
+    collections::HashSet,
+    net::IpAddr,
+    sync::{Arc, Mutex, OnceLock},
+    time::SystemTime,
+};
+
+use k8s_openapi::{
+    api::{
+        core::v1::{Service, ServicePort},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::util::intstr::IntOrString,
+    chrono::DateTime,
+};
+use serde::Serialize;
+
+use super::{Protocol, sloppy};
+
+/// Label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Label naming the proxy that serves a Service (kube-proxy skips labelled Services).
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Set by the endpoints controllers on every EndpointSlice they write.
+pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+
+/// One Service, as the view needs it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ServiceInfo {
+    /// The `service.kubernetes.io/service-proxy-name` label, if any.
+    pub proxy_name: Option<String>,
+    /// The Service as a whole cannot be used (no spec, bad ports, bad cluster IPs): why.
+    pub invalid: Option<String>,
+    pub external_name: bool,
+    /// `clusterIPs` (or `clusterIP`); empty for a headless Service.
+    pub cluster_ips: Vec<IpAddr>,
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones.
+    pub lb_ips: Vec<IpAddr>,
+    pub source_ranges: Vec<ipnet::IpNet>,
+    /// Parts left out (a bad external IP, load-balancer IP or source range): why.
+    pub problems: Vec<String>,
+    pub ports: Vec<PortInfo>,
+    /// `type: NodePort` or `LoadBalancer`.
+    pub node_port_type: bool,
+    pub internal_local: bool,
+    /// `externalTrafficPolicy: Local` (in effect only if the Service is reachable from
+    /// outside).
+    pub external_policy_local: bool,
+    /// `sessionAffinity: ClientIP` timeout in seconds.
+    pub affinity_timeout_s: Option<u32>,
+    pub health_check_node_port: Option<u16>,
+}
+
+/// One Service port.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PortInfo {
+    /// The port's name ("" when unnamed): how slices name their ports.
+    pub name: String,
+    /// The name, or the number when unnamed, for logs.
+    pub display: String,
+    /// Port number and protocol, or why they are unusable.
+    pub port: Result<(u16, Protocol), String>,
+    pub node_port: Option<u16>,
+    pub target_port: TargetPort,
+}
+
+/// A Service port's `targetPort`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum TargetPort {
+    Number(i32),
+    /// A named port: only slices resolve it.
+    Named,
+}
+
+/// One EndpointSlice, as the view needs it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SliceInfo {
+    /// The Service it belongs to (`kubernetes.io/service-name`).
+    pub service: Option<String>,
+    /// `IPv4` or `IPv6`; `None` for FQDN slices (not proxied).
+    pub ipv4: Option<bool>,
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<EndpointInfo>,
+    /// Endpoint addresses that do not parse, as written.
+    pub bad_addresses: Vec<String>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`.
+    #[serde(skip)]
+    pub trigger_time: Option<SystemTime>,
+}
+
+/// One port of a slice.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SlicePort {
+    pub name: String,
+    /// `None`: a protocol we do not proxy.
+    pub protocol: Option<Protocol>,
+    pub port: Option<i32>,
+}
+
+/// One endpoint: its first address (kube-proxy uses only that one) and conditions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct EndpointInfo {
+    pub ip: IpAddr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node: Option<Arc<str>>,
+    /// Topology hints, when the endpoint has any.
+    pub hints: Option<Box<Hints>>,
+}
+
+/// `hints.forZones` and `hints.forNodes`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Hints {
+    pub zones: Vec<Arc<str>>,
+    pub nodes: Vec<Arc<str>>,
+}
+
+/// Node and zone names, shared by every endpoint that names them: a cluster has few of
+/// them and a million endpoints may repeat them. Never shrinks (bounded by the cluster's
+/// node and zone names).
+fn intern(name: &str) -> Arc<str> {
+    static NAMES: OnceLock<Mutex<HashSet<Arc<str>>>> = OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = names.get(name) {
+        return Arc::clone(n);
+    }
+    let n: Arc<str> = Arc::from(name);
+    names.insert(Arc::clone(&n));
+    n
+}
+
+pub fn protocol(raw: Option<&str>) -> Result<Protocol, String> {
+    match raw.unwrap_or("TCP") {
+        "TCP" => Ok(Protocol::Tcp),
+        "UDP" => Ok(Protocol::Udp),
+        "SCTP" => Ok(Protocol::Sctp),
+        other => Err(other.to_string()),
+    }
+}
+
+impl ServiceInfo {
+    /// Reads what the view uses from a Service.
+    pub fn from_k8s(svc: &Service) -> Self {
+        let proxy_name = svc
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL))
+            .cloned();
+        let Some(spec) = &svc.spec else {
+            return Self {
+                proxy_name,
+                invalid: Some("no spec".into()),
+                ..Default::default()
+            };
+        };
+        let ports: Vec<PortInfo> = spec.ports.iter().flatten().map(port_info).collect();
+        let mut info = Self {
+            proxy_name,
+            external_name: spec.type_.as_deref() == Some("ExternalName"),
+            node_port_type: matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer")),
+            internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+            external_policy_local: spec.external_traffic_policy.as_deref() == Some("Local"),
+            affinity_timeout_s: affinity_timeout(spec),
+            health_check_node_port: spec
+                .health_check_node_port
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0),
+            ..Default::default()
+        };
+        let whole = check_ports(&ports, spec.ports.iter().flatten())
+            .and_then(|()| cluster_ips(spec.cluster_ips.as_ref(), spec.cluster_ip.as_ref()));
+        match whole {
+            Ok(ips) => info.cluster_ips = ips,
+            Err(reason) => {
+                info.invalid = Some(reason);
+                return info;
+            }
+        }
+        info.ports = ports;
+        let (external_ips, bad) = parse_ips(spec.external_ips.iter().flatten(), "externalIP");
+        info.external_ips = external_ips;
+        info.problems.extend(bad);
+        let (lb_ips, bad) = parse_ips(load_balancer_ips(svc).iter(), "load-balancer IP");
+        info.lb_ips = lb_ips;
+        info.problems.extend(bad);
+        let (ranges, bad) = parse_cidrs(spec.load_balancer_source_ranges.iter().flatten());
+        info.source_ranges = ranges;
+        info.problems.extend(bad);
+        info
+    }
+}
+
+fn port_info(port: &ServicePort) -> PortInfo {
+    let name = port.name.clone().unwrap_or_default();
+    PortInfo {
+        display: if name.is_empty() {
+            port.port.to_string()
+        } else {
+            name.clone()
+        },
+        name,
+        port: port_and_protocol(port),
+        node_port: port
+            .node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0),
+        target_port: match &port.target_port {
+            Some(IntOrString::Int(n)) => TargetPort::Number(*n),
+            None => TargetPort::Number(port.port),
+            Some(IntOrString::String(_)) => TargetPort::Named,
+        },
+    }
+}
+
+fn port_and_protocol(port: &ServicePort) -> Result<(u16, Protocol), String> {
+    let number = u16::try_from(port.port)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| format!("port {} out of range 1-65535", port.port))?;
+    let protocol = protocol(port.protocol.as_deref())
+        .map_err(|p| format!("port {number}: unsupported protocol {p:?}"))?;
+    Ok((number, protocol))
+}
+
+/// The API server's checks of a Service's ports that kube-proxy relies on: no port or
+/// nodePort given twice (per protocol), nodePorts within 1-65535. (The node-port range
+/// is this node's setting: the view checks it.)
+fn check_ports<'a>(
+    parsed: &[PortInfo],
+    raw: impl Iterator<Item = &'a ServicePort>,
+) -> Result<(), String> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut node_ports = std::collections::BTreeSet::new();
+    for (port, raw) in parsed.iter().zip(raw) {
+        // A bad number or protocol leaves out that port alone (reported where ports are
+        // read); the checks here are of the Service as a whole.
+        let Ok((number, protocol)) = port.port else {
+            continue;
+        };
+        if !seen.insert((number, protocol)) {
+            return Err(format!("port {number}/{protocol} given twice"));
+        }
+        match raw.node_port {
+            None | Some(0) => {}
+            Some(n) => {
+                let Some(n) = u16::try_from(n).ok().filter(|n| *n != 0) else {
+                    return Err(format!("nodePort {n} out of range 1-65535"));
+                };
+                if !node_ports.insert((n, protocol)) {
+                    return Err(format!("nodePort {n}/{protocol} given twice"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The Service's cluster IPs (dual-stack `clusterIPs`, else `clusterIP`); empty for a
+/// headless Service.
+fn cluster_ips(
+    cluster_ips: Option<&Vec<String>>,
+    cluster_ip: Option<&String>,
+) -> Result<Vec<IpAddr>, String> {
+    let raw: Vec<&String> = match (cluster_ips, cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips.iter().collect(),
+        (_, Some(ip)) => vec![ip],
+        _ => vec![],
+    };
+    // Headless: "None" (or nothing) alone; beside an address it is invalid, as the API
+    // server says.
+    if raw.iter().all(|ip| ip.is_empty() || *ip == "None") {
+        return Ok(vec![]);
+    }
+    let mut ips = Vec::new();
+    for ip in raw {
+        let parsed = sloppy::parse_ip(ip).map_err(|e| format!("invalid clusterIP {ip:?}: {e}"))?;
+        if !is_unicast_service_ip(parsed) {
+            return Err(format!(
+                "clusterIP {ip:?}: not a unicast address a Service can have (loopback, \
+                 unspecified, broadcast, multicast and link-local are not)"
+            ));
+        }
+        if ips.contains(&parsed) {
+            return Err(format!("clusterIPs: {ip} twice"));
+        }
+        ips.push(parsed);
+    }
+    if ips.len() == 2 && ips[0].is_ipv4() == ips[1].is_ipv4() {
+        return Err("clusterIPs: two addresses of one family".into());
+    }
+    Ok(ips)
+}
+
+/// What the API server accepts as a Service VIP (ClusterIP, external or LB IP) — and what
+/// would otherwise hijack the node's own traffic (loopback) or every host (broadcast).
+fn is_unicast_service_ip(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            !(v4.is_loopback()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_link_local())
+        }
+        IpAddr::V6(v6) => {
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || v6.is_unicast_link_local())
+        }
+    }
+}
+
+/// Parses a Service's extra VIPs (external and load-balancer IPs); invalid ones, and
+/// those no Service may have (an external IP of 127.0.0.1 would take over the node's own
+/// loopback traffic), are left out and described.
+fn parse_ips<'a>(raw: impl Iterator<Item = &'a String>, what: &str) -> (Vec<IpAddr>, Vec<String>) {
+    let mut ips = Vec::new();
+    let mut bad = Vec::new();
+    for s in raw {
+        match sloppy::parse_ip(s) {
+            Ok(ip) if is_unicast_service_ip(ip) => ips.push(ip),
+            Ok(_) => bad.push(format!(
+                "{what} {s:?}: not a unicast address a Service can have (loopback, \
+                 unspecified, broadcast, multicast and link-local are not)"
+            )),
+            Err(e) => bad.push(format!("invalid {what} {s:?}: {e}")),
+        }
+    }
+    (ips, bad)
+}
+
+/// `loadBalancerSourceRanges`; the invalid ones are left out and described.
+fn parse_cidrs<'a>(raw: impl Iterator<Item = &'a String>) -> (Vec<ipnet::IpNet>, Vec<String>) {
+    let mut nets = Vec::new();
+    let mut bad = Vec::new();
+    for s in raw {
+        match sloppy::parse_cidr(s.trim()) {
+            Ok(n) => nets.push(n),
+            Err(e) => bad.push(format!("invalid loadBalancerSourceRange {s:?}: {e}")),
+        }
+    }
+    (nets, bad)
+}
+
+/// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones (the load balancer
+/// proxies, so traffic arrives addressed to the node, not to the LB IP).
+fn load_balancer_ips(svc: &Service) -> Vec<String> {
+    svc.status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+        .filter_map(|i| i.ip.clone())
+        .collect()
+}
+
+fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec) -> Option<u32> {
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return None;
+    }
+    let timeout = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds)
+        .and_then(|t| u32::try_from(t).ok())
+        .filter(|t| *t > 0)
+        .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_S);
+    Some(timeout)
+}
+
+impl SliceInfo {
+    /// Reads what the view uses from an EndpointSlice.
+    pub fn from_k8s(slice: &EndpointSlice) -> Self {
+        let mut bad_addresses = Vec::new();
+        let endpoints = slice
+            .endpoints
+            .iter()
+            .filter_map(|ep| {
+                // kube-proxy uses an endpoint's first address only (the others are the
+                // same pod's, and the API requires at least one).
+                let addr = ep.addresses.first()?;
+                let Ok(ip) = sloppy::parse_ip(addr) else {
+                    bad_addresses.push(addr.clone());
+                    return None;
+                };
+                let cond = ep.conditions.as_ref();
+                let hints = ep.hints.as_ref().map(|h| Hints {
+                    zones: h
+                        .for_zones
+                        .iter()
+                        .flatten()
+                        .map(|z| intern(&z.name))
+                        .collect(),
+                    nodes: h
+                        .for_nodes
+                        .iter()
+                        .flatten()
+                        .map(|n| intern(&n.name))
+                        .collect(),
+                });
+                Some(EndpointInfo {
+                    ip,
+                    // A missing condition means "ready"/"serving" (discovery.k8s.io/v1),
+                    // each on its own, as kube-proxy's endpointslicecache reads them.
+                    ready: cond.and_then(|c| c.ready).unwrap_or(true),
+                    serving: cond.and_then(|c| c.serving).unwrap_or(true),
+                    terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
+                    node: ep.node_name.as_deref().map(intern),
+                    hints: hints
+                        .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                        .map(Box::new),
+                })
+            })
+            .collect();
+        Self {
+            service: slice
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(SERVICE_NAME_LABEL))
+                .cloned(),
+            ipv4: match slice.address_type.as_str() {
+                "IPv4" => Some(true),
+                "IPv6" => Some(false),
+                _ => None,
+            },
+            ports: slice
+                .ports
+                .iter()
+                .flatten()
+                .map(|p| SlicePort {
+                    name: p.name.clone().unwrap_or_default(),
+                    protocol: protocol(p.protocol.as_deref()).ok(),
+                    port: p.port,
+                })
+                .collect(),
+            endpoints,
+            bad_addresses,
+            trigger_time: slice
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(TRIGGER_TIME))
+                .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+                .map(SystemTime::from),
+        }
+    }
+}
+
+impl EndpointInfo {
+    pub fn zone_hints(&self) -> &[Arc<str>] {
+        self.hints.as_deref().map_or(&[], |h| &h.zones)
+    }
+
+    pub fn node_hints(&self) -> &[Arc<str>] {
+        self.hints.as_deref().map_or(&[], |h| &h.nodes)
+    }
+
+    pub fn is_on(&self, node: &str) -> bool {
+        self.node.as_deref() == Some(node)
+    }
+}
+

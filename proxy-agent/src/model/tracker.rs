@@ -1,0 +1,245 @@
+//! The node view, kept up to date one Service at a time (kube-proxy's change trackers):
+//! each Service's part of the view is rebuilt only when the Service or one of its slices
+//! changed; VIP collisions between Services are settled for the frontends it touches.
+//! A full rebuild is for a new node identity or settings, and for the periodic resync.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
+
+use super::{
+    ClusterModel, Frontend, FrontendState, HealthCheck, NodeInfo, NodeView, ObjectRef, Rejection,
+    ViewConfig,
+    view::{ServiceView, service_view},
+};
+
+/// What an update changed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ViewChanges {
+    /// Frontends whose state changed, appeared or went away.
+    pub frontends: BTreeSet<Frontend>,
+    /// Rejections that are new (of Services whose rejections changed): to log and count.
+    pub new_rejections: Vec<Rejection>,
+    /// Some health-check port changed.
+    pub health: bool,
+}
+
+/// This node's view and each Service's part in it.
+#[derive(Debug)]
+pub struct ViewTracker {
+    node: NodeInfo,
+    cfg: ViewConfig,
+    /// Services with something in the view (frontends, rejections or a health check).
+    services: BTreeMap<ObjectRef, ServiceView>,
+    /// The Services that want each frontend, in namespace/name order: the first has it.
+    claims: BTreeMap<Frontend, Vec<ObjectRef>>,
+    /// Frontends wanted by more than one Service: the refusals of the others.
+    collisions: BTreeMap<Frontend, Vec<Rejection>>,
+    view: NodeView,
+    /// Services with a health-check port here (few: eTP Local ones).
+    health: BTreeMap<ObjectRef, (u16, HealthCheck)>,
+    no_local: BTreeMap<(&'static str, &'static str), u64>,
+}
+
+impl ViewTracker {
+    pub fn new(node: NodeInfo, cfg: ViewConfig) -> Self {
+        Self {
+            node,
+            cfg,
+            services: BTreeMap::new(),
+            claims: BTreeMap::new(),
+            collisions: BTreeMap::new(),
+            view: NodeView::new(),
+            health: BTreeMap::new(),
+            no_local: BTreeMap::new(),
+        }
+    }
+
+    pub fn node(&self) -> &NodeInfo {
+        &self.node
+    }
+
+    /// A new node identity or settings: `true` if it differs (the caller rebuilds).
+    pub fn set_node(&mut self, node: &NodeInfo, cfg: &ViewConfig) -> bool {
+        if self.node == *node && self.cfg == *cfg {
+            return false;
+        }
+        self.node = node.clone();
+        self.cfg = cfg.clone();
+        true
+    }
+
+    pub fn view(&self) -> &NodeView {
+        &self.view
+    }
+
+    /// Rebuilds every Service's part; frontends are changed only where they differ.
+    pub fn rebuild(&mut self, model: &ClusterModel) -> ViewChanges {
+        let all: BTreeSet<ObjectRef> = self
+            .services
+            .keys()
+            .cloned()
+            .chain(model.services().map(|(r, _)| r.clone()))
+            .collect();
+        self.update(model, &all)
+    }
+
+    /// Rebuilds the parts of `services` (those that changed, or went away).
+    pub fn update<'a>(
+        &mut self,
+        model: &ClusterModel,
+        services: impl IntoIterator<Item = &'a ObjectRef>,
+    ) -> ViewChanges {
+        let mut changes = ViewChanges::default();
+        let mut touched = BTreeSet::new();
+        for sref in services {
+            let fresh = model
+                .service(sref)
+                .map(|svc| service_view(sref, svc, model, &self.node, &self.cfg))
+                .filter(|v| !v.is_empty());
+            self.replace(sref, fresh, &mut touched, &mut changes);
+        }
+        self.settle(&touched, &mut changes);
+        changes
+    }
+
+    /// Swaps one Service's part, noting the frontends it touched.
+    fn replace(
+        &mut self,
+        sref: &ObjectRef,
+        fresh: Option<ServiceView>,
+        touched: &mut BTreeSet<Frontend>,
+        changes: &mut ViewChanges,
+    ) {
+        let old = self.services.remove(sref);
+        let old_rejections = old.as_ref().map_or(&[][..], |o| &o.rejections);
+        let new_rejections = fresh.as_ref().map_or(&[][..], |f| &f.rejections);
+        if old_rejections != new_rejections {
+            changes.new_rejections.extend(new_rejections.iter().cloned());
+        }
+        let health = fresh.as_ref().and_then(|f| f.health.clone());
+        if self.health.get(sref) != health.as_ref() {
+            changes.health = true;
+            match health {
+                Some(h) => self.health.insert(sref.clone(), h),
+                None => self.health.remove(sref),
+            };
+        }
+        if let Some(old) = &old {
+            for fe in old.frontends.keys() {
+                if let Some(c) = self.claims.get_mut(fe) {
+                    c.retain(|r| r != sref);
+                }
+                touched.insert(*fe);
+            }
+            for key in &old.no_local {
+                if let Some(n) = self.no_local.get_mut(key) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+        }
+        if let Some(fresh) = fresh {
+            for fe in fresh.frontends.keys() {
+                let c = self.claims.entry(*fe).or_default();
+                if let Err(at) = c.binary_search(sref) {
+                    c.insert(at, sref.clone());
+                }
+                touched.insert(*fe);
+            }
+            for key in &fresh.no_local {
+                *self.no_local.entry(*key).or_insert(0) += 1;
+            }
+            self.services.insert(sref.clone(), fresh);
+        }
+    }
+
+    /// Gives each touched frontend to the first Service (namespace/name order) that
+    /// wants it — the API server allocates ClusterIPs and NodePorts once, but files and
+    /// external IPs can collide — and refuses it to the others, by name.
+    fn settle(&mut self, touched: &BTreeSet<Frontend>, changes: &mut ViewChanges) {
+        for fe in touched {
+            let claimants = self.claims.get(fe).cloned().unwrap_or_default();
+            let state = |r: &ObjectRef| -> Option<&Arc<FrontendState>> {
+                self.services.get(r).and_then(|s| s.frontends.get(fe))
+            };
+            let winner = claimants.first().and_then(|r| state(r).cloned());
+            let refusals: Vec<Rejection> = match &winner {
+                None => Vec::new(),
+                Some(w) => claimants[1..]
+                    .iter()
+                    .filter_map(|r| {
+                        let loser = state(r)?;
+                        Some(Rejection {
+                            kind: "Service",
+                            object: r.clone(),
+                            reason: format!(
+                                "{fe} already belongs to {}; not programmed for {}",
+                                w.service, loser.service
+                            ),
+                        })
+                    })
+                    .collect(),
+            };
+            if claimants.is_empty() {
+                self.claims.remove(fe);
+            }
+            let old_refusals = self.collisions.get(fe).map_or(&[][..], Vec::as_slice);
+            if old_refusals != refusals.as_slice() {
+                changes.new_rejections.extend(refusals.iter().cloned());
+            }
+            if refusals.is_empty() {
+                self.collisions.remove(fe);
+            } else {
+                self.collisions.insert(*fe, refusals);
+            }
+            match winner {
+                None => {
+                    if self.view.remove(fe).is_some() {
+                        changes.frontends.insert(*fe);
+                    }
+                }
+                Some(st) => {
+                    if self.view.shared(fe) != Some(&st) {
+                        self.view.set(*fe, st);
+                        changes.frontends.insert(*fe);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Everything left out, in namespace/name order.
+    pub fn rejections(&self) -> Vec<Rejection> {
+        let mut refused: BTreeMap<&ObjectRef, Vec<&Rejection>> = BTreeMap::new();
+        for r in self.collisions.values().flatten() {
+            refused.entry(&r.object).or_default().push(r);
+        }
+        let mut out = Vec::new();
+        for (sref, part) in &self.services {
+            out.extend(part.rejections.iter().cloned());
+            out.extend(refused.remove(sref).into_iter().flatten().cloned());
+        }
+        out
+    }
+
+    /// Health-check ports of this node, by port: kube-proxy answers 200 with the number
+    /// of local endpoints, 503 without.
+    pub fn health_checks(&self) -> BTreeMap<u16, HealthCheck> {
+        self.health.values().cloned().collect()
+    }
+
+    /// kube-proxy's `sync_proxy_rules_no_local_endpoints_total`, per policy and family.
+    pub fn no_local_endpoints(&self) -> BTreeMap<(&'static str, &'static str), u64> {
+        let mut counts = BTreeMap::new();
+        for policy in ["internal", "external"] {
+            for family in ["IPv4", "IPv6"] {
+                counts.insert((policy, family), 0);
+            }
+        }
+        for (k, n) in &self.no_local {
+            counts.insert(*k, *n);
+        }
+        counts
+    }
+}
