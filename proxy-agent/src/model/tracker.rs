@@ -243,3 +243,127 @@ impl ViewTracker {
         counts
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+    use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
+    use serde_json::json;
+
+    use super::*;
+    use crate::model::node_view;
+
+    /// A random Service from small pools, so VIPs, NodePorts and slices collide.
+    fn service(rng: &mut StdRng, name: &str) -> Service {
+        let ip = format!("10.96.0.{}", rng.random_range(1..6));
+        let node_port = 30_000 + rng.random_range(0..4);
+        let mut spec = json!({
+            "clusterIP": ip,
+            "ports": [{"name": "http", "port": 80 + rng.random_range(0..2), "targetPort": 8080}],
+        });
+        if rng.random_bool(0.3) {
+            spec["type"] = json!("NodePort");
+            spec["ports"][0]["nodePort"] = json!(node_port);
+            if rng.random_bool(0.5) {
+                spec["externalTrafficPolicy"] = json!("Local");
+                spec["healthCheckNodePort"] = json!(32_000 + rng.random_range(0..3));
+            }
+        }
+        if rng.random_bool(0.2) {
+            spec["externalIPs"] = json!([format!("203.0.113.{}", rng.random_range(1..4))]);
+        }
+        if rng.random_bool(0.2) {
+            spec["internalTrafficPolicy"] = json!("Local");
+        }
+        if rng.random_bool(0.05) {
+            spec["clusterIP"] = json!("not-an-ip");
+        }
+        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns"}, "spec": spec}))
+            .expect("service")
+    }
+
+    fn slice(rng: &mut StdRng, name: &str, owner: &str) -> EndpointSlice {
+        let eps: Vec<_> = (0..rng.random_range(0..4))
+            .map(|_| {
+                json!({"addresses": [format!("10.244.0.{}", rng.random_range(1..8))],
+                       "conditions": {"ready": rng.random_bool(0.7), "serving": true,
+                                      "terminating": rng.random_bool(0.2)},
+                       "nodeName": if rng.random_bool(0.5) { "node-a" } else { "node-b" }})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns",
+                         "labels": {"kubernetes.io/service-name": owner}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": eps,
+        }))
+        .expect("slice")
+    }
+
+    fn node() -> NodeInfo {
+        NodeInfo {
+            name: "node-a".into(),
+            addresses: vec!["192.0.2.10".parse().expect("ip")],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn updating_the_changed_services_gives_the_full_rebuild() {
+        let cfg = ViewConfig::default();
+        for seed in 0..20 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut model = ClusterModel::default();
+            let mut tracker = ViewTracker::new(node(), cfg.clone());
+            tracker.rebuild(&model);
+            let mut shown = NodeView::new();
+            for step in 0..150 {
+                let before = model.clone();
+                let svc = format!("svc-{}", rng.random_range(0..8));
+                let slice_name = format!("slice-{}", rng.random_range(0..12));
+                match rng.random_range(0..10) {
+                    0..=2 => {
+                        model.add_service(&service(&mut rng, &svc));
+                    }
+                    3 => {
+                        model.remove_service(&ObjectRef {
+                            namespace: "ns".into(),
+                            name: svc,
+                        });
+                    }
+                    4..=7 => {
+                        // Sometimes relabelled to another Service.
+                        model.add_slice(&slice(&mut rng, &slice_name, &svc));
+                    }
+                    _ => {
+                        model.remove_slice(&ObjectRef {
+                            namespace: "ns".into(),
+                            name: slice_name,
+                        });
+                    }
+                }
+                let changes = tracker.update(&model, &before.changes_to(&model).services);
+                let (want, want_rejections) = node_view(&model, &node(), &cfg);
+                assert_eq!(tracker.view(), &want, "seed {seed} step {step}");
+                let mut got_rejections = tracker.rejections();
+                let mut want_rejections = want_rejections;
+                let key = |r: &Rejection| (r.object.clone(), r.reason.clone());
+                got_rejections.sort_by_key(key);
+                want_rejections.sort_by_key(key);
+                assert_eq!(got_rejections, want_rejections, "seed {seed} step {step}");
+                let mut full = ViewTracker::new(node(), cfg.clone());
+                full.rebuild(&model);
+                assert_eq!(tracker.health_checks(), full.health_checks());
+                assert_eq!(tracker.no_local_endpoints(), full.no_local_endpoints());
+                // The changes name exactly the frontends that differ.
+                assert_eq!(
+                    changes.frontends,
+                    shown.changed_frontends(tracker.view()),
+                    "seed {seed} step {step}"
+                );
+                shown = tracker.view().clone();
+            }
+        }
+    }
+}
