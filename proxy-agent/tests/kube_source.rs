@@ -239,7 +239,12 @@ async fn services_and_slices_are_listed_with_kube_proxys_label_selector() {
         model.slice_count(),
         1,
         "{}",
-        names(model.slices().map(|(k, _)| k.object().to_string()).collect())
+        names(
+            model
+                .slices()
+                .map(|(k, _)| k.object().to_string())
+                .collect()
+        )
     );
 }
 

@@ -161,7 +161,8 @@ fn topology_mode(endpoints: &[Endpoint<'_>], node: &str, zone: Option<&str>) -> 
         return TopologyMode::SameNode;
     }
     let all_zone_hints = ready.iter().all(|e| !e.zone_hints.is_empty());
-    if all_zone_hints && zone.is_some_and(|z| ready.iter().any(|e| names_contain(e.zone_hints, z))) {
+    if all_zone_hints && zone.is_some_and(|z| ready.iter().any(|e| names_contain(e.zone_hints, z)))
+    {
         return TopologyMode::SameZone;
     }
     TopologyMode::None

@@ -170,9 +170,7 @@ impl ClusterModel {
         };
         self.slices
             .range(from..)
-            .take_while(move |(k, _)| {
-                k.namespace == service.namespace && k.service == service.name
-            })
+            .take_while(move |(k, _)| k.namespace == service.namespace && k.service == service.name)
             .map(|(k, s)| (k, &**s))
     }
 

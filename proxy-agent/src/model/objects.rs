@@ -478,4 +478,3 @@ impl EndpointInfo {
         self.node.as_deref() == Some(node)
     }
 }
-

@@ -116,7 +116,9 @@ impl ViewTracker {
         let old_rejections = old.as_ref().map_or(&[][..], |o| &o.rejections);
         let new_rejections = fresh.as_ref().map_or(&[][..], |f| &f.rejections);
         if old_rejections != new_rejections {
-            changes.new_rejections.extend(new_rejections.iter().cloned());
+            changes
+                .new_rejections
+                .extend(new_rejections.iter().cloned());
         }
         let health = fresh.as_ref().and_then(|f| f.health.clone());
         if self.health.get(sref) != health.as_ref() {

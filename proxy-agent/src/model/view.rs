@@ -10,9 +10,8 @@ use std::{
 
 use super::{
     BackendSet, ClusterModel, Frontend, FrontendKind, FrontendState, NodeInfo, NodeView, ObjectRef,
-    Protocol, ViewConfig, WhenEmpty,
+    Protocol, SliceKey, ViewConfig, WhenEmpty,
     endpoints::{Categorized, Endpoint, Policies, categorize, dedupe},
-    SliceKey,
     objects::{PortInfo, ServiceInfo, SliceInfo, TargetPort},
 };
 
@@ -153,18 +152,43 @@ pub fn service_view(
             };
             let mut wanted: Vec<(Frontend, Arc<FrontendState>)> = Vec::new();
             for ip in cips {
-                wanted.push((Frontend { ip, port: number, protocol }, state_for(FrontendKind::ClusterIp)));
+                wanted.push((
+                    Frontend {
+                        ip,
+                        port: number,
+                        protocol,
+                    },
+                    state_for(FrontendKind::ClusterIp),
+                ));
             }
             for ip in family_ips(&svc.external_ips) {
-                wanted.push((Frontend { ip, port: number, protocol }, state_for(FrontendKind::ExternalIp)));
+                wanted.push((
+                    Frontend {
+                        ip,
+                        port: number,
+                        protocol,
+                    },
+                    state_for(FrontendKind::ExternalIp),
+                ));
             }
             for ip in family_ips(&svc.lb_ips) {
-                wanted.push((Frontend { ip, port: number, protocol }, state_for(FrontendKind::LoadBalancer)));
+                wanted.push((
+                    Frontend {
+                        ip,
+                        port: number,
+                        protocol,
+                    },
+                    state_for(FrontendKind::LoadBalancer),
+                ));
             }
             if let Some(node_port) = port.node_port {
                 for ip in node_port_ips(node, cfg, v4) {
                     wanted.push((
-                        Frontend { ip, port: node_port, protocol },
+                        Frontend {
+                            ip,
+                            port: node_port,
+                            protocol,
+                        },
                         state_for(FrontendKind::NodePort),
                     ));
                 }

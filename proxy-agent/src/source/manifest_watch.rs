@@ -107,9 +107,9 @@ fn publish(
         unreadable,
     };
     tx.send_if_modified(|current| {
-        let changed = current.as_ref().is_none_or(|c| {
-            model_changed || c.node != snapshot.node || c.unreadable != unreadable
-        });
+        let changed = current
+            .as_ref()
+            .is_none_or(|c| model_changed || c.node != snapshot.node || c.unreadable != unreadable);
         if changed {
             *current = Some(Arc::new(snapshot));
         }

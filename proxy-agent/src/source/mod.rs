@@ -10,7 +10,6 @@ pub mod manifest_watch;
 
 use crate::model::{ClusterModel, NodeInfo};
 
-
 /// What sources publish: shared, so the runner and the debug endpoint hold the same
 /// model rather than copies of it.
 pub type SharedSnapshot = std::sync::Arc<Snapshot>;

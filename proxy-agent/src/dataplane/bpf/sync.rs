@@ -356,7 +356,13 @@ impl MapState {
                 .iter()
                 .flat_map(|fe| {
                     let key = service_key(fe);
-                    [key, ServiceKey { scope: SCOPE_INTERNAL, ..key }]
+                    [
+                        key,
+                        ServiceKey {
+                            scope: SCOPE_INTERNAL,
+                            ..key
+                        },
+                    ]
                 })
                 .filter(|k| self.services.get(k).is_some_and(|p| p.seen != self.epoch))
                 .collect(),

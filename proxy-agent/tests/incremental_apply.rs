@@ -1,0 +1,177 @@
+//! The dataplane's partial apply (only the frontends that changed) leaves the maps as
+//! the full apply (every frontend compared) does: after each of hundreds of random view
+//! changes, two private map sets — one fed changes, one fed whole views — hold the same
+//! entries, value for value (ids aside), with no slot, backend, reverse-NAT, member or
+//! source-range entry left behind. Root: it loads the BPF maps.
+
+mod support;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+};
+
+use proxy_agent::{
+    dataplane::bpf::{self, MapSet, MapState},
+    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+};
+use proxy_common::BackendSlotKey;
+use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
+
+fn random_set(rng: &mut StdRng) -> BackendSet {
+    BackendSet {
+        endpoints: (0..rng.random_range(0..5))
+            .map(|_| {
+                SocketAddr::new(
+                    IpAddr::from([10, 244, 0, rng.random_range(1..10)]),
+                    8080 + rng.random_range(0..2),
+                )
+            })
+            .collect(),
+        when_empty: if rng.random_bool(0.5) {
+            WhenEmpty::Drop
+        } else {
+            WhenEmpty::Reject
+        },
+    }
+}
+
+fn random_state(rng: &mut StdRng) -> FrontendState {
+    let kind = if rng.random_bool(0.5) {
+        FrontendKind::ClusterIp
+    } else {
+        FrontendKind::NodePort
+    };
+    let external_local = kind == FrontendKind::NodePort && rng.random_bool(0.5);
+    FrontendState {
+        service: format!("ns/svc-{}:http", rng.random_range(0..4)),
+        kind,
+        backends: random_set(rng),
+        internal: external_local.then(|| random_set(rng)),
+        affinity_timeout_s: rng.random_bool(0.3).then_some(10_800),
+        external_local,
+        internal_local: false,
+        source_ranges: if rng.random_bool(0.2) {
+            vec!["198.51.100.0/24".parse().expect("cidr")]
+        } else {
+            Vec::new()
+        },
+    }
+}
+
+fn random_frontend(rng: &mut StdRng) -> Frontend {
+    Frontend {
+        ip: IpAddr::from([10, 96, 0, rng.random_range(1..10)]),
+        port: 80,
+        protocol: if rng.random_bool(0.7) {
+            Protocol::Tcp
+        } else {
+            Protocol::Udp
+        },
+    }
+}
+
+/// What the maps hold, without the agent's ids: per service-map key, its flags,
+/// affinity, reverse-NAT target and backends in slot order; plus the table sizes that
+/// would show a leak.
+#[derive(Debug, PartialEq, Eq)]
+struct Contents {
+    services: BTreeMap<Vec<u8>, (u16, u32, Vec<u8>, Vec<Vec<u8>>)>,
+    slots: usize,
+    backends: BTreeSet<Vec<u8>>,
+    rev_nat: usize,
+    members: usize,
+    source_ranges: usize,
+}
+
+fn contents(maps: &MapSet) -> Contents {
+    let bytes = |v: &[u8]| v.to_vec();
+    let mut services = BTreeMap::new();
+    for entry in maps.services.iter() {
+        let (key, value) = entry.expect("service entry");
+        let backends = (0..u32::from(value.count))
+            .map(|slot| {
+                let slot = maps
+                    .slots
+                    .get(
+                        &BackendSlotKey {
+                            service_id: value.id,
+                            rev: value.rev,
+                            slot,
+                        },
+                        0,
+                    )
+                    .expect("slot of a live set");
+                let be = maps.backends.get(&slot.backend_id, 0).expect("backend");
+                bytes(bytemuck::bytes_of(&be))
+            })
+            .collect();
+        let rev = maps.rev_nat.get(&value.rev_nat_id, 0).expect("rev nat");
+        services.insert(
+            bytes(bytemuck::bytes_of(&key)),
+            (
+                value.flags,
+                value.affinity_timeout_s,
+                bytes(bytemuck::bytes_of(&rev)),
+                backends,
+            ),
+        );
+    }
+    Contents {
+        services,
+        slots: maps.slots.keys().count(),
+        backends: maps
+            .backends
+            .iter()
+            .map(|e| bytes(bytemuck::bytes_of(&e.expect("backend").1)))
+            .collect(),
+        rev_nat: maps.rev_nat.keys().count(),
+        members: maps.members.keys().count(),
+        source_ranges: maps.source_ranges.keys().count(),
+    }
+}
+
+#[test]
+fn applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply() {
+    if !support::root("applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply") {
+        return;
+    }
+    let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
+    let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
+    let mut a = MapState::adopt(&a_maps).expect("adopt");
+    let mut b = MapState::adopt(&b_maps).expect("adopt");
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut view = NodeView::new();
+    let mut applied = NodeView::new();
+    for step in 0..400 {
+        for _ in 0..rng.random_range(1..4) {
+            let fe = random_frontend(&mut rng);
+            if rng.random_bool(0.25) {
+                view.remove(&fe);
+            } else {
+                view.insert(fe, random_state(&mut rng));
+            }
+        }
+        let changed = applied.changed_frontends(&view);
+        let ra = a
+            .apply_changes(&mut a_maps, &view, Some(&changed))
+            .expect("partial apply");
+        let rb = b.apply(&mut b_maps, &view).expect("full apply");
+        assert!(ra.failed.is_empty() && rb.failed.is_empty());
+        assert_eq!(
+            (ra.frontends_written, ra.frontends_removed),
+            (rb.frontends_written, rb.frontends_removed),
+            "step {step}: the same writes"
+        );
+        let (ca, cb) = (contents(&a_maps), contents(&b_maps));
+        assert_eq!(ca, cb, "step {step}");
+        let slots: usize = ca.services.values().map(|s| s.3.len()).sum();
+        assert_eq!(ca.slots, slots, "step {step}: no slot left behind");
+        assert_eq!(ca.rev_nat, ca.services.len(), "step {step}: reverse NAT");
+        applied = view.clone();
+    }
+    assert!(
+        !view.is_empty(),
+        "the sequence ends with frontends programmed"
+    );
+}
