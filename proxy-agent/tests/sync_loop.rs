@@ -66,3 +66,118 @@ async fn shutdown_does_not_wait_for_the_minimum_sync_interval() {
         .expect("run");
     assert!(asked.elapsed() < Duration::from_secs(2));
 }
+
+/// Records what each apply was given.
+#[derive(Clone, Default)]
+struct Recording(Arc<std::sync::Mutex<Vec<Applied>>>);
+
+#[derive(Clone, Debug, PartialEq)]
+enum Applied {
+    /// Every frontend compared, and how many the view held.
+    All(usize),
+    /// Only these frontends.
+    Only(Vec<String>),
+}
+
+impl Recording {
+    fn log(&self) -> Vec<Applied> {
+        self.0.lock().expect("lock").clone()
+    }
+}
+
+impl Dataplane for Recording {
+    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+        self.0.lock().expect("lock").push(Applied::All(view.len()));
+        Ok(ApplyReport::default())
+    }
+
+    fn apply_changes(
+        &mut self,
+        _view: &NodeView,
+        changed: &std::collections::BTreeSet<proxy_agent::model::Frontend>,
+    ) -> anyhow::Result<ApplyReport> {
+        let only = changed.iter().map(ToString::to_string).collect();
+        self.0.lock().expect("lock").push(Applied::Only(only));
+        Ok(ApplyReport::default())
+    }
+}
+
+fn service(i: usize) -> k8s_openapi::api::core::v1::Service {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("svc-{i}"), "namespace": "ns"},
+        "spec": {"clusterIP": format!("10.96.{}.{}", i / 250, i % 250 + 1),
+                 "ports": [{"port": 80, "targetPort": 8080}]},
+    }))
+    .expect("service")
+}
+
+fn slice(i: usize, addr: &str) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("svc-{i}-1"), "namespace": "ns",
+                     "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
+        "addressType": "IPv4",
+        "ports": [{"port": 8080, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [addr]}],
+    }))
+    .expect("slice")
+}
+
+#[tokio::test]
+async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let recording = Recording::default();
+    let mut dataplane = recording.clone();
+    let timing = SyncTiming {
+        min_interval: Duration::from_millis(10),
+        resync: Duration::from_secs(600),
+        retry: Duration::from_millis(100),
+    };
+    let task = tokio::spawn(async move {
+        sync::run(
+            rx,
+            ViewConfig::default(),
+            &mut dataplane,
+            timing,
+            Status::default(),
+            async {
+                let _ = stop_rx.await;
+            },
+        )
+        .await
+    });
+    let mut snapshot = Snapshot::default();
+    for i in 0..2000 {
+        snapshot.model.add_service(&service(i));
+        snapshot.model.add_slice(&slice(i, "10.244.0.1"));
+    }
+    let wait_for = |n: usize| {
+        let recording = recording.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while recording.log().len() < n {
+                assert!(Instant::now() < deadline, "{:?}", recording.log());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
+    wait_for(1).await;
+    // One endpoint moves in one Service; another Service changes only in what the view
+    // does not use (an annotation): nothing of it reaches the dataplane.
+    snapshot.model.add_slice(&slice(1234, "10.244.9.9"));
+    let mut annotated = service(7);
+    annotated.metadata.annotations = Some([("a".to_string(), "b".to_string())].into());
+    snapshot.model.add_service(&annotated);
+    tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
+    wait_for(2).await;
+    assert_eq!(
+        recording.log(),
+        vec![
+            Applied::All(2000),
+            Applied::Only(vec!["10.96.4.235:80/TCP".into()])
+        ]
+    );
+    stop_tx.send(()).expect("stop");
+    task.await.expect("join").expect("run");
+}
