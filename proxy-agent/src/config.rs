@@ -100,7 +100,19 @@ struct EbpfSection {
     masquerade_port_range: Option<String>,
     api_server: Option<String>,
     node_port_range: Option<String>,
+    map_sizes: Option<MapSizesSection>,
 }
+
+/// `ebpf.mapSizes`: capacities of the service-side maps.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct MapSizesSection {
+    services: Option<u32>,
+    backend_slots: Option<u32>,
+    backends: Option<u32>,
+}
+
+pub use crate::dataplane::bpf::MapSizes;
 
 /// How local (pod) traffic is told apart from other traffic.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -215,6 +227,8 @@ pub struct Config {
     pub interfaces: Vec<String>,
     /// How the classifier is hooked: `auto`, `tcx` or `clsact` (`ebpf.tcAttach`).
     pub tc_attach: String,
+    /// Capacities of the service-side maps (`ebpf.mapSizes`).
+    pub map_sizes: MapSizes,
     pub bpf_log_level: String,
     pub service_proxy_name: Option<String>,
     /// An extra debug endpoint (model, view, watch); empty (the default) disables it: the
@@ -245,6 +259,7 @@ impl Default for Config {
             cgroup: "auto".into(),
             interfaces: Vec::new(),
             tc_attach: "auto".into(),
+            map_sizes: MapSizes::default(),
             bpf_log_level: "warn".into(),
             service_proxy_name: None,
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
@@ -475,6 +490,24 @@ impl Config {
                 cfg.conntrack.masquerade_ports = parse_port_range(&v, 1024)
                     .map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;
             }
+            if let Some(m) = e.map_sizes {
+                let sizes = &mut cfg.map_sizes;
+                for (field, given, size) in [
+                    ("services", m.services, &mut sizes.services),
+                    ("backendSlots", m.backend_slots, &mut sizes.backend_slots),
+                    ("backends", m.backends, &mut sizes.backends),
+                ] {
+                    let Some(n) = given else { continue };
+                    if !(MapSizes::MIN..=MapSizes::MAX).contains(&n) {
+                        return Err(format!(
+                            "ebpf.mapSizes.{field}: {n} outside {}-{}",
+                            MapSizes::MIN,
+                            MapSizes::MAX
+                        ));
+                    }
+                    *size = n;
+                }
+            }
         }
         Ok((cfg, warnings))
     }
@@ -615,6 +648,7 @@ ebpf:
   interfaces: [eth0]
   tcAttach: clsact
   serviceProxyName: ebpf-proxy
+  mapSizes: {backendSlots: 8388608}
 ";
         let (cfg, warnings) = Config::from_text(text).expect("valid");
         assert_eq!(
@@ -641,6 +675,11 @@ ebpf:
         );
         assert_eq!(cfg.interfaces, vec!["eth0"]);
         assert_eq!(cfg.tc_attach, "clsact");
+        assert_eq!(
+            (cfg.map_sizes.backend_slots, cfg.map_sizes.services),
+            (8_388_608, MapSizes::default().services),
+            "a size given, the others kept"
+        );
         assert_eq!(Config::default().tc_attach, "auto");
         assert_eq!(cfg.service_proxy_name.as_deref(), Some("ebpf-proxy"));
         for needle in [
@@ -757,6 +796,14 @@ nodePortAddresses: [primary, localhost, 010.001.0.0/16]
                 "needs clusterCIDR",
             ),
             ("kind: Deployment\n", "expected KubeProxyConfiguration"),
+            (
+                "kind: KubeProxyConfiguration\nebpf: {mapSizes: {services: 10}}\n",
+                "ebpf.mapSizes.services",
+            ),
+            (
+                "kind: KubeProxyConfiguration\nebpf: {mapSizes: {slots: 4096}}\n",
+                "slots",
+            ),
             ("kind: KubeProxyConfiguration\nebpf: {bogus: 1}\n", "bogus"),
             (
                 "kind: KubeProxyConfiguration\nebpf: {masqueradePortRange: 30000-2000}\n",

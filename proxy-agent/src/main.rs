@@ -368,6 +368,7 @@ async fn run(args: RunArgs) -> Result<()> {
             .conntrack
             .table_entries(std::thread::available_parallelism().map_or(1, |n| n.get())),
         attach_failures: status.attach_failures(),
+        map_sizes: cfg.map_sizes,
     };
     proxy_agent::dataplane::bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;
     tracing::info!(cgroup = ?opts.cgroup, interfaces = ?cfg.interfaces, "starting");

@@ -288,7 +288,36 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             "Events counted by the BPF programs (translations, drops by reason, conntrack)",
             events,
         );
+        let capacity = Family::<Labels, Gauge>::default();
+        for (name, max) in maps.service_capacities() {
+            capacity
+                .get_or_create(&vec![("map".into(), name.to_string())])
+                .set(i64::from(max));
+        }
+        r.register(
+            "bpf_map_capacity",
+            "Capacity of the service-side BPF maps (ebpf.mapSizes)",
+            capacity,
+        );
     }
+    let entries = Family::<Labels, Gauge>::default();
+    for (name, n) in [
+        ("SERVICES", c.maps.services),
+        ("REV_NAT", c.maps.services),
+        ("BACKEND_SLOTS", c.maps.backend_slots),
+        ("MEMBERS", c.maps.backend_slots),
+        ("BACKENDS", c.maps.backends),
+    ] {
+        entries
+            .get_or_create(&vec![("map".into(), name.to_string())])
+            .set(n as i64);
+    }
+    r.register(
+        "bpf_map_entries",
+        "Entries in the service-side BPF maps, as of the last sync (a full map refuses \
+         the frontends that do not fit: proxy_agent_frontends_failed)",
+        entries,
+    );
 }
 
 /// kube-proxy's network programming buckets: 0.25 s to 5 min.

@@ -265,16 +265,19 @@ pub struct SctpPending {
 pub mod capacity {
     /// Frontends × scopes: 100k Services with room to spare.
     pub const SERVICES: u32 = 262_144;
-    /// Two generations of every backend set live for a moment during a flip.
-    pub const BACKEND_SLOTS: u32 = 1_048_576;
-    pub const BACKENDS: u32 = 524_288;
+    /// 100k Service ports × 10 endpoints on their ClusterIPs, with room for NodePorts and
+    /// for the second generation of a backend set during a flip (`ebpf.mapSizes`
+    /// raises it).
+    pub const BACKEND_SLOTS: u32 = 2_097_152;
+    /// 1M endpoints: 100k Services × 10.
+    pub const BACKENDS: u32 = 1_048_576;
     pub const AFFINITY: u32 = 65_536;
     pub const REV_NAT: u32 = 262_144;
     /// Live sockets that connected or sent to a frontend (entries go when the socket is
     /// released, so this bounds concurrent sockets, not connections over time).
     pub const SOCK_LB: u32 = 262_144;
     /// One entry per live backend slot of the current generations.
-    pub const MEMBERS: u32 = 1_048_576;
+    pub const MEMBERS: u32 = 2_097_152;
     /// Answered flows: kube-proxy's `conntrack.min` (the agent sizes it from
     /// `conntrack.maxPerCore` × CPUs, at least `conntrack.min`).
     pub const CONNTRACK: u32 = 131_072;

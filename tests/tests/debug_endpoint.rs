@@ -29,7 +29,31 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     let mut tb = Testbed::new(3).expect("testbed");
     tb.write_manifests(&web_manifests(&[0, 1, 2], None))
         .expect("manifests");
-    tb.start_agent(Path_::ConnectTime, 5).expect("agent");
+    // Map sizes from the config: the pinned maps are created with them.
+    let config = tb
+        .write_file(
+            "config.yaml",
+            "kind: KubeProxyConfiguration\nebpf:\n  mapSizes: {services: 2048, backendSlots: \
+             4096, backends: 1024}\n",
+        )
+        .expect("config");
+    tb.start_agent_with(
+        Path_::ConnectTime,
+        5,
+        &["--config", config.to_str().expect("utf-8")],
+    )
+    .expect("agent");
+    let maps = tb.pin_dir().join("maps");
+    for (map, size) in [
+        ("SERVICES", 2048),
+        ("REV_NAT", 2048),
+        ("BACKEND_SLOTS", 4096),
+        ("MEMBERS", 4096),
+        ("BACKENDS", 1024),
+    ] {
+        let pinned = aya::maps::MapData::from_pin(maps.join(map)).expect("pinned map");
+        assert_eq!(pinned.info().expect("info").max_entries(), size, "{map}");
+    }
 
     let view = agent(&tb, &["dump", "--view"]);
     let line = view
@@ -57,7 +81,7 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         .as_array()
         .expect("services")
         .iter()
-        .filter_map(|s| s["metadata"]["name"].as_str())
+        .filter_map(|s| s["object"]["name"].as_str())
         .collect();
     assert_eq!(names, vec!["empty", "web"]);
     assert_eq!(model["endpointSlices"].as_array().map(Vec::len), Some(2));
@@ -123,6 +147,9 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     for m in [
         "proxy_agent_syncs_ok_total",
         "proxy_agent_frontends 5",
+        // The fill gauges: maps of the configured sizes.
+        "proxy_agent_bpf_map_capacity{map=\"SERVICES\"} 2048",
+        "proxy_agent_bpf_map_capacity{map=\"BACKEND_SLOTS\"} 4096",
         "proxy_agent_bpf_events_total{event=\"service_hit\"}",
         // kube-proxy's names, for the dashboards that read them.
         "kubeproxy_sync_proxy_rules_duration_seconds_count",
@@ -131,6 +158,21 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
         "process_resident_memory_bytes",
     ] {
         assert!(metrics.contains(m), "{m} missing:\n{metrics}");
+    }
+    // ... holding as many entries as the gauges say.
+    {
+        use aya::maps::IterableMap as _;
+        let set = proxy_agent::dataplane::bpf::MapSet::open_pinned(&maps).expect("pins");
+        for (map, held) in [
+            ("SERVICES", set.services.keys().count()),
+            ("REV_NAT", set.rev_nat.keys().count()),
+            ("BACKEND_SLOTS", set.slots.keys().count()),
+            ("MEMBERS", set.members.keys().count()),
+            ("BACKENDS", set.backends.keys().count()),
+        ] {
+            let line = format!("proxy_agent_bpf_map_entries{{map=\"{map}\"}} {held}");
+            assert!(metrics.contains(&line), "{line} missing:\n{metrics}");
+        }
     }
 
     // Network programming latency: a slice change the endpoints controller stamped 3 s

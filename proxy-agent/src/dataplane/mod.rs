@@ -18,6 +18,18 @@ pub struct ApplyReport {
     pub udp_sockets_destroyed: usize,
     /// Frontends left as they were because writing them failed (full map, ...).
     pub failed: Vec<String>,
+    /// How full the service-side maps are after the apply (dataplanes with maps).
+    pub fill: Option<MapFill>,
+}
+
+/// Entries in the service-side maps, as the agent's mirror of them counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MapFill {
+    /// `SERVICES` (one per frontend and scope; `REV_NAT` holds as many).
+    pub services: u64,
+    /// `BACKEND_SLOTS` of the live generations (`MEMBERS` holds as many).
+    pub backend_slots: u64,
+    pub backends: u64,
 }
 
 /// A dataplane: brings itself to the desired view with as few changes as it can.

@@ -38,6 +38,8 @@ pub struct Counters {
     pub no_local_endpoints: std::collections::BTreeMap<(&'static str, &'static str), u64>,
     /// The per-packet path's connection tracking, as its collector last measured it.
     pub conntrack: ConntrackFill,
+    /// The service-side maps, as of the last apply.
+    pub maps: crate::dataplane::MapFill,
 }
 
 /// How full the connection-tracking tables are (entries, two per flow) and how many
@@ -224,10 +226,12 @@ impl Status {
             s.counters.last_sync_seconds = took.as_secs_f64();
             match outcome {
                 Ok(r) if r.failed.is_empty() => {
+                    s.counters.maps = r.fill.unwrap_or(s.counters.maps);
                     s.counters.syncs_ok += 1;
                     s.counters.udp_sockets_destroyed += r.udp_sockets_destroyed as u64;
                 }
                 Ok(r) => {
+                    s.counters.maps = r.fill.unwrap_or(s.counters.maps);
                     s.counters.syncs_failed += 1;
                     s.counters.frontends_failed += r.failed.len() as u64;
                 }

@@ -36,6 +36,20 @@ pub struct MapSet {
 }
 
 impl MapSet {
+    /// The capacities of the service-side maps, as created.
+    pub fn service_capacities(&self) -> Vec<(&'static str, u32)> {
+        use aya::maps::IterableMap as _;
+        use proxy_common::map_names as n;
+        let info = |m: &MapData| m.info().map(|i| i.max_entries()).unwrap_or(0);
+        vec![
+            (n::SERVICES, info(self.services.map())),
+            (n::REV_NAT, info(self.rev_nat.map())),
+            (n::BACKEND_SLOTS, info(self.slots.map())),
+            (n::MEMBERS, info(self.members.map())),
+            (n::BACKENDS, info(self.backends.map())),
+        ]
+    }
+
     /// Takes the maps out of a loaded object.
     pub fn take(ebpf: &mut Ebpf) -> Result<Self> {
         Self::build(|name| {

@@ -104,6 +104,52 @@ pub struct AttachOptions {
     pub conntrack_entries: u32,
     /// Counts classifier attachments that failed.
     pub attach_failures: AttachFailures,
+    /// Capacities of the service-side maps.
+    pub map_sizes: MapSizes,
+}
+
+/// Capacities of the service-side maps (`ebpf.mapSizes`). Sizing: `services` ≥ frontends
+/// (Service ports × their cluster, external, load-balancer and NodePort addresses), plus
+/// one per externalTrafficPolicy-Local frontend; `backendSlots` ≥ the sum over frontends
+/// of their endpoints, with room for one backend set being replaced; `backends` ≥
+/// distinct endpoint addresses and ports. The maps allocate entries as they fill (no
+/// preallocation), but the kernel allocates each map's hash buckets (16 bytes per
+/// entry of capacity, rounded up to a power of two) when it is created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MapSizes {
+    /// `SERVICES` and `REV_NAT`.
+    pub services: u32,
+    /// `BACKEND_SLOTS` and `MEMBERS`.
+    pub backend_slots: u32,
+    /// `BACKENDS`.
+    pub backends: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: proxy_common::capacity::SERVICES,
+            backend_slots: proxy_common::capacity::BACKEND_SLOTS,
+            backends: proxy_common::capacity::BACKENDS,
+        }
+    }
+}
+
+impl MapSizes {
+    pub const MIN: u32 = 1_024;
+    /// The kernel's hash maps take up to 2^31 buckets; far more than a node needs.
+    pub const MAX: u32 = 1 << 26;
+
+    /// Each map's capacity, by name.
+    pub fn capacities(&self) -> [(&'static str, u32); 5] {
+        [
+            (map_names::SERVICES, self.services),
+            (map_names::REV_NAT, self.services),
+            (map_names::BACKEND_SLOTS, self.backend_slots),
+            (map_names::MEMBERS, self.backend_slots),
+            (map_names::BACKENDS, self.backends),
+        ]
+    }
 }
 
 /// Capacities of the two connection-tracking tables for `entries` answered entries.
@@ -221,6 +267,10 @@ impl BpfDataplane {
                 loader.map_max_entries(name, size);
                 warn_if_pinned_size_differs(&maps_dir.join(name), size);
             }
+        }
+        for (name, size) in opts.map_sizes.capacities() {
+            loader.map_max_entries(name, size);
+            warn_if_pinned_size_differs(&maps_dir.join(name), size);
         }
         replace_outgrown_counters(&maps_dir.join(map_names::COUNTERS));
         let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();

@@ -146,6 +146,8 @@ pub struct MapState {
     /// How many live slots point at each backend; a backend is deleted at zero. Keeps
     /// each sync proportional to what changed, not to the number of backends.
     refs: HashMap<u32, u32>,
+    /// Live slots in all (the sum of `refs`), for the fill gauges.
+    live_slots: u64,
     /// Backends whose count dropped to zero (or were never used) since the last sweep.
     maybe_unused: HashSet<u32>,
     used_service_ids: HashSet<u32>,
@@ -301,6 +303,15 @@ impl MapState {
         self.services.len()
     }
 
+    /// How full the service-side maps are.
+    pub fn fill(&self) -> crate::dataplane::MapFill {
+        crate::dataplane::MapFill {
+            services: self.services.len() as u64,
+            backend_slots: self.live_slots,
+            backends: self.backends_by_id.len() as u64,
+        }
+    }
+
     /// Applies `view`, comparing every frontend. A frontend that cannot be written (a
     /// full map) keeps its previous entries and is reported; the others still apply.
     pub fn apply(&mut self, maps: &mut MapSet, view: &NodeView) -> Result<ApplyReport> {
@@ -422,6 +433,7 @@ impl MapState {
                 tracing::debug!(entries = cleared, "flows of removed backends cleared");
             }
         }
+        report.fill = Some(self.fill());
         Ok(report)
     }
 
@@ -629,12 +641,14 @@ impl MapState {
     }
 
     fn hold(&mut self, ids: &[u32]) {
+        self.live_slots += ids.len() as u64;
         for id in ids {
             *self.refs.entry(*id).or_insert(0) += 1;
         }
     }
 
     fn release(&mut self, ids: &[u32]) {
+        self.live_slots = self.live_slots.saturating_sub(ids.len() as u64);
         for id in ids {
             if let Some(n) = self.refs.get_mut(id) {
                 *n = n.saturating_sub(1);
