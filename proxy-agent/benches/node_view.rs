@@ -31,7 +31,9 @@ fn slice(i: usize, endpoints: usize, moved: Option<&str>) -> EndpointSlice {
         .map(|e| {
             let addr = match (e, moved) {
                 (0, Some(a)) => a.to_string(),
-                _ => format!("10.{}.{}.{}", 100 + e, i / 250, i % 250 + 1),
+                // 10.128.0.0/9: room for 2^20 Services per endpoint index.
+                _ => std::net::Ipv4Addr::from(0x0a80_0000 + ((e as u32) << 20) + i as u32)
+                    .to_string(),
             };
             json!({"addresses": [addr], "conditions": {"ready": true}, "nodeName": format!("node-{e}")})
         })
@@ -48,7 +50,8 @@ fn model(services: usize, endpoints: usize) -> ClusterModel {
     let mut m = ClusterModel::default();
     for i in 0..services {
         let name = format!("svc-{i}");
-        let ip = format!("10.96.{}.{}", i / 250, i % 250 + 1);
+        // 10.96.0.0/12, one ClusterIP each (a million of them fit).
+        let ip = std::net::Ipv4Addr::from(0x0a60_0001 + i as u32).to_string();
         let svc: Service = serde_json::from_value(json!({"metadata": {"name": name, "namespace": "bench"},
             "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}))
         .expect("service");
