@@ -71,12 +71,15 @@ fn random_frontend(rng: &mut StdRng) -> Frontend {
     }
 }
 
+/// One service-map entry: flags, affinity timeout, reverse-NAT target, backends (bytes).
+type Entry = (u16, u32, Vec<u8>, Vec<Vec<u8>>);
+
 /// What the maps hold, without the agent's ids: per service-map key, its flags,
 /// affinity, reverse-NAT target and backends in slot order; plus the table sizes that
 /// would show a leak.
 #[derive(Debug, PartialEq, Eq)]
 struct Contents {
-    services: BTreeMap<Vec<u8>, (u16, u32, Vec<u8>, Vec<Vec<u8>>)>,
+    services: BTreeMap<Vec<u8>, Entry>,
     slots: usize,
     backends: BTreeSet<Vec<u8>>,
     rev_nat: usize,

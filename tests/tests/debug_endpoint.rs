@@ -161,7 +161,6 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     }
     // ... holding as many entries as the gauges say.
     {
-        use aya::maps::IterableMap as _;
         let set = proxy_agent::dataplane::bpf::MapSet::open_pinned(&maps).expect("pins");
         for (map, held) in [
             ("SERVICES", set.services.keys().count()),
