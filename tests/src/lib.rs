@@ -7,6 +7,7 @@ pub mod bench;
 pub mod client;
 pub mod cluster;
 pub mod echo;
+pub mod fake_apiserver;
 pub mod kube_proxy;
 pub mod multinode;
 

@@ -1,6 +1,8 @@
 //! Shared by the integration tests; each test binary uses only part of it.
 #![allow(dead_code, reason = "each test binary uses part of the support code")]
 
+/// One fake API server for these tests and proxy-e2e's churn benchmark.
+#[path = "../../../tests/src/fake_apiserver.rs"]
 pub mod fake_apiserver;
 pub mod tc_harness;
 

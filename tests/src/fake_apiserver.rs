@@ -350,12 +350,12 @@ fn watch(shared: Arc<Shared>, kind: Kind, q: BTreeMap<String, String>) -> Respon
     let events = shared.events.subscribe();
     let breaks = shared.breaks.subscribe();
     let line = |e: &Event| {
-        bytes::Bytes::from(format!(
+        axum::body::Bytes::from(format!(
             "{}\n",
             json!({"type": e.type_, "object": e.object})
         ))
     };
-    let first: Vec<Result<bytes::Bytes, Infallible>> = backlog
+    let first: Vec<Result<axum::body::Bytes, Infallible>> = backlog
         .iter()
         .filter(|e| matches_selector(&e.object, &q))
         .map(|e| Ok(line(e)))
@@ -368,7 +368,7 @@ fn watch(shared: Arc<Shared>, kind: Kind, q: BTreeMap<String, String>) -> Respon
                     _ = breaks.recv() => return None,
                     e = events.recv() => match e {
                         Ok(e) if e.kind == kind && (e.type_ == "BOOKMARK" || matches_selector(&e.object, &q)) => {
-                            let l = Ok::<_, Infallible>(bytes::Bytes::from(format!("{}\n", json!({"type": e.type_, "object": e.object}))));
+                            let l = Ok::<_, Infallible>(axum::body::Bytes::from(format!("{}\n", json!({"type": e.type_, "object": e.object}))));
                             return Some((l, (events, breaks, q)));
                         }
                         Ok(_) => continue,
