@@ -1,18 +1,26 @@
-//! A small fake Kubernetes API server on loopback: list and watch for Services,
-//! EndpointSlices and Nodes, with the failure modes a watcher must survive — a broken
-//! watch, an expired resourceVersion (410 Gone), bookmarks, and a list held back.
+//! A fake Kubernetes API server on loopback: list (paged, as kube-rs's watcher and
+//! client-go ask: `limit`/`continue`) and watch for Services, EndpointSlices and Nodes,
+//! with the failure modes a watcher must survive — a broken watch, an expired
+//! resourceVersion (410 Gone), bookmarks, and a list held back — and, for benchmarks, a
+//! population of N Services and their EndpointSlices with a churn of endpoint changes.
+//!
+//! One source file for proxy-agent's integration tests (included by path) and the
+//! proxy-e2e benchmarks. Objects are serialised once when stored, so a list of 100k
+//! slices is a copy of bytes, not 100k JSON trees built per request.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, VecDeque},
     convert::Infallible,
-    net::SocketAddr,
-    sync::{Arc, Mutex},
+    net::{Ipv4Addr, SocketAddr},
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, SystemTime},
 };
 
 use axum::{
     Router,
-    body::Body,
+    body::{Body, Bytes},
     extract::{Path, Query, State},
+    http::StatusCode,
     response::{IntoResponse, Response},
     routing::get,
 };
@@ -20,7 +28,7 @@ use serde_json::{Value, json};
 use tokio::sync::{Notify, broadcast};
 
 /// Which collection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     Services,
     EndpointSlices,
@@ -36,10 +44,48 @@ impl Kind {
         }
     }
 
+    fn kind(self) -> &'static str {
+        match self {
+            Kind::Services => "Service",
+            Kind::EndpointSlices => "EndpointSlice",
+            Kind::Nodes => "Node",
+        }
+    }
+
     fn api_version(self) -> &'static str {
         match self {
             Kind::EndpointSlices => "discovery.k8s.io/v1",
             _ => "v1",
+        }
+    }
+}
+
+/// One stored version of an object: what selectors look at, and its JSON (with its
+/// resourceVersion) serialised once.
+#[derive(Debug)]
+struct Stored {
+    name: String,
+    labels: BTreeMap<String, String>,
+    json: Bytes,
+}
+
+impl Stored {
+    fn new(object: &Value) -> Self {
+        let labels = object["metadata"]["labels"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            name: object["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            labels,
+            json: Bytes::from(object.to_string()),
         }
     }
 }
@@ -49,18 +95,36 @@ struct Event {
     kind: Kind,
     rv: u64,
     type_: &'static str,
-    object: Value,
+    object: Arc<Stored>,
+}
+
+impl Event {
+    /// The watch stream's line: `{"type":..,"object":..}` and a newline.
+    fn line(&self) -> Bytes {
+        let mut out = Vec::with_capacity(self.object.json.len() + 32);
+        out.extend_from_slice(b"{\"type\":\"");
+        out.extend_from_slice(self.type_.as_bytes());
+        out.extend_from_slice(b"\",\"object\":");
+        out.extend_from_slice(&self.object.json);
+        out.extend_from_slice(b"}\n");
+        Bytes::from(out)
+    }
 }
 
 #[derive(Default)]
 struct Store {
     rv: u64,
-    objects: BTreeMap<(Kind, String), Value>,
-    history: Vec<Event>,
-    /// Watches asking for a resourceVersion older than this get 410 Gone.
+    objects: BTreeMap<(Kind, String), Arc<Stored>>,
+    /// Every event, oldest first (resourceVersions ascending), since the last expiry.
+    history: VecDeque<Event>,
+    /// Watches and continued lists asking for a resourceVersion older than this get
+    /// 410 Gone.
     expired_before: u64,
     held: Vec<Kind>,
+    /// Lists begun (first pages) and pages served, per resource.
     lists_served: BTreeMap<String, u64>,
+    pages_served: BTreeMap<String, u64>,
+    watches_served: BTreeMap<String, u64>,
     /// The label selector of the last list per resource.
     label_selectors: BTreeMap<String, String>,
     /// events.k8s.io Events created, as posted.
@@ -72,6 +136,24 @@ struct Shared {
     events: broadcast::Sender<Event>,
     breaks: broadcast::Sender<()>,
     released: Notify,
+    options: Options,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Store> {
+        // A panic elsewhere while holding the lock leaves plain data: carry on.
+        self.store
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// How the server behaves beyond the API's defaults.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Sends a BOOKMARK this often on every watch that asked for bookmarks
+    /// (`allowWatchBookmarks=true`), as the API server does about once a minute.
+    pub bookmark_every: Option<Duration>,
 }
 
 /// Handle to the running server.
@@ -87,9 +169,22 @@ fn key(obj: &Value) -> String {
     format!("{ns}/{name}")
 }
 
+/// Watch events buffered per subscriber before a slow watch is cut (it then resumes from
+/// its last resourceVersion, as a client does after any broken watch).
+const WATCH_BUFFER: usize = 16 * 1024;
+
 impl FakeApiServer {
+    /// Starts the server on a free loopback port (panics if it cannot: for tests).
     pub async fn start() -> Self {
-        let (events, _) = broadcast::channel(1024);
+        Self::try_start(Options::default())
+            .await
+            .expect("start the fake API server")
+    }
+
+    /// Starts the server on a free loopback port.
+    pub async fn try_start(options: Options) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        let (events, _) = broadcast::channel(WATCH_BUFFER);
         let (breaks, _) = broadcast::channel(16);
         let shared = Arc::new(Shared {
             store: Mutex::new(Store {
@@ -99,8 +194,10 @@ impl FakeApiServer {
             events,
             breaks,
             released: Notify::new(),
+            options,
         });
         let app = Router::new()
+            .route("/version", get(handle_version))
             .route("/api/v1/{resource}", get(handle_core))
             .route(
                 "/apis/discovery.k8s.io/v1/{resource}",
@@ -113,62 +210,98 @@ impl FakeApiServer {
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
-            .expect("bind loopback");
-        let addr = listener.local_addr().expect("addr");
+            .context("binding the fake API server on loopback")?;
+        let addr = listener.local_addr().context("its address")?;
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        Self { shared, addr }
+        Ok(Self { shared, addr })
     }
 
-    /// A kube client for this server.
+    /// A kube client for this server (panics if it cannot: for tests).
     pub fn client(&self) -> kube::Client {
         let url = format!("http://{}", self.addr).parse().expect("url");
         let config = kube::Config::new(url);
         kube::Client::try_from(config).expect("client")
     }
 
-    fn store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
-        f(&mut self.shared.store.lock().expect("lock"))
+    /// A kubeconfig naming this server (plain HTTP, no credentials).
+    pub fn kubeconfig(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: 'http://{}'}}\n\
+             contexts:\n- name: fake\n  context: {{cluster: fake, user: fake}}\n\
+             current-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
+            self.addr
+        )
     }
 
-    fn record(&self, kind: Kind, type_: &'static str, mut object: Value) {
-        let event = self.store(|s| {
+    fn store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
+        f(&mut self.shared.lock())
+    }
+
+    fn record(&self, kind: Kind, type_: &'static str, mut object: Value) -> u64 {
+        let mut s = self.shared.lock();
+        s.rv += 1;
+        let rv = s.rv;
+        object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let k = (kind, key(&object));
+        let stored = Arc::new(Stored::new(&object));
+        if type_ == "DELETED" {
+            s.objects.remove(&k);
+        } else {
+            s.objects.insert(k, stored.clone());
+        }
+        let e = Event {
+            kind,
+            rv,
+            type_,
+            object: stored,
+        };
+        s.history.push_back(e.clone());
+        // Sent under the lock: a watch that subscribes under it sees each event once,
+        // from its backlog or live.
+        let _ = self.shared.events.send(e);
+        rv
+    }
+
+    /// Creates or replaces an object (ADDED or MODIFIED to watchers); returns its new
+    /// resourceVersion.
+    pub fn apply(&self, kind: Kind, object: Value) -> u64 {
+        let exists = self.store(|s| s.objects.contains_key(&(kind, key(&object))));
+        self.record(kind, if exists { "MODIFIED" } else { "ADDED" }, object)
+    }
+
+    /// Stores objects without telling anyone and without history: a cluster that
+    /// already holds them when the first client comes (much faster than `apply` for
+    /// 100k objects).
+    pub fn preload(&self, kind: Kind, objects: impl IntoIterator<Item = Value>) {
+        // Serialised outside the lock.
+        let stored: Vec<(String, Value)> = objects.into_iter().map(|o| (key(&o), o)).collect();
+        let mut s = self.shared.lock();
+        for (k, mut object) in stored {
             s.rv += 1;
             object["metadata"]["resourceVersion"] = json!(s.rv.to_string());
-            let k = (kind, key(&object));
-            if type_ == "DELETED" {
-                s.objects.remove(&k);
-            } else {
-                s.objects.insert(k, object.clone());
-            }
-            let e = Event {
-                kind,
-                rv: s.rv,
-                type_,
-                object,
-            };
-            s.history.push(e.clone());
-            e
-        });
-        let _ = self.shared.events.send(event);
-    }
-
-    /// Creates or replaces an object (ADDED or MODIFIED to watchers).
-    pub fn apply(&self, kind: Kind, object: Value) {
-        let exists = self.store(|s| s.objects.contains_key(&(kind, key(&object))));
-        self.record(kind, if exists { "MODIFIED" } else { "ADDED" }, object);
+            s.objects.insert((kind, k), Arc::new(Stored::new(&object)));
+        }
+        // Nobody watched those changes: a watch from before them must relist.
+        s.expired_before = s.rv;
+        s.history.clear();
     }
 
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) {
-        let object = self.store(|s| {
+        if let Some(object) = self.stored_value(kind, namespace, name) {
+            self.record(kind, "DELETED", object);
+        }
+    }
+
+    /// The stored object, parsed back.
+    fn stored_value(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
+        let stored = self.store(|s| {
             s.objects
                 .get(&(kind, format!("{namespace}/{name}")))
                 .cloned()
-        });
-        if let Some(object) = object {
-            self.record(kind, "DELETED", object);
-        }
+        })?;
+        serde_json::from_slice(&stored.json).ok()
     }
 
     /// Changes objects without telling anyone (as if during a watch outage).
@@ -179,18 +312,12 @@ impl FakeApiServer {
         });
     }
 
-    /// Sends a BOOKMARK with the current resourceVersion to every watch.
+    /// Sends a BOOKMARK with the current resourceVersion to every watch that asked for
+    /// bookmarks.
     pub fn bookmark(&self) {
-        let rv = self.store(|s| s.rv);
+        let s = self.shared.lock();
         for kind in [Kind::Services, Kind::EndpointSlices, Kind::Nodes] {
-            let object = json!({"kind": kind.list_kind().trim_end_matches("List"), "apiVersion": kind.api_version(),
-                                "metadata": {"resourceVersion": rv.to_string()}});
-            let _ = self.shared.events.send(Event {
-                kind,
-                rv,
-                type_: "BOOKMARK",
-                object,
-            });
+            let _ = self.shared.events.send(bookmark_event(kind, s.rv));
         }
     }
 
@@ -227,23 +354,48 @@ impl FakeApiServer {
         self.store(|s| s.label_selectors.get(resource).cloned().unwrap_or_default())
     }
 
-    /// How many list requests for `resource` (e.g. "services") were served.
+    /// How many lists of `resource` (e.g. "services") were begun (a paged list is one).
     pub fn lists_served(&self, resource: &str) -> u64 {
         self.store(|s| s.lists_served.get(resource).copied().unwrap_or(0))
     }
+
+    /// How many list pages of `resource` were served.
+    pub fn pages_served(&self, resource: &str) -> u64 {
+        self.store(|s| s.pages_served.get(resource).copied().unwrap_or(0))
+    }
+
+    /// How many watches of `resource` were opened.
+    pub fn watches_served(&self, resource: &str) -> u64 {
+        self.store(|s| s.watches_served.get(resource).copied().unwrap_or(0))
+    }
+}
+
+fn bookmark_event(kind: Kind, rv: u64) -> Event {
+    let object = json!({"kind": kind.kind(), "apiVersion": kind.api_version(),
+                        "metadata": {"resourceVersion": rv.to_string()}});
+    Event {
+        kind,
+        rv,
+        type_: "BOOKMARK",
+        object: Arc::new(Stored::new(&object)),
+    }
+}
+
+async fn handle_version() -> Response {
+    axum::Json(
+        json!({"major": "1", "minor": "34", "gitVersion": "v1.34.0-fake",
+                      "gitCommit": "", "gitTreeState": "clean", "buildDate": "2025-01-01T00:00:00Z",
+                      "goVersion": "go1.24", "compiler": "gc", "platform": "linux/amd64"}),
+    )
+    .into_response()
 }
 
 async fn handle_event(
     State(shared): State<Arc<Shared>>,
     axum::Json(event): axum::Json<Value>,
 ) -> Response {
-    shared
-        .store
-        .lock()
-        .expect("lock")
-        .events
-        .push(event.clone());
-    (axum::http::StatusCode::CREATED, axum::Json(event)).into_response()
+    shared.lock().events.push(event.clone());
+    (StatusCode::CREATED, axum::Json(event)).into_response()
 }
 
 async fn handle_core(
@@ -254,7 +406,7 @@ async fn handle_core(
     let kind = match resource.as_str() {
         "services" => Kind::Services,
         "nodes" => Kind::Nodes,
-        _ => return (axum::http::StatusCode::NOT_FOUND, "").into_response(),
+        _ => return (StatusCode::NOT_FOUND, "").into_response(),
     };
     handle(shared, kind, resource, q).await
 }
@@ -265,23 +417,22 @@ async fn handle_discovery(
     Query(q): Query<BTreeMap<String, String>>,
 ) -> Response {
     if resource != "endpointslices" {
-        return (axum::http::StatusCode::NOT_FOUND, "").into_response();
+        return (StatusCode::NOT_FOUND, "").into_response();
     }
     handle(shared, Kind::EndpointSlices, resource, q).await
 }
 
 /// The field selector `metadata.name=` and label selectors made of `key`, `!key` and
 /// `key=value` terms, as the API server applies them.
-fn matches_selector(obj: &Value, q: &BTreeMap<String, String>) -> bool {
-    let labels = &obj["metadata"]["labels"];
+fn matches_selector(obj: &Stored, q: &BTreeMap<String, String>) -> bool {
     let labels_match = q.get("labelSelector").is_none_or(|sel| {
         sel.split(',').filter(|t| !t.is_empty()).all(|term| {
             if let Some(key) = term.strip_prefix('!') {
-                labels.get(key).is_none()
+                !obj.labels.contains_key(key)
             } else if let Some((k, v)) = term.split_once('=') {
-                labels.get(k).and_then(Value::as_str) == Some(v)
+                obj.labels.get(k).map(String::as_str) == Some(v)
             } else {
-                labels.get(term).is_some()
+                obj.labels.contains_key(term)
             }
         })
     });
@@ -290,9 +441,29 @@ fn matches_selector(obj: &Value, q: &BTreeMap<String, String>) -> bool {
             .get("fieldSelector")
             .and_then(|f| f.strip_prefix("metadata.name="))
         {
-            Some(name) => obj["metadata"]["name"].as_str() == Some(name),
+            Some(name) => obj.name == name,
             None => true,
         }
+}
+
+/// A `Status` answer, as the API server sends errors.
+fn status(code: StatusCode, reason: &str, message: &str) -> Response {
+    let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                      "message": message, "reason": reason, "code": code.as_u16()});
+    (code, axum::Json(body)).into_response()
+}
+
+/// A continue token: the resourceVersion of the list's first page and the last key
+/// served. Later pages hold the objects as they are then (not a snapshot, unlike etcd);
+/// the list's resourceVersion stays the first page's, so a watch from it replays every
+/// change made since and nothing is lost.
+fn continue_token(rv: u64, last_key: &str) -> String {
+    format!("{rv}:{last_key}")
+}
+
+fn parse_continue(token: &str) -> Option<(u64, String)> {
+    let (rv, key) = token.split_once(':')?;
+    Some((rv.parse().ok()?, key.to_string()))
 }
 
 async fn handle(
@@ -302,82 +473,395 @@ async fn handle(
     q: BTreeMap<String, String>,
 ) -> Response {
     if q.get("watch").map(String::as_str) == Some("true") {
-        return watch(shared, kind, q);
+        return watch(shared, kind, resource, q);
     }
     loop {
-        let held = shared.store.lock().expect("lock").held.contains(&kind);
+        let held = shared.lock().held.contains(&kind);
         if !held {
             break;
         }
         shared.released.notified().await;
     }
-    let mut s = shared.store.lock().expect("lock");
-    let selector = q.get("labelSelector").cloned().unwrap_or_default();
-    s.label_selectors.insert(resource.clone(), selector);
-    *s.lists_served.entry(resource).or_insert(0) += 1;
-    let items: Vec<Value> = s
-        .objects
-        .iter()
-        .filter(|((k, _), o)| *k == kind && matches_selector(o, &q))
-        .map(|(_, o)| o.clone())
-        .collect();
-    let body = json!({"kind": kind.list_kind(), "apiVersion": kind.api_version(),
-                      "metadata": {"resourceVersion": s.rv.to_string()}, "items": items});
-    axum::Json(body).into_response()
+    let limit: Option<usize> = match q.get("limit").map(|l| l.parse()) {
+        None => None,
+        Some(Ok(0)) => None,
+        Some(Ok(l)) => Some(l),
+        Some(Err(_)) => return status(StatusCode::BAD_REQUEST, "BadRequest", "invalid limit"),
+    };
+    let resume = match q.get("continue").filter(|c| !c.is_empty()) {
+        None => None,
+        Some(token) => match parse_continue(token) {
+            Some(r) => Some(r),
+            None => {
+                return status(
+                    StatusCode::BAD_REQUEST,
+                    "BadRequest",
+                    "invalid continue token",
+                );
+            }
+        },
+    };
+    let (rv, items, next) = {
+        let mut s = shared.lock();
+        if let Some((rv, _)) = &resume
+            && *rv < s.expired_before
+        {
+            return status(
+                StatusCode::GONE,
+                "Expired",
+                "the provided continue parameter is too old to display a consistent list \
+                 result; you can start a new list without the continue parameter",
+            );
+        }
+        *s.pages_served.entry(resource.clone()).or_insert(0) += 1;
+        if resume.is_none() {
+            let selector = q.get("labelSelector").cloned().unwrap_or_default();
+            s.label_selectors.insert(resource.clone(), selector);
+            *s.lists_served.entry(resource).or_insert(0) += 1;
+        }
+        let rv = resume.as_ref().map_or(s.rv, |(rv, _)| *rv);
+        let from = match &resume {
+            Some((_, last)) => std::ops::Bound::Excluded((kind, last.clone())),
+            None => std::ops::Bound::Included((kind, String::new())),
+        };
+        let mut matching = s
+            .objects
+            .range((from, std::ops::Bound::Unbounded))
+            .take_while(|((k, _), _)| *k == kind)
+            .filter(|(_, o)| matches_selector(o, &q));
+        let mut items: Vec<(String, Arc<Stored>)> = Vec::new();
+        let mut more = false;
+        for ((_, k), o) in matching.by_ref() {
+            if limit.is_some_and(|l| items.len() >= l) {
+                more = true;
+                break;
+            }
+            items.push((k.clone(), o.clone()));
+        }
+        let next = more
+            .then(|| items.last().map(|(k, _)| continue_token(rv, k)))
+            .flatten();
+        (rv, items, next)
+    };
+    // The body is built outside the lock, from the stored bytes.
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if let Some(next) = next {
+        metadata["continue"] = json!(next);
+    }
+    let size: usize = items.iter().map(|(_, o)| o.json.len() + 1).sum();
+    let mut body = Vec::with_capacity(size + 256);
+    body.extend_from_slice(
+        format!(
+            "{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{metadata},\"items\":[",
+            kind.list_kind(),
+            kind.api_version()
+        )
+        .as_bytes(),
+    );
+    for (i, (_, o)) in items.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(&o.json);
+    }
+    body.extend_from_slice(b"]}");
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
 }
 
-fn watch(shared: Arc<Shared>, kind: Kind, q: BTreeMap<String, String>) -> Response {
+fn watch(
+    shared: Arc<Shared>,
+    kind: Kind,
+    resource: String,
+    q: BTreeMap<String, String>,
+) -> Response {
     let from: u64 = q
         .get("resourceVersion")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let (backlog, gone) = {
-        let s = shared.store.lock().expect("lock");
+    let bookmarks = q.get("allowWatchBookmarks").map(String::as_str) == Some("true");
+    let timeout = q
+        .get("timeoutSeconds")
+        .and_then(|t| t.parse().ok())
+        .map(Duration::from_secs);
+    let (backlog, gone, events, breaks) = {
+        let mut s = shared.lock();
+        *s.watches_served.entry(resource).or_insert(0) += 1;
         let gone = from < s.expired_before;
+        let start = s.history.partition_point(|e| e.rv <= from);
         let backlog: Vec<Event> = s
             .history
-            .iter()
-            .filter(|e| e.kind == kind && e.rv > from)
+            .range(start..)
+            .filter(|e| e.kind == kind)
             .cloned()
             .collect();
-        (backlog, gone)
+        // Subscribed under the lock: no event falls between the backlog and the stream.
+        (
+            backlog,
+            gone,
+            shared.events.subscribe(),
+            shared.breaks.subscribe(),
+        )
     };
     if gone {
         let status = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                     "message": "too old resource version", "reason": "Expired", "code": 410}});
         return Response::new(Body::from(format!("{status}\n")));
     }
-    let events = shared.events.subscribe();
-    let breaks = shared.breaks.subscribe();
-    let line = |e: &Event| {
-        axum::body::Bytes::from(format!(
-            "{}\n",
-            json!({"type": e.type_, "object": e.object})
-        ))
-    };
-    let first: Vec<Result<axum::body::Bytes, Infallible>> = backlog
+    let first: Vec<Result<Bytes, Infallible>> = backlog
         .iter()
         .filter(|e| matches_selector(&e.object, &q))
-        .map(|e| Ok(line(e)))
+        .map(|e| Ok(e.line()))
         .collect();
     let live = futures::stream::unfold(
-        (events, breaks, q),
-        move |(mut events, mut breaks, q)| async move {
-            loop {
-                tokio::select! {
-                    _ = breaks.recv() => return None,
-                    e = events.recv() => match e {
-                        Ok(e) if e.kind == kind && (e.type_ == "BOOKMARK" || matches_selector(&e.object, &q)) => {
-                            let l = Ok::<_, Infallible>(axum::body::Bytes::from(format!("{}\n", json!({"type": e.type_, "object": e.object}))));
-                            return Some((l, (events, breaks, q)));
-                        }
-                        Ok(_) => continue,
-                        Err(_) => return None,
-                    },
-                }
-            }
+        Live {
+            kind,
+            from,
+            q,
+            bookmarks,
+            deadline: timeout.map(|t| tokio::time::Instant::now() + t),
+            tick: shared
+                .options
+                .bookmark_every
+                .filter(|_| bookmarks)
+                .map(|every| tokio::time::interval_at(tokio::time::Instant::now() + every, every)),
+            events,
+            breaks,
+            shared,
         },
+        Live::next,
     );
     let stream = futures::StreamExt::chain(futures::stream::iter(first), live);
     Response::new(Body::from_stream(stream))
+}
+
+/// An open watch after its backlog: live events of its kind that match its selectors,
+/// bookmarks if asked, until `timeoutSeconds` or a break.
+struct Live {
+    kind: Kind,
+    from: u64,
+    q: BTreeMap<String, String>,
+    bookmarks: bool,
+    deadline: Option<tokio::time::Instant>,
+    tick: Option<tokio::time::Interval>,
+    events: broadcast::Receiver<Event>,
+    breaks: broadcast::Receiver<()>,
+    shared: Arc<Shared>,
+}
+
+impl Live {
+    async fn next(mut self) -> Option<(Result<Bytes, Infallible>, Self)> {
+        loop {
+            let deadline = self.deadline;
+            let timed_out = async move {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let tick = self.tick.as_mut();
+            let ticked = async move {
+                match tick {
+                    Some(t) => {
+                        t.tick().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            let line = tokio::select! {
+                _ = self.breaks.recv() => return None,
+                () = timed_out => return None,
+                () = ticked => {
+                    let rv = self.shared.lock().rv;
+                    bookmark_event(self.kind, rv).line()
+                }
+                e = self.events.recv() => match e {
+                    Ok(e) if e.kind != self.kind => continue,
+                    Ok(e) if e.type_ == "BOOKMARK" => {
+                        if !self.bookmarks {
+                            continue;
+                        }
+                        e.line()
+                    }
+                    Ok(e) if e.rv > self.from && matches_selector(&e.object, &self.q) => e.line(),
+                    Ok(_) => continue,
+                    // Lagged or closed: the client resumes from its last resourceVersion.
+                    Err(_) => return None,
+                },
+            };
+            return Some((Ok(line), self));
+        }
+    }
+}
+
+/// A cluster of `services` ClusterIP Services (TCP 80 → 8080), each with one
+/// EndpointSlice of `endpoints` ready endpoints, and the churn a rollout makes: one
+/// endpoint's address replaced by a fresh one, the slice stamped with the time of the
+/// change (`endpoints.kubernetes.io/last-change-trigger-time`), as the EndpointSlice
+/// controller does.
+///
+/// Addresses: Service `i` is 172.16.0.0 + i (up to 2^20 Services); initial endpoints are
+/// 10.0.0.0 + k; fresh ones start at [`Population::FRESH_BASE`], so any address in a view
+/// at or above it was written by a change.
+pub struct Population {
+    services: usize,
+    endpoints: usize,
+    /// Endpoint `j` of slice `i` at `i * endpoints + j`.
+    addresses: Vec<u32>,
+    changes: u64,
+}
+
+/// One change the churn made.
+#[derive(Clone, Debug)]
+pub struct Change {
+    pub seq: u64,
+    /// The slice's index.
+    pub slice: usize,
+    /// The fresh endpoint address.
+    pub address: Ipv4Addr,
+    /// When the change was made: the slice's trigger time.
+    pub trigger: SystemTime,
+}
+
+/// The trigger-time annotation.
+pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+impl Population {
+    /// The first fresh address (10.128.0.0).
+    pub const FRESH_BASE: Ipv4Addr = Ipv4Addr::new(10, 128, 0, 0);
+    /// How many nodes the endpoints' `nodeName`s spread over (the bench's node is none of
+    /// them: every endpoint is remote).
+    const NODES: usize = 50;
+
+    pub fn new(services: usize, endpoints: usize) -> Self {
+        let base = u32::from(Ipv4Addr::new(10, 0, 0, 0));
+        Self {
+            services,
+            endpoints,
+            addresses: (0..services * endpoints).map(|k| base + k as u32).collect(),
+            changes: 0,
+        }
+    }
+
+    pub fn services(&self) -> usize {
+        self.services
+    }
+
+    /// Service `i`'s ClusterIP.
+    pub fn cluster_ip(i: usize) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(Ipv4Addr::new(172, 16, 0, 0)) + i as u32)
+    }
+
+    pub fn service(&self, i: usize) -> Value {
+        let ip = Self::cluster_ip(i).to_string();
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": format!("s{i}"), "namespace": "default", "uid": format!("svc-uid-{i}"),
+                            "labels": {"app": format!("s{i}")}},
+               "spec": {"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip],
+                        "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
+                        "selector": {"app": format!("s{i}")}, "sessionAffinity": "None",
+                        "internalTrafficPolicy": "Cluster",
+                        "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]}})
+    }
+
+    /// Slice `i` as it is now; `trigger` stamps it.
+    pub fn slice(&self, i: usize, trigger: Option<SystemTime>) -> Value {
+        let endpoints: Vec<Value> = (0..self.endpoints)
+            .map(|j| {
+                let k = i * self.endpoints + j;
+                json!({"addresses": [Ipv4Addr::from(self.addresses[k]).to_string()],
+                       "conditions": {"ready": true, "serving": true, "terminating": false},
+                       "nodeName": format!("node-{}", k % Self::NODES),
+                       "targetRef": {"kind": "Pod", "namespace": "default", "name": format!("s{i}-pod-{j}")}})
+            })
+            .collect();
+        let mut metadata = json!({"name": format!("s{i}-abcde"), "namespace": "default",
+            "generateName": format!("s{i}-"),
+            "labels": {"kubernetes.io/service-name": format!("s{i}"),
+                       "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}});
+        if let Some(t) = trigger {
+            metadata["annotations"] = json!({ TRIGGER_TIME: rfc3339(t) });
+        }
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": metadata,
+               "addressType": "IPv4",
+               "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+               "endpoints": endpoints})
+    }
+
+    /// Puts every Service and slice into `server` (no history: clients list them).
+    pub fn load(&self, server: &FakeApiServer) {
+        server.preload(Kind::Services, (0..self.services).map(|i| self.service(i)));
+        server.preload(
+            Kind::EndpointSlices,
+            (0..self.services).map(|i| self.slice(i, None)),
+        );
+    }
+
+    /// Makes the next change in `server`: slices in an order spread over the key space,
+    /// each endpoint of a slice in turn, every address fresh.
+    pub fn change(&mut self, server: &FakeApiServer) -> Change {
+        let seq = self.changes;
+        self.changes += 1;
+        let n = self.services as u64;
+        // A stride coprime with n visits every slice once per n changes.
+        let stride = [7919u64, 7907, 7901, 1]
+            .into_iter()
+            .find(|s| gcd(*s, n) == 1)
+            .unwrap_or(1);
+        let slice = ((seq * stride) % n) as usize;
+        let j = ((seq / n) % self.endpoints as u64) as usize;
+        let address = Ipv4Addr::from(u32::from(Self::FRESH_BASE) + seq as u32);
+        self.addresses[slice * self.endpoints + j] = u32::from(address);
+        let trigger = SystemTime::now();
+        server.apply(Kind::EndpointSlices, self.slice(slice, Some(trigger)));
+        Change {
+            seq,
+            slice,
+            address,
+            trigger,
+        }
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// RFC 3339 in UTC with microseconds, as the EndpointSlice controller writes times.
+pub fn rfc3339(t: SystemTime) -> String {
+    k8s_openapi::chrono::DateTime::<k8s_openapi::chrono::Utc>::from(t)
+        .to_rfc3339_opts(k8s_openapi::chrono::SecondsFormat::Micros, true)
+}
+
+/// The node object for `name`, with one InternalIP.
+pub fn node(name: &str, ip: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node",
+           "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+           "status": {"addresses": [{"type": "InternalIP", "address": ip}]}})
+}
+
+impl FakeApiServer {
+    /// Makes `per_second` changes a second for `duration` (catching up if it falls
+    /// behind), handing each to `made` as it is made.
+    pub async fn churn(
+        &self,
+        population: &mut Population,
+        per_second: f64,
+        duration: Duration,
+        mut made: impl FnMut(Change),
+    ) {
+        let total = (per_second * duration.as_secs_f64()).round() as u64;
+        if total == 0 || population.services == 0 {
+            return;
+        }
+        let period = Duration::from_secs_f64(1.0 / per_second);
+        let mut tick = tokio::time::interval(period);
+        for _ in 0..total {
+            tick.tick().await;
+            made(population.change(self));
+        }
+    }
 }

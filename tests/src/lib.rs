@@ -8,6 +8,8 @@ pub mod client;
 pub mod cluster;
 pub mod echo;
 pub mod fake_apiserver;
+#[cfg(test)]
+mod fake_apiserver_tests;
 pub mod kube_proxy;
 pub mod multinode;
 
