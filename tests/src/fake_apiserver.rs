@@ -136,6 +136,8 @@ struct Shared {
     events: broadcast::Sender<Event>,
     breaks: broadcast::Sender<()>,
     released: Notify,
+    /// The accept loop, ended by `shutdown`.
+    serving: Mutex<Option<tokio::task::JoinHandle<()>>>,
     options: Options,
 }
 
@@ -194,6 +196,7 @@ impl FakeApiServer {
             events,
             breaks,
             released: Notify::new(),
+            serving: Mutex::new(None),
             options,
         });
         let app = Router::new()
@@ -212,9 +215,13 @@ impl FakeApiServer {
             .await
             .context("binding the fake API server on loopback")?;
         let addr = listener.local_addr().context("its address")?;
-        tokio::spawn(async move {
+        let serving = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
+        *shared
+            .serving
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(serving);
         Ok(Self { shared, addr })
     }
 
@@ -319,6 +326,21 @@ impl FakeApiServer {
         for kind in [Kind::Services, Kind::EndpointSlices, Kind::Nodes] {
             let _ = self.shared.events.send(bookmark_event(kind, s.rv));
         }
+    }
+
+    /// Stops accepting connections and ends every watch: what it holds is freed once the
+    /// last handle goes (a benchmark runs one server per size).
+    pub fn shutdown(&self) {
+        let serving = self
+            .shared
+            .serving
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(serving) = serving {
+            serving.abort();
+        }
+        self.break_watches();
     }
 
     /// Ends every open watch stream (the client must reconnect).
