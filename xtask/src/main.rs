@@ -53,7 +53,8 @@ enum Cmd {
         #[arg(long)]
         seed: Option<u64>,
     },
-    /// Benchmarks (figures, not pass/fail): control-plane scale of the node view and map diff.
+    /// Benchmarks (figures, not pass/fail): control-plane scale of the node view and map diff,
+    /// the datapaths beside kube-proxy's rules, and the agent under EndpointSlice churn.
     Bench {
         /// Small sizes, for CI smoke runs.
         #[arg(long)]
@@ -130,21 +131,22 @@ fn main() -> Result<()> {
                 "proxy-e2e",
                 "--bins",
             ]))?;
-            let mut cmd = cargo(&root, STABLE);
-            cmd.args([
-                "run",
-                "--quiet",
-                "--release",
-                "-p",
-                "proxy-e2e",
-                "--bin",
-                "bench",
-                "--",
-            ])
-            .arg("--agent")
-            .arg(root.join("target/release/proxy-agent"))
-            .arg("--out")
-            .arg(root.join("target/bench"));
+            let mut cmd = e2e_release_bin(&root, "bench");
+            cmd.arg("--agent")
+                .arg(root.join("target/release/proxy-agent"))
+                .arg("--out")
+                .arg(root.join("target/bench"));
+            if quick {
+                cmd.arg("--quick");
+            }
+            run(&mut cmd)?;
+            // The control plane under churn: the release agent against the fake API
+            // server at 1k / 10k (/ 100k) Services (target/bench/churn.json).
+            let mut cmd = e2e_release_bin(&root, "churn");
+            cmd.arg("--agent")
+                .arg(root.join("target/release/proxy-agent"))
+                .arg("--out")
+                .arg(root.join("target/bench"));
             if quick {
                 cmd.arg("--quick");
             }
@@ -217,7 +219,6 @@ fn tools_dir(root: &Path) -> PathBuf {
     root.join(".tools")
 }
 
-/// A cargo command for `toolchain`, with the project's tools first on PATH.
 /// `cargo run` of one of proxy-e2e's binaries (debug build); its arguments follow.
 fn e2e_bin(root: &Path, name: &str) -> Command {
     let mut cmd = cargo(root, STABLE);
@@ -225,6 +226,24 @@ fn e2e_bin(root: &Path, name: &str) -> Command {
     cmd
 }
 
+/// The same, release build: for benchmarks, whose helpers share the machine with the
+/// agent they measure.
+fn e2e_release_bin(root: &Path, name: &str) -> Command {
+    let mut cmd = cargo(root, STABLE);
+    cmd.args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "proxy-e2e",
+        "--bin",
+        name,
+        "--",
+    ]);
+    cmd
+}
+
+/// A cargo command for `toolchain`, with the project's tools first on PATH.
 fn cargo(root: &Path, toolchain: &str) -> Command {
     let mut cmd = Command::new("rustup");
     cmd.args(["run", toolchain, "cargo"]).current_dir(root);
