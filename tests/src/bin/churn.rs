@@ -54,6 +54,10 @@ struct Args {
     /// How long after the churn late changes are still waited for.
     #[arg(long, default_value_t = 10.0)]
     drain_s: f64,
+    /// Kill the agent when its RSS passes this (MiB): the run ends with a note, not an
+    /// error (today's agent grows by several GiB at 100k Services).
+    #[arg(long, default_value_t = 6144.0)]
+    max_rss_mib: f64,
     /// Where churn.json goes.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -175,6 +179,7 @@ async fn main() -> Result<()> {
             churn_s,
             first_deadline_s: deadline,
             drain_s: args.drain_s,
+            max_rss_mib: args.max_rss_mib,
         };
         match run_one(&spec).await {
             Ok(run) => {
@@ -216,12 +221,16 @@ struct Spec {
     churn_s: f64,
     first_deadline_s: f64,
     drain_s: f64,
+    max_rss_mib: f64,
 }
 
 /// The agent's process, its folder (bpffs mount, kubeconfig, config, log) and its
 /// addresses; on drop the agent is stopped and every pin and file removed.
 struct Agent {
     child: Option<Child>,
+    /// Kills the agent past the RSS cap (the bench must not take the machine down).
+    watchdog: Option<tokio::task::JoinHandle<()>>,
+    capped: Arc<Mutex<Option<Capped>>>,
     bin: PathBuf,
     dir: PathBuf,
     bpffs: PathBuf,
@@ -230,7 +239,7 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(bin: &Path, server: &FakeApiServer) -> Result<Self> {
+    fn start(bin: &Path, server: &FakeApiServer, max_rss_mib: f64) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!(
             "churn-bench-{}-{}",
             std::process::id(),
@@ -242,6 +251,8 @@ impl Agent {
         fs::create_dir_all(&bpffs).with_context(|| format!("creating {}", bpffs.display()))?;
         let mut agent = Agent {
             child: None,
+            watchdog: None,
+            capped: Arc::default(),
             bin: bin.to_path_buf(),
             dir: dir.clone(),
             bpffs: bpffs.clone(),
@@ -279,7 +290,32 @@ impl Agent {
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
+        let pid = child.id();
         agent.child = Some(child);
+        let (capped, started) = (agent.capped.clone(), Instant::now());
+        agent.watchdog = Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let Ok((rss_mib, _)) = memory_mib(pid) else {
+                    return;
+                };
+                if rss_mib > max_rss_mib {
+                    if let Ok(pid) = i32::try_from(pid) {
+                        // SAFETY: kill has no memory preconditions; the pid is our child's,
+                        // not reaped yet (only `stop` and `check_alive` reap it).
+                        unsafe { libc::kill(pid, libc::SIGKILL) };
+                    }
+                    *capped
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Capped {
+                        cap_mib: max_rss_mib,
+                        rss_mib,
+                        after_s: started.elapsed().as_secs_f64(),
+                    });
+                    return;
+                }
+            }
+        }));
         Ok(agent)
     }
 
@@ -290,12 +326,20 @@ impl Agent {
             .context("the agent is not running")
     }
 
-    /// Fails if the agent has exited.
+    /// Fails if the agent has exited: with [`Capped`] if the watchdog killed it.
     fn check_alive(&mut self) -> Result<()> {
         if let Some(child) = &mut self.child
             && let Some(status) = child.try_wait()?
         {
             self.child = None;
+            let capped = self
+                .capped
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            if let Some(capped) = capped {
+                return Err(capped.into());
+            }
             bail!(
                 "the agent exited ({status}); its log ends:\n{}",
                 tail(&self.log(), 30)
@@ -330,6 +374,9 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.abort();
+        }
         self.stop();
         if self.mounted {
             let _ = Command::new(&self.bin)
@@ -343,6 +390,27 @@ impl Drop for Agent {
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
+
+/// The agent went past the RSS cap and was killed: a figure, not a failure.
+#[derive(Clone, Debug)]
+struct Capped {
+    cap_mib: f64,
+    rss_mib: f64,
+    after_s: f64,
+}
+
+impl std::fmt::Display for Capped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the agent's RSS reached {:.0} MiB {:.1} s after its start, past the bench's cap of \
+             {:.0} MiB (--max-rss-mib): killed",
+            self.rss_mib, self.after_s, self.cap_mib
+        )
+    }
+}
+
+impl std::error::Error for Capped {}
 
 fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")
@@ -365,23 +433,8 @@ async fn run_one(spec: &Spec) -> Result<Run> {
         bookmark_every: Some(Duration::from_secs(60)),
     })
     .await?;
-    let run = measure(spec, &server).await;
-    server.shutdown();
-    run
-}
-
-async fn measure(spec: &Spec, server: &FakeApiServer) -> Result<Run> {
-    let n = spec.services;
-    let mut population = Population::new(n, spec.endpoints);
-    let loaded = Instant::now();
-    population.load(server);
-    server.apply(Kind::Nodes, fake_apiserver::node(NODE, "192.0.2.10"));
-    println!(
-        "  API server stand-in holds {n} Services and slices ({:.1} s to build)",
-        loaded.elapsed().as_secs_f64()
-    );
     let mut run = Run {
-        services: n,
+        services: spec.services,
         endpoints_per_slice: spec.endpoints,
         changes_per_s: spec.changes_per_s,
         churn_s: spec.churn_s,
@@ -392,9 +445,36 @@ async fn measure(spec: &Spec, server: &FakeApiServer) -> Result<Run> {
             .to_string(),
         ..Run::default()
     };
+    let outcome = measure(spec, &server, &mut run).await;
+    server.shutdown();
+    match outcome {
+        Ok(()) => Ok(run),
+        Err(e) => match e.downcast_ref::<Capped>() {
+            Some(capped) => {
+                println!("  {capped}");
+                run.rss_mib = capped.rss_mib;
+                run.rss_peak_mib = run.rss_peak_mib.max(capped.rss_mib);
+                record_api(&mut run, &server);
+                run.note = Some(capped.to_string());
+                Ok(run)
+            }
+            None => Err(e),
+        },
+    }
+}
 
+async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<()> {
+    let n = spec.services;
+    let mut population = Population::new(n, spec.endpoints);
+    let loaded = Instant::now();
+    population.load(server);
+    server.apply(Kind::Nodes, fake_apiserver::node(NODE, "192.0.2.10"));
+    println!(
+        "  API server stand-in holds {n} Services and slices ({:.1} s to build)",
+        loaded.elapsed().as_secs_f64()
+    );
     let started = Instant::now();
-    let mut agent = Agent::start(&spec.agent, server)?;
+    let mut agent = Agent::start(&spec.agent, server, spec.max_rss_mib)?;
     let pid = agent.pid()?;
 
     // First full programming: every Service's frontend in the view the agent applied.
@@ -433,7 +513,7 @@ async fn measure(spec: &Spec, server: &FakeApiServer) -> Result<Run> {
                 spec.first_deadline_s, run.frontends
             );
             if run.frontends == 0 {
-                finish(&mut run, &mut agent, server, pid);
+                finish(run, &mut agent, server, pid);
                 bail!(
                     "nothing programmed in {:.0} s; the agent's log ends:\n{}",
                     spec.first_deadline_s,
@@ -441,8 +521,8 @@ async fn measure(spec: &Spec, server: &FakeApiServer) -> Result<Run> {
                 );
             }
             run.note = Some("first full programming not reached: no churn".into());
-            finish(&mut run, &mut agent, server, pid);
-            return Ok(run);
+            finish(run, &mut agent, server, pid);
+            return Ok(());
         }
     }
 
@@ -528,7 +608,7 @@ async fn measure(spec: &Spec, server: &FakeApiServer) -> Result<Run> {
         (Some(a), Some(b)) => (b - a).max(0.0) as u64,
         _ => 0,
     };
-    finish(&mut run, &mut agent, server, pid);
+    finish(run, &mut agent, server, pid);
     if run.changes_made > 0 && run.changes_seen == 0 {
         bail!(
             "none of {} changes was programmed; the agent's log ends:\n{}",
@@ -536,7 +616,7 @@ async fn measure(spec: &Spec, server: &FakeApiServer) -> Result<Run> {
             tail(&agent.log(), 30)
         );
     }
-    Ok(run)
+    Ok(())
 }
 
 /// Memory, API traffic and the log, then the agent is stopped.
@@ -549,17 +629,7 @@ fn finish(run: &mut Run, agent: &mut Agent, server: &FakeApiServer, pid: u32) {
         run.bpf_map_mib = bytes as f64 / 1_048_576.0;
         run.bpf_maps = maps;
     }
-    for resource in ["services", "endpointslices", "nodes"] {
-        run.api
-            .lists
-            .insert(resource.into(), server.lists_served(resource));
-        run.api
-            .pages
-            .insert(resource.into(), server.pages_served(resource));
-        run.api
-            .watches
-            .insert(resource.into(), server.watches_served(resource));
-    }
+    record_api(run, server);
     agent.stop();
     let log = agent.log();
     let mut samples: Vec<String> = Vec::new();
@@ -585,6 +655,21 @@ fn finish(run: &mut Run, agent: &mut Agent, server: &FakeApiServer, pid: u32) {
         }
     }
     run.log_samples = samples;
+}
+
+/// The API requests the agent made, as the fake counted them.
+fn record_api(run: &mut Run, server: &FakeApiServer) {
+    for resource in ["services", "endpointslices", "nodes"] {
+        run.api
+            .lists
+            .insert(resource.into(), server.lists_served(resource));
+        run.api
+            .pages
+            .insert(resource.into(), server.pages_served(resource));
+        run.api
+            .watches
+            .insert(resource.into(), server.watches_served(resource));
+    }
 }
 
 fn strip_ansi(s: &str) -> String {
