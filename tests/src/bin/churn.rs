@@ -123,6 +123,8 @@ struct Run {
     cpu_ms_per_change: f64,
     /// Agent syncs (successful) during the churn window.
     syncs_in_churn: u64,
+    rss_at_first_programming_mib: f64,
+    /// At the end of the run.
     rss_mib: f64,
     rss_peak_mib: f64,
     bpf_map_mib: f64,
@@ -475,6 +477,21 @@ async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<(
     );
     let started = Instant::now();
     let mut agent = Agent::start(&spec.agent, server, spec.max_rss_mib)?;
+    let outcome = measure_agent(spec, server, run, &mut agent, &mut population, started).await;
+    agent.stop();
+    scan_log(run, &agent.log());
+    outcome
+}
+
+async fn measure_agent(
+    spec: &Spec,
+    server: &FakeApiServer,
+    run: &mut Run,
+    agent: &mut Agent,
+    population: &mut Population,
+    started: Instant,
+) -> Result<()> {
+    let n = spec.services;
     let pid = agent.pid()?;
 
     // First full programming: every Service's frontend in the view the agent applied.
@@ -503,17 +520,21 @@ async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<(
         .or_else(|| metric(&last_metrics, "proxy_agent_frontends_failed"))
         .unwrap_or(0.0) as u64;
     match run.first_programming_s {
-        Some(s) => println!(
-            "  first full programming: {s:.2} s ({} frontends failed to be written)",
-            run.frontends_failed
-        ),
+        Some(s) => {
+            run.rss_at_first_programming_mib = memory_mib(pid).map_or(0.0, |(rss, _)| rss);
+            println!(
+                "  first full programming: {s:.2} s ({} frontends failed to be written; RSS \
+                 {:.0} MiB)",
+                run.frontends_failed, run.rss_at_first_programming_mib
+            );
+        }
         None => {
             println!(
                 "  first full programming: not reached in {:.0} s ({} of {n} frontends)",
                 spec.first_deadline_s, run.frontends
             );
             if run.frontends == 0 {
-                finish(run, &mut agent, server, pid);
+                finish(run, agent, server, pid);
                 bail!(
                     "nothing programmed in {:.0} s; the agent's log ends:\n{}",
                     spec.first_deadline_s,
@@ -521,7 +542,7 @@ async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<(
                 );
             }
             run.note = Some("first full programming not reached: no churn".into());
-            finish(run, &mut agent, server, pid);
+            finish(run, agent, server, pid);
             return Ok(());
         }
     }
@@ -535,7 +556,7 @@ async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<(
     let mut changes: Vec<Change> = Vec::new();
     server
         .churn(
-            &mut population,
+            population,
             spec.changes_per_s,
             Duration::from_secs_f64(spec.churn_s),
             |c| changes.push(c),
@@ -608,7 +629,7 @@ async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<(
         (Some(a), Some(b)) => (b - a).max(0.0) as u64,
         _ => 0,
     };
-    finish(run, &mut agent, server, pid);
+    finish(run, agent, server, pid);
     if run.changes_made > 0 && run.changes_seen == 0 {
         bail!(
             "none of {} changes was programmed; the agent's log ends:\n{}",
@@ -631,7 +652,10 @@ fn finish(run: &mut Run, agent: &mut Agent, server: &FakeApiServer, pid: u32) {
     }
     record_api(run, server);
     agent.stop();
-    let log = agent.log();
+}
+
+/// Counts the warnings and errors in the agent's log, and keeps a few distinct ones.
+fn scan_log(run: &mut Run, log: &str) {
     let mut samples: Vec<String> = Vec::new();
     for line in log.lines() {
         let plain = strip_ansi(line);
