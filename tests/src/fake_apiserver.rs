@@ -768,6 +768,12 @@ impl Population {
         }
     }
 
+    /// Whether `ip` is one a change wrote (10.128.0.0/9).
+    pub fn is_fresh(ip: Ipv4Addr) -> bool {
+        u32::from(ip) >= u32::from(Self::FRESH_BASE)
+            && u32::from(ip) <= u32::from(Ipv4Addr::new(10, 255, 255, 255))
+    }
+
     pub fn services(&self) -> usize {
         self.services
     }

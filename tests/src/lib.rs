@@ -4,6 +4,7 @@
 //! creates, with unique names, and is removed on drop — also when a test fails.
 
 pub mod bench;
+pub mod churn;
 pub mod client;
 pub mod cluster;
 pub mod echo;
