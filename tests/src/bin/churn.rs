@@ -691,6 +691,18 @@ fn ms(v: Option<f64>) -> String {
 }
 
 fn print_run(r: &Run) {
+    let load: f64 = r
+        .loadavg
+        .split_whitespace()
+        .next()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0.0);
+    if load > 1.0 {
+        println!(
+            "  (load average {load:.1} when the run began: other work shared the cores, the \
+             figures are skewed)"
+        );
+    }
     println!(
         "  changes: {} made, {} seen; latency p50 {} ms, p99 {} ms, max {} ms; agent CPU {:.1}% \
          of a core ({:.2} ms/change, {} syncs); RSS {:.0} MiB (peak {:.0}); BPF maps {:.0} MiB \
