@@ -247,6 +247,29 @@ fn cpu_ticks(stat: &str) -> Option<u64> {
     Some(field(14)? + field(15)?)
 }
 
+/// CPU time every process on the machine has used since boot (all but idle and iowait
+/// in /proc/stat), seconds.
+pub fn machine_busy_seconds() -> Result<f64> {
+    let stat = fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    let ticks = busy_ticks(&stat).context("malformed /proc/stat")?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok(ticks as f64 / hz.max(1.0))
+}
+
+/// The `cpu` line's ticks but idle (4th) and iowait (5th); guest time is already in user.
+fn busy_ticks(stat: &str) -> Option<u64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|t| t.parse().ok())
+        .collect::<Option<_>>()?;
+    let total: u64 = ticks.iter().sum();
+    Some(total - ticks.get(3)? - ticks.get(4)?)
+}
+
 /// VmRSS and VmHWM of `pid`, MiB.
 pub fn memory_mib(pid: u32) -> Result<(f64, f64)> {
     let status = fs::read_to_string(format!("/proc/{pid}/status"))
@@ -359,6 +382,12 @@ mod tests {
                     8 0 123 456 789";
         assert_eq!(cpu_ticks(stat), Some(300));
         assert_eq!(cpu_ticks("garbage"), None);
+    }
+
+    #[test]
+    fn busy_ticks_leave_out_idle_and_iowait() {
+        let stat = "cpu  100 5 50 1000 20 3 2 1 7 0\ncpu0 50 2 25 500 10 1 1 0 0 0\n";
+        assert_eq!(busy_ticks(stat), Some(161));
     }
 
     #[test]

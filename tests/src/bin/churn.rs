@@ -22,8 +22,8 @@ use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use proxy_e2e::{
     churn::{
-        Latency, Seen, bpf_map_memory, cpu_seconds, http_get, latency, memory_mib, metric,
-        per_second, scrape, strip_ansi, watch_view,
+        Latency, Seen, bpf_map_memory, cpu_seconds, http_get, latency, machine_busy_seconds,
+        memory_mib, metric, per_second, scrape, strip_ansi, watch_view,
     },
     fake_apiserver::{self, Change, FakeApiServer, Kind, Options, Population},
     sh,
@@ -122,8 +122,13 @@ struct Run {
     log_errors: usize,
     /// A few distinct warning and error lines from the agent's log.
     log_samples: Vec<String>,
-    /// /proc/loadavg when the run began (other work on the machine skews the figures).
+    /// /proc/loadavg when the run began.
     loadavg: String,
+    /// CPU other processes than the agent and this bench used during the churn, % of a
+    /// core: other work on the machine skews the figures.
+    others_cpu_pct: f64,
+    /// This bench's own CPU during the churn (the fake API server, the watch reader).
+    bench_cpu_pct: f64,
     /// Why the run stopped early, if it did.
     note: Option<String>,
 }
@@ -540,6 +545,8 @@ async fn measure_agent(
     let reader = watch_view(&agent.metrics, seen.clone()).await?;
     let m0 = scrape(&agent.metrics).await;
     let cpu0 = cpu_seconds(pid)?;
+    let me = std::process::id();
+    let (machine0, bench0) = (machine_busy_seconds()?, cpu_seconds(me)?);
     let churn_start = Instant::now();
     let mut changes: Vec<Change> = Vec::new();
     server
@@ -552,6 +559,10 @@ async fn measure_agent(
         .await;
     let window = churn_start.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pid)? - cpu0;
+    let bench = cpu_seconds(me)? - bench0;
+    let others = machine_busy_seconds()? - machine0 - cpu - bench;
+    run.bench_cpu_pct = 100.0 * bench / window.max(1e-9);
+    run.others_cpu_pct = (100.0 * others / window.max(1e-9)).max(0.0);
     let m1 = scrape(&agent.metrics).await;
     agent.check_alive()?;
     // Late changes: wait for them a while.
@@ -691,16 +702,18 @@ fn ms(v: Option<f64>) -> String {
 }
 
 fn print_run(r: &Run) {
-    let load: f64 = r
-        .loadavg
-        .split_whitespace()
-        .next()
-        .and_then(|l| l.parse().ok())
-        .unwrap_or(0.0);
-    if load > 1.0 {
+    if r.changes_made > 0 {
         println!(
-            "  (load average {load:.1} when the run began: other work shared the cores, the \
-             figures are skewed)"
+            "  CPU beside the agent's during the churn: this bench {:.0}% of a core, other \
+             processes {:.0}%",
+            r.bench_cpu_pct, r.others_cpu_pct
+        );
+    }
+    if r.others_cpu_pct > 20.0 {
+        println!(
+            "  (other processes used {:.0}% of a core during the churn, beside the agent and \
+             this bench: the figures are skewed)",
+            r.others_cpu_pct
         );
     }
     println!(
