@@ -60,6 +60,9 @@ struct Args {
     /// error (today's agent grows by several GiB at 100k Services).
     #[arg(long, default_value_t = 6144.0)]
     max_rss_mib: f64,
+    /// An extra argument for `proxy-agent run` (repeatable), e.g. `--agent-arg=--min-sync-ms=10`.
+    #[arg(long = "agent-arg", allow_hyphen_values = true)]
+    agent_args: Vec<String>,
     /// Where churn.json goes.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -95,6 +98,8 @@ struct Run {
     /// frontends the maps refused: full maps).
     first_programming_complete: bool,
     first_deadline_s: f64,
+    /// Extra arguments the agent was given.
+    agent_args: Vec<String>,
     /// Frontends the agent reported when first programming ended (or at the deadline).
     frontends: u64,
     /// The agent's count of frontends it could not write (a full map), at the end.
@@ -162,8 +167,14 @@ async fn main() -> Result<()> {
         let deadline = args.first_deadline_s.unwrap_or(60.0 + 0.0024 * n as f64);
         println!(
             "churn: {n} Services × {} endpoints, {} changes/s for {churn_s} s (first programming \
-             deadline {deadline:.0} s)",
-            args.endpoints, args.changes_per_s
+             deadline {deadline:.0} s){}",
+            args.endpoints,
+            args.changes_per_s,
+            if args.agent_args.is_empty() {
+                String::new()
+            } else {
+                format!("; agent given {}", args.agent_args.join(" "))
+            }
         );
         let spec = Spec {
             agent: agent.clone(),
@@ -174,6 +185,7 @@ async fn main() -> Result<()> {
             first_deadline_s: deadline,
             drain_s: args.drain_s,
             max_rss_mib: args.max_rss_mib,
+            agent_args: args.agent_args.clone(),
         };
         match run_one(&spec).await {
             Ok(run) => {
@@ -216,6 +228,7 @@ struct Spec {
     first_deadline_s: f64,
     drain_s: f64,
     max_rss_mib: f64,
+    agent_args: Vec<String>,
 }
 
 /// The agent's process, its folder (bpffs mount, kubeconfig, config, log) and its
@@ -233,7 +246,12 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(bin: &Path, server: &FakeApiServer, max_rss_mib: f64) -> Result<Self> {
+    fn start(
+        bin: &Path,
+        server: &FakeApiServer,
+        max_rss_mib: f64,
+        extra: &[String],
+    ) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!(
             "churn-bench-{}-{}",
             std::process::id(),
@@ -279,6 +297,7 @@ impl Agent {
             .arg("--bpffs")
             .arg(&bpffs)
             .args(["--cgroup", "none", "--node-name", NODE])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -433,6 +452,7 @@ async fn run_one(spec: &Spec) -> Result<Run> {
         changes_per_s: spec.changes_per_s,
         churn_s: spec.churn_s,
         first_deadline_s: spec.first_deadline_s,
+        agent_args: spec.agent_args.clone(),
         loadavg: fs::read_to_string("/proc/loadavg")
             .unwrap_or_default()
             .trim()
@@ -468,7 +488,7 @@ async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<(
         loaded.elapsed().as_secs_f64()
     );
     let started = Instant::now();
-    let mut agent = Agent::start(&spec.agent, server, spec.max_rss_mib)?;
+    let mut agent = Agent::start(&spec.agent, server, spec.max_rss_mib, &spec.agent_args)?;
     let outcome = measure_agent(spec, server, run, &mut agent, &mut population, started).await;
     agent.stop();
     scan_log(run, &agent.log());
