@@ -121,9 +121,11 @@ struct Store {
     /// 410 Gone.
     expired_before: u64,
     held: Vec<Kind>,
-    /// Lists begun (first pages) and pages served, per resource.
+    /// Lists begun (first pages), pages served and lists completed (last pages), per
+    /// resource.
     lists_served: BTreeMap<String, u64>,
     pages_served: BTreeMap<String, u64>,
+    lists_completed: BTreeMap<String, u64>,
     watches_served: BTreeMap<String, u64>,
     /// The label selector of the last list per resource.
     label_selectors: BTreeMap<String, String>,
@@ -386,6 +388,11 @@ impl FakeApiServer {
         self.store(|s| s.pages_served.get(resource).copied().unwrap_or(0))
     }
 
+    /// How many lists of `resource` were served to their last page.
+    pub fn lists_completed(&self, resource: &str) -> u64 {
+        self.store(|s| s.lists_completed.get(resource).copied().unwrap_or(0))
+    }
+
     /// How many watches of `resource` were opened.
     pub fn watches_served(&self, resource: &str) -> u64 {
         self.store(|s| s.watches_served.get(resource).copied().unwrap_or(0))
@@ -539,7 +546,7 @@ async fn handle(
         if resume.is_none() {
             let selector = q.get("labelSelector").cloned().unwrap_or_default();
             s.label_selectors.insert(resource.clone(), selector);
-            *s.lists_served.entry(resource).or_insert(0) += 1;
+            *s.lists_served.entry(resource.clone()).or_insert(0) += 1;
         }
         let rv = resume.as_ref().map_or(s.rv, |(rv, _)| *rv);
         let from = match &resume {
@@ -563,6 +570,9 @@ async fn handle(
         let next = more
             .then(|| items.last().map(|(k, _)| continue_token(rv, k)))
             .flatten();
+        if next.is_none() {
+            *s.lists_completed.entry(resource).or_insert(0) += 1;
+        }
         (rv, items, next)
     };
     // The body is built outside the lock, from the stored bytes.

@@ -69,6 +69,7 @@ async fn a_paged_list_returns_every_selected_object_once() {
     assert_eq!(versions.len(), 1, "{versions:?}");
     assert_eq!(server.lists_served("services"), 1);
     assert_eq!(server.pages_served("services"), pages as u64);
+    assert_eq!(server.lists_completed("services"), 1);
     assert_eq!(server.label_selector("services"), SELECTOR);
     // No limit: everything at once.
     let all = api.list(&ListParams::default().labels(SELECTOR)).await;

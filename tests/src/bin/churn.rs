@@ -94,6 +94,9 @@ struct Run {
     /// Agent start to every Service's frontend in the applied view; `None`: not reached
     /// within the deadline.
     first_programming_s: Option<f64>,
+    /// Agent start to the last page of its Service and EndpointSlice lists served (the
+    /// rest of the first programming is the agent's own work).
+    lists_done_s: Option<f64>,
     /// Whether every frontend was written to the maps by then (the view can hold
     /// frontends the maps refused: full maps).
     first_programming_complete: bool,
@@ -511,6 +514,13 @@ async fn measure_agent(
     let mut last_metrics = String::new();
     loop {
         agent.check_alive()?;
+        if run.lists_done_s.is_none()
+            && ["services", "endpointslices"]
+                .iter()
+                .all(|r| server.lists_completed(r) > 0)
+        {
+            run.lists_done_s = Some(started.elapsed().as_secs_f64());
+        }
         if let Ok(text) = http_get(&agent.metrics, "/metrics").await {
             let frontends = metric(&text, "proxy_agent_frontends").unwrap_or(0.0) as u64;
             run.frontends = frontends;
@@ -536,9 +546,12 @@ async fn measure_agent(
             run.first_programming_complete = run.frontends_failed == 0;
             run.rss_at_first_programming_mib = memory_mib(pid).map_or(0.0, |(rss, _)| rss);
             println!(
-                "  first full programming: {s:.2} s ({} frontends failed to be written; RSS \
-                 {:.0} MiB)",
-                run.frontends_failed, run.rss_at_first_programming_mib
+                "  first full programming: {s:.2} s (lists served by {}; {} frontends failed \
+                 to be written; RSS {:.0} MiB)",
+                run.lists_done_s
+                    .map_or_else(|| "then".into(), |l| format!("{l:.2} s")),
+                run.frontends_failed,
+                run.rss_at_first_programming_mib
             );
         }
         None => {
