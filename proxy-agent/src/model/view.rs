@@ -151,35 +151,21 @@ pub fn service_view(
                 }))
             };
             let mut wanted: Vec<(Frontend, Arc<FrontendState>)> = Vec::new();
-            for ip in cips {
-                wanted.push((
-                    Frontend {
+            // ClusterIPs, external IPs, load-balancer IPs, then NodePorts: the order in
+            // which this Service's own collisions are settled below.
+            for (ips, kind) in [
+                (cips, FrontendKind::ClusterIp),
+                (family_ips(&svc.external_ips), FrontendKind::ExternalIp),
+                (family_ips(&svc.lb_ips), FrontendKind::LoadBalancer),
+            ] {
+                for ip in ips {
+                    let fe = Frontend {
                         ip,
                         port: number,
                         protocol,
-                    },
-                    state_for(FrontendKind::ClusterIp),
-                ));
-            }
-            for ip in family_ips(&svc.external_ips) {
-                wanted.push((
-                    Frontend {
-                        ip,
-                        port: number,
-                        protocol,
-                    },
-                    state_for(FrontendKind::ExternalIp),
-                ));
-            }
-            for ip in family_ips(&svc.lb_ips) {
-                wanted.push((
-                    Frontend {
-                        ip,
-                        port: number,
-                        protocol,
-                    },
-                    state_for(FrontendKind::LoadBalancer),
-                ));
+                    };
+                    wanted.push((fe, state_for(kind)));
+                }
             }
             if let Some(node_port) = port.node_port {
                 for ip in node_port_ips(node, cfg, v4) {
