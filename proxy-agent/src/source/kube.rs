@@ -125,90 +125,21 @@ impl Store {
     }
 
     fn apply_service(&mut self, event: watcher::Event<Service>) -> bool {
-        let changes = &mut self.changes.services;
-        match event {
-            watcher::Event::Init => self.services.begin(),
-            watcher::Event::InitApply(svc) => self
-                .services
-                .add(ObjectRef::of(&svc.metadata), ServiceInfo::from_k8s(&svc)),
-            watcher::Event::InitDone => {
-                let (fresh, first) = self.services.done();
-                let keep: BTreeSet<&ObjectRef> = fresh.iter().map(|(r, _)| r).collect();
-                let gone: Vec<ObjectRef> = self
-                    .model
-                    .services()
-                    .map(|(r, _)| r)
-                    .filter(|r| !keep.contains(r))
-                    .cloned()
-                    .collect();
-                let mut changed = 0;
-                for r in gone {
-                    changed += u64::from(self.model.remove_service(&r));
-                }
-                for (r, svc) in fresh {
-                    changed += u64::from(self.model.insert_service(r, svc));
-                }
-                *changes += changed;
-                return changed > 0 || first;
-            }
-            watcher::Event::Apply(svc) => {
-                // A change that nets to nothing we use (status, annotations, bookkeeping
-                // metadata) is dropped here.
-                let changed = self
-                    .model
-                    .insert_service(ObjectRef::of(&svc.metadata), ServiceInfo::from_k8s(&svc));
-                *changes += u64::from(changed);
-                return changed;
-            }
-            watcher::Event::Delete(svc) => {
-                let removed = self.model.remove_service(&ObjectRef::of(&svc.metadata));
-                *changes += u64::from(removed);
-                return removed;
-            }
-        }
-        false
+        apply_to_model(
+            &mut self.model,
+            &mut self.services,
+            &mut self.changes.services,
+            event,
+        )
     }
 
     fn apply_slice(&mut self, event: watcher::Event<EndpointSlice>) -> bool {
-        let changes = &mut self.changes.endpoint_slices;
-        match event {
-            watcher::Event::Init => self.slices.begin(),
-            watcher::Event::InitApply(slice) => self
-                .slices
-                .add(ObjectRef::of(&slice.metadata), SliceInfo::from_k8s(&slice)),
-            watcher::Event::InitDone => {
-                let (fresh, first) = self.slices.done();
-                let keep: BTreeSet<&ObjectRef> = fresh.iter().map(|(r, _)| r).collect();
-                let gone: Vec<ObjectRef> = self
-                    .model
-                    .slices()
-                    .map(|(k, _)| k.object())
-                    .filter(|r| !keep.contains(r))
-                    .collect();
-                let mut changed = 0;
-                for r in gone {
-                    changed += u64::from(self.model.remove_slice(&r));
-                }
-                for (r, slice) in fresh {
-                    changed += u64::from(self.model.insert_slice(r, slice));
-                }
-                *changes += changed;
-                return changed > 0 || first;
-            }
-            watcher::Event::Apply(slice) => {
-                let changed = self
-                    .model
-                    .insert_slice(ObjectRef::of(&slice.metadata), SliceInfo::from_k8s(&slice));
-                *changes += u64::from(changed);
-                return changed;
-            }
-            watcher::Event::Delete(slice) => {
-                let removed = self.model.remove_slice(&ObjectRef::of(&slice.metadata));
-                *changes += u64::from(removed);
-                return removed;
-            }
-        }
-        false
+        apply_to_model(
+            &mut self.model,
+            &mut self.slices,
+            &mut self.changes.endpoint_slices,
+            event,
+        )
     }
 
     fn apply_node(&mut self, event: watcher::Event<Node>) -> bool {
@@ -258,6 +189,89 @@ impl Store {
             unreadable: 0,
         }
     }
+}
+
+/// A kind of object the model holds: how it is read, stored and listed.
+trait Modelled: kube::Resource {
+    type Info;
+    fn info(&self) -> Self::Info;
+    fn insert(model: &mut ClusterModel, r: ObjectRef, info: Self::Info) -> bool;
+    fn remove(model: &mut ClusterModel, r: &ObjectRef) -> bool;
+    fn held(model: &ClusterModel) -> Vec<ObjectRef>;
+}
+
+impl Modelled for Service {
+    type Info = ServiceInfo;
+    fn info(&self) -> ServiceInfo {
+        ServiceInfo::from_k8s(self)
+    }
+    fn insert(model: &mut ClusterModel, r: ObjectRef, info: ServiceInfo) -> bool {
+        model.insert_service(r, info)
+    }
+    fn remove(model: &mut ClusterModel, r: &ObjectRef) -> bool {
+        model.remove_service(r)
+    }
+    fn held(model: &ClusterModel) -> Vec<ObjectRef> {
+        model.services().map(|(r, _)| r.clone()).collect()
+    }
+}
+
+impl Modelled for EndpointSlice {
+    type Info = SliceInfo;
+    fn info(&self) -> SliceInfo {
+        SliceInfo::from_k8s(self)
+    }
+    fn insert(model: &mut ClusterModel, r: ObjectRef, info: SliceInfo) -> bool {
+        model.insert_slice(r, info)
+    }
+    fn remove(model: &mut ClusterModel, r: &ObjectRef) -> bool {
+        model.remove_slice(r)
+    }
+    fn held(model: &ClusterModel) -> Vec<ObjectRef> {
+        model.slices().map(|(k, _)| k.object()).collect()
+    }
+}
+
+/// Applies one watch event of a modelled kind; `true` if the model changed. Counts the
+/// objects that changed into `changes`. A change that nets to nothing we use (status,
+/// annotations, bookkeeping metadata) is dropped by the model's insert.
+fn apply_to_model<K: Modelled>(
+    model: &mut ClusterModel,
+    listing: &mut Listing<K::Info>,
+    changes: &mut u64,
+    event: watcher::Event<K>,
+) -> bool {
+    let changed = match event {
+        watcher::Event::Init => {
+            listing.begin();
+            return false;
+        }
+        watcher::Event::InitApply(obj) => {
+            listing.add(ObjectRef::of(obj.meta()), obj.info());
+            return false;
+        }
+        watcher::Event::InitDone => {
+            let (fresh, first) = listing.done();
+            let keep: BTreeSet<&ObjectRef> = fresh.iter().map(|(r, _)| r).collect();
+            let gone: Vec<ObjectRef> = K::held(model)
+                .into_iter()
+                .filter(|r| !keep.contains(r))
+                .collect();
+            let mut changed = 0;
+            for r in gone {
+                changed += u64::from(K::remove(model, &r));
+            }
+            for (r, info) in fresh {
+                changed += u64::from(K::insert(model, r, info));
+            }
+            *changes += changed;
+            return changed > 0 || first;
+        }
+        watcher::Event::Apply(obj) => K::insert(model, ObjectRef::of(obj.meta()), obj.info()),
+        watcher::Event::Delete(obj) => K::remove(model, &ObjectRef::of(obj.meta())),
+    };
+    *changes += u64::from(changed);
+    changed
 }
 
 /// Name, labels and addresses of this node; the name alone when its Node object is absent.
