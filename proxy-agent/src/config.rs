@@ -38,8 +38,10 @@ struct KubeProxyConfiguration {
     metrics_bind_address: Option<String>,
     hostname_override: Option<String>,
     conntrack: Option<Conntrack>,
+    mode: Option<String>,
     iptables: Option<ModeSection>,
     nftables: Option<ModeSection>,
+    ipvs: Option<ModeSection>,
     client_connection: Option<ClientConnection>,
     ebpf: Option<EbpfSection>,
     /// Everything else: reported as unknown or unsupported.
@@ -61,6 +63,8 @@ struct ModeSection {
     localhost_node_ports: Option<bool>,
     min_sync_period: Option<String>,
     sync_period: Option<String>,
+    /// `ipvs.scheduler`.
+    scheduler: Option<String>,
     #[serde(flatten)]
     rest: BTreeMap<String, serde_json::Value>,
 }
@@ -101,6 +105,7 @@ struct EbpfSection {
     api_server: Option<String>,
     node_port_range: Option<String>,
     map_sizes: Option<MapSizesSection>,
+    maglev_table_size: Option<u32>,
 }
 
 /// `ebpf.mapSizes`: capacities of the service-side maps.
@@ -113,6 +118,7 @@ struct MapSizesSection {
 }
 
 pub use crate::dataplane::bpf::MapSizes;
+use crate::schedule::Scheduler;
 
 /// How local (pod) traffic is told apart from other traffic.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -229,6 +235,11 @@ pub struct Config {
     pub tc_attach: String,
     /// Capacities of the service-side maps (`ebpf.mapSizes`).
     pub map_sizes: MapSizes,
+    /// The node's scheduler: `ipvs.scheduler` (default `rr`) when `mode: ipvs`, else
+    /// random; a Service's annotation overrides it.
+    pub scheduler: Scheduler,
+    /// Maglev table length for `sh`, `dh`, `mh` (`ebpf.maglevTableSize`).
+    pub maglev_table_len: u32,
     pub bpf_log_level: String,
     pub service_proxy_name: Option<String>,
     /// An extra debug endpoint (model, view, watch); empty (the default) disables it: the
@@ -260,6 +271,8 @@ impl Default for Config {
             interfaces: Vec::new(),
             tc_attach: "auto".into(),
             map_sizes: MapSizes::default(),
+            scheduler: Scheduler::Random,
+            maglev_table_len: crate::schedule::DEFAULT_MAGLEV_TABLE_LEN,
             bpf_log_level: "warn".into(),
             service_proxy_name: None,
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
@@ -269,9 +282,7 @@ impl Default for Config {
 }
 
 /// Fields that are kube-proxy's but mean nothing for an eBPF proxy.
-const NOT_APPLICABLE: [&str; 12] = [
-    "mode",
-    "ipvs",
+const NOT_APPLICABLE: [&str; 10] = [
     "winkernel",
     "bindAddress",
     "bindAddressHardFail",
@@ -373,9 +384,40 @@ impl Config {
             cfg.node_port_addresses = nets;
             cfg.node_port_primary = primary;
         }
+        // The mode: ours whatever it says; `ipvs` only chooses the node's scheduler, as
+        // IPVS would (kube-proxy's default for it is rr).
+        let mode = file.mode.as_deref().unwrap_or("").trim();
+        match mode {
+            "" => {}
+            "ipvs" => {
+                let name = file.ipvs.as_ref().and_then(|i| i.scheduler.as_deref());
+                let name = name.filter(|n| !n.trim().is_empty()).unwrap_or("rr");
+                let (s, note) =
+                    Scheduler::parse(name).map_err(|e| format!("ipvs.scheduler: {e}"))?;
+                cfg.scheduler = s;
+                warnings.extend(note.map(|n| format!("ipvs.scheduler: {n}")));
+            }
+            other => warnings.push(format!(
+                "mode {other:?}: not applicable to the eBPF proxy (only ipvs is read, for \
+                 its scheduler), ignored"
+            )),
+        }
         // Mode sections: masqueradeAll and the sync periods apply whichever mode named them.
-        for (name, section) in [("iptables", &file.iptables), ("nftables", &file.nftables)] {
+        for (name, section) in [
+            ("iptables", &file.iptables),
+            ("nftables", &file.nftables),
+            ("ipvs", &file.ipvs),
+        ] {
             let Some(section) = section else { continue };
+            let scheduler = section
+                .scheduler
+                .as_deref()
+                .filter(|s| !s.trim().is_empty());
+            if scheduler.is_some() && (name != "ipvs" || mode != "ipvs") {
+                warnings.push(format!(
+                    "{name}.scheduler: applies only with mode: ipvs, ignored"
+                ));
+            }
             if let Some(m) = section.masquerade_all {
                 cfg.masquerade_all |= m;
             }
@@ -489,6 +531,10 @@ impl Config {
             if let Some(v) = e.masquerade_port_range {
                 cfg.conntrack.masquerade_ports = parse_port_range(&v, 1024)
                     .map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;
+            }
+            if let Some(n) = e.maglev_table_size {
+                cfg.maglev_table_len =
+                    crate::schedule::check_table_len(n).map_err(|e| format!("ebpf.{e}"))?;
             }
             if let Some(m) = e.map_sizes {
                 let sizes = &mut cfg.map_sizes;
@@ -683,7 +729,7 @@ ebpf:
         assert_eq!(Config::default().tc_attach, "auto");
         assert_eq!(cfg.service_proxy_name.as_deref(), Some("ebpf-proxy"));
         for needle in [
-            "mode: not applicable",
+            "mode \"nftables\": not applicable",
             "iptables.masqueradeBit",
             "clientConnection.qps",
             "someFutureField: unknown field",

@@ -422,6 +422,8 @@ async fn run(args: RunArgs) -> Result<()> {
         node_port_range: cfg.node_port_range,
         localhost_node_ports: cfg.localhost_node_ports,
         service_proxy_name: cfg.service_proxy_name.clone(),
+        scheduler: cfg.scheduler,
+        maglev_table_len: cfg.maglev_table_len,
     };
     let (tx, rx) = tokio::sync::watch::channel(None);
     match args.source {

@@ -9,11 +9,13 @@ mod support;
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
+    sync::Arc,
 };
 
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState},
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    schedule::{Schedule, Scheduler},
 };
 use proxy_common::BackendSlotKey;
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
@@ -56,7 +58,22 @@ fn random_state(rng: &mut StdRng) -> FrontendState {
         } else {
             Vec::new()
         },
+        schedule: random_schedule(rng),
     }
+}
+
+/// Random scheduler (expanded layouts and weights among them), small Maglev tables.
+fn random_schedule(rng: &mut StdRng) -> Schedule {
+    let scheduler = Scheduler::ALL[rng.random_range(0..Scheduler::ALL.len())];
+    let weights: BTreeMap<IpAddr, u32> = (0..rng.random_range(0..3))
+        .map(|_| {
+            (
+                IpAddr::from([10, 244, 0, rng.random_range(1..10)]),
+                rng.random_range(0..4),
+            )
+        })
+        .collect();
+    Schedule::new(scheduler, Arc::new(weights), 251)
 }
 
 fn random_frontend(rng: &mut StdRng) -> Frontend {
@@ -71,8 +88,9 @@ fn random_frontend(rng: &mut StdRng) -> Frontend {
     }
 }
 
-/// One service-map entry: flags, affinity timeout, reverse-NAT target, backends (bytes).
-type Entry = (u16, u32, Vec<u8>, Vec<Vec<u8>>);
+/// One service-map entry: flags, affinity timeout, scheduler, reverse-NAT target,
+/// backends (bytes).
+type Entry = (u16, u32, u8, Vec<u8>, Vec<Vec<u8>>);
 
 /// What the maps hold, without the agent's ids: per service-map key, its flags,
 /// affinity, reverse-NAT target and backends in slot order; plus the table sizes that
@@ -85,6 +103,7 @@ struct Contents {
     rev_nat: usize,
     members: usize,
     source_ranges: usize,
+    weights: usize,
 }
 
 fn contents(maps: &MapSet) -> Contents {
@@ -115,6 +134,7 @@ fn contents(maps: &MapSet) -> Contents {
             (
                 value.flags,
                 value.affinity_timeout_s,
+                value.scheduler,
                 bytes(bytemuck::bytes_of(&rev)),
                 backends,
             ),
@@ -131,6 +151,7 @@ fn contents(maps: &MapSet) -> Contents {
         rev_nat: maps.rev_nat.keys().count(),
         members: maps.members.keys().count(),
         source_ranges: maps.source_ranges.keys().count(),
+        weights: maps.weights.keys().count(),
     }
 }
 
@@ -168,7 +189,7 @@ fn applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply() {
         );
         let (ca, cb) = (contents(&a_maps), contents(&b_maps));
         assert_eq!(ca, cb, "step {step}");
-        let slots: usize = ca.services.values().map(|s| s.3.len()).sum();
+        let slots: usize = ca.services.values().map(|s| s.4.len()).sum();
         assert_eq!(ca.slots, slots, "step {step}: no slot left behind");
         assert_eq!(ca.rev_nat, ca.services.len(), "step {step}: reverse NAT");
         applied = view.clone();

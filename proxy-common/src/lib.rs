@@ -136,6 +136,80 @@ pub const SVC_F_EXTERNAL: u16 = 1 << 3;
 pub const SVC_F_EXT_LOCAL: u16 = 1 << 4;
 /// `ServiceValue::flags`: only sources in `SOURCE_RANGES` for this service id may connect.
 pub const SVC_F_SOURCE_RANGES: u16 = 1 << 5;
+/// Backends have unequal weights: `WEIGHTS` holds them (else every weight is 1).
+pub const SVC_F_WEIGHTED: u16 = 1 << 6;
+
+/// `ServiceValue::scheduler`: how a new flow's backend is chosen, IPVS's schedulers as
+/// map lookups. For `WRR` and the hashing ones the agent expands the backend set into the
+/// slots (weighted interleave, Maglev table); the programs then pick a slot.
+pub mod sched {
+    /// A uniformly random slot (iptables' `statistic mode random`): the default.
+    pub const RANDOM: u8 = 0;
+    /// Round robin: a per-CPU cursor per service entry.
+    pub const RR: u8 = 1;
+    /// Weighted round robin: round robin over slots the agent interleaved by weight.
+    pub const WRR: u8 = 2;
+    /// Source hashing: the client's address picks a slot of a Maglev table.
+    pub const SH: u8 = 3;
+    /// Destination hashing: the frontend's address picks a slot of a Maglev table.
+    pub const DH: u8 = 4;
+    /// Maglev hashing of the flow (client address and port): the same flow lands on the
+    /// same backend on every node, and a removed backend moves only its own flows.
+    pub const MH: u8 = 5;
+    /// Least connections: fewest active connections (`ACTIVE_CONNS`).
+    pub const LC: u8 = 6;
+    /// Weighted least connections: fewest active connections per weight.
+    pub const WLC: u8 = 7;
+    /// Shortest expected delay: fewest (active + 1) per weight.
+    pub const SED: u8 = 8;
+    /// Never queue: an idle backend if there is one, else as `SED`.
+    pub const NQ: u8 = 9;
+    /// Backends the least-connection schedulers compare per new flow: all of them up to
+    /// this many, else this many slots from a random start (a bounded loop for the
+    /// verifier; the best of several random choices is near the least loaded).
+    pub const LC_SCAN: u32 = 8;
+}
+
+/// The hash of a client (or frontend) address and port that the hashing schedulers use:
+/// the same function in the programs and in the agent's reference and `trace`.
+#[inline(always)]
+pub fn sched_hash(addr: &[u32; 4], port: u16) -> u32 {
+    // murmur3's finalizer over the words: cheap, and every input bit reaches every
+    // output bit, so a `% table_len` of it spreads evenly.
+    let mut h: u32 = 0x9747_b28c;
+    let mut i = 0;
+    while i < 4 {
+        h ^= addr[i];
+        h = h
+            .wrapping_mul(0xcc9e_2d51)
+            .rotate_left(15)
+            .wrapping_mul(0x1b87_3593);
+        i += 1;
+    }
+    h ^= u32::from(port);
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    h
+}
+
+/// Per frontend (by `rev_nat_id`) and per backend (by id): what `ipvsadm -Ln --stats`
+/// shows. Per CPU; the agent sums.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LbStats {
+    /// New connections (flows) scheduled.
+    pub conns: u64,
+    /// Client to backend.
+    pub packets_in: u64,
+    pub bytes_in: u64,
+    /// Backend to client.
+    pub packets_out: u64,
+    pub bytes_out: u64,
+}
 
 /// `NodeConfig::flags`: masquerade every service connection (kube-proxy's masqueradeAll).
 pub const CFG_MASQUERADE_ALL: u32 = 1 << 0;
@@ -217,10 +291,19 @@ pub mod map_names {
     /// Flows netfilter translated before the classifier was attached (kube-proxy's),
     /// by their client tuple: the classifier leaves their packets to netfilter.
     pub const NETFILTER_FLOWS: &str = "NETFILTER_FLOWS";
+    /// Per service entry, per CPU: the round-robin cursor (`sched::RR`, `WRR`).
+    pub const RR_CURSORS: &str = "RR_CURSORS";
+    /// Per backend id: connections open now (the least-connection schedulers).
+    pub const ACTIVE_CONNS: &str = "ACTIVE_CONNS";
+    /// Per (service entry, backend) with unequal weights: the weight.
+    pub const WEIGHTS: &str = "WEIGHTS";
+    /// `LbStats` per frontend (`rev_nat_id`) and per backend id.
+    pub const LB_STATS: &str = "LB_STATS";
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
     /// Every map the agent pins, in a stable order. (The SCTP ones are pinned so a tail
     /// call keeps working while the agent is down: a program array loses its entries
     /// when nothing in user space holds it.)
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 23] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -239,6 +322,11 @@ pub mod map_names {
         SCTP_ZEROS,
         FRAGMENTS,
         NETFILTER_FLOWS,
+        RR_CURSORS,
+        ACTIVE_CONNS,
+        WEIGHTS,
+        LB_STATS,
+        BACKEND_STATS,
     ];
 }
 
@@ -289,6 +377,10 @@ pub mod capacity {
     /// Flows netfilter already translated when the agent started (a migration's live
     /// connections; LRU: beyond this, the oldest go back to being dropped as `ct_invalid`).
     pub const NETFILTER_FLOWS: u32 = 65_536;
+    /// Round-robin cursors (LRU: an evicted cursor restarts at a random slot).
+    pub const RR_CURSORS: u32 = 65_536;
+    /// Weights of backends in services with unequal weights.
+    pub const WEIGHTS: u32 = 262_144;
 }
 
 /// Most backend slots one service entry may reference; bounds the BPF loops.
@@ -327,7 +419,9 @@ pub struct ServiceValue {
     pub affinity_timeout_s: u32,
     /// Key into `REV_NAT` that turns a backend address back into this frontend.
     pub rev_nat_id: u32,
-    pub _pad: u32,
+    /// `sched::*`: how a new flow's slot is chosen.
+    pub scheduler: u8,
+    pub _pad: [u8; 3],
 }
 
 /// One backend slot of one generation of a service's backend set.
@@ -775,6 +869,7 @@ mod user {
         LpmData,
         FragKey,
         FragPorts,
+        LbStats,
     );
 }
 

@@ -3,6 +3,10 @@
 //! `nat`, `icmp` and `route`).
 #![no_std]
 #![no_main]
+// Atomic adds on map values: the BPF target has no `fetch_add` in `core::sync::atomic`
+// (no compare-and-swap), but LLVM lowers an unused atomic add to BPF's `lock xadd`.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 mod conntrack;
 mod icmp;

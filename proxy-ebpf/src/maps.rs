@@ -4,13 +4,16 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
+    btf_maps::{
+        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap,
+        ProgramArray,
+    },
     macros::btf_map,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
-    FragPorts, LpmData, MemberKey, NodeConfig, RevNatValue, SctpPending, ServiceKey, ServiceValue,
-    SockLb, capacity, counter, crc32c,
+    FragPorts, LbStats, LpmData, MemberKey, NodeConfig, RevNatValue, SctpPending, ServiceKey,
+    ServiceValue, SockLb, capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -151,6 +154,37 @@ pub fn count(idx: u32) {
         unsafe { *v += 1 };
     }
 }
+
+/// Round-robin cursors, per service entry and CPU (each CPU takes its own turn through
+/// the slots, as per-CPU counters do: no atomic on the new-flow path).
+#[btf_map]
+pub static RR_CURSORS: LruPerCpuHashMap<u32, u32, { capacity::RR_CURSORS as usize }> =
+    LruPerCpuHashMap::new();
+
+/// Connections open now, per backend id: incremented when a flow or socket is
+/// scheduled, recounted by the agent's collector from the flows and sockets it sees.
+#[btf_map]
+pub static ACTIVE_CONNS: HashMap<u32, u64, { capacity::BACKENDS as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+/// Weights of services with unequal ones (`SVC_F_WEIGHTED`).
+#[btf_map]
+pub static WEIGHTS: HashMap<MemberKey, u32, { capacity::WEIGHTS as usize }, NO_PREALLOC> =
+    HashMap::new();
+
+/// Per frontend (`rev_nat_id`): connections, packets and bytes.
+#[btf_map]
+pub static LB_STATS: PerCpuHashMap<u32, LbStats, { capacity::REV_NAT as usize }, NO_PREALLOC> =
+    PerCpuHashMap::new();
+
+/// Per backend id: connections, packets and bytes.
+#[btf_map]
+pub static BACKEND_STATS: PerCpuHashMap<
+    u32,
+    LbStats,
+    { capacity::BACKENDS as usize },
+    NO_PREALLOC,
+> = PerCpuHashMap::new();
 
 /// Per-CPU room for the ICMP error being translated (`icmp::Scratch`).
 #[btf_map]

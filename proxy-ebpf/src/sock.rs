@@ -77,6 +77,7 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
         id: [netns as u32, (netns >> 32) as u32, 0, 0],
         kind: AFFINITY_BY_NETNS,
         family: svc_family,
+        port: 0,
     };
     match lb::select_backend(&svc, &client) {
         Ok((id, be)) => {

@@ -278,6 +278,7 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<Option<i32>, i32> {
         id: pkt.saddr,
         kind: AFFINITY_BY_ADDR,
         family: pkt.family,
+        port: pkt.sport,
     };
     let (backend_id, be) = match lb::select_backend(&svc, &client) {
         Ok(found) => found,

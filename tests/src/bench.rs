@@ -131,6 +131,7 @@ fn view_of(svcs: &[(String, Vec<String>)]) -> Result<NodeView> {
                 external_local: false,
                 internal_local: false,
                 source_ranges: Vec::new(),
+                schedule: Default::default(),
             },
         );
     }

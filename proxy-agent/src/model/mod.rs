@@ -343,6 +343,10 @@ pub struct ViewConfig {
     /// Services labelled `service.kubernetes.io/service-proxy-name` are ours only when the
     /// label names this proxy.
     pub service_proxy_name: Option<String>,
+    /// The node's scheduler (a Service's annotation overrides it).
+    pub scheduler: crate::schedule::Scheduler,
+    /// Maglev table length of the hashing schedulers.
+    pub maglev_table_len: u32,
 }
 
 impl Default for ViewConfig {
@@ -357,6 +361,8 @@ impl Default for ViewConfig {
             node_port_range: DEFAULT_NODE_PORT_RANGE,
             localhost_node_ports: true,
             service_proxy_name: None,
+            scheduler: crate::schedule::Scheduler::Random,
+            maglev_table_len: crate::schedule::DEFAULT_MAGLEV_TABLE_LEN,
         }
     }
 }
@@ -444,6 +450,8 @@ pub struct FrontendState {
     pub internal_local: bool,
     /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
     pub source_ranges: Vec<ipnet::IpNet>,
+    /// How new flows pick among the backends.
+    pub schedule: crate::schedule::Schedule,
 }
 
 /// What the per-packet path needs to know about this node.

@@ -22,6 +22,7 @@ use k8s_openapi::{
 use serde::Serialize;
 
 use super::{Protocol, sloppy};
+use crate::schedule;
 
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -58,6 +59,10 @@ pub struct ServiceInfo {
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout_s: Option<u32>,
     pub health_check_node_port: Option<u16>,
+    /// The scheduler annotation (`None`: the node's).
+    pub scheduler: Option<crate::schedule::Scheduler>,
+    /// The weights annotation.
+    pub weights: Arc<std::collections::BTreeMap<IpAddr, u32>>,
 }
 
 /// One Service port.
@@ -200,6 +205,24 @@ impl ServiceInfo {
         let (ranges, bad) = parse_cidrs(spec.load_balancer_source_ranges.iter().flatten());
         info.source_ranges = ranges;
         info.problems.extend(bad);
+        let annotations = svc.metadata.annotations.as_ref();
+        if let Some(name) = annotations.and_then(|a| a.get(schedule::SCHEDULER_ANNOTATION)) {
+            match schedule::Scheduler::parse(name) {
+                Ok((s, note)) => {
+                    info.scheduler = Some(s);
+                    info.problems.extend(note);
+                }
+                Err(e) => info.problems.push(format!(
+                    "{}: {e}; the node's scheduler is used",
+                    schedule::SCHEDULER_ANNOTATION
+                )),
+            }
+        }
+        if let Some(text) = annotations.and_then(|a| a.get(schedule::WEIGHTS_ANNOTATION)) {
+            let (weights, bad) = schedule::parse_weights(text);
+            info.weights = Arc::new(weights);
+            info.problems.extend(bad);
+        }
         info
     }
 }

@@ -103,6 +103,11 @@ pub fn service_view(
         externally_accessible,
     };
     let affinity = svc.affinity_timeout_s;
+    let schedule = crate::schedule::Schedule::new(
+        svc.scheduler.unwrap_or(cfg.scheduler),
+        Arc::clone(&svc.weights),
+        cfg.maglev_table_len,
+    );
     for port in &svc.ports {
         let (number, protocol) = match &port.port {
             Ok(p) => *p,
@@ -144,6 +149,7 @@ pub fn service_view(
             let mut state_for = |kind: FrontendKind| {
                 Arc::clone(states.entry(kind).or_insert_with(|| {
                     let mut st = frontend_state(&service, kind, &sets, policies, affinity);
+                    st.schedule = schedule.clone();
                     if kind == FrontendKind::LoadBalancer {
                         st.source_ranges = lb_source_ranges(svc, node, v4);
                     }
@@ -314,6 +320,7 @@ fn frontend_state(
         external_local: kind != FrontendKind::ClusterIp && policies.external_local,
         internal_local: kind == FrontendKind::ClusterIp && policies.internal_local,
         source_ranges: Vec::new(),
+        schedule: Default::default(),
     }
 }
 

@@ -144,6 +144,7 @@ pub fn frontend(
             external_local: false,
             internal_local: false,
             source_ranges: Vec::new(),
+            schedule: Default::default(),
         },
     )
 }

@@ -6,11 +6,11 @@ use std::path::Path;
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, Map, MapData, PerCpuArray, lpm_trie::LpmTrie},
+    maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuHashMap, lpm_trie::LpmTrie},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LpmData,
-    MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb, map_names,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
+    LpmData, MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb, map_names,
 };
 
 /// Every map of the proxy, typed.
@@ -33,6 +33,13 @@ pub struct MapSet {
     pub source_ranges: LpmTrie<MapData, LpmData, u8>,
     /// Flows netfilter translated before the classifier was attached, left to it.
     pub netfilter_flows: HashMap<MapData, CtKey, u8>,
+    /// Per backend id: connections open now (least-connection schedulers).
+    pub active_conns: HashMap<MapData, u32, u64>,
+    /// Per (service entry, backend id), for services with unequal weights.
+    pub weights: HashMap<MapData, MemberKey, u32>,
+    /// Per frontend (`rev_nat_id`) and per backend id: connections, packets, bytes.
+    pub lb_stats: PerCpuHashMap<MapData, u32, LbStats>,
+    pub backend_stats: PerCpuHashMap<MapData, u32, LbStats>,
 }
 
 impl MapSet {
@@ -112,6 +119,23 @@ impl MapSet {
                 map_names::NETFILTER_FLOWS,
                 id(IterableMap::map(&self.netfilter_flows))?,
             ),
+            (
+                map_names::ACTIVE_CONNS,
+                id(IterableMap::map(&self.active_conns))?,
+            ),
+            (map_names::WEIGHTS, id(IterableMap::map(&self.weights))?),
+            (
+                map_names::LB_STATS,
+                id(IterableMap::<u32, PerCpuValues<LbStats>>::map(
+                    &self.lb_stats,
+                ))?,
+            ),
+            (
+                map_names::BACKEND_STATS,
+                id(IterableMap::<u32, PerCpuValues<LbStats>>::map(
+                    &self.backend_stats,
+                ))?,
+            ),
         ];
         Self::build(|name| {
             let (_, id) = ids
@@ -145,6 +169,10 @@ impl MapSet {
             local_nets: typed!(map_names::LOCAL_NETS),
             source_ranges: typed!(map_names::SOURCE_RANGES),
             netfilter_flows: typed!(map_names::NETFILTER_FLOWS),
+            active_conns: typed!(map_names::ACTIVE_CONNS),
+            weights: typed!(map_names::WEIGHTS),
+            lb_stats: typed!(map_names::LB_STATS),
+            backend_stats: typed!(map_names::BACKEND_STATS),
         })
     }
 

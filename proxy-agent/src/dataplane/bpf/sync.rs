@@ -18,7 +18,7 @@ use proxy_common::{
     CtTimeouts, CtValue, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData,
     MemberKey, NodeConfig, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL,
     SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL,
-    SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, ServiceKey, ServiceValue,
+    SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED, ServiceKey, ServiceValue,
 };
 use rustc_hash::FxHashMap;
 
@@ -29,6 +29,7 @@ use crate::{
         BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
         WhenEmpty,
     },
+    schedule::{Schedule, Scheduler},
 };
 
 /// One service-map entry the view asks for.
@@ -130,6 +131,11 @@ struct Programmed {
     /// run of memory) instead of looking up every endpoint's id (a cache miss each, which
     /// made a one-change sync at 10k Services cost milliseconds).
     endpoints: Vec<SocketAddr>,
+    /// `backend_ids` are exactly what `endpoints` and `schedule` make (false for an
+    /// adopted set whose slots did not all resolve).
+    complete: bool,
+    /// The schedule `backend_ids` were laid out for (adopted: the scheduler only).
+    schedule: Schedule,
     ranges: Vec<ipnet::IpNet>,
     /// The last sync whose view held this frontend (`MapState::epoch`).
     seen: u64,
@@ -268,7 +274,7 @@ impl MapState {
             state.used_service_ids.insert(value.id);
             state.hold(&backend_ids);
             let ranges = ranges_by_id.remove(&value.id).unwrap_or_default();
-            let endpoints = backend_ids
+            let endpoints: Vec<SocketAddr> = backend_ids
                 .iter()
                 .filter_map(|id| state.backends_by_id.get(id))
                 .map(|be| SocketAddr::new(words_addr(be.addr, be.family), u16::from_be(be.port)))
@@ -277,8 +283,13 @@ impl MapState {
                 key,
                 Programmed {
                     value,
+                    complete: endpoints.len() == backend_ids.len(),
                     backend_ids,
                     endpoints,
+                    schedule: Schedule {
+                        scheduler: Scheduler::from_code(value.scheduler).unwrap_or_default(),
+                        ..Default::default()
+                    },
                     ranges,
                     seen: 0,
                 },
@@ -455,6 +466,9 @@ impl MapState {
         }
         remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
         members::leave(maps, old.value.id, &old.backend_ids, &[])?;
+        if old.value.flags & SVC_F_WEIGHTED != 0 {
+            forget_weights(maps, old.value.id, old.backend_ids.iter())?;
+        }
         for net in &old.ranges {
             remove_ignoring_absent(maps.source_ranges.remove(&range_key(old.value.id, net)))?;
         }
@@ -492,36 +506,66 @@ impl MapState {
         key: ServiceKey,
         d: &Desired<'_>,
     ) -> Result<bool> {
-        let flags = d.flags;
         let timeout = d.state.affinity_timeout_s.unwrap_or(0);
+        let schedule = &d.state.schedule;
         // Fast path, the common case at scale: nothing about this entry changed.
         if let Some(old) = self.services.get(&key)
-            && old.value.flags == flags
+            && old.value.flags & !SVC_F_WEIGHTED == d.flags
             && old.value.affinity_timeout_s == timeout
             && old.ranges == d.ranges
-            && old.backend_ids.len() == old.endpoints.len()
+            && old.complete
+            && old.schedule == *schedule
             && old.endpoints.iter().eq(&d.set.endpoints)
         {
             return Ok(false);
         }
-        let mut backend_ids = Vec::with_capacity(d.set.endpoints.len());
-        for sa in &d.set.endpoints {
-            backend_ids.push(self.ensure_backend(maps, backend_value(*sa, d.frontend.protocol))?);
+        let endpoints: Vec<SocketAddr> = d.set.endpoints.iter().copied().collect();
+        let weighted = schedule.weighted(&endpoints);
+        let flags = d.flags | if weighted { SVC_F_WEIGHTED } else { 0 };
+        // The scheduler's slot layout (each endpoint once, by weight, or a Maglev
+        // table), as backend ids; each endpoint's id is looked up once.
+        let mut id_of: Vec<Option<u32>> = vec![None; endpoints.len()];
+        let layout = schedule.slots(&endpoints, d.frontend.ip);
+        let mut backend_ids = Vec::with_capacity(layout.len());
+        for i in layout {
+            let i = i as usize;
+            let id = match id_of[i] {
+                Some(id) => id,
+                None => {
+                    let id = self
+                        .ensure_backend(maps, backend_value(endpoints[i], d.frontend.protocol))?;
+                    id_of[i] = Some(id);
+                    id
+                }
+            };
+            backend_ids.push(id);
         }
+        let weights: Vec<(u32, u32)> = if weighted {
+            endpoints
+                .iter()
+                .zip(&id_of)
+                .filter_map(|(sa, id)| Some(((*id)?, schedule.weight(sa.ip()))))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let count = u16::try_from(backend_ids.len()).map_err(|_| {
             anyhow::anyhow!(
-                "{} backends exceed the 65535 per frontend",
+                "{} backend slots exceed the 65535 per frontend",
                 backend_ids.len()
             )
         })?;
+        let scheduler = schedule.scheduler.code();
         let old = self.services.get(&key).cloned();
         if let Some(old) = &old
             && old.backend_ids == backend_ids
             && old.value.flags == flags
             && old.value.affinity_timeout_s == timeout
+            && old.value.scheduler == scheduler
+            && (!weighted || old.schedule.weights == schedule.weights)
             && old.ranges == d.ranges
         {
-            self.remember_endpoints(key, &d.set.endpoints);
+            self.remember_endpoints(key, &d.set.endpoints, schedule);
             return Ok(false);
         }
         let id = match &old {
@@ -532,18 +576,22 @@ impl MapState {
             maps,
             key,
             old.as_ref(),
-            id,
-            backend_ids,
-            flags,
-            timeout,
-            count,
+            Generation {
+                id,
+                backend_ids,
+                flags,
+                timeout,
+                count,
+                scheduler,
+                weights,
+            },
             d.ranges,
         );
         if written.is_err() && old.is_none() {
             self.used_service_ids.remove(&id);
         }
         written?;
-        self.remember_endpoints(key, &d.set.endpoints);
+        self.remember_endpoints(key, &d.set.endpoints, schedule);
         Ok(true)
     }
 
@@ -551,30 +599,36 @@ impl MapState {
         &mut self,
         key: ServiceKey,
         endpoints: impl IntoIterator<Item = &'e SocketAddr>,
+        schedule: &Schedule,
     ) {
         if let Some(p) = self.services.get_mut(&key) {
             p.endpoints.clear();
             p.endpoints.extend(endpoints);
+            p.complete = true;
+            if p.schedule != *schedule {
+                p.schedule = schedule.clone();
+            }
         }
     }
 
     /// Writes a new generation of `key`'s slots, its reverse-NAT entry and the flip.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "one call site, all parts of one entry"
-    )]
     fn write_generation(
         &mut self,
         maps: &mut MapSet,
         key: ServiceKey,
         old: Option<&Programmed>,
-        id: u32,
-        backend_ids: Vec<u32>,
-        flags: u16,
-        timeout: u32,
-        count: u16,
+        generation: Generation,
         ranges: &[ipnet::IpNet],
     ) -> Result<()> {
+        let Generation {
+            id,
+            backend_ids,
+            flags,
+            timeout,
+            count,
+            scheduler,
+            weights,
+        } = generation;
         let rev = old.map_or(1, |o| o.value.rev.wrapping_add(1));
         let value = ServiceValue {
             id,
@@ -583,8 +637,20 @@ impl MapState {
             flags,
             affinity_timeout_s: timeout,
             rev_nat_id: id,
-            _pad: 0,
+            scheduler,
+            _pad: [0; 3],
         };
+        // Weights before the flip (they are per service entry, not per generation: the
+        // old generation reads them too for a moment, which only shifts a few choices).
+        for (backend_id, weight) in &weights {
+            let key = MemberKey {
+                service_id: id,
+                backend_id: *backend_id,
+            };
+            maps.weights
+                .insert(&key, weight, 0)
+                .context("writing a backend weight")?;
+        }
         let old_ids: &[u32] = old.map_or(&[], |o| o.backend_ids.as_slice());
         let joined = members::join(maps, id, &backend_ids, old_ids)?;
         let flipped = flip(maps, key, old, &value, &backend_ids, ranges);
@@ -592,6 +658,16 @@ impl MapState {
             members::undo(maps, id, &joined);
         }
         flipped?;
+        if let Some(old) = old
+            && old.value.flags & SVC_F_WEIGHTED != 0
+        {
+            let kept: HashSet<u32> = weights.iter().map(|(id, _)| *id).collect();
+            forget_weights(
+                maps,
+                id,
+                old.backend_ids.iter().filter(|b| !kept.contains(b)),
+            )?;
+        }
         if let Some(old) = old {
             for slot in 0..old.backend_ids.len() as u32 {
                 remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
@@ -616,6 +692,8 @@ impl MapState {
                 value,
                 backend_ids,
                 endpoints: Vec::new(), // filled by the caller, which has them
+                complete: false,
+                schedule: Schedule::default(),
                 ranges,
                 seen: self.epoch,
             },
@@ -664,6 +742,37 @@ impl MapState {
         self.used_service_ids.insert(id);
         id
     }
+}
+
+/// One generation of a service entry, as `write_generation` writes it.
+struct Generation {
+    id: u32,
+    /// In slot order.
+    backend_ids: Vec<u32>,
+    flags: u16,
+    timeout: u32,
+    count: u16,
+    scheduler: u8,
+    /// (backend id, weight), for `SVC_F_WEIGHTED` entries.
+    weights: Vec<(u32, u32)>,
+}
+
+/// Removes service entry `service_id`'s weights of `backend_ids` (repeats allowed).
+fn forget_weights<'a>(
+    maps: &mut MapSet,
+    service_id: u32,
+    backend_ids: impl Iterator<Item = &'a u32>,
+) -> Result<()> {
+    let mut done = HashSet::new();
+    for &backend_id in backend_ids {
+        if done.insert(backend_id) {
+            remove_ignoring_absent(maps.weights.remove(&MemberKey {
+                service_id,
+                backend_id,
+            }))?;
+        }
+    }
+    Ok(())
 }
 
 /// The next id from `next` that is neither 0 nor in use; advances `next` past it.
