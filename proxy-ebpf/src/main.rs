@@ -17,6 +17,7 @@ mod packet;
 mod reject;
 mod route;
 mod sock;
+mod stats;
 mod tc;
 
 use aya_ebpf::{

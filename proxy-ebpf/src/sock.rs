@@ -87,6 +87,7 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
                 Some(entry) => bind(entry, hook, &svc, id, &be),
                 None => count(counter::SOCK_REV_NAT_FAILED),
             }
+            crate::stats::connection(svc.rev_nat_id, id);
             ALLOW
         }
         Err(NoBackend::Reject) => {

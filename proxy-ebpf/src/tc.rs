@@ -26,7 +26,7 @@ use crate::{
     },
     nat::{self, Origin, Side, rewrite},
     packet::{self, Packet, parse},
-    reject, route,
+    reject, route, stats,
 };
 
 /// Where a translated packet goes next.
@@ -154,6 +154,7 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64, egress: bool) -> Result<Option
     // SAFETY: as above; the fields are copied out before the entry can move.
     let (frontend, frontend_port, snat, client, client_port) = unsafe {
         let r = &*entry.value;
+        stats::account(r.rev_nat_id, r.backend_id, stats::OUT, ctx.len(), false);
         (
             r.xlate_addr,
             r.xlate_port,
@@ -222,6 +223,7 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
     rewrite(ctx, pkt, Side::Destination, &ct.xlate_addr, ct.xlate_port)?;
     ct.last_seen_ns = now;
     ct.flags |= conntrack::segment_flags(pkt, false);
+    stats::account(ct.rev_nat_id, ct.backend_id, stats::IN, ctx.len(), false);
     // The client's ACK of the backend's SYN-ACK: the handshake is complete, the flow
     // moves to the answered table.
     let assure = entry.new && conntrack::completes_handshake(pkt, ct.flags);
@@ -315,6 +317,13 @@ fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         return Err(DROP); // unreachable: a valid index
     };
     conntrack::record(pkt, entry)?;
+    stats::account(
+        entry.rev_nat_id,
+        entry.backend_id,
+        stats::IN,
+        ctx.len(),
+        true,
+    );
     let snat = entry.flags & CT_F_SNAT != 0;
     let hop = if snat {
         route::lookup(ctx, pkt, &entry.nat_addr, &entry.xlate_addr)

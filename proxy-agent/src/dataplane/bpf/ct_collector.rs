@@ -8,10 +8,11 @@ use std::{collections::HashMap as StdHashMap, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData, MapError};
 use proxy_common::{
-    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, elapsed_ns, forward_key_of, map_names, reply_key_of,
+    CT_DIR_FORWARD, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_RST, CtKey, CtTimeouts, CtValue, PROTO_TCP,
+    elapsed_ns, forward_key_of, map_names, reply_key_of,
 };
 
-use super::maps::MapSet;
+use super::{maps::MapSet, sync::remove_ignoring_absent};
 
 /// How often the collector runs.
 pub const INTERVAL: Duration = Duration::from_secs(10);
@@ -61,7 +62,73 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
         .with_context(|| format!("collecting {}", map_names::CONNTRACK_NEW))?;
     (stats.new, stats.new_capacity) = (left, cap);
     stats.collected += collected;
+    recount_active(maps, &timeouts, now_ns).context("recounting active connections")?;
+    forget_stats_of_the_gone(maps).context("removing statistics of removed entries")?;
     Ok(stats)
+}
+
+/// Sets `ACTIVE_CONNS` to the connections open now, per backend: live flows of the
+/// per-packet path that are not closing (as IPVS's ActiveConn) and connected sockets of
+/// the connect-time path. The programs add one per new connection at once; closed ones
+/// leave the counts here, every pass.
+fn recount_active(maps: &mut MapSet, timeouts: &CtTimeouts, now: u64) -> Result<()> {
+    let mut open: StdHashMap<u32, u64> = StdHashMap::new();
+    for table in [&maps.conntrack, &maps.conntrack_new] {
+        for (key, v) in table.iter().filter_map(Result::ok) {
+            let closing = key.proto == PROTO_TCP
+                && (v.flags & CT_F_RST != 0
+                    || v.flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY)
+                        == CT_F_FIN_ORIG | CT_F_FIN_REPLY);
+            if key.dir == CT_DIR_FORWARD
+                && !closing
+                && !timeouts.expired(key.proto, v.flags, v.last_seen_ns, now)
+            {
+                *open.entry(v.backend_id).or_default() += 1;
+            }
+        }
+    }
+    for (_, sock) in maps.sock_lb.iter().filter_map(Result::ok) {
+        if sock.connected.service_id != 0 {
+            *open.entry(sock.connected.backend_id).or_default() += 1;
+        }
+    }
+    let stale: Vec<u32> = maps
+        .active_conns
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|id| !open.contains_key(id))
+        .collect();
+    for id in stale {
+        remove_ignoring_absent(maps.active_conns.remove(&id))?;
+    }
+    for (id, n) in open {
+        maps.active_conns.insert(&id, &n, 0)?;
+    }
+    Ok(())
+}
+
+/// Statistics of frontends and backends no longer programmed go (a flow of a removed
+/// backend may have made its entry again meanwhile).
+fn forget_stats_of_the_gone(maps: &mut MapSet) -> Result<()> {
+    let gone: Vec<u32> = maps
+        .lb_stats
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|id| maps.rev_nat.get(id, 0).is_err())
+        .collect();
+    for id in gone {
+        remove_ignoring_absent(maps.lb_stats.remove(&id))?;
+    }
+    let gone: Vec<u32> = maps
+        .backend_stats
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|id| maps.backends.get(id, 0).is_err())
+        .collect();
+    for id in gone {
+        remove_ignoring_absent(maps.backend_stats.remove(&id))?;
+    }
+    Ok(())
 }
 
 /// Returns (entries left, capacity, entries removed).

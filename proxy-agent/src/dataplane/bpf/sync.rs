@@ -932,7 +932,8 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
     Ok(())
 }
 
-fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
+/// A removal that found nothing to remove succeeded.
+pub(super) fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
     match r {
         Ok(()) => Ok(()),
         Err(MapError::KeyNotFound) => Ok(()),

@@ -1,0 +1,67 @@
+//! What `ipvsadm -Ln --stats` shows, per frontend (`rev_nat_id`) and per backend id:
+//! new connections, and packets and bytes each way. Per-CPU values, summed by the agent;
+//! an entry is made on its first use and removed by the agent's collector once its
+//! frontend or backend is gone.
+
+use proxy_common::LbStats;
+
+use crate::maps::{BACKEND_STATS, LB_STATS};
+
+/// Client to backend.
+pub const IN: u8 = 0;
+/// Backend to client.
+pub const OUT: u8 = 1;
+
+/// Counts one packet of `len` bytes going `dir` (`IN`/`OUT`) on a flow of frontend
+/// `rev_nat_id` and backend `backend_id`; `new`: the flow's first (a new connection).
+#[inline(never)]
+pub fn account(rev_nat_id: u32, backend_id: u32, dir: u8, len: u32, new: bool) {
+    add(&LB_STATS, rev_nat_id, dir, 1, len, new);
+    add(&BACKEND_STATS, backend_id, dir, 1, len, new);
+}
+
+/// A new connection the connect-time hooks scheduled (its packets never pass a
+/// classifier of ours: the socket talks to the backend directly).
+#[inline(never)]
+pub fn connection(rev_nat_id: u32, backend_id: u32) {
+    add(&LB_STATS, rev_nat_id, IN, 0, 0, true);
+    add(&BACKEND_STATS, backend_id, IN, 0, 0, true);
+}
+
+#[inline(always)]
+fn add<const N: usize, const F: usize>(
+    map: &aya_ebpf::btf_maps::PerCpuHashMap<u32, LbStats, N, F>,
+    key: u32,
+    dir: u8,
+    packets: u64,
+    len: u32,
+    new: bool,
+) {
+    let len = u64::from(len);
+    if let Some(v) = map.get_ptr_mut(&key) {
+        // SAFETY: this CPU's own value; nothing else runs on this CPU meanwhile.
+        let v = unsafe { &mut *v };
+        if dir == IN {
+            v.packets_in += packets;
+            v.bytes_in += len;
+        } else {
+            v.packets_out += packets;
+            v.bytes_out += len;
+        }
+        v.conns += u64::from(new);
+        return;
+    }
+    let mut v = LbStats {
+        conns: u64::from(new),
+        ..LbStats::default()
+    };
+    if dir == IN {
+        v.packets_in = packets;
+        v.bytes_in = len;
+    } else {
+        v.packets_out = packets;
+        v.bytes_out = len;
+    }
+    // A full map loses the count, never the packet.
+    let _ = map.insert(&key, &v, 0);
+}
