@@ -167,11 +167,12 @@ pub mod sched {
     /// Backends the least-connection schedulers compare per new flow: all of them up to
     /// this many, else this many slots from a random start (a bounded loop for the
     /// verifier; the best of several random choices is near the least loaded).
-    pub const LC_SCAN: u32 = 8;
+    pub const LC_SCAN: u32 = 4;
 }
 
 /// The hash of a client (or frontend) address and port that the hashing schedulers use:
-/// the same function in the programs and in the agent's reference and `trace`.
+/// the same function in the programs and in the agent's reference and `trace`. `port` is
+/// as the packet carries it (network byte order), 0 where there is none.
 #[inline(always)]
 pub fn sched_hash(addr: &[u32; 4], port: u16) -> u32 {
     // murmur3's finalizer over the words: cheap, and every input bit reaches every

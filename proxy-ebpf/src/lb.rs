@@ -2,7 +2,10 @@
 //! so both choose from the same maps with the same rules.
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
-use core::intrinsics::{AtomicOrdering, atomic_xadd};
+use core::{
+    intrinsics::{AtomicOrdering, atomic_xadd},
+    num::NonZeroU32,
+};
 
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, BackendSlotKey, MemberKey, SCOPE_EXTERNAL,
@@ -11,7 +14,8 @@ use proxy_common::{
 };
 
 use crate::maps::{
-    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, MEMBERS, RR_CURSORS, SERVICES, WEIGHTS, count,
+    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, LC_SCRATCH, LcScan, MEMBERS, RR_CURSORS,
+    SERVICES, WEIGHTS, count,
 };
 
 /// Why no backend was chosen for a packet or connection addressed to a service.
@@ -61,11 +65,17 @@ pub fn lookup_service(
 }
 
 /// Picks a backend for a new connection to `svc`: the client's affinity entry while it is
-/// fresh, otherwise the slot its scheduler picks (`sched::*`; by default a uniformly
-/// random one, iptables' `statistic mode random` semantics).
-/// Not inlined: its keys get their own stack frame (the BPF stack is 512 bytes in all).
+/// fresh, otherwise the one in `slot`, which the caller had `schedule` pick (`sched::*`;
+/// by default a uniformly random slot, iptables' `statistic mode random` semantics).
+/// (Apart, so the scheduler's frame never stacks on this one: the BPF stack is 512 bytes
+/// for the whole call chain.)
+/// Not inlined: its keys get their own stack frame.
 #[inline(never)]
-pub fn select_backend(svc: &ServiceValue, client: &Client) -> Result<(u32, Backend), NoBackend> {
+pub fn select_backend(
+    svc: &ServiceValue,
+    client: &Client,
+    slot: u32,
+) -> Result<(u32, Backend), NoBackend> {
     if svc.count == 0 {
         return Err(no_backend(svc));
     }
@@ -96,7 +106,6 @@ pub fn select_backend(svc: &ServiceValue, client: &Client) -> Result<(u32, Backe
             }
         }
     }
-    let slot = schedule(svc, client);
     let (id, be) = match backend_in_slot(svc, slot) {
         Some(found) => found,
         None => {
@@ -119,25 +128,42 @@ pub fn select_backend(svc: &ServiceValue, client: &Client) -> Result<(u32, Backe
     if affinity {
         remember(&aff_key, id, now);
     }
-    if is_least_conn(svc.scheduler) {
-        opened(id);
-    }
     Ok((id, be))
 }
 
-/// The slot `svc`'s scheduler picks for a new flow from `client` (`< svc.count`, which
-/// the caller checked is not 0).
-#[inline(always)]
+/// The slot `svc`'s scheduler picks for a new flow from `client` (`< svc.count`; 0 when
+/// the service has no slots).
+#[inline(never)]
 pub fn schedule(svc: &ServiceValue, client: &Client) -> u32 {
-    let count = u32::from(svc.count);
+    let count = nonzero(u32::from(svc.count));
     match svc.scheduler {
         sched::RR | sched::WRR => round_robin(svc.id) % count,
         sched::SH => sched_hash(&client.id, 0) % count,
         sched::MH => sched_hash(&client.id, client.port) % count,
-        s if is_least_conn(s) => least_loaded(svc),
+        s if is_least_conn(s) => {
+            let weighted = if svc.flags & SVC_F_WEIGHTED != 0 {
+                LC_WEIGHTED
+            } else {
+                0
+            };
+            proxy_least_loaded(
+                svc.id,
+                svc.rev,
+                u32::from(svc.count),
+                u32::from(s) | weighted,
+            )
+        }
         // RANDOM, and DH: the agent wrote the one slot the frontend's address hashes to.
         _ => random() % count,
     }
+}
+
+/// `n`, or 1 for 0 (never 0 where it is called): a `%` by a `NonZeroU32` has no
+/// division-by-zero panic path, which the verifier refuses (a subprogram must end in an
+/// exit) and which LLVM keeps even after a check it lost track of.
+#[inline(always)]
+fn nonzero(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)
 }
 
 #[inline(always)]
@@ -171,80 +197,115 @@ fn round_robin(id: u32) -> u32 {
 /// The least-connection schedulers: of up to `sched::LC_SCAN` slots from a random start
 /// (every slot when there are no more), the one whose backend has the lowest cost. The
 /// random start breaks ties evenly.
+///
+/// A global BPF function (exported, scalar arguments): the verifier checks it once, on
+/// its own, instead of once per path that reaches it — its loop walked inline on every
+/// path of the classifier took it past the verifier's million-instruction budget.
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn least_loaded(svc: &ServiceValue) -> u32 {
-    let count = u32::from(svc.count);
-    let start = random() % count;
-    let weighted = svc.flags & SVC_F_WEIGHTED != 0;
-    // Cost of a backend as a fraction active/weight: compared by cross-multiplying.
-    let mut best_slot = start;
-    let (mut best_active, mut best_weight) = (u64::MAX, 1u64);
-    for i in 0..sched::LC_SCAN {
-        if i >= count {
+pub extern "C" fn proxy_least_loaded(id: u32, rev: u32, count: u32, mode: u32) -> u32 {
+    // The scan's state and lookup keys live in a per-CPU scratch value, not on the
+    // stack: this frame adds to the classifier's call chain, whose stacks share 512
+    // bytes.
+    let Some(st) = LC_SCRATCH.get_ptr_mut(0) else {
+        return 0; // unreachable: index 0 of a one-entry array
+    };
+    // SAFETY: this CPU's scratch, used by one program run at a time.
+    let st = unsafe { &mut *st };
+    let count = nonzero(count.min(u32::from(u16::MAX)));
+    st.mode = mode;
+    st.count = count.get();
+    st.slot_key = BackendSlotKey {
+        service_id: id,
+        rev,
+        slot: random() % count,
+    };
+    st.best_slot = st.slot_key.slot;
+    st.best_active = u64::MAX;
+    st.best_weight = 1;
+    for _ in 0..sched::LC_SCAN {
+        if st.count == 0 {
             break;
         }
-        let slot = (start + i) % count;
-        let key = BackendSlotKey {
-            service_id: svc.id,
-            rev: svc.rev,
-            slot,
-        };
-        // SAFETY: the value is copied out at once.
-        let Some(id) = (unsafe { BACKEND_SLOTS.get(&key) }).map(|s| s.backend_id) else {
-            continue;
-        };
-        // Capped so the cross products below fit 64 bits (weights are at most 2^8): no
-        // 128-bit multiply, which BPF does not have.
-        // SAFETY: as above.
-        let active = unsafe { ACTIVE_CONNS.get(&id).copied() }
-            .unwrap_or(0)
-            .min(u64::from(u32::MAX));
-        let weight = if weighted {
-            let key = MemberKey {
-                service_id: svc.id,
-                backend_id: id,
+        st.count -= 1;
+        if let Some(backend) = backend_id_in(&st.slot_key) {
+            st.member_key = MemberKey {
+                service_id: id,
+                backend_id: backend,
             };
-            // SAFETY: as above.
-            u64::from(
-                unsafe { WEIGHTS.get(&key).copied() }
-                    .unwrap_or(1)
-                    .min(1 << 16),
-            )
-        } else {
-            1
-        };
-        if weight == 0 {
-            continue; // quiesced: IPVS sends a weight-0 server no new connections
+            if consider(st) {
+                return st.slot_key.slot; // never queue: an idle backend wins outright
+            }
         }
-        // Never queue: an idle backend wins outright.
-        if svc.scheduler == sched::NQ && active == 0 {
-            return slot;
-        }
-        // Shortest expected delay (and never queue's fallback) counts the new connection.
-        let active = if svc.scheduler >= sched::SED {
-            active + 1
-        } else {
-            active
-        };
-        let weight = if svc.scheduler == sched::LC {
-            1
-        } else {
-            weight
-        };
-        if best_active == u64::MAX
-            || active.wrapping_mul(best_weight) < best_active.wrapping_mul(weight)
-        {
-            best_slot = slot;
-            best_active = active;
-            best_weight = weight;
+        st.slot_key.slot += 1;
+        if st.slot_key.slot >= count.get() {
+            st.slot_key.slot = 0;
         }
     }
-    best_slot
+    st.best_slot
 }
 
-/// One more connection open on backend `id` (the least-connection schedulers' load).
+/// Weighs the backend `st.member_key` names (in slot `st.slot_key.slot`) against the
+/// best so far; true when it is idle and the scheduler is never-queue.
+#[inline(always)]
+fn consider(st: &mut LcScan) -> bool {
+    let scheduler = (st.mode & 0xff) as u8;
+    // Capped so the cross products fit 64 bits: BPF has no 128-bit multiply.
+    // SAFETY: the values are copied out at once.
+    let active = unsafe { ACTIVE_CONNS.get(&st.member_key.backend_id).copied() }
+        .unwrap_or(0)
+        .min(u64::from(u32::MAX));
+    let weight = if st.mode & LC_WEIGHTED != 0 {
+        // SAFETY: as above.
+        u64::from(
+            unsafe { WEIGHTS.get(&st.member_key).copied() }
+                .unwrap_or(1)
+                .min(0xffff),
+        )
+    } else {
+        1
+    };
+    // Weight 0 is quiesced: IPVS sends it no new connections.
+    if weight == 0 {
+        return false;
+    }
+    if scheduler == sched::NQ && active == 0 {
+        return true;
+    }
+    // Shortest expected delay (and never queue's fallback) counts the new connection
+    // too; plain least connection ignores weights.
+    let active = if scheduler >= sched::SED {
+        active + 1
+    } else {
+        active
+    };
+    let weight = if scheduler == sched::LC { 1 } else { weight };
+    // Cost is active/weight, compared by cross-multiplying.
+    if st.best_active == u64::MAX || active * st.best_weight < st.best_active * weight {
+        st.best_slot = st.slot_key.slot;
+        st.best_active = active;
+        st.best_weight = weight;
+    }
+    false
+}
+
+/// `proxy_least_loaded`'s `mode` bit: the service has unequal weights (`WEIGHTS`).
+const LC_WEIGHTED: u32 = 1 << 8;
+
+#[inline(always)]
+fn backend_id_in(key: &BackendSlotKey) -> Option<u32> {
+    // SAFETY: the value is copied out at once.
+    unsafe { BACKEND_SLOTS.get(key) }.map(|s| s.backend_id)
+}
+
+/// A new connection to backend `id` of `svc`: one more open on it, for the
+/// least-connection schedulers' load. (Called by the callers of `select_backend`, not by
+/// it: its frame would stack on that one's.)
 #[inline(never)]
-fn opened(id: u32) {
+pub fn opened(svc: &ServiceValue, id: u32) {
+    if !is_least_conn(svc.scheduler) {
+        return;
+    }
     match ACTIVE_CONNS.get_ptr_mut(&id) {
         // SAFETY: a live map value; other CPUs add at the same time, hence the atomic.
         Some(p) => unsafe {

@@ -186,6 +186,22 @@ pub static BACKEND_STATS: PerCpuHashMap<
     NO_PREALLOC,
 > = PerCpuHashMap::new();
 
+/// The least-connection scan's state (`lb::proxy_least_loaded`), per CPU.
+#[repr(C)]
+pub struct LcScan {
+    pub slot_key: BackendSlotKey,
+    pub member_key: MemberKey,
+    pub mode: u32,
+    /// Slots left to look at.
+    pub count: u32,
+    pub best_slot: u32,
+    pub best_active: u64,
+    pub best_weight: u64,
+}
+
+#[btf_map]
+pub static LC_SCRATCH: PerCpuArray<LcScan, 1> = PerCpuArray::new();
+
 /// Per-CPU room for the ICMP error being translated (`icmp::Scratch`).
 #[btf_map]
 pub static ICMP_SCRATCH: PerCpuArray<crate::icmp::Scratch, 1> = PerCpuArray::new();

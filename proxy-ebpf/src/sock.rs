@@ -79,8 +79,10 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
         family: svc_family,
         port: 0,
     };
-    match lb::select_backend(&svc, &client) {
+    let slot = lb::schedule(&svc, &client);
+    match lb::select_backend(&svc, &client, slot) {
         Ok((id, be)) => {
+            lb::opened(&svc, id);
             // The socket sees the backend in the form it used for the frontend.
             write_addr(ctx, family, map(be.addr, mapped), be.port);
             match entry_of(&cookie) {

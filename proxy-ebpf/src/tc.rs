@@ -282,11 +282,13 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<Option<i32>, i32> {
         family: pkt.family,
         port: pkt.sport,
     };
-    let (backend_id, be) = match lb::select_backend(&svc, &client) {
+    let slot = lb::schedule(&svc, &client);
+    let (backend_id, be) = match lb::select_backend(&svc, &client, slot) {
         Ok(found) => found,
         Err(NoBackend::Reject) => return reject::refuse(ctx, pkt).map(Some),
         Err(NoBackend::Drop) => return Err(DROP),
     };
+    lb::opened(&svc, backend_id);
     let Some(entry) = ct_scratch(SCRATCH_FORWARD) else {
         return Err(DROP); // unreachable: a valid index
     };
