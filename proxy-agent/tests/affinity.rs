@@ -80,6 +80,7 @@ fn sticky(ip: &str, backends: &[&str]) -> (Frontend, FrontendState) {
             external_local: false,
             internal_local: false,
             source_ranges: Vec::new(),
+            schedule: Default::default(),
         },
     )
 }
