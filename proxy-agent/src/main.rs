@@ -33,8 +33,9 @@ struct Cli {
 enum Cmd {
     /// Load, attach and keep the BPF maps in step with the Services and EndpointSlices.
     Run(Box<RunArgs>),
-    /// Show what the pinned maps hold (works while the agent is down), or — from a
-    /// running agent's debug endpoint — this node's view (`--view`) or the model (`--model`).
+    /// Show what the pinned maps hold (works while the agent is down) — with `--stats`,
+    /// traffic per frontend and backend — or, from a running agent's debug endpoint, this
+    /// node's view (`--view`) or the model (`--model`).
     Dump {
         #[arg(long, default_value = DEFAULT_BPFFS)]
         bpffs: PathBuf,
@@ -45,8 +46,15 @@ enum Cmd {
         #[arg(long, conflicts_with = "model")]
         view: bool,
         /// The cluster-wide model (Services, EndpointSlices, this node), from the running agent.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "stats")]
         model: bool,
+        /// Connections, packets and bytes per frontend and per backend, as
+        /// `ipvsadm -Ln --stats` shows them (from the pinned maps).
+        #[arg(long, conflicts_with = "view")]
+        stats: bool,
+        /// With `--stats`: every number in full (ipvsadm's `--exact`).
+        #[arg(long, requires = "stats")]
+        exact: bool,
         #[arg(long, default_value = DEFAULT_DEBUG_ADDR)]
         debug_addr: String,
     },
@@ -308,6 +316,13 @@ fn main() -> Result<()> {
             println!("{}", fetch(&debug_addr, "/debug/model")?);
             Ok(())
         }
+        Cmd::Dump {
+            stats: true,
+            bpffs,
+            json,
+            exact,
+            ..
+        } => dump_stats(&bpffs, json, exact),
         Cmd::Dump { bpffs, json, .. } => dump(&bpffs, json),
         Cmd::Watch { debug_addr } => watch(&debug_addr),
         // 1 means one thing: a packet differs. Anything else that stops a trace (a
@@ -742,9 +757,24 @@ fn watch(addr: &str) -> Result<()> {
     Ok(())
 }
 
+fn open_pins(bpffs: &Path) -> Result<MapSet> {
+    MapSet::open_pinned(&bpffs.join("maps"))
+        .with_context(|| format!("is an agent's state pinned under {}?", bpffs.display()))
+}
+
+/// `dump --stats`: every frontend's and backend's counts, as `ipvsadm -Ln --stats`.
+fn dump_stats(bpffs: &Path, json: bool, exact: bool) -> Result<()> {
+    let rows = bpf::stats::read(&open_pins(bpffs)?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", bpf::stats::render_table(&rows, exact));
+    }
+    Ok(())
+}
+
 fn dump(bpffs: &Path, json: bool) -> Result<()> {
-    let maps = MapSet::open_pinned(&bpffs.join("maps"))
-        .with_context(|| format!("is an agent's state pinned under {}?", bpffs.display()))?;
+    let maps = open_pins(bpffs)?;
     let mut rows = Vec::new();
     for entry in maps.services.iter() {
         let (key, value) = entry?;

@@ -1,7 +1,10 @@
 //! The Prometheus text of `/metrics` (metricsBindAddress): kube-proxy's own metrics under
 //! kube-proxy's names and types, so existing dashboards and alerts read this node as they
 //! read kube-proxy; the process metrics every Go component exports; and ours, under
-//! `proxy_agent_` (conntrack fill, BPF events by kind, interface attachments).
+//! `proxy_agent_` (conntrack fill, BPF events by kind, interface attachments, traffic
+//! per Service port).
+
+mod service_stats;
 
 use std::{path::Path, sync::atomic::AtomicU64};
 
@@ -299,6 +302,10 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             "Capacity of the service-side BPF maps (ebpf.mapSizes)",
             capacity,
         );
+        match crate::dataplane::bpf::stats::frontend_totals(&maps) {
+            Ok(totals) => service_stats::register(r, &totals, &status.view()),
+            Err(e) => tracing::debug!(error = format!("{e:#}"), "no Service statistics"),
+        }
     }
     let entries = Family::<Labels, Gauge>::default();
     for (name, n) in [

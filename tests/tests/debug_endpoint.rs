@@ -143,7 +143,41 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     assert_eq!(body["nodeEligible"], true, "{body}");
     let live = get("http://127.0.0.1:10256/livez");
     assert!(live.starts_with("200 "), "{live}");
+    // Four connections through the connect-time hooks: counted per Service port (its
+    // sockets' packets never pass our programs: connections only).
+    let attempts = tb
+        .client(&[
+            "--target",
+            "10.96.0.10:80",
+            "--proto",
+            "tcp",
+            "--count",
+            "4",
+        ])
+        .expect("client");
+    assert!(attempts.iter().all(|a| a.ok), "{attempts:?}");
     let metrics = fetch_metrics();
+    for m in [
+        "proxy_agent_service_connections_total{namespace=\"default\",service=\"web\",port=\"http\"} 4",
+        "proxy_agent_service_packets_total{namespace=\"default\",service=\"web\",port=\"http\",direction=\"in\"} 0",
+    ] {
+        assert!(metrics.contains(m), "{m} missing:\n{metrics}");
+    }
+    let stats = agent(
+        &tb,
+        &[
+            "dump",
+            "--stats",
+            "--bpffs",
+            tb.pin_dir().to_str().expect("utf-8"),
+        ],
+    );
+    let row = stats
+        .lines()
+        .find(|l| l.starts_with("TCP  10.96.0.10:80 "))
+        .unwrap_or_else(|| panic!("no row for the ClusterIP:\n{stats}"));
+    let numbers: Vec<&str> = row.split_whitespace().skip(3).collect();
+    assert_eq!(numbers, ["4", "0", "0", "0", "0"], "{stats}");
     for m in [
         "proxy_agent_syncs_ok_total",
         "proxy_agent_frontends 5",

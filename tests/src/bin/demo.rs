@@ -61,17 +61,51 @@ fn main() -> Result<()> {
                 failed
             );
         }
+        println!("\nTraffic per frontend and backend (proxy-agent dump --stats):");
+        print!("{}", agent_output(&args.agent, &["dump", "--stats"], &tb)?);
+        println!("\nPer Service port (/metrics):");
+        let metrics = service_metrics(&tb)?;
+        let mut lines: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with("proxy_agent_service_"))
+            .collect();
+        lines.sort_unstable();
+        for line in lines {
+            println!("{line}");
+        }
         if path == Path_::PerPacket {
             println!("\nWhat the kernel holds (proxy-agent dump):");
-            let out = std::process::Command::new(&args.agent)
-                .args(["dump", "--bpffs"])
-                .arg(tb.pin_dir())
-                .output()?;
-            print!("{}", String::from_utf8_lossy(&out.stdout));
+            print!("{}", agent_output(&args.agent, &["dump"], &tb)?);
         }
+        println!();
     }
     println!("\nTestbed removed (namespaces, cgroup, bpffs mount).");
     Ok(())
+}
+
+/// What `proxy-agent ARGS --bpffs PINS` prints about the testbed's pins.
+fn agent_output(agent: &std::path::Path, args: &[&str], tb: &Testbed) -> Result<String> {
+    let out = std::process::Command::new(agent)
+        .args(args)
+        .arg("--bpffs")
+        .arg(tb.pin_dir())
+        .output()
+        .with_context(|| format!("running {} {args:?}", agent.display()))?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The agent's `/metrics`, fetched inside the node's namespace (its metrics address).
+fn service_metrics(tb: &Testbed) -> Result<String> {
+    let script = "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10249/metrics').read().decode())";
+    proxy_e2e::sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &tb.node_ns(),
+        "python3",
+        "-c",
+        script,
+    ])
 }
 
 /// Frontends the example manifests produce, by the agent's own parser.

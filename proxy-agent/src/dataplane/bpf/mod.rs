@@ -21,6 +21,7 @@ mod members;
 pub(crate) mod netlink;
 mod pin_lock;
 mod sockets;
+pub mod stats;
 pub mod sync;
 mod watch;
 

@@ -1,0 +1,356 @@
+//! Per-frontend and per-backend statistics as `ipvsadm -Ln --stats` shows them: the
+//! programs' per-CPU counts (`LB_STATS`, `BACKEND_STATS`) summed, and the two scopes of a
+//! frontend merged into one row, as one IPVS virtual service.
+
+mod table;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+    ops::AddAssign,
+};
+
+use anyhow::{Context as _, Result};
+use aya::maps::{MapData, MapError, PerCpuHashMap};
+use proxy_common::{
+    BackendSlotKey, LbStats, MemberKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_WEIGHTED,
+    ServiceValue, map_names,
+};
+use serde::Serialize;
+
+pub use self::table::{large_number, render_table};
+use super::{maps::MapSet, sync::words_addr};
+use crate::{
+    model::{Frontend, Protocol},
+    schedule::Scheduler,
+};
+
+/// Connections, packets and bytes, summed over CPUs (and over scopes or frontends).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Totals {
+    pub conns: u64,
+    pub packets_in: u64,
+    pub packets_out: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
+impl AddAssign<&LbStats> for Totals {
+    fn add_assign(&mut self, s: &LbStats) {
+        // Wrapping, as the programs' own counters do: a wrapped sum is still a counter.
+        self.conns = self.conns.wrapping_add(s.conns);
+        self.packets_in = self.packets_in.wrapping_add(s.packets_in);
+        self.packets_out = self.packets_out.wrapping_add(s.packets_out);
+        self.bytes_in = self.bytes_in.wrapping_add(s.bytes_in);
+        self.bytes_out = self.bytes_out.wrapping_add(s.bytes_out);
+    }
+}
+
+impl AddAssign<Totals> for Totals {
+    fn add_assign(&mut self, t: Totals) {
+        *self += &LbStats {
+            conns: t.conns,
+            packets_in: t.packets_in,
+            bytes_in: t.bytes_in,
+            packets_out: t.packets_out,
+            bytes_out: t.bytes_out,
+        };
+    }
+}
+
+impl<'a> std::iter::Sum<&'a LbStats> for Totals {
+    fn sum<I: Iterator<Item = &'a LbStats>>(per_cpu: I) -> Self {
+        let mut t = Totals::default();
+        for s in per_cpu {
+            t += s;
+        }
+        t
+    }
+}
+
+/// One frontend (a virtual service): both scopes' entries in one row.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FrontendStats {
+    pub address: SocketAddr,
+    #[serde(serialize_with = "as_display")]
+    pub protocol: Protocol,
+    /// `Scheduler::name` of the external (or only) scope.
+    pub scheduler: &'static str,
+    /// The service entries (one per scope) whose counts are summed here.
+    pub service_ids: Vec<u32>,
+    pub stats: Totals,
+    /// Each backend once, however many slots (and scopes) it fills, by address.
+    pub backends: Vec<BackendStats>,
+}
+
+impl FrontendStats {
+    pub fn frontend(&self) -> Frontend {
+        Frontend {
+            ip: self.address.ip(),
+            port: self.address.port(),
+            protocol: self.protocol,
+        }
+    }
+}
+
+/// One backend (a real server) of a frontend.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BackendStats {
+    pub address: SocketAddr,
+    pub id: u32,
+    /// `WEIGHTS` for weighted least-connection entries; for `wrr` the backend's share of
+    /// the slots (its weight over the weights' common divisor); else 1.
+    pub weight: u32,
+    /// Connections open now, as the collector last counted them (every 10 s).
+    pub active_conns: u64,
+    /// Over every frontend this backend serves: the programs count per backend id, and
+    /// one endpoint (address, port, protocol) has one id.
+    pub stats: Totals,
+}
+
+fn as_display<S: serde::Serializer>(v: &Protocol, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+/// Every programmed frontend with its totals and its backends'.
+pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
+    let mut entries = maps
+        .services
+        .iter()
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("reading {}", map_names::SERVICES))?;
+    // A frontend's external (or only) scope first: its scheduler and weights show.
+    entries.sort_unstable_by_key(|(key, _)| *key);
+    let mut rows: BTreeMap<Frontend, FrontendStats> = BTreeMap::new();
+    for (key, value) in entries {
+        let Some(protocol) = protocol_of(key.proto) else {
+            continue;
+        };
+        let address = SocketAddr::new(words_addr(key.addr, key.family), u16::from_be(key.port));
+        let row = rows
+            .entry(Frontend {
+                ip: address.ip(),
+                port: address.port(),
+                protocol,
+            })
+            .or_insert_with(|| FrontendStats {
+                address,
+                protocol,
+                scheduler: scheduler_name(value.scheduler),
+                service_ids: Vec::new(),
+                stats: Totals::default(),
+                backends: Vec::new(),
+            });
+        row.service_ids.push(value.id);
+        row.stats += summed(&maps.lb_stats, value.rev_nat_id)
+            .with_context(|| format!("{} of {address}", map_names::LB_STATS))?;
+        for (backend_id, slots) in slot_counts(maps, &value)? {
+            if row.backends.iter().any(|b| b.id == backend_id) {
+                continue; // the other scope's
+            }
+            if let Some(b) = backend_stats(maps, &value, backend_id, slots)? {
+                row.backends.push(b);
+            }
+        }
+    }
+    let mut rows: Vec<FrontendStats> = rows.into_values().collect();
+    for row in &mut rows {
+        row.service_ids.sort_unstable();
+        row.backends.sort_by_key(|b| b.address);
+    }
+    Ok(rows)
+}
+
+/// Per frontend, its `LB_STATS` summed over CPUs and scopes: entries with counts only
+/// (through `REV_NAT`, without walking the slots), for a scrape.
+pub fn frontend_totals(maps: &MapSet) -> Result<BTreeMap<Frontend, Totals>> {
+    let mut out: BTreeMap<Frontend, Totals> = BTreeMap::new();
+    for entry in maps.lb_stats.iter() {
+        let (id, per_cpu) = entry.with_context(|| format!("reading {}", map_names::LB_STATS))?;
+        // Gone since (the collector removes its counts next): nothing to name it by.
+        let Some(rev) = present(maps.rev_nat.get(&id, 0))
+            .with_context(|| format!("reading {} {id}", map_names::REV_NAT))?
+        else {
+            continue;
+        };
+        let Some(protocol) = protocol_of(rev.proto) else {
+            continue;
+        };
+        let frontend = Frontend {
+            ip: words_addr(rev.addr, rev.family),
+            port: u16::from_be(rev.port),
+            protocol,
+        };
+        *out.entry(frontend).or_default() += per_cpu.iter().sum::<Totals>();
+    }
+    Ok(out)
+}
+
+/// Backend ids of a service entry's live slots, with the number of slots each fills.
+fn slot_counts(maps: &MapSet, value: &ServiceValue) -> Result<Vec<(u32, u32)>> {
+    let mut counts: HashMap<u32, u32> = HashMap::new();
+    let mut order = Vec::new();
+    for slot in 0..u32::from(value.count) {
+        let key = BackendSlotKey {
+            service_id: value.id,
+            rev: value.rev,
+            slot,
+        };
+        // A slot missing here was flipped away while we read: the next dump sees the rest.
+        let Some(s) = present(maps.slots.get(&key, 0)).with_context(|| {
+            format!("reading {} {}/{}", map_names::BACKEND_SLOTS, value.id, slot)
+        })?
+        else {
+            continue;
+        };
+        let n = counts.entry(s.backend_id).or_default();
+        if *n == 0 {
+            order.push(s.backend_id);
+        }
+        *n += 1;
+    }
+    Ok(order.into_iter().map(|id| (id, counts[&id])).collect())
+}
+
+/// `None` when the backend was removed while we read.
+fn backend_stats(
+    maps: &MapSet,
+    value: &ServiceValue,
+    id: u32,
+    slots: u32,
+) -> Result<Option<BackendStats>> {
+    let context = |map: &str| format!("reading {map} of backend {id}");
+    let Some(b) =
+        present(maps.backends.get(&id, 0)).with_context(|| context(map_names::BACKENDS))?
+    else {
+        return Ok(None);
+    };
+    let weight = if value.flags & SVC_F_WEIGHTED != 0 {
+        let member = MemberKey {
+            service_id: value.id,
+            backend_id: id,
+        };
+        present(maps.weights.get(&member, 0))
+            .with_context(|| context(map_names::WEIGHTS))?
+            .unwrap_or(1)
+    } else if Scheduler::from_code(value.scheduler) == Some(Scheduler::Wrr) {
+        slots
+    } else {
+        1
+    };
+    Ok(Some(BackendStats {
+        address: SocketAddr::new(words_addr(b.addr, b.family), u16::from_be(b.port)),
+        id,
+        weight,
+        active_conns: present(maps.active_conns.get(&id, 0))
+            .with_context(|| context(map_names::ACTIVE_CONNS))?
+            .unwrap_or(0),
+        stats: summed(&maps.backend_stats, id)
+            .with_context(|| context(map_names::BACKEND_STATS))?,
+    }))
+}
+
+/// One key's per-CPU values summed; zero when nothing was counted yet.
+fn summed(map: &PerCpuHashMap<MapData, u32, LbStats>, id: u32) -> Result<Totals, MapError> {
+    Ok(present(map.get(&id, 0))?
+        .map(|per_cpu| per_cpu.iter().sum())
+        .unwrap_or_default())
+}
+
+/// A lookup's value, `None` when the key is absent.
+fn present<T>(r: Result<T, MapError>) -> Result<Option<T>, MapError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(MapError::KeyNotFound) => Ok(None),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn protocol_of(proto: u8) -> Option<Protocol> {
+    match proto {
+        PROTO_TCP => Some(Protocol::Tcp),
+        PROTO_UDP => Some(Protocol::Udp),
+        PROTO_SCTP => Some(Protocol::Sctp),
+        _ => None,
+    }
+}
+
+/// An unknown code (a newer agent's scheduler) shows as `?`, never as another's name.
+fn scheduler_name(code: u8) -> &'static str {
+    match Scheduler::from_code(code) {
+        Some(s) => s.name(),
+        None => "?",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_cpu_values_and_rows_add_up() {
+        let per_cpu = [
+            LbStats {
+                conns: 1,
+                packets_in: 2,
+                bytes_in: 120,
+                packets_out: 1,
+                bytes_out: 60,
+            },
+            LbStats::default(),
+            LbStats {
+                conns: 0,
+                packets_in: 1,
+                bytes_in: 54,
+                packets_out: 3,
+                bytes_out: 9_000,
+            },
+        ];
+        let mut t: Totals = per_cpu.iter().sum();
+        assert_eq!(
+            t,
+            Totals {
+                conns: 1,
+                packets_in: 3,
+                packets_out: 4,
+                bytes_in: 174,
+                bytes_out: 9_060,
+            }
+        );
+        t += Totals {
+            conns: 2,
+            ..Totals::default()
+        };
+        assert_eq!(t.conns, 3);
+        assert_eq!(t.bytes_out, 9_060);
+    }
+
+    /// `dump --stats --json`: addresses and protocols as people write them.
+    #[test]
+    fn json_rows_read_like_the_table() {
+        let row = FrontendStats {
+            address: "[fd96::10]:53".parse().expect("addr"),
+            protocol: Protocol::Udp,
+            scheduler: "rr",
+            service_ids: vec![4],
+            stats: Totals::default(),
+            backends: Vec::new(),
+        };
+        let json = serde_json::to_value(&row).expect("json");
+        assert_eq!(json["address"], "[fd96::10]:53");
+        assert_eq!(json["protocol"], "UDP");
+        assert_eq!(json["scheduler"], "rr");
+        assert_eq!(json["stats"]["bytes_out"], 0);
+    }
+
+    #[test]
+    fn codes_of_a_newer_agent_are_not_misnamed() {
+        assert_eq!(scheduler_name(proxy_common::sched::MH), "mh");
+        assert_eq!(scheduler_name(200), "?");
+        assert_eq!(protocol_of(PROTO_SCTP), Some(Protocol::Sctp));
+        assert_eq!(protocol_of(1), None);
+    }
+}

@@ -1,0 +1,178 @@
+//! Per-Service-port traffic (`proxy_agent_service_*`): the programs' per-frontend counts
+//! summed over every frontend of a Service port — ClusterIPs, NodePorts on each node
+//! address, external and load-balancer IPs, both families and both scopes — so the series
+//! follow Service ports, never addresses or endpoints.
+
+use std::collections::BTreeMap;
+
+use prometheus_client::{
+    metrics::{counter::Counter, family::Family},
+    registry::Registry,
+};
+
+use super::Labels;
+use crate::{
+    dataplane::bpf::stats::Totals,
+    model::{Frontend, NodeView},
+};
+
+/// Registers the three counter families from per-frontend totals. Frontends not in
+/// `view` (removed, their counts not yet collected) are left out.
+pub(super) fn register(r: &mut Registry, totals: &BTreeMap<Frontend, Totals>, view: &NodeView) {
+    let conns = Family::<Labels, Counter>::default();
+    let packets = Family::<Labels, Counter>::default();
+    let bytes = Family::<Labels, Counter>::default();
+    for (service, t) in by_service_port(totals, view) {
+        let labels = service_port_labels(service);
+        conns.get_or_create(&labels).inc_by(t.conns);
+        for (direction, p, b) in [
+            ("in", t.packets_in, t.bytes_in),
+            ("out", t.packets_out, t.bytes_out),
+        ] {
+            let mut labels = labels.clone();
+            labels.push(("direction".into(), direction.into()));
+            packets.get_or_create(&labels).inc_by(p);
+            bytes.get_or_create(&labels).inc_by(b);
+        }
+    }
+    r.register(
+        "service_connections",
+        "New connections to a Service port (per-packet and connect-time paths)",
+        conns,
+    );
+    r.register(
+        "service_packets",
+        "Packets of a Service port's flows, client to backend (in) and back (out); \
+         per-packet path only",
+        packets,
+    );
+    r.register(
+        "service_bytes",
+        "Bytes (with link-layer headers) of a Service port's flows, client to backend (in) \
+         and back (out); per-packet path only",
+        bytes,
+    );
+}
+
+/// Totals per Service port (`FrontendState::service`).
+fn by_service_port<'v>(
+    totals: &BTreeMap<Frontend, Totals>,
+    view: &'v NodeView,
+) -> BTreeMap<&'v str, Totals> {
+    let mut out: BTreeMap<&str, Totals> = BTreeMap::new();
+    for (frontend, t) in totals {
+        if let Some(state) = view.get(frontend) {
+            *out.entry(state.service.as_str()).or_default() += *t;
+        }
+    }
+    out
+}
+
+/// `namespace/name:port` as labels (`port`: the port's name, or its number when it has
+/// none). Kubernetes names hold neither `/` nor `:`, so the split is exact.
+fn service_port_labels(service: &str) -> Labels {
+    let (namespace, rest) = service.split_once('/').unwrap_or(("", service));
+    let (name, port) = rest.rsplit_once(':').unwrap_or((rest, ""));
+    vec![
+        ("namespace".into(), namespace.into()),
+        ("service".into(), name.into()),
+        ("port".into(), port.into()),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{BackendSet, FrontendKind, FrontendState, Protocol, WhenEmpty};
+
+    fn frontend(ip: &str, port: u16) -> Frontend {
+        Frontend {
+            ip: ip.parse().expect("ip"),
+            port,
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    fn state(service: &str, kind: FrontendKind) -> FrontendState {
+        FrontendState {
+            service: service.into(),
+            kind,
+            backends: BackendSet {
+                endpoints: Default::default(),
+                when_empty: WhenEmpty::Reject,
+            },
+            internal: None,
+            affinity_timeout_s: None,
+            external_local: false,
+            internal_local: false,
+            source_ranges: Vec::new(),
+            schedule: Default::default(),
+        }
+    }
+
+    fn totals(conns: u64, bytes_in: u64) -> Totals {
+        Totals {
+            conns,
+            packets_in: conns,
+            bytes_in,
+            ..Totals::default()
+        }
+    }
+
+    /// A Service port's ClusterIP and NodePort make one series; another port its own;
+    /// a frontend the view no longer has, none.
+    #[test]
+    fn one_series_per_service_port() {
+        let view = NodeView::from([
+            (
+                frontend("10.96.0.10", 80),
+                state("shop/web:http", FrontendKind::ClusterIp),
+            ),
+            (
+                frontend("192.0.2.10", 30080),
+                state("shop/web:http", FrontendKind::NodePort),
+            ),
+            (
+                frontend("10.96.0.10", 443),
+                state("shop/web:443", FrontendKind::ClusterIp),
+            ),
+        ]);
+        let per_frontend = BTreeMap::from([
+            (frontend("10.96.0.10", 80), totals(2, 200)),
+            (frontend("192.0.2.10", 30080), totals(1, 60)),
+            (frontend("10.96.0.10", 443), totals(5, 500)),
+            (frontend("10.96.0.99", 53), totals(9, 900)),
+        ]);
+        let mut r = Registry::default();
+        register(
+            r.sub_registry_with_prefix("proxy_agent"),
+            &per_frontend,
+            &view,
+        );
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).expect("encode");
+        for line in [
+            "# TYPE proxy_agent_service_connections counter",
+            "proxy_agent_service_connections_total{namespace=\"shop\",service=\"web\",port=\"http\"} 3",
+            "proxy_agent_service_connections_total{namespace=\"shop\",service=\"web\",port=\"443\"} 5",
+            "proxy_agent_service_packets_total{namespace=\"shop\",service=\"web\",port=\"http\",direction=\"in\"} 3",
+            "proxy_agent_service_packets_total{namespace=\"shop\",service=\"web\",port=\"http\",direction=\"out\"} 0",
+            "proxy_agent_service_bytes_total{namespace=\"shop\",service=\"web\",port=\"http\",direction=\"in\"} 260",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
+        assert!(!text.contains("900"), "a frontend out of the view:\n{text}");
+    }
+
+    #[test]
+    fn labels_of_odd_service_strings_keep_the_text() {
+        let get = |s| {
+            service_port_labels(s)
+                .into_iter()
+                .map(|(_, v)| v)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(get("ns/name:53"), ["ns", "name", "53"]);
+        assert_eq!(get("name"), ["", "name", ""]);
+    }
+}

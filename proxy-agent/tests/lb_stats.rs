@@ -1,0 +1,293 @@
+//! Per-frontend and per-backend statistics through the real classifier
+//! (`BPF_PROG_TEST_RUN`): a TCP flow's connection, packets and bytes each way land in
+//! `LB_STATS` and `BACKEND_STATS` and in `dump --stats`'s rows and table; the two scopes
+//! of a frontend make one row; the collector recounts `ACTIVE_CONNS` from live flows and
+//! drops the counts of removed frontends and backends. Root only.
+
+mod support;
+
+use std::net::SocketAddr;
+
+use proxy_agent::{
+    dataplane::bpf::{
+        ct_collector::{self, monotonic_ns},
+        stats::{self, Totals},
+    },
+    model::{BackendSet, FrontendKind, NodeView, Protocol, WhenEmpty},
+    trace::packet::{fold, sum16},
+};
+use proxy_common::ServiceValue;
+use support::{root, tc_harness::*};
+
+const SYN: u8 = 0x02;
+const SYN_ACK: u8 = 0x12;
+const PSH_ACK: u8 = 0x18;
+const RST: u8 = 0x04;
+
+const VIP: &str = "10.96.0.10:80";
+const BACKEND: &str = "10.244.1.5:8080";
+const CLIENT: &str = "10.244.0.3:40000";
+
+/// An IPv4 TCP segment with `extra` bytes of data after the builder's five, checksums
+/// valid (the program updates them incrementally, so `inspect` would catch a bad one).
+fn tcp_data(src: SocketAddr, dst: SocketAddr, flags: u8, extra: usize) -> Vec<u8> {
+    let mut p = tcp_with_flags(src, dst, flags);
+    p.resize(p.len() + extra, b'x');
+    let ip_len = (p.len() - 14) as u16;
+    p[16..18].copy_from_slice(&ip_len.to_be_bytes());
+    p[24..26].fill(0);
+    let c = fold(sum16(&p[14..34], 0));
+    p[24..26].copy_from_slice(&c.to_be_bytes());
+    p[50..52].fill(0);
+    let mut pseudo = p[26..34].to_vec();
+    pseudo.extend_from_slice(&[0, 6]);
+    pseudo.extend_from_slice(&((p.len() - 34) as u16).to_be_bytes());
+    let c = fold(sum16(&p[34..], sum16(&pseudo, 0)));
+    p[50..52].copy_from_slice(&c.to_be_bytes());
+    p
+}
+
+/// Runs a packet the program must translate; returns its length.
+fn run_ok(h: &Harness, pkt: &[u8]) -> u64 {
+    let (verdict, out) = h.run(pkt);
+    assert_eq!(verdict, TC_ACT_OK, "translated and passed on");
+    inspect(&out);
+    pkt.len() as u64
+}
+
+/// The service entries, by scope.
+fn entries(h: &Harness) -> Vec<ServiceValue> {
+    let mut v: Vec<(u8, ServiceValue)> = h
+        .maps
+        .services
+        .iter()
+        .map(|e| e.expect("SERVICES entry"))
+        .map(|(k, v)| (k.scope, v))
+        .collect();
+    v.sort_by_key(|(scope, _)| *scope);
+    v.into_iter().map(|(_, v)| v).collect()
+}
+
+fn lb_stats(h: &Harness, rev_nat_id: u32) -> Totals {
+    h.maps
+        .lb_stats
+        .get(&rev_nat_id, 0)
+        .expect("LB_STATS entry")
+        .iter()
+        .sum()
+}
+
+fn backend_stats(h: &Harness, id: u32) -> Totals {
+    h.maps
+        .backend_stats
+        .get(&id, 0)
+        .expect("BACKEND_STATS entry")
+        .iter()
+        .sum()
+}
+
+/// A ClusterIP, one client's TCP flow through it: SYN, SYN-ACK, data. Returns the
+/// harness and what the flow's packets should have added up to.
+fn one_flow() -> (Harness, Totals) {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &[BACKEND],
+    )]));
+    let syn = run_ok(&h, &tcp_with_flags(sa(CLIENT), sa(VIP), SYN));
+    let syn_ack = run_ok(&h, &tcp_with_flags(sa(BACKEND), sa(CLIENT), SYN_ACK));
+    let data = run_ok(&h, &tcp_data(sa(CLIENT), sa(VIP), PSH_ACK, 100));
+    assert_eq!((syn, syn_ack, data), (59, 59, 159), "frame lengths");
+    let expected = Totals {
+        conns: 1,
+        packets_in: 2,
+        bytes_in: syn + data,
+        packets_out: 1,
+        bytes_out: syn_ack,
+    };
+    (h, expected)
+}
+
+#[test]
+fn a_tcp_flow_is_counted_per_frontend_and_per_backend() {
+    if !root("a_tcp_flow_is_counted_per_frontend_and_per_backend") {
+        return;
+    }
+    let (h, expected) = one_flow();
+    let [svc] = entries(&h)[..] else {
+        panic!("one service entry")
+    };
+    assert_eq!(lb_stats(&h, svc.rev_nat_id), expected, "LB_STATS, summed");
+    let backend_id = h
+        .maps
+        .backends
+        .keys()
+        .next()
+        .expect("one backend")
+        .expect("key");
+    assert_eq!(backend_stats(&h, backend_id), expected, "BACKEND_STATS");
+
+    let rows = stats::read(&h.maps).expect("read");
+    let [row] = &rows[..] else {
+        panic!("one row: {rows:?}")
+    };
+    assert_eq!(
+        (row.address, row.protocol, row.scheduler),
+        (sa(VIP), Protocol::Tcp, "random")
+    );
+    assert_eq!(row.service_ids, [svc.id]);
+    assert_eq!(row.stats, expected);
+    let [b] = &row.backends[..] else {
+        panic!("one backend: {:?}", row.backends)
+    };
+    assert_eq!((b.address, b.id, b.weight), (sa(BACKEND), backend_id, 1));
+    assert_eq!(b.stats, expected);
+
+    let totals = stats::frontend_totals(&h.maps).expect("totals");
+    assert_eq!(
+        totals.into_iter().collect::<Vec<_>>(),
+        [(row.frontend(), expected)],
+        "what /metrics reads"
+    );
+}
+
+#[test]
+fn dump_stats_shows_the_flow_and_its_open_connection() {
+    if !root("dump_stats_shows_the_flow_and_its_open_connection") {
+        return;
+    }
+    let (mut h, _) = one_flow();
+    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    let table = stats::render_table(&stats::read(&h.maps).expect("read"), false);
+    let expected = "\
+Prot LocalAddress:Port Scheduler  Weight ActiveConn    Conns   InPkts  OutPkts  InBytes OutBytes
+  -> RemoteAddress:Port
+TCP  10.96.0.10:80 random                                  1        2        1      218       59
+  -> 10.244.1.5:8080                   1          1        1        2        1      218       59
+";
+    assert_eq!(table, expected, "got:\n{table}");
+}
+
+/// An `externalTrafficPolicy: Local` NodePort has an external and an internal entry:
+/// one row with both entries' counts, each backend once.
+#[test]
+fn both_scopes_of_a_frontend_make_one_row() {
+    if !root("both_scopes_of_a_frontend_make_one_row") {
+        return;
+    }
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &[BACKEND]);
+    st.kind = FrontendKind::NodePort;
+    st.external_local = true;
+    st.internal = Some(BackendSet {
+        endpoints: [sa(BACKEND), sa("10.244.2.6:8080")].into(),
+        when_empty: WhenEmpty::Reject,
+    });
+    h.apply(&NodeView::from([(np, st)]));
+    let scopes = entries(&h);
+    assert_eq!(scopes.len(), 2, "external and internal entries");
+    let node_port = sa("192.0.2.10:30080");
+    let outside = tcp_with_flags(sa("198.51.100.7:40000"), node_port, SYN);
+    let pod = tcp_with_flags(sa(CLIENT), node_port, SYN);
+    for pkt in [&outside, &pod] {
+        let (verdict, _) = h.run(pkt);
+        assert_ne!(verdict, TC_ACT_SHOT, "a new flow");
+    }
+    for v in &scopes {
+        assert_eq!(lb_stats(&h, v.rev_nat_id).conns, 1, "one flow per scope");
+    }
+
+    let rows = stats::read(&h.maps).expect("read");
+    let [row] = &rows[..] else {
+        panic!("one row for both scopes: {rows:?}")
+    };
+    let mut ids: Vec<u32> = scopes.iter().map(|v| v.id).collect();
+    ids.sort_unstable();
+    assert_eq!(row.service_ids, ids);
+    assert_eq!(
+        row.stats,
+        Totals {
+            conns: 2,
+            packets_in: 2,
+            bytes_in: (outside.len() + pod.len()) as u64,
+            ..Totals::default()
+        }
+    );
+    let backends: Vec<SocketAddr> = row.backends.iter().map(|b| b.address).collect();
+    assert_eq!(backends, [sa(BACKEND), sa("10.244.2.6:8080")], "each once");
+    let per_backend: u64 = row.backends.iter().map(|b| b.stats.conns).sum();
+    assert_eq!(per_backend, 2, "the two flows, on whichever backends");
+}
+
+#[test]
+fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries() {
+    if !root("the_collector_recounts_active_connections_and_drops_stats_of_removed_entries") {
+        return;
+    }
+    let (mut h, expected) = one_flow();
+    let old_backend = h
+        .maps
+        .backends
+        .keys()
+        .next()
+        .expect("one backend")
+        .expect("key");
+    // Drifted counts: a lost decrement, and a backend with no flows at all.
+    h.maps
+        .active_conns
+        .insert(&old_backend, &5, 0)
+        .expect("insert");
+    h.maps.active_conns.insert(&4242, &3, 0).expect("insert");
+    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!(h.maps.active_conns.get(&old_backend, 0).ok(), Some(1));
+    assert!(
+        h.maps.active_conns.get(&4242, 0).is_err(),
+        "no flows: no entry"
+    );
+
+    // The flow closes: no longer active.
+    run_ok(&h, &tcp_with_flags(sa(CLIENT), sa(VIP), RST));
+    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert!(h.maps.active_conns.get(&old_backend, 0).is_err(), "closed");
+
+    // The backend leaves the Service: its counts go, the frontend's stay.
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.2.6:8080"],
+    )]));
+    assert!(h.maps.backends.get(&old_backend, 0).is_err(), "removed");
+    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert!(h.maps.backend_stats.get(&old_backend, 0).is_err());
+    let rows = stats::read(&h.maps).expect("read");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        rows[0].stats.conns, expected.conns,
+        "the frontend keeps its count"
+    );
+    assert_eq!(
+        rows[0].stats.packets_in,
+        expected.packets_in + 1,
+        "and the RST"
+    );
+    let backends: Vec<SocketAddr> = rows[0].backends.iter().map(|b| b.address).collect();
+    assert_eq!(backends, [sa("10.244.2.6:8080")]);
+    assert_eq!(rows[0].backends[0].stats, Totals::default());
+
+    // The frontend goes too.
+    h.apply(&NodeView::new());
+    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!(h.maps.lb_stats.keys().count(), 0, "LB_STATS emptied");
+    assert_eq!(
+        h.maps.backend_stats.keys().count(),
+        0,
+        "BACKEND_STATS emptied"
+    );
+    assert!(stats::read(&h.maps).expect("read").is_empty());
+    assert!(stats::frontend_totals(&h.maps).expect("totals").is_empty());
+}
