@@ -155,5 +155,49 @@ fn trace_exit_statuses_and_diff() {
     assert_eq!(o["verdict"], "dnat");
     assert_eq!(o["endpoints"].as_array().map(Vec::len), Some(3));
     assert_eq!(o["service"], "default/web:http");
+    assert_eq!(o["scheduler"], "random", "the default scheduler is named");
+
+    // A Service with a scheduler annotation: the trace names it, and Maglev sends the
+    // same flow to the same endpoint every time (a fresh private dataplane each run).
+    let web = std::fs::read_to_string(manifests.join("web.yaml")).expect("web.yaml");
+    let annotated = web.replacen(
+        "  name: web\n  namespace: default\n",
+        "  name: web\n  namespace: default\n  annotations:\n    ebpf.proxy.k8s.io/scheduler: mh\n",
+        1,
+    );
+    assert_ne!(
+        annotated, web,
+        "the example's metadata moved: update this test"
+    );
+    let objects = dir.join("objects");
+    std::fs::create_dir_all(&objects).expect("tmp");
+    std::fs::write(objects.join("web.yaml"), annotated).expect("write");
+    let trace_mh = || {
+        let out = agent()
+            .args([
+                "trace",
+                "--json",
+                "--cluster-cidr",
+                "10.0.0.0/8",
+                "--objects",
+            ])
+            .arg(&objects)
+            .args(["--packet", "tcp 10.244.0.3:40000 -> 10.96.0.10:80"])
+            .output()
+            .expect("run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("json")
+    };
+    let (a, b) = (trace_mh(), trace_mh());
+    assert_eq!(a["scheduler"], "mh");
+    assert!(a["first"].is_string(), "{a}");
+    assert_eq!(
+        a["first"], b["first"],
+        "Maglev: the same flow, the same endpoint"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

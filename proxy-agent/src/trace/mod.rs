@@ -11,7 +11,7 @@ pub mod packet;
 pub mod scenario;
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap},
     net::{IpAddr, SocketAddr},
 };
 
@@ -41,6 +41,12 @@ pub struct Outcome {
     pub masquerade: bool,
     /// The Service port whose frontend matched, if any.
     pub service: Option<String>,
+    /// The scheduler that chose among the endpoints (`dnat` only), and the endpoint the
+    /// first packet's flow went to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scheduler: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first: Option<SocketAddr>,
     /// Differences from the file's `expect`; empty when it matched (or said nothing).
     pub mismatches: Vec<String>,
 }
@@ -56,6 +62,17 @@ struct Bench {
     ebpf: Ebpf,
     nodes: Vec<IpAddr>,
     view: NodeView,
+    /// Each service entry's scheduler, as the maps hold it.
+    schedulers: HashMap<proxy_common::ServiceKey, u8>,
+}
+
+/// The scheduler of every service entry in `maps`.
+fn schedulers(maps: &MapSet) -> HashMap<proxy_common::ServiceKey, u8> {
+    maps.services
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(k, v)| (k, v.scheduler))
+        .collect()
 }
 
 /// The object with private maps and the programs a trace runs already loaded (loading
@@ -95,9 +112,11 @@ impl Bench {
             "programming the case failed: {:?}",
             report.failed
         );
+        let schedulers = schedulers(&maps);
         drop::<MapSet>(maps);
         Ok(Self {
             ebpf,
+            schedulers,
             nodes: case.node.info.addresses.clone(),
             view,
         })
@@ -120,6 +139,9 @@ impl Bench {
         copy!(slots);
         copy!(backends);
         copy!(rev_nat);
+        // What the schedulers read: unequal weights, and connections open now.
+        copy!(weights);
+        copy!(active_conns);
         for entry in live.local_nets.iter() {
             let (k, v) = entry?;
             maps.local_nets.insert(&k, &v, 0)?;
@@ -142,6 +164,7 @@ impl Bench {
             ebpf,
             nodes,
             view: NodeView::new(),
+            schedulers: schedulers(&maps),
         })
     }
 
@@ -174,6 +197,7 @@ impl Bench {
         let (ret, out) = self.run(&packet::build(src, p.dst, proto))?;
         let mut endpoints = BTreeSet::new();
         let mut masquerade = false;
+        let mut first = None;
         let verdict = match ret {
             TC_ACT_SHOT => Verdict::Drop,
             TC_ACT_REDIRECT => {
@@ -192,6 +216,7 @@ impl Bench {
                     // address stays and only the port is reallocated).
                     masquerade = seen.src != src && self.is_node_address(seen.src.ip());
                     endpoints.insert(seen.dst);
+                    first = Some(seen.dst);
                     Verdict::Dnat
                 }
             }
@@ -226,6 +251,8 @@ impl Bench {
             endpoints: endpoints.into_iter().collect(),
             masquerade,
             service,
+            scheduler: (verdict == Verdict::Dnat).then(|| self.scheduler_of(p)),
+            first,
             mismatches: Vec::new(),
         };
         if let Some(expect) = &p.expect {
@@ -370,6 +397,8 @@ impl Bench {
                 endpoints,
                 masquerade: false,
                 service: self.service_of(p),
+                scheduler: (verdict == Verdict::Dnat).then(|| self.scheduler_of(p)),
+                first: None,
                 mismatches: Vec::new(),
             };
             if let Some(e) = &p.expect {
@@ -383,6 +412,21 @@ impl Bench {
             out.push((i, o));
         }
         Ok(out)
+    }
+
+    /// The scheduler of the frontend `p` is addressed to (its external scope's: the
+    /// internal one, where there is one, has the same).
+    fn scheduler_of(&self, p: &Packet) -> &'static str {
+        let key = bpf::sync::service_key(&crate::model::Frontend {
+            ip: p.dst.ip(),
+            port: p.dst.port(),
+            protocol: p.protocol,
+        });
+        self.schedulers
+            .get(&key)
+            .and_then(|code| crate::schedule::Scheduler::from_code(*code))
+            .unwrap_or_default()
+            .name()
     }
 
     /// The Service port whose frontend `p` is addressed to.
@@ -467,11 +511,17 @@ fn outcome_text(verdict: Verdict, endpoints: &[SocketAddr], masquerade: Option<b
 /// Human-readable report lines for one outcome.
 pub fn describe(o: &Outcome, p: Option<&Packet>) -> String {
     let what = outcome_text(o.verdict, &o.endpoints, Some(o.masquerade));
-    let svc = o
+    let mut svc = o
         .service
         .as_deref()
         .map(|s| format!("  [{s}]"))
         .unwrap_or_default();
+    if let Some(scheduler) = o.scheduler {
+        svc.push_str(&format!("  scheduler={scheduler}"));
+    }
+    if let Some(first) = o.first {
+        svc.push_str(&format!(" first={first}"));
+    }
     let mut s = format!(
         "  {} {}: {what}{svc}",
         if o.ok() { "ok  " } else { "FAIL" },
