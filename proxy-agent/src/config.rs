@@ -652,6 +652,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ipvs_mode_chooses_the_nodes_scheduler() {
+        let parse = |text: &str| Config::from_text(text).expect("valid");
+        let (cfg, _) = parse("mode: ipvs\nipvs: {scheduler: \"\"}\n");
+        assert_eq!(
+            cfg.scheduler,
+            Scheduler::Rr,
+            "kube-proxy's default in ipvs mode"
+        );
+        let (cfg, _) = parse("mode: ipvs\nipvs: {scheduler: mh}\n");
+        assert_eq!(cfg.scheduler, Scheduler::Mh);
+        let (cfg, warnings) = parse("mode: ipvs\nipvs: {scheduler: lblcr}\n");
+        assert_eq!(cfg.scheduler, Scheduler::Wlc);
+        assert!(warnings.iter().any(|w| w.contains("wlc")), "{warnings:?}");
+        let (cfg, warnings) = parse("mode: nftables\nipvs: {scheduler: sh}\n");
+        assert_eq!(cfg.scheduler, Scheduler::Random, "only ipvs mode reads it");
+        assert!(
+            warnings.iter().any(|w| w.contains("ipvs.scheduler")),
+            "{warnings:?}"
+        );
+        assert_eq!(parse("{}").0.scheduler, Scheduler::Random);
+        assert!(Config::from_text("mode: ipvs\nipvs: {scheduler: fastest}\n").is_err());
+        let (cfg, _) = parse("ebpf: {maglevTableSize: 16381}\n");
+        assert_eq!(cfg.maglev_table_len, 16381);
+        let err = Config::from_text("ebpf: {maglevTableSize: 1000}\n").expect_err("not prime");
+        assert!(err.contains("maglevTableSize"), "{err}");
+    }
+
+    #[test]
     fn go_durations() {
         for (s, ms) in [
             ("1s", 1000),

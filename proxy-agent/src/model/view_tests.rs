@@ -897,6 +897,43 @@ fn service_proxy_name_label_opts_in() {
 }
 
 #[test]
+fn scheduler_comes_from_the_annotation_else_the_node() {
+    use crate::schedule::Scheduler;
+    let mut annotated = svc("web", web_spec());
+    annotated["metadata"]["annotations"] = json!({
+        "ebpf.proxy.k8s.io/scheduler": "mh",
+        "ebpf.proxy.k8s.io/weights": "10.244.1.5=3, bogus",
+    });
+    let mut unknown = svc("api", web_spec());
+    unknown["spec"]["clusterIP"] = json!("10.96.0.11");
+    unknown["metadata"]["annotations"] = json!({"ebpf.proxy.k8s.io/scheduler": "fastest"});
+    let m = model(&[annotated, unknown], &[]);
+    let cfg = ViewConfig {
+        scheduler: Scheduler::Rr,
+        maglev_table_len: 509,
+        ..ViewConfig::default()
+    };
+    let (view, rejected) = node_view(&m, &node_a(), &cfg);
+    let web = &view[&fe("10.96.0.10", 80, Protocol::Tcp)];
+    assert_eq!(web.schedule.scheduler, Scheduler::Mh);
+    assert_eq!(web.schedule.table_len, 509);
+    assert_eq!(web.schedule.weight("10.244.1.5".parse().expect("ip")), 3);
+    let api = &view[&fe("10.96.0.11", 80, Protocol::Tcp)];
+    assert_eq!(
+        api.schedule.scheduler,
+        Scheduler::Rr,
+        "unknown name: the node's"
+    );
+    assert_eq!(api.schedule.table_len, 0, "no table for rr");
+    let reasons: Vec<&str> = rejected.iter().map(|r| r.reason.as_str()).collect();
+    assert!(
+        reasons.iter().any(|r| r.contains("fastest"))
+            && reasons.iter().any(|r| r.contains("bogus")),
+        "both problems reported: {reasons:?}"
+    );
+}
+
+#[test]
 fn single_stack_ipv6_service_uses_only_ipv6() {
     let spec = json!({"clusterIP": "fd96::10", "clusterIPs": ["fd96::10"], "ipFamilies": ["IPv6"], "type": "NodePort",
                       "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]});
