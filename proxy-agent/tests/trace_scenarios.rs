@@ -133,25 +133,28 @@ fn trace_exit_statuses_and_diff() {
     }
 
     // The single-packet form, JSON.
+    let trace_json = |objects: &std::path::Path| -> serde_json::Value {
+        let out = agent()
+            .args([
+                "trace",
+                "--json",
+                "--cluster-cidr",
+                "10.0.0.0/8",
+                "--objects",
+            ])
+            .arg(objects)
+            .args(["--packet", "tcp 10.244.0.3:40000 -> 10.96.0.10:80"])
+            .output()
+            .expect("run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
     let manifests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
-    let out = agent()
-        .args([
-            "trace",
-            "--json",
-            "--cluster-cidr",
-            "10.0.0.0/8",
-            "--objects",
-        ])
-        .arg(&manifests)
-        .args(["--packet", "tcp 10.244.0.3:40000 -> 10.96.0.10:80"])
-        .output()
-        .expect("run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let o: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let o = trace_json(&manifests);
     assert_eq!(o["verdict"], "dnat");
     assert_eq!(o["endpoints"].as_array().map(Vec::len), Some(3));
     assert_eq!(o["service"], "default/web:http");
@@ -172,26 +175,7 @@ fn trace_exit_statuses_and_diff() {
     let objects = dir.join("objects");
     std::fs::create_dir_all(&objects).expect("tmp");
     std::fs::write(objects.join("web.yaml"), annotated).expect("write");
-    let trace_mh = || {
-        let out = agent()
-            .args([
-                "trace",
-                "--json",
-                "--cluster-cidr",
-                "10.0.0.0/8",
-                "--objects",
-            ])
-            .arg(&objects)
-            .args(["--packet", "tcp 10.244.0.3:40000 -> 10.96.0.10:80"])
-            .output()
-            .expect("run");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("json")
-    };
+    let trace_mh = || trace_json(&objects);
     let (a, b) = (trace_mh(), trace_mh());
     assert_eq!(a["scheduler"], "mh");
     assert!(a["first"].is_string(), "{a}");

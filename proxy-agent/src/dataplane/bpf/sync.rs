@@ -620,24 +620,18 @@ impl MapState {
         generation: Generation,
         ranges: &[ipnet::IpNet],
     ) -> Result<()> {
-        let Generation {
-            id,
-            backend_ids,
-            flags,
-            timeout,
-            count,
-            scheduler,
-            weights,
-        } = generation;
+        let id = generation.id;
+        let backend_ids = generation.backend_ids;
+        let weights = generation.weights;
         let rev = old.map_or(1, |o| o.value.rev.wrapping_add(1));
         let value = ServiceValue {
             id,
             rev,
-            count,
-            flags,
-            affinity_timeout_s: timeout,
+            count: generation.count,
+            flags: generation.flags,
+            affinity_timeout_s: generation.timeout,
             rev_nat_id: id,
-            scheduler,
+            scheduler: generation.scheduler,
             _pad: [0; 3],
         };
         // Weights before the flip (they are per service entry, not per generation: the
