@@ -1,14 +1,23 @@
 //! Side-by-side benchmark pieces: the Services (as manifests for our agent; the
 //! kube-proxy-shaped rules for the same Services are in `kube_proxy`), the per-packet cost
-//! of the real classifier, and parsing wrk's report.
+//! of the real classifier, and parsing wrk's report. The schedulers' own figures are in
+//! `schedulers` (new-flow cost).
 
-use std::{fmt::Write as _, net::SocketAddr, time::Instant};
+pub mod schedulers;
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+    time::Instant,
+};
 
 use anyhow::{Context as _, Result};
 use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapState},
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    schedule::Schedule,
     trace::packet,
 };
 
@@ -113,29 +122,40 @@ pub fn parse_wrk(out: &str) -> Result<WrkResult> {
 fn view_of(svcs: &[(String, Vec<String>)]) -> Result<NodeView> {
     let mut view = NodeView::new();
     for (vip, eps) in svcs {
-        view.insert(
-            Frontend {
-                ip: vip.parse()?,
-                port: 80,
-                protocol: Protocol::Tcp,
-            },
-            FrontendState {
-                service: vip.clone(),
-                kind: FrontendKind::ClusterIp,
-                backends: BackendSet {
-                    endpoints: eps.iter().map(|e| e.parse()).collect::<Result<_, _>>()?,
-                    when_empty: WhenEmpty::Reject,
-                },
-                internal: None,
-                affinity_timeout_s: None,
-                external_local: false,
-                internal_local: false,
-                source_ranges: Vec::new(),
-                schedule: Default::default(),
-            },
-        );
+        let endpoints = eps.iter().map(|e| e.parse()).collect::<Result<_, _>>()?;
+        let (fe, state) = cluster_ip(vip.parse()?, endpoints, Schedule::default());
+        view.insert(fe, state);
     }
     Ok(view)
+}
+
+/// A ClusterIP frontend on port 80 with `endpoints`, scheduled by `schedule`.
+fn cluster_ip(
+    vip: IpAddr,
+    endpoints: BTreeSet<SocketAddr>,
+    schedule: Schedule,
+) -> (Frontend, FrontendState) {
+    (
+        Frontend {
+            ip: vip,
+            port: 80,
+            protocol: Protocol::Tcp,
+        },
+        FrontendState {
+            service: vip.to_string(),
+            kind: FrontendKind::ClusterIp,
+            backends: BackendSet {
+                endpoints,
+                when_empty: WhenEmpty::Reject,
+            },
+            internal: None,
+            affinity_timeout_s: None,
+            external_local: false,
+            internal_local: false,
+            source_ranges: Vec::new(),
+            schedule,
+        },
+    )
 }
 
 /// Mean nanoseconds per run of the real classifier (established flow and new flows) and of
@@ -150,11 +170,14 @@ pub struct PerPacket {
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
 
+/// `CONNTRACK_NEW`'s size in the per-packet benchmarks: room for every new flow a run
+/// makes (60,000 ports, two entries each), so new flows are measured without LRU
+/// evictions.
+const CONNTRACK_NEW_ROOM: u32 = 262_144;
+
 pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
-    // Room for every new flow the run makes (60,000 ports, two entries each), so new
-    // flows are measured without LRU evictions.
     let (mut ebpf, mut maps) =
-        bpf::load_private(&[(proxy_common::map_names::CONNTRACK_NEW, 262_144)])?;
+        bpf::load_private(&[(proxy_common::map_names::CONNTRACK_NEW, CONNTRACK_NEW_ROOM)])?;
     for name in ["tc_ingress", "tc_pass"] {
         let prog: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
         prog.load()?;
