@@ -17,7 +17,7 @@ use proxy_agent::{
     schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
 };
 
-use super::{BACKEND_PORT, cluster_ip};
+use super::{BACKEND_PORT, cluster_ip, median};
 
 /// The table lengths measured: IPVS's default and the largest accepted.
 pub const TABLE_LENS: [u32; 2] = [
@@ -119,25 +119,9 @@ fn timed_apply<'e>(
     Ok(ms)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn median_of_odd_and_even_counts() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert_eq!(median(&mut []), 0.0);
-    }
 
     #[test]
     fn endpoints_are_distinct_and_sorted() {

@@ -20,7 +20,7 @@ use proxy_agent::{
 };
 use proxy_common::{CtKey, map_names};
 
-use super::{BACKEND_PORT, CONNTRACK_NEW_ROOM, TCP_SYN, cluster_ip};
+use super::{BACKEND_PORT, CONNTRACK_NEW_ROOM, TCP_SYN, cluster_ip, median};
 
 /// Endpoints of each measured Service.
 pub const ENDPOINTS: u32 = 10;
@@ -40,8 +40,9 @@ pub struct SchedulerCost {
     pub scheduler: &'static str,
     /// Mean kernel time of the classifier per new flow, over every round.
     pub new_flow_ns: f64,
-    /// `new_flow_ns` ÷ random's; and the lowest and highest of the per-round ratios,
-    /// which show how far drift moved it.
+    /// The median over rounds of this round's time ÷ random's (a round another process
+    /// disturbed does not move it); and the lowest and highest of those ratios, which
+    /// show how far drift and interference moved them.
     pub ratio_to_random: f64,
     pub ratio_min: f64,
     pub ratio_max: f64,
@@ -139,22 +140,23 @@ pub fn new_flow_costs(runs: Runs) -> Result<SchedulerCosts> {
         .position(|m| m.scheduler == Scheduler::Random)
         .context("Scheduler::ALL has random")?;
     let mean = |rounds: &[u128]| rounds.iter().sum::<u128>() as f64 / flows_per_scheduler as f64;
-    let random_ns = mean(&ns[random]).max(1.0);
     let schedulers = services
         .iter()
         .zip(&ns)
         .zip(&reached)
         .map(|((m, rounds), reached)| {
-            let per_round = rounds
+            let mut per_round: Vec<f64> = rounds
                 .iter()
                 .zip(&ns[random])
-                .map(|(a, b)| *a as f64 / (*b).max(1) as f64);
+                .map(|(a, b)| *a as f64 / (*b).max(1) as f64)
+                .collect();
             SchedulerCost {
                 scheduler: m.scheduler.name(),
                 new_flow_ns: mean(rounds),
-                ratio_to_random: mean(rounds) / random_ns,
-                ratio_min: per_round.clone().fold(f64::INFINITY, f64::min),
-                ratio_max: per_round.fold(0.0, f64::max),
+                ratio_to_random: median(&mut per_round),
+                // `median` sorted them.
+                ratio_min: per_round.first().copied().unwrap_or(0.0),
+                ratio_max: per_round.last().copied().unwrap_or(0.0),
                 endpoints_reached: reached.len(),
             }
         })
