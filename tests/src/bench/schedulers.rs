@@ -1,7 +1,8 @@
 //! What each scheduler adds to a new flow (issue 14): one Service of ten endpoints per
-//! scheduler, all in one private map set, fed the same new flows (SYNs) through the real
-//! classifier with BPF_PROG_TEST_RUN, in rounds (every scheduler once per round, so
-//! drift hits all alike), and compared with `random` measured in the same run.
+//! scheduler (and `mh` on two more table lengths), all in one private map set, fed the
+//! same new flows (SYNs) through the real classifier with BPF_PROG_TEST_RUN, in rounds
+//! (every scheduler once per round, so drift hits all alike), and compared with
+//! `random` measured in the same run.
 
 use std::{
     collections::BTreeSet,
@@ -15,7 +16,7 @@ use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState},
     model::NodeView,
-    schedule::{DEFAULT_MAGLEV_TABLE_LEN, Schedule, Scheduler},
+    schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
     trace::packet,
 };
 use proxy_common::{CtKey, map_names};
@@ -37,7 +38,8 @@ pub struct Runs {
 /// One scheduler's figures.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct SchedulerCost {
-    pub scheduler: &'static str,
+    /// The scheduler (`mh/65521`: `mh` on a table of that length).
+    pub scheduler: String,
     /// Mean kernel time of the classifier per new flow, over every round.
     pub new_flow_ns: f64,
     /// The median over rounds of this round's time ÷ random's (a round another process
@@ -63,19 +65,39 @@ pub struct SchedulerCosts {
 
 /// One measured Service.
 struct Measured {
-    scheduler: Scheduler,
+    /// The scheduler's name, and the Maglev table length where it is not the default.
+    label: String,
+    schedule: Schedule,
     vip: SocketAddr,
     endpoints: BTreeSet<SocketAddr>,
 }
 
+/// Every scheduler (hashing ones on the default Maglev table), then `mh` on the
+/// smallest and the largest table: the slot lookup's cost grows with the table.
+fn contenders() -> Vec<(String, Schedule)> {
+    let schedule = |s, len| Schedule::new(s, Arc::default(), len);
+    let mut out: Vec<(String, Schedule)> = Scheduler::ALL
+        .into_iter()
+        .map(|s| (s.name().to_string(), schedule(s, DEFAULT_MAGLEV_TABLE_LEN)))
+        .collect();
+    for len in [
+        MAGLEV_TABLE_LENS[0],
+        MAGLEV_TABLE_LENS[MAGLEV_TABLE_LENS.len() - 1],
+    ] {
+        out.push((format!("mh/{len}"), schedule(Scheduler::Mh, len)));
+    }
+    out
+}
+
 /// Service `i`: its own ClusterIP and ten endpoints of its own (10.50.i.1-10).
-fn measured(i: usize, scheduler: Scheduler) -> Measured {
+fn measured(i: usize, label: String, schedule: Schedule) -> Measured {
     let vip = Ipv4Addr::new(10, 96, 1, i as u8 + 1);
     let endpoints = (1..=ENDPOINTS)
         .map(|k| SocketAddr::from((Ipv4Addr::new(10, 50, i as u8, k as u8), BACKEND_PORT)))
         .collect();
     Measured {
-        scheduler,
+        label,
+        schedule,
         vip: SocketAddr::from((vip, 80)),
         endpoints,
     }
@@ -96,19 +118,20 @@ pub fn new_flow_costs(runs: Runs) -> Result<SchedulerCosts> {
         let prog: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
         prog.load().with_context(|| format!("loading {name}"))?;
     }
-    let services: Vec<Measured> = Scheduler::ALL
+    let services: Vec<Measured> = contenders()
         .into_iter()
         .enumerate()
-        .map(|(i, s)| measured(i, s))
+        .map(|(i, (label, schedule))| measured(i, label, schedule))
         .collect();
     let mut view = NodeView::new();
     for m in &services {
-        let schedule = Schedule::new(m.scheduler, Arc::default(), DEFAULT_MAGLEV_TABLE_LEN);
-        let (fe, state) = cluster_ip(m.vip.ip(), m.endpoints.clone(), schedule);
+        let (fe, state) = cluster_ip(m.vip.ip(), m.endpoints.clone(), m.schedule.clone());
         view.insert(fe, state);
     }
-    let mut state = MapState::adopt(&maps)?;
-    state.apply(&mut maps, &view)?;
+    let report = MapState::adopt(&maps)?.apply(&mut maps, &view)?;
+    if !report.failed.is_empty() {
+        bail!("programming the measured Services: {:?}", report.failed);
+    }
     let ingress: &SchedClassifier = ebpf.program("tc_ingress").context("program")?.try_into()?;
     let pass: &SchedClassifier = ebpf.program("tc_pass").context("program")?.try_into()?;
 
@@ -137,7 +160,7 @@ pub fn new_flow_costs(runs: Runs) -> Result<SchedulerCosts> {
     let flows_per_scheduler = u64::from(runs.batch) * u64::from(runs.rounds);
     let random = services
         .iter()
-        .position(|m| m.scheduler == Scheduler::Random)
+        .position(|m| m.schedule.scheduler == Scheduler::Random)
         .context("Scheduler::ALL has random")?;
     let mean = |rounds: &[u128]| rounds.iter().sum::<u128>() as f64 / flows_per_scheduler as f64;
     let schedulers = services
@@ -151,7 +174,7 @@ pub fn new_flow_costs(runs: Runs) -> Result<SchedulerCosts> {
                 .map(|(a, b)| *a as f64 / (*b).max(1) as f64)
                 .collect();
             SchedulerCost {
-                scheduler: m.scheduler.name(),
+                scheduler: m.label.clone(),
                 new_flow_ns: mean(rounds),
                 ratio_to_random: median(&mut per_round),
                 // `median` sorted them.
@@ -178,7 +201,7 @@ fn batch(
     ks: Range<u32>,
     reached: &mut BTreeSet<SocketAddr>,
 ) -> Result<u128> {
-    let name = m.scheduler.name();
+    let name = &m.label;
     let mut total = 0u128;
     let mut out = vec![0u8; 256];
     for k in ks {
