@@ -1,14 +1,24 @@
 //! Side-by-side benchmark pieces: the Services (as manifests for our agent; the
 //! kube-proxy-shaped rules for the same Services are in `kube_proxy`), the per-packet cost
-//! of the real classifier, and parsing wrk's report.
+//! of the real classifier, and parsing wrk's report. The schedulers' own figures are in
+//! `schedulers` (new-flow cost) and `maglev` (table rebuilds).
 
-use std::{fmt::Write as _, net::SocketAddr, time::Instant};
+pub mod maglev;
+pub mod schedulers;
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+    time::Instant,
+};
 
 use anyhow::{Context as _, Result};
 use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapState},
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    schedule::Schedule,
     trace::packet,
 };
 
@@ -113,29 +123,51 @@ pub fn parse_wrk(out: &str) -> Result<WrkResult> {
 fn view_of(svcs: &[(String, Vec<String>)]) -> Result<NodeView> {
     let mut view = NodeView::new();
     for (vip, eps) in svcs {
-        view.insert(
-            Frontend {
-                ip: vip.parse()?,
-                port: 80,
-                protocol: Protocol::Tcp,
-            },
-            FrontendState {
-                service: vip.clone(),
-                kind: FrontendKind::ClusterIp,
-                backends: BackendSet {
-                    endpoints: eps.iter().map(|e| e.parse()).collect::<Result<_, _>>()?,
-                    when_empty: WhenEmpty::Reject,
-                },
-                internal: None,
-                affinity_timeout_s: None,
-                external_local: false,
-                internal_local: false,
-                source_ranges: Vec::new(),
-                schedule: Default::default(),
-            },
-        );
+        let endpoints = eps.iter().map(|e| e.parse()).collect::<Result<_, _>>()?;
+        let (fe, state) = cluster_ip(vip.parse()?, endpoints, Schedule::default());
+        view.insert(fe, state);
     }
     Ok(view)
+}
+
+/// A ClusterIP frontend on port 80 with `endpoints`, scheduled by `schedule`.
+fn cluster_ip(
+    vip: IpAddr,
+    endpoints: BTreeSet<SocketAddr>,
+    schedule: Schedule,
+) -> (Frontend, FrontendState) {
+    (
+        Frontend {
+            ip: vip,
+            port: 80,
+            protocol: Protocol::Tcp,
+        },
+        FrontendState {
+            service: vip.to_string(),
+            kind: FrontendKind::ClusterIp,
+            backends: BackendSet {
+                endpoints,
+                when_empty: WhenEmpty::Reject,
+            },
+            internal: None,
+            affinity_timeout_s: None,
+            external_local: false,
+            internal_local: false,
+            source_ranges: Vec::new(),
+            schedule,
+        },
+    )
+}
+
+/// The middle value (the mean of the two middle ones for an even count; 0 for none):
+/// one disturbed repetition does not move it.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// Mean nanoseconds per run of the real classifier (established flow and new flows) and of
@@ -150,11 +182,14 @@ pub struct PerPacket {
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
 
+/// `CONNTRACK_NEW`'s size in the per-packet benchmarks: room for every new flow a run
+/// makes (60,000 ports, two entries each), so new flows are measured without LRU
+/// evictions.
+const CONNTRACK_NEW_ROOM: u32 = 262_144;
+
 pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
-    // Room for every new flow the run makes (60,000 ports, two entries each), so new
-    // flows are measured without LRU evictions.
     let (mut ebpf, mut maps) =
-        bpf::load_private(&[(proxy_common::map_names::CONNTRACK_NEW, 262_144)])?;
+        bpf::load_private(&[(proxy_common::map_names::CONNTRACK_NEW, CONNTRACK_NEW_ROOM)])?;
     for name in ["tc_ingress", "tc_pass"] {
         let prog: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
         prog.load()?;
@@ -233,4 +268,16 @@ pub fn our_control_plane(n: usize) -> Result<(f64, f64)> {
     let t = Instant::now();
     state.apply(&mut maps, &view)?;
     Ok((all, t.elapsed().as_secs_f64() * 1e3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
 }

@@ -1,7 +1,9 @@
 //! `cargo xtask bench`: our dataplane against kube-proxy-shaped iptables and nftables
 //! rules, side by side, in one run on the same machine. Every contender gets its own
 //! namespace testbed (client → node → three nginx pods); contenders alternate (A B A B …)
-//! and report connection rates as ratios to the pods reached directly. Figures only.
+//! and report connection rates as ratios to the pods reached directly. Before them, the
+//! schedulers' own figures (new-flow cost per scheduler, Maglev table rebuilds), in
+//! `schedulers.json`. Figures only.
 
 use std::{
     collections::BTreeMap,
@@ -14,7 +16,7 @@ use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use proxy_e2e::{
     Path_, Testbed,
-    bench::{self, PerPacket, WrkResult},
+    bench::{self, PerPacket, WrkResult, maglev, schedulers},
     kube_proxy::{self, restore},
     sh,
 };
@@ -30,6 +32,9 @@ struct Args {
     /// Where the JSON and the plot go.
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
+    /// Only the schedulers' figures (no testbeds, no Service scales).
+    #[arg(long)]
+    schedulers_only: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -273,6 +278,10 @@ fn main() -> Result<()> {
         (vec![1, 1_000, 10_000, 100_000], 5, 2, 200_000)
     };
     std::fs::create_dir_all(&args.out)?;
+    scheduler_figures(args.quick, &args.out)?;
+    if args.schedulers_only {
+        return Ok(());
+    }
     let work = std::env::temp_dir().join(format!("pxy-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let mut results = Vec::new();
@@ -347,6 +356,86 @@ fn main() -> Result<()> {
     plot(&results, &svg)?;
     println!("\nwrote {} and {}", json_path.display(), svg.display());
     Ok(())
+}
+
+/// New-flow cost per scheduler and Maglev rebuild times: printed, and written to
+/// `schedulers.json`.
+fn scheduler_figures(quick: bool, out: &Path) -> Result<()> {
+    let (runs, backends, reps) = if quick {
+        (
+            schedulers::Runs {
+                batch: 500,
+                rounds: 2,
+            },
+            &[100, 1_000][..],
+            2,
+        )
+    } else {
+        (
+            schedulers::Runs {
+                batch: 2_000,
+                rounds: 25,
+            },
+            &[100, 1_000, 10_000][..],
+            9,
+        )
+    };
+    eprintln!("bench: schedulers");
+    let costs = schedulers::new_flow_costs(runs).context("new-flow cost per scheduler")?;
+    let rebuilds = maglev::rebuild_times(backends, reps).context("Maglev rebuild times")?;
+    print_schedulers(&costs, &rebuilds);
+    let json = serde_json::json!({
+        "date": sh(&["date", "-u", "+%Y-%m-%dT%H:%M:%SZ"])?.trim(),
+        "kernel": sh(&["uname", "-r"])?.trim(),
+        "cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "quick": quick,
+        "runs": runs,
+        "new_flow": costs,
+        "maglev_rebuild": rebuilds,
+    });
+    let path = out.join("schedulers.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+fn print_schedulers(costs: &schedulers::SchedulerCosts, rebuilds: &[maglev::MaglevRebuild]) {
+    println!(
+        "\nNew flow per scheduler (BPF_PROG_TEST_RUN; a Service of {} endpoints each, {} \
+         flows each; a pass-through program: {:.0} ns). ns: mean; ÷ random: median of \
+         the rounds' ratios",
+        costs.endpoints, costs.flows_per_scheduler, costs.pass_through_ns
+    );
+    println!(
+        "  {:<10} {:>8} {:>9} {:>15} {:>10}",
+        "scheduler", "ns", "÷ random", "rounds' range", "endpoints"
+    );
+    for s in &costs.schedulers {
+        println!(
+            "  {:<10} {:>8.0} {:>9.3} {:>7.3}-{:<7.3} {:>10}",
+            s.scheduler,
+            s.new_flow_ns,
+            s.ratio_to_random,
+            s.ratio_min,
+            s.ratio_max,
+            s.endpoints_reached
+        );
+    }
+    println!(
+        "\nMaglev (mh) rebuild: the table in user space; programming the frontend and one \
+         endpoint change, applied to maps"
+    );
+    println!(
+        "  {:>8} {:>9} {:>7} {:>10} {:>12} {:>13}",
+        "backends", "table len", "slots", "table ms", "program ms", "one change ms"
+    );
+    for r in rebuilds {
+        println!(
+            "  {:>8} {:>9} {:>7} {:>10.3} {:>12.1} {:>13.1}",
+            r.backends, r.table_len, r.slots, r.table_ms, r.program_ms, r.one_change_ms
+        );
+    }
 }
 
 fn print_scale(s: &Scale) {
