@@ -104,6 +104,7 @@ struct Contents {
     members: usize,
     source_ranges: usize,
     weights: usize,
+    maglev_chunks: usize,
 }
 
 fn contents(maps: &MapSet) -> Contents {
@@ -152,6 +153,7 @@ fn contents(maps: &MapSet) -> Contents {
         members: maps.members.keys().count(),
         source_ranges: maps.source_ranges.keys().count(),
         weights: maps.weights.keys().count(),
+        maglev_chunks: maps.maglev.keys().count(),
     }
 }
 
@@ -192,6 +194,16 @@ fn applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply() {
         let slots: usize = ca.services.values().map(|s| s.4.len()).sum();
         assert_eq!(ca.slots, slots, "step {step}: no slot left behind");
         assert_eq!(ca.rev_nat, ca.services.len(), "step {step}: reverse NAT");
+        let chunks: usize = a_maps
+            .services
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(_, v)| usize::from(v.table_len).div_ceil(proxy_common::MAGLEV_CHUNK as usize))
+            .sum();
+        assert_eq!(
+            ca.maglev_chunks, chunks,
+            "step {step}: no Maglev chunk left behind"
+        );
         applied = view.clone();
     }
     assert!(

@@ -14,7 +14,7 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::bpf::sync::addr_words,
+    dataplane::bpf::{MapState, sync::addr_words},
     model::{Frontend, FrontendState, NodeView, Protocol},
     schedule::{DEFAULT_MAGLEV_TABLE_LEN, Schedule, Scheduler, parse_weights},
     trace,
@@ -227,7 +227,7 @@ fn maglev_picks_the_same_backend_on_every_node() {
             st,
         )
     };
-    let node_b = Node::with(&[other, svc]);
+    let node_b = Node::with(&[other, svc.clone()]);
     assert_ne!(
         node_a.backend_id("10.244.1.7:8080"),
         node_b.backend_id("10.244.1.7:8080"),
@@ -237,6 +237,14 @@ fn maglev_picks_the_same_backend_on_every_node() {
         let c = client(i, 20_000 + i as u16);
         assert_eq!(node_a.new_flow(c), node_b.new_flow(c), "flow from {c}");
     }
+    // A restarted agent adopts the table from the maps: nothing to rewrite.
+    let mut node_a = node_a;
+    node_a.0.state = MapState::adopt(&node_a.0.maps).expect("adopt");
+    let report = node_a.0.apply(&std::iter::once(svc).collect());
+    assert_eq!(
+        report.frontends_written, 0,
+        "the adopted Maglev table is kept"
+    );
 }
 
 #[test]

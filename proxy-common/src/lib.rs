@@ -149,7 +149,7 @@ pub mod sched {
     pub const RR: u8 = 1;
     /// Weighted round robin: round robin over slots the agent interleaved by weight.
     pub const WRR: u8 = 2;
-    /// Source hashing: the client's address picks a slot of a Maglev table.
+    /// Source hashing: the client's address picks an entry of a Maglev table (`MAGLEV`).
     pub const SH: u8 = 3;
     /// Destination hashing: the frontend's address picks a slot of a Maglev table.
     pub const DH: u8 = 4;
@@ -292,6 +292,8 @@ pub mod map_names {
     /// Flows netfilter translated before the classifier was attached (kube-proxy's),
     /// by their client tuple: the classifier leaves their packets to netfilter.
     pub const NETFILTER_FLOWS: &str = "NETFILTER_FLOWS";
+    /// Maglev tables (`sched::SH`, `MH`) in chunks (`MaglevChunk`).
+    pub const MAGLEV: &str = "MAGLEV";
     /// Per service entry, per CPU: the round-robin cursor (`sched::RR`, `WRR`).
     pub const RR_CURSORS: &str = "RR_CURSORS";
     /// Per backend id: connections open now (the least-connection schedulers).
@@ -304,7 +306,7 @@ pub mod map_names {
     /// Every map the agent pins, in a stable order. (The SCTP ones are pinned so a tail
     /// call keeps working while the agent is down: a program array loses its entries
     /// when nothing in user space holds it.)
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 24] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -323,6 +325,7 @@ pub mod map_names {
         SCTP_ZEROS,
         FRAGMENTS,
         NETFILTER_FLOWS,
+        MAGLEV,
         RR_CURSORS,
         ACTIVE_CONNS,
         WEIGHTS,
@@ -422,7 +425,24 @@ pub struct ServiceValue {
     pub rev_nat_id: u32,
     /// `sched::*`: how a new flow's slot is chosen.
     pub scheduler: u8,
-    pub _pad: [u8; 3],
+    pub _pad: u8,
+    /// `SH`/`MH`: the length of the Maglev table in `MAGLEV` (0 for the others).
+    pub table_len: u16,
+}
+
+/// Entries of a Maglev table per `MAGLEV` value.
+pub const MAGLEV_CHUNK: u32 = 16;
+
+/// `MAGLEV_CHUNK` consecutive entries of a service entry's Maglev table, keyed by
+/// `BackendSlotKey {service_id, rev, slot: entry / MAGLEV_CHUNK}`: each the slot (of
+/// that generation's `BACKEND_SLOTS`) a flow hashing to it takes. A table of thousands of
+/// entries is a few hundred small values, which stay in the cache where thousands of
+/// slot entries did not.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MaglevChunk {
+    pub slots: [u16; MAGLEV_CHUNK as usize],
 }
 
 /// One backend slot of one generation of a service's backend set.
@@ -871,6 +891,7 @@ mod user {
         FragKey,
         FragPorts,
         LbStats,
+        MaglevChunk,
     );
 }
 
@@ -913,6 +934,8 @@ mod tests {
         assert_eq!(size_of::<ServiceValue>(), 24);
         assert_eq!(size_of::<BackendSlotKey>(), 12);
         assert_eq!(size_of::<BackendSlot>(), 4);
+        assert_eq!(size_of::<MaglevChunk>(), 32);
+        assert_eq!(size_of::<LbStats>(), 40);
         assert_eq!(size_of::<Backend>(), 24);
         assert_eq!(size_of::<AffinityKey>(), 24);
         assert_eq!(size_of::<AffinityValue>(), 16);

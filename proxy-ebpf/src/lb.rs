@@ -8,14 +8,14 @@ use core::{
 };
 
 use proxy_common::{
-    AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, BackendSlotKey, MemberKey, SCOPE_EXTERNAL,
-    SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED,
-    ServiceKey, ServiceValue, counter, sched, sched_hash,
+    AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, BackendSlotKey, MAGLEV_CHUNK, MemberKey,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_TWO_SCOPES,
+    SVC_F_WEIGHTED, ServiceKey, ServiceValue, counter, sched, sched_hash,
 };
 
 use crate::maps::{
-    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, LC_SCRATCH, LcScan, MEMBERS, RR_CURSORS,
-    SERVICES, WEIGHTS, count,
+    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, LC_SCRATCH, LcScan, MAGLEV, MEMBERS,
+    RR_CURSORS, SERVICES, WEIGHTS, count,
 };
 
 /// Why no backend was chosen for a packet or connection addressed to a service.
@@ -138,8 +138,8 @@ pub fn schedule(svc: &ServiceValue, client: &Client) -> u32 {
     let count = nonzero(u32::from(svc.count));
     match svc.scheduler {
         sched::RR | sched::WRR => round_robin(svc.id) % count,
-        sched::SH => sched_hash(&client.id, 0) % count,
-        sched::MH => sched_hash(&client.id, client.port) % count,
+        sched::SH => maglev(svc, sched_hash(&client.id, 0)),
+        sched::MH => maglev(svc, sched_hash(&client.id, client.port)),
         s if is_least_conn(s) => {
             let weighted = if svc.flags & SVC_F_WEIGHTED != 0 {
                 LC_WEIGHTED
@@ -170,6 +170,26 @@ fn nonzero(n: u32) -> NonZeroU32 {
 fn random() -> u32 {
     // SAFETY: bpf_get_prandom_u32 has no preconditions.
     unsafe { bpf_get_prandom_u32() }
+}
+
+/// The slot that entry `hash % table_len` of `svc`'s Maglev table names (a table the
+/// agent has not written yet: the slot `hash % count` names).
+#[inline(always)]
+fn maglev(svc: &ServiceValue, hash: u32) -> u32 {
+    let entry = hash % nonzero(u32::from(svc.table_len));
+    let key = BackendSlotKey {
+        service_id: svc.id,
+        rev: svc.rev,
+        slot: entry / MAGLEV_CHUNK,
+    };
+    // SAFETY: the value is read at once.
+    match unsafe { MAGLEV.get(&key) } {
+        Some(chunk) => chunk
+            .slots
+            .get((entry % MAGLEV_CHUNK) as usize)
+            .map_or(0, |s| u32::from(*s)),
+        None => hash % nonzero(u32::from(svc.count)),
+    }
 }
 
 #[inline(always)]

@@ -12,8 +12,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
-    FragPorts, LbStats, LpmData, MemberKey, NodeConfig, RevNatValue, SctpPending, ServiceKey,
-    ServiceValue, SockLb, capacity, counter, crc32c,
+    FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, SctpPending,
+    ServiceKey, ServiceValue, SockLb, capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -154,6 +154,16 @@ pub fn count(idx: u32) {
         unsafe { *v += 1 };
     }
 }
+
+/// Maglev tables of the hashing schedulers, `MAGLEV_CHUNK` entries per value (sized as
+/// `BACKEND_SLOTS` by the agent).
+#[btf_map]
+pub static MAGLEV: HashMap<
+    BackendSlotKey,
+    MaglevChunk,
+    { capacity::BACKEND_SLOTS as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 /// Round-robin cursors, per service entry and CPU (each CPU takes its own turn through
 /// the slots, as per-CPU counters do: no atomic on the new-flow path).

@@ -163,11 +163,33 @@ impl Schedule {
         ) && endpoints.iter().any(|sa| self.weight(sa.ip()) != 1)
     }
 
-    /// The slots the agent writes, as indexes into `endpoints`: every endpoint that
-    /// takes new connections (weight above 0) once, or, for weighted round robin, the
-    /// interleaved sequence of its weights, or, for the hashing schedulers, a Maglev
-    /// table (for `dh` only the entry the frontend's own address hashes to: every flow
-    /// to it goes there).
+    /// What the agent writes: the slots, as indexes into `endpoints` — every endpoint
+    /// that takes new connections (weight above 0) once, or, for weighted round robin,
+    /// the interleaved sequence of its weights, or for `dh` only the endpoint the
+    /// frontend's own address hashes to in the Maglev table (every flow to it goes
+    /// there) — and for `sh` and `mh` the Maglev table, as indexes into the slots.
+    pub fn layout(&self, endpoints: &[SocketAddr], frontend_ip: IpAddr) -> Layout {
+        let table = self.slots(endpoints, frontend_ip);
+        if !matches!(self.scheduler, Scheduler::Sh | Scheduler::Mh) {
+            return Layout {
+                slots: table,
+                table: Vec::new(),
+            };
+        }
+        // The distinct endpoints of the table, in endpoint order, as the slots.
+        let mut slots: Vec<u32> = table.clone();
+        slots.sort_unstable();
+        slots.dedup();
+        let table = table
+            .iter()
+            .map(|e| slots.binary_search(e).map_or(0, |i| i as u16))
+            .collect();
+        Layout { slots, table }
+    }
+
+    /// The scheduler's choices as endpoints: every endpoint that takes new connections
+    /// once, the weighted sequence (`wrr`), the whole Maglev table (`sh`, `mh`), or the
+    /// one endpoint of `dh`; as indexes into `endpoints`.
     pub fn slots(&self, endpoints: &[SocketAddr], frontend_ip: IpAddr) -> Vec<u32> {
         let eligible: Vec<u32> = (0..endpoints.len() as u32)
             .filter(|&i| self.weight(endpoints[i as usize].ip()) > 0)
@@ -214,6 +236,15 @@ impl Schedule {
             .find(|&m| m >= want && m as usize >= members)
             .unwrap_or(MAGLEV_TABLE_LENS[MAGLEV_TABLE_LENS.len() - 1])
     }
+}
+
+/// A frontend's slots and, for the hashing schedulers, its Maglev table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Layout {
+    /// Indexes into the endpoints, in slot order.
+    pub slots: Vec<u32>,
+    /// Indexes into `slots`; empty unless the scheduler is `sh` or `mh`.
+    pub table: Vec<u16>,
 }
 
 /// Reads the weights annotation: `addr=weight` pairs, comma or space separated. What

@@ -1,7 +1,7 @@
 //! How long a Maglev table takes to rebuild (issue 14): the table alone, in user space
-//! (`Schedule::slots` for `mh`), and one endpoint change of an `mh` frontend applied to
-//! private maps through `MapState::apply` (the new table, its slots written as a new
-//! generation, the flip, the old slots removed): what an operator waits for.
+//! (`Schedule::layout` for `mh`), and one endpoint change of an `mh` frontend applied to
+//! private maps through `MapState::apply` (the new table and slots written as a new
+//! generation, the flip, the old ones removed): what an operator waits for.
 
 use std::{
     hint::black_box,
@@ -29,10 +29,10 @@ pub const TABLE_LENS: [u32; 2] = [
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct MaglevRebuild {
     pub backends: usize,
-    /// The length configured, and the slots written: the next accepted length that
-    /// holds every backend when they outnumber it.
+    /// The length configured, and the entries of the table built (`MAGLEV`, in chunks
+    /// of 16): the next accepted length that holds every backend when they outnumber it.
     pub table_len: u32,
-    pub slots: usize,
+    pub entries: usize,
     /// Median milliseconds to compute the table, in user space.
     pub table_ms: f64,
     /// Milliseconds to program the frontend into maps holding nothing else.
@@ -63,10 +63,12 @@ pub fn rebuild_times(backend_counts: &[usize], reps: u32) -> Result<Vec<MaglevRe
         for table_len in TABLE_LENS {
             let schedule = Schedule::new(Scheduler::Mh, Arc::default(), table_len);
             let mut table_ms = Vec::new();
-            let mut slots = 0;
+            let mut entries = 0;
             for _ in 0..reps {
                 let t = Instant::now();
-                slots = black_box(schedule.slots(black_box(&all), vip())).len();
+                entries = black_box(schedule.layout(black_box(&all), vip()))
+                    .table
+                    .len();
                 table_ms.push(t.elapsed().as_secs_f64() * 1e3);
             }
             let fewer = &all[1..];
@@ -89,7 +91,7 @@ pub fn rebuild_times(backend_counts: &[usize], reps: u32) -> Result<Vec<MaglevRe
             out.push(MaglevRebuild {
                 backends: n,
                 table_len,
-                slots,
+                entries,
                 table_ms: median(&mut table_ms),
                 program_ms,
                 one_change_ms: median(&mut change_ms),

@@ -428,12 +428,12 @@ fn print_schedulers(costs: &schedulers::SchedulerCosts, rebuilds: &[maglev::Magl
     );
     println!(
         "  {:>8} {:>9} {:>7} {:>10} {:>12} {:>13}",
-        "backends", "table len", "slots", "table ms", "program ms", "one change ms"
+        "backends", "table len", "entries", "table ms", "program ms", "one change ms"
     );
     for r in rebuilds {
         println!(
             "  {:>8} {:>9} {:>7} {:>10.3} {:>12.1} {:>13.1}",
-            r.backends, r.table_len, r.slots, r.table_ms, r.program_ms, r.one_change_ms
+            r.backends, r.table_len, r.entries, r.table_ms, r.program_ms, r.one_change_ms
         );
     }
 }

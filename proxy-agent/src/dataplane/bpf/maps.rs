@@ -10,7 +10,8 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
-    LpmData, MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb, map_names,
+    LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb,
+    map_names,
 };
 
 /// Every map of the proxy, typed.
@@ -33,6 +34,8 @@ pub struct MapSet {
     pub source_ranges: LpmTrie<MapData, LpmData, u8>,
     /// Flows netfilter translated before the classifier was attached, left to it.
     pub netfilter_flows: HashMap<MapData, CtKey, u8>,
+    /// Maglev tables (`sched::SH`, `MH`), in chunks.
+    pub maglev: HashMap<MapData, BackendSlotKey, MaglevChunk>,
     /// Per backend id: connections open now (least-connection schedulers).
     pub active_conns: HashMap<MapData, u32, u64>,
     /// Per (service entry, backend id), for services with unequal weights.
@@ -119,6 +122,7 @@ impl MapSet {
                 map_names::NETFILTER_FLOWS,
                 id(IterableMap::map(&self.netfilter_flows))?,
             ),
+            (map_names::MAGLEV, id(IterableMap::map(&self.maglev))?),
             (
                 map_names::ACTIVE_CONNS,
                 id(IterableMap::map(&self.active_conns))?,
@@ -169,6 +173,7 @@ impl MapSet {
             local_nets: typed!(map_names::LOCAL_NETS),
             source_ranges: typed!(map_names::SOURCE_RANGES),
             netfilter_flows: typed!(map_names::NETFILTER_FLOWS),
+            maglev: typed!(map_names::MAGLEV),
             active_conns: typed!(map_names::ACTIVE_CONNS),
             weights: typed!(map_names::WEIGHTS),
             lb_stats: typed!(map_names::LB_STATS),

@@ -142,13 +142,14 @@ impl MapSizes {
     pub const MAX: u32 = 1 << 26;
 
     /// Each map's capacity, by name.
-    pub fn capacities(&self) -> [(&'static str, u32); 8] {
+    pub fn capacities(&self) -> [(&'static str, u32); 9] {
         [
             (map_names::SERVICES, self.services),
             (map_names::REV_NAT, self.services),
             (map_names::LB_STATS, self.services),
             (map_names::BACKEND_SLOTS, self.backend_slots),
             (map_names::MEMBERS, self.backend_slots),
+            (map_names::MAGLEV, self.backend_slots),
             (map_names::BACKENDS, self.backends),
             (map_names::ACTIVE_CONNS, self.backends),
             (map_names::BACKEND_STATS, self.backends),

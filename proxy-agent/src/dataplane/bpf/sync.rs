@@ -16,9 +16,10 @@ use aya::maps::{MapError, lpm_trie::Key as LpmKey};
 use proxy_common::{
     BACKEND_ACTIVE, Backend, BackendSlot, BackendSlotKey, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL,
     CtTimeouts, CtValue, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData,
-    MemberKey, NodeConfig, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue, SCOPE_EXTERNAL,
-    SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL,
-    SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED, ServiceKey, ServiceValue,
+    MAGLEV_CHUNK, MaglevChunk, MemberKey, NodeConfig, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    RevNatValue, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS,
+    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED,
+    ServiceKey, ServiceValue,
 };
 use rustc_hash::FxHashMap;
 
@@ -136,6 +137,8 @@ struct Programmed {
     complete: bool,
     /// The schedule `backend_ids` were laid out for (adopted: the scheduler only).
     schedule: Schedule,
+    /// `sh`/`mh`: the Maglev table (indexes into `backend_ids`) in `MAGLEV`.
+    table: Vec<u16>,
     ranges: Vec<ipnet::IpNet>,
     /// The last sync whose view held this frontend (`MapState::epoch`).
     seen: u64,
@@ -270,6 +273,7 @@ impl MapState {
                     Err(_) => backend_ids.clear(),
                 }
             }
+            let table = adopt_table(maps, &value);
             state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
             state.used_service_ids.insert(value.id);
             state.hold(&backend_ids);
@@ -290,6 +294,7 @@ impl MapState {
                         scheduler: Scheduler::from_code(value.scheduler).unwrap_or_default(),
                         ..Default::default()
                     },
+                    table,
                     ranges,
                     seen: 0,
                 },
@@ -464,6 +469,7 @@ impl MapState {
                 slot,
             }))?;
         }
+        remove_table(maps, &old.value)?;
         remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
         members::leave(maps, old.value.id, &old.backend_ids, &[])?;
         if old.value.flags & SVC_F_WEIGHTED != 0 {
@@ -525,9 +531,9 @@ impl MapState {
         // The scheduler's slot layout (each endpoint once, by weight, or a Maglev
         // table), as backend ids; each endpoint's id is looked up once.
         let mut id_of: Vec<Option<u32>> = vec![None; endpoints.len()];
-        let layout = schedule.slots(&endpoints, d.frontend.ip);
-        let mut backend_ids = Vec::with_capacity(layout.len());
-        for i in layout {
+        let layout = schedule.layout(&endpoints, d.frontend.ip);
+        let mut backend_ids = Vec::with_capacity(layout.slots.len());
+        for &i in &layout.slots {
             let i = i as usize;
             let id = match id_of[i] {
                 Some(id) => id,
@@ -563,6 +569,7 @@ impl MapState {
             && old.value.affinity_timeout_s == timeout
             && old.value.scheduler == scheduler
             && (!weighted || old.schedule.weights == schedule.weights)
+            && old.table == layout.table
             && old.ranges == d.ranges
         {
             self.remember_endpoints(key, &d.set.endpoints, schedule);
@@ -584,6 +591,7 @@ impl MapState {
                 count,
                 scheduler,
                 weights,
+                table: layout.table,
             },
             d.ranges,
         );
@@ -623,6 +631,9 @@ impl MapState {
         let id = generation.id;
         let backend_ids = generation.backend_ids;
         let weights = generation.weights;
+        let table = generation.table;
+        let table_len = u16::try_from(table.len())
+            .map_err(|_| anyhow::anyhow!("a Maglev table of {} entries", table.len()))?;
         let rev = old.map_or(1, |o| o.value.rev.wrapping_add(1));
         let value = ServiceValue {
             id,
@@ -632,7 +643,8 @@ impl MapState {
             affinity_timeout_s: generation.timeout,
             rev_nat_id: id,
             scheduler: generation.scheduler,
-            _pad: [0; 3],
+            _pad: 0,
+            table_len,
         };
         // Weights before the flip (they are per service entry, not per generation: the
         // old generation reads them too for a moment, which only shifts a few choices).
@@ -647,7 +659,7 @@ impl MapState {
         }
         let old_ids: &[u32] = old.map_or(&[], |o| o.backend_ids.as_slice());
         let joined = members::join(maps, id, &backend_ids, old_ids)?;
-        let flipped = flip(maps, key, old, &value, &backend_ids, ranges);
+        let flipped = flip(maps, key, old, &value, &backend_ids, &table, ranges);
         if flipped.is_err() {
             members::undo(maps, id, &joined);
         }
@@ -670,6 +682,7 @@ impl MapState {
                     slot,
                 }))?;
             }
+            remove_table(maps, &old.value)?;
             for net in old.ranges.iter().filter(|n| !ranges.contains(n)) {
                 remove_ignoring_absent(maps.source_ranges.remove(&range_key(id, net)))?;
             }
@@ -684,6 +697,7 @@ impl MapState {
             key,
             Programmed {
                 value,
+                table,
                 backend_ids,
                 endpoints: Vec::new(), // filled by the caller, which has them
                 complete: false,
@@ -738,6 +752,53 @@ impl MapState {
     }
 }
 
+/// The `MAGLEV` key of chunk `chunk` of service entry `value`'s table.
+fn chunk_key(value: &ServiceValue, chunk: u32) -> BackendSlotKey {
+    BackendSlotKey {
+        service_id: value.id,
+        rev: value.rev,
+        slot: chunk,
+    }
+}
+
+fn chunks(table_len: u16) -> u32 {
+    u32::from(table_len).div_ceil(MAGLEV_CHUNK)
+}
+
+/// Writes `table` as `value`'s generation of its Maglev table.
+fn write_table(maps: &mut MapSet, value: &ServiceValue, table: &[u16]) -> Result<()> {
+    for (i, entries) in table.chunks(MAGLEV_CHUNK as usize).enumerate() {
+        let mut chunk = MaglevChunk::default();
+        chunk.slots[..entries.len()].copy_from_slice(entries);
+        maps.maglev
+            .insert(&chunk_key(value, i as u32), &chunk, 0)
+            .map_err(|e| anyhow::Error::new(e).context("writing a Maglev table"))?;
+    }
+    Ok(())
+}
+
+/// Removes `value`'s generation of its Maglev table, if it has one.
+fn remove_table(maps: &mut MapSet, value: &ServiceValue) -> Result<()> {
+    for chunk in 0..chunks(value.table_len) {
+        remove_ignoring_absent(maps.maglev.remove(&chunk_key(value, chunk)))?;
+    }
+    Ok(())
+}
+
+/// Reads an adopted entry's Maglev table; empty when it has none or a chunk is missing
+/// (a torn write: rewritten on the next apply).
+fn adopt_table(maps: &MapSet, value: &ServiceValue) -> Vec<u16> {
+    let mut table = Vec::with_capacity(usize::from(value.table_len));
+    for chunk in 0..chunks(value.table_len) {
+        match maps.maglev.get(&chunk_key(value, chunk), 0) {
+            Ok(c) => table.extend_from_slice(&c.slots),
+            Err(_) => return Vec::new(),
+        }
+    }
+    table.truncate(usize::from(value.table_len));
+    table
+}
+
 /// One generation of a service entry, as `write_generation` writes it.
 struct Generation {
     id: u32,
@@ -749,6 +810,8 @@ struct Generation {
     scheduler: u8,
     /// (backend id, weight), for `SVC_F_WEIGHTED` entries.
     weights: Vec<(u32, u32)>,
+    /// `sh`/`mh`: the Maglev table, as slots.
+    table: Vec<u16>,
 }
 
 /// Removes service entry `service_id`'s weights of `backend_ids` (repeats allowed).
@@ -795,6 +858,7 @@ fn flip(
     old: Option<&Programmed>,
     value: &ServiceValue,
     backend_ids: &[u32],
+    table: &[u16],
     ranges: &[ipnet::IpNet],
 ) -> Result<()> {
     let (id, rev) = (value.id, value.rev);
@@ -821,6 +885,17 @@ fn flip(
             }
             return Err(anyhow::Error::new(e).context("writing backend slots"));
         }
+    }
+    if let Err(e) = write_table(maps, value, table) {
+        let _ = remove_table(maps, value);
+        for slot in 0..backend_ids.len() as u32 {
+            let _ = maps.slots.remove(&BackendSlotKey {
+                service_id: id,
+                rev,
+                slot,
+            });
+        }
+        return Err(e);
     }
     let rev_nat = RevNatValue {
         addr: key.addr,
