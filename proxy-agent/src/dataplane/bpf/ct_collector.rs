@@ -8,8 +8,8 @@ use std::{collections::HashMap as StdHashMap, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData, MapError};
 use proxy_common::{
-    CT_DIR_FORWARD, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_RST, CtKey, CtTimeouts, CtValue, PROTO_TCP,
-    elapsed_ns, forward_key_of, map_names, reply_key_of,
+    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_closed, elapsed_ns, forward_key_of,
+    map_names, reply_key_of,
 };
 
 use super::{maps::MapSet, sync::remove_ignoring_absent};
@@ -75,10 +75,7 @@ fn recount_active(maps: &mut MapSet, timeouts: &CtTimeouts, now: u64) -> Result<
     let mut open: StdHashMap<u32, u64> = StdHashMap::new();
     for table in [&maps.conntrack, &maps.conntrack_new] {
         for (key, v) in table.iter().filter_map(Result::ok) {
-            let closing = key.proto == PROTO_TCP
-                && (v.flags & CT_F_RST != 0
-                    || v.flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY)
-                        == CT_F_FIN_ORIG | CT_F_FIN_REPLY);
+            let closing = key.proto == PROTO_TCP && ct_closed(v.flags);
             if key.dir == CT_DIR_FORWARD
                 && !closing
                 && !timeouts.expired(key.proto, v.flags, v.last_seen_ns, now)
