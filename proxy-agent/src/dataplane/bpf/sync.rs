@@ -462,14 +462,7 @@ impl MapState {
         self.note_left(key, &old, &[]);
         self.release(&old.backend_ids);
         remove_ignoring_absent(maps.services.remove(&key))?;
-        for slot in 0..old.backend_ids.len() as u32 {
-            remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
-                service_id: old.value.id,
-                rev: old.value.rev,
-                slot,
-            }))?;
-        }
-        remove_table(maps, &old.value)?;
+        remove_generation(maps, &old.value, old.backend_ids.len())?;
         remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
         members::leave(maps, old.value.id, &old.backend_ids, &[])?;
         if old.value.flags & SVC_F_WEIGHTED != 0 {
@@ -675,14 +668,7 @@ impl MapState {
             )?;
         }
         if let Some(old) = old {
-            for slot in 0..old.backend_ids.len() as u32 {
-                remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
-                    service_id: id,
-                    rev: old.value.rev,
-                    slot,
-                }))?;
-            }
-            remove_table(maps, &old.value)?;
+            remove_generation(maps, &old.value, old.backend_ids.len())?;
             for net in old.ranges.iter().filter(|n| !ranges.contains(n)) {
                 remove_ignoring_absent(maps.source_ranges.remove(&range_key(id, net)))?;
             }
@@ -775,6 +761,24 @@ fn write_table(maps: &mut MapSet, value: &ServiceValue, table: &[u16]) -> Result
             .map_err(|e| anyhow::Error::new(e).context("writing a Maglev table"))?;
     }
     Ok(())
+}
+
+/// Removes the first `slots` backend slots of `value`'s generation.
+fn remove_slots(maps: &mut MapSet, value: &ServiceValue, slots: usize) -> Result<()> {
+    for slot in 0..slots as u32 {
+        remove_ignoring_absent(maps.slots.remove(&BackendSlotKey {
+            service_id: value.id,
+            rev: value.rev,
+            slot,
+        }))?;
+    }
+    Ok(())
+}
+
+/// Removes `value`'s generation: its `slots` backend slots and its Maglev table.
+fn remove_generation(maps: &mut MapSet, value: &ServiceValue, slots: usize) -> Result<()> {
+    remove_slots(maps, value, slots)?;
+    remove_table(maps, value)
 }
 
 /// Removes `value`'s generation of its Maglev table, if it has one.
@@ -876,25 +880,12 @@ fn flip(
             },
             0,
         ) {
-            for undo in 0..slot as u32 {
-                let _ = maps.slots.remove(&BackendSlotKey {
-                    service_id: id,
-                    rev,
-                    slot: undo,
-                });
-            }
+            let _ = remove_slots(maps, value, slot);
             return Err(anyhow::Error::new(e).context("writing backend slots"));
         }
     }
     if let Err(e) = write_table(maps, value, table) {
-        let _ = remove_table(maps, value);
-        for slot in 0..backend_ids.len() as u32 {
-            let _ = maps.slots.remove(&BackendSlotKey {
-                service_id: id,
-                rev,
-                slot,
-            });
-        }
+        let _ = remove_generation(maps, value, backend_ids.len());
         return Err(e);
     }
     let rev_nat = RevNatValue {
