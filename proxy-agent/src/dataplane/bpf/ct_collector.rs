@@ -6,13 +6,16 @@
 use std::{collections::HashMap as StdHashMap, time::Duration};
 
 use anyhow::{Context as _, Result};
-use aya::maps::{HashMap, MapData, MapError};
+use aya::maps::{HashMap, MapData};
 use proxy_common::{
     CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_closed, elapsed_ns, forward_key_of,
     map_names, reply_key_of,
 };
 
-use super::{maps::MapSet, sync::remove_ignoring_absent};
+use super::{
+    maps::{MapSet, is_absent},
+    sync::remove_ignoring_absent,
+};
 
 /// How often the collector runs.
 pub const INTERVAL: Duration = Duration::from_secs(10);
@@ -191,8 +194,7 @@ fn collect_table(
 fn remove(table: &mut HashMap<MapData, CtKey, CtValue>, key: &CtKey) -> Result<u64> {
     match table.remove(key) {
         Ok(()) => Ok(1),
-        Err(MapError::KeyNotFound) => Ok(0),
-        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(0),
+        Err(e) if is_absent(&e) => Ok(0),
         Err(e) => Err(e).context("removing a conntrack entry"),
     }
 }

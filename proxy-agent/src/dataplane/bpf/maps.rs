@@ -6,6 +6,7 @@ use std::path::Path;
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
+    maps::MapError,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuHashMap, lpm_trie::LpmTrie},
 };
 use proxy_common::{
@@ -13,6 +14,16 @@ use proxy_common::{
     LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb,
     map_names,
 };
+
+/// Whether a lookup or removal failed only because the key is not there (aya reports
+/// it as `KeyNotFound`, or as the syscall's ENOENT).
+pub fn is_absent(e: &MapError) -> bool {
+    match e {
+        MapError::KeyNotFound => true,
+        MapError::SyscallError(e) => e.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
 
 /// Every map of the proxy, typed.
 pub struct MapSet {

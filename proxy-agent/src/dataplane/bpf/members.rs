@@ -9,7 +9,6 @@
 use std::collections::HashSet;
 
 use anyhow::{Context as _, Result};
-use aya::maps::MapError;
 use proxy_common::MemberKey;
 
 use super::maps::MapSet;
@@ -65,10 +64,10 @@ pub fn leave(maps: &mut MapSet, service_id: u32, old_ids: &[u32], ids: &[u32]) -
             service_id,
             backend_id,
         };
-        match maps.members.remove(&key) {
-            Ok(()) | Err(MapError::KeyNotFound) => {}
-            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => return Err(anyhow::Error::new(e).context("removing a service membership")),
+        if let Err(e) = maps.members.remove(&key)
+            && !super::maps::is_absent(&e)
+        {
+            return Err(anyhow::Error::new(e).context("removing a service membership"));
         }
     }
     Ok(())

@@ -995,10 +995,8 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
 /// A removal that found nothing to remove succeeded.
 pub(super) fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
     match r {
-        Ok(()) => Ok(()),
-        Err(MapError::KeyNotFound) => Ok(()),
-        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-        Err(e) => Err(e.into()),
+        Err(e) if !super::maps::is_absent(&e) => Err(e.into()),
+        _ => Ok(()),
     }
 }
 

@@ -19,7 +19,10 @@ use proxy_common::{
 use serde::Serialize;
 
 pub use self::table::{large_number, render_table};
-use super::{maps::MapSet, sync::words_addr};
+use super::{
+    maps::{MapSet, is_absent},
+    sync::words_addr,
+};
 use crate::{
     model::{Frontend, Protocol},
     schedule::Scheduler,
@@ -261,10 +264,7 @@ fn summed(map: &PerCpuHashMap<MapData, u32, LbStats>, id: u32) -> Result<Totals,
 fn present<T>(r: Result<T, MapError>) -> Result<Option<T>, MapError> {
     match r {
         Ok(v) => Ok(Some(v)),
-        Err(MapError::KeyNotFound) => Ok(None),
-        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
-            Ok(None)
-        }
+        Err(e) if is_absent(&e) => Ok(None),
         Err(e) => Err(e),
     }
 }
