@@ -169,20 +169,19 @@ impl Schedule {
     /// frontend's own address hashes to in the Maglev table (every flow to it goes
     /// there) — and for `sh` and `mh` the Maglev table, as indexes into the slots.
     pub fn layout(&self, endpoints: &[SocketAddr], frontend_ip: IpAddr) -> Layout {
-        let table = self.slots(endpoints, frontend_ip);
         if !matches!(self.scheduler, Scheduler::Sh | Scheduler::Mh) {
             return Layout {
-                slots: table,
+                slots: self.slots(endpoints, frontend_ip),
                 table: Vec::new(),
             };
         }
-        // The distinct endpoints of the table, in endpoint order, as the slots.
-        let mut slots: Vec<u32> = table.clone();
-        slots.sort_unstable();
-        slots.dedup();
-        let table = table
-            .iter()
-            .map(|e| slots.binary_search(e).map_or(0, |i| i as u16))
+        // The slots are the eligible endpoints, so the table's indexes into them are
+        // the slot numbers (fewer than 65,536: the view refuses larger sets).
+        let slots = self.eligible(endpoints);
+        let table = self
+            .maglev_table(endpoints, &slots)
+            .into_iter()
+            .map(|k| k as u16)
             .collect();
         Layout { slots, table }
     }
@@ -191,31 +190,27 @@ impl Schedule {
     /// once, the weighted sequence (`wrr`), the whole Maglev table (`sh`, `mh`), or the
     /// one endpoint of `dh`; as indexes into `endpoints`.
     pub fn slots(&self, endpoints: &[SocketAddr], frontend_ip: IpAddr) -> Vec<u32> {
-        let eligible: Vec<u32> = (0..endpoints.len() as u32)
-            .filter(|&i| self.weight(endpoints[i as usize].ip()) > 0)
-            .collect();
+        let eligible = self.eligible(endpoints);
         if eligible.is_empty() {
             return eligible;
         }
-        let weight = |i: u32| self.weight(endpoints[i as usize].ip()).min(MAX_WEIGHT);
         match self.scheduler {
             Scheduler::Wrr => {
-                let weights: Vec<u32> = eligible.iter().map(|&i| weight(i)).collect();
+                let weights: Vec<u32> = eligible
+                    .iter()
+                    .map(|&i| self.capped_weight(endpoints, i))
+                    .collect();
                 wrr::sequence(&weights)
                     .into_iter()
                     .map(|k| eligible[k])
                     .collect()
             }
             Scheduler::Sh | Scheduler::Mh | Scheduler::Dh => {
-                let members: Vec<maglev::Member> = eligible
-                    .iter()
-                    .map(|&i| maglev::Member {
-                        endpoint: endpoints[i as usize],
-                        weight: weight(i),
-                    })
+                let table: Vec<u32> = self
+                    .maglev_table(endpoints, &eligible)
+                    .into_iter()
+                    .map(|k| eligible[k as usize])
                     .collect();
-                let table = maglev::table(&members, self.table_len_for(members.len()));
-                let table: Vec<u32> = table.into_iter().map(|k| eligible[k as usize]).collect();
                 if self.scheduler == Scheduler::Dh {
                     let (words, _) = crate::dataplane::bpf::sync::addr_words(frontend_ip);
                     let at = proxy_common::sched_hash(&words, 0) as usize % table.len();
@@ -226,6 +221,29 @@ impl Schedule {
             }
             _ => eligible,
         }
+    }
+
+    /// The endpoints that take new connections (weight above 0), as indexes.
+    fn eligible(&self, endpoints: &[SocketAddr]) -> Vec<u32> {
+        (0..endpoints.len() as u32)
+            .filter(|&i| self.weight(endpoints[i as usize].ip()) > 0)
+            .collect()
+    }
+
+    fn capped_weight(&self, endpoints: &[SocketAddr], i: u32) -> u32 {
+        self.weight(endpoints[i as usize].ip()).min(MAX_WEIGHT)
+    }
+
+    /// The Maglev table of the `eligible` endpoints, as indexes into `eligible`.
+    fn maglev_table(&self, endpoints: &[SocketAddr], eligible: &[u32]) -> Vec<u32> {
+        let members: Vec<maglev::Member> = eligible
+            .iter()
+            .map(|&i| maglev::Member {
+                endpoint: endpoints[i as usize],
+                weight: self.capped_weight(endpoints, i),
+            })
+            .collect();
+        maglev::table(&members, self.table_len_for(members.len()))
     }
 
     /// The configured table length, or the next accepted one that holds every member.
