@@ -312,6 +312,7 @@ fn consider(st: &mut LcScan) -> bool {
 /// `proxy_least_loaded`'s `mode` bit: the service has unequal weights (`WEIGHTS`).
 const LC_WEIGHTED: u32 = 1 << 8;
 
+/// The backend id in a slot.
 #[inline(always)]
 fn backend_id_in(key: &BackendSlotKey) -> Option<u32> {
     // SAFETY: the value is copied out at once.
@@ -370,8 +371,7 @@ fn backend_in_slot(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
         rev: svc.rev,
         slot,
     };
-    // SAFETY: the value is copied out at once.
-    let id = unsafe { BACKEND_SLOTS.get(&key)? }.backend_id;
+    let id = backend_id_in(&key)?;
     Some((id, backend(id)?))
 }
 

@@ -37,31 +37,27 @@ fn add<const N: usize, const F: usize>(
     len: u32,
     new: bool,
 ) {
-    let len = u64::from(len);
-    if let Some(v) = map.get_ptr_mut(&key) {
-        // SAFETY: this CPU's own value; nothing else runs on this CPU meanwhile.
-        let v = unsafe { &mut *v };
-        if dir == IN {
-            v.packets_in += packets;
-            v.bytes_in += len;
-        } else {
-            v.packets_out += packets;
-            v.bytes_out += len;
-        }
-        v.conns += u64::from(new);
-        return;
-    }
-    let mut v = LbStats {
+    let mut delta = LbStats {
         conns: u64::from(new),
         ..LbStats::default()
     };
     if dir == IN {
-        v.packets_in = packets;
-        v.bytes_in = len;
+        (delta.packets_in, delta.bytes_in) = (packets, u64::from(len));
     } else {
-        v.packets_out = packets;
-        v.bytes_out = len;
+        (delta.packets_out, delta.bytes_out) = (packets, u64::from(len));
     }
-    // A full map loses the count, never the packet.
-    let _ = map.insert(&key, &v, 0);
+    match map.get_ptr_mut(&key) {
+        // SAFETY: this CPU's own value; nothing else runs on this CPU meanwhile.
+        Some(v) => unsafe {
+            (*v).conns += delta.conns;
+            (*v).packets_in += delta.packets_in;
+            (*v).bytes_in += delta.bytes_in;
+            (*v).packets_out += delta.packets_out;
+            (*v).bytes_out += delta.bytes_out;
+        },
+        // The first count: a full map loses it, never the packet.
+        None => {
+            let _ = map.insert(&key, &delta, 0);
+        }
+    }
 }
