@@ -118,7 +118,7 @@ struct MapSizesSection {
 }
 
 pub use crate::dataplane::bpf::MapSizes;
-use crate::schedule::Scheduler;
+use crate::model::schedule::Scheduler;
 
 /// How local (pod) traffic is told apart from other traffic.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -272,7 +272,7 @@ impl Default for Config {
             tc_attach: "auto".into(),
             map_sizes: MapSizes::default(),
             scheduler: Scheduler::Random,
-            maglev_table_len: crate::schedule::DEFAULT_MAGLEV_TABLE_LEN,
+            maglev_table_len: crate::model::schedule::DEFAULT_MAGLEV_TABLE_LEN,
             bpf_log_level: "warn".into(),
             service_proxy_name: None,
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
@@ -534,7 +534,7 @@ impl Config {
             }
             if let Some(n) = e.maglev_table_size {
                 cfg.maglev_table_len =
-                    crate::schedule::check_table_len(n).map_err(|e| format!("ebpf.{e}"))?;
+                    crate::model::schedule::check_table_len(n).map_err(|e| format!("ebpf.{e}"))?;
             }
             if let Some(m) = e.map_sizes {
                 let sizes = &mut cfg.map_sizes;

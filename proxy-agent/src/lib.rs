@@ -10,7 +10,6 @@ pub mod kube_proxy_cleanup;
 pub mod metrics;
 pub mod model;
 pub mod netns;
-pub mod schedule;
 pub mod source;
 pub mod sync;
 pub mod trace;

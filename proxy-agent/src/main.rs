@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use proxy_agent::{
     config::Config,
     dataplane::bpf::{
-        self, AttachOptions, BpfDataplane, InterfaceSelector, MapSet, sync::words_addr,
+        self, AttachOptions, BpfDataplane, InterfaceSelector, MapSet, writer::words_addr,
     },
     netns, source,
     sync::{self, SyncTiming},

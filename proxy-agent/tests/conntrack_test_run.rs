@@ -487,7 +487,7 @@ fn a_flow_netfilter_translated_before_us_is_left_to_it() {
     if !root("a_flow_netfilter_translated_before_us_is_left_to_it") {
         return;
     }
-    use proxy_agent::dataplane::bpf::sync::addr_words;
+    use proxy_agent::dataplane::bpf::writer::addr_words;
     let (mut h, client, vip, be) = one_clusterip();
     let other = sa("10.244.0.4:40001");
     let (saddr, family) = addr_words(client.ip());

@@ -31,7 +31,7 @@ use proptest::{
     test_runner::{TestCaseError, TestRunner},
 };
 use proxy_agent::{
-    dataplane::bpf::sync::words_addr,
+    dataplane::bpf::writer::words_addr,
     model::{FrontendKind, NodeView, Protocol},
     trace::packet::{build, build_tcp, fold, sum16},
 };

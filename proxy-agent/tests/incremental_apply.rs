@@ -15,7 +15,7 @@ use std::{
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState},
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
-    schedule::{Schedule, Scheduler},
+    model::schedule::{Schedule, Scheduler},
 };
 use proxy_common::BackendSlotKey;
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};

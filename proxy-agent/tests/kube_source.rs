@@ -402,7 +402,7 @@ fn programmed(maps: &bpf::MapSet) -> Vec<(SocketAddr, u16)> {
         .iter()
         .map(|e| {
             let (k, val) = e.expect("entry");
-            let ip = bpf::sync::words_addr(k.addr, k.family);
+            let ip = bpf::writer::words_addr(k.addr, k.family);
             (SocketAddr::new(ip, u16::from_be(k.port)), val.count)
         })
         .collect();

@@ -14,9 +14,9 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::bpf::{MapState, sync::addr_words},
+    dataplane::bpf::{MapState, writer::addr_words},
     model::{Frontend, FrontendState, NodeView, Protocol},
-    schedule::{DEFAULT_MAGLEV_TABLE_LEN, Schedule, Scheduler, parse_weights},
+    model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, Schedule, Scheduler, parse_weights},
     trace,
 };
 use support::{root, tc_harness};
@@ -106,8 +106,7 @@ fn client(i: u32, port: u16) -> SocketAddr {
 fn layout(st: &FrontendState) -> Vec<SocketAddr> {
     let eps: Vec<SocketAddr> = st.backends.endpoints.iter().copied().collect();
     let vip: SocketAddr = VIP.parse().expect("vip");
-    st.schedule
-        .slots(&eps, vip.ip())
+    proxy_agent::dataplane::layout::slots(&st.schedule, &eps, vip.ip())
         .into_iter()
         .map(|i| eps[i as usize])
         .collect()

@@ -18,7 +18,7 @@ use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapState},
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
-    schedule::Schedule,
+    model::schedule::Schedule,
     trace::packet,
 };
 

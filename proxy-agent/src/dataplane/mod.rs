@@ -1,6 +1,7 @@
 //! Applies a node view to a dataplane. Nothing here imports Kubernetes types.
 
 pub mod bpf;
+pub mod layout;
 pub mod log;
 
 use std::collections::BTreeSet;

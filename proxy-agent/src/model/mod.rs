@@ -5,6 +5,7 @@
 
 mod endpoints;
 pub mod objects;
+pub mod schedule;
 pub mod sloppy;
 mod tracker;
 mod view;
@@ -344,7 +345,7 @@ pub struct ViewConfig {
     /// label names this proxy.
     pub service_proxy_name: Option<String>,
     /// The node's scheduler (a Service's annotation overrides it).
-    pub scheduler: crate::schedule::Scheduler,
+    pub scheduler: crate::model::schedule::Scheduler,
     /// Maglev table length of the hashing schedulers.
     pub maglev_table_len: u32,
 }
@@ -361,8 +362,8 @@ impl Default for ViewConfig {
             node_port_range: DEFAULT_NODE_PORT_RANGE,
             localhost_node_ports: true,
             service_proxy_name: None,
-            scheduler: crate::schedule::Scheduler::Random,
-            maglev_table_len: crate::schedule::DEFAULT_MAGLEV_TABLE_LEN,
+            scheduler: crate::model::schedule::Scheduler::Random,
+            maglev_table_len: crate::model::schedule::DEFAULT_MAGLEV_TABLE_LEN,
         }
     }
 }
@@ -451,7 +452,7 @@ pub struct FrontendState {
     /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
     pub source_ranges: Vec<ipnet::IpNet>,
     /// How new flows pick among the backends.
-    pub schedule: crate::schedule::Schedule,
+    pub schedule: crate::model::schedule::Schedule,
 }
 
 /// What the per-packet path needs to know about this node.

@@ -22,7 +22,7 @@ use k8s_openapi::{
 use serde::Serialize;
 
 use super::{Protocol, sloppy};
-use crate::schedule;
+use super::schedule;
 
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -60,7 +60,7 @@ pub struct ServiceInfo {
     pub affinity_timeout_s: Option<u32>,
     pub health_check_node_port: Option<u16>,
     /// The scheduler annotation (`None`: the node's).
-    pub scheduler: Option<crate::schedule::Scheduler>,
+    pub scheduler: Option<crate::model::schedule::Scheduler>,
     /// The weights annotation.
     pub weights: Arc<std::collections::BTreeMap<IpAddr, u32>>,
 }

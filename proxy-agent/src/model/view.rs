@@ -103,7 +103,7 @@ pub fn service_view(
         externally_accessible,
     };
     let affinity = svc.affinity_timeout_s;
-    let schedule = crate::schedule::Schedule::new(
+    let schedule = crate::model::schedule::Schedule::new(
         svc.scheduler.unwrap_or(cfg.scheduler),
         Arc::clone(&svc.weights),
         cfg.maglev_table_len,

@@ -898,7 +898,7 @@ fn service_proxy_name_label_opts_in() {
 
 #[test]
 fn scheduler_comes_from_the_annotation_else_the_node() {
-    use crate::schedule::Scheduler;
+    use crate::model::schedule::Scheduler;
     let mut annotated = svc("web", web_spec());
     annotated["metadata"]["annotations"] = json!({
         "ebpf.proxy.k8s.io/scheduler": "mh",

@@ -98,7 +98,7 @@ impl Bench {
     fn new(case: &Case) -> Result<Self> {
         let (ebpf, mut maps) = load_programs()?;
         let mut state = MapState::adopt(&maps)?;
-        bpf::sync::configure(
+        bpf::writer::configure(
             &mut maps,
             &NodeSettings::new(&case.node.info, &case.node.view),
         )?;
@@ -158,7 +158,7 @@ impl Bench {
         ]
         .into_iter()
         .filter(|(a, _)| *a != [0; 4])
-        .map(|(a, f)| bpf::sync::words_addr(a, f))
+        .map(|(a, f)| bpf::writer::words_addr(a, f))
         .collect();
         Ok(Self {
             ebpf,
@@ -417,14 +417,14 @@ impl Bench {
     /// The scheduler of the frontend `p` is addressed to (its external scope's: the
     /// internal one, where there is one, has the same).
     fn scheduler_of(&self, p: &Packet) -> &'static str {
-        let key = bpf::sync::service_key(&crate::model::Frontend {
+        let key = bpf::writer::service_key(&crate::model::Frontend {
             ip: p.dst.ip(),
             port: p.dst.port(),
             protocol: p.protocol,
         });
         self.schedulers
             .get(&key)
-            .and_then(|code| crate::schedule::Scheduler::from_code(*code))
+            .and_then(|code| bpf::writer::encode::scheduler_of_code(*code))
             .unwrap_or_default()
             .name()
     }

@@ -174,7 +174,7 @@ pub fn configure_node_with(
     masquerade_all: bool,
     conntrack: proxy_agent::config::ConntrackSettings,
 ) {
-    bpf::sync::configure(
+    bpf::writer::configure(
         &mut h.maps,
         &NodeSettings {
             conntrack,

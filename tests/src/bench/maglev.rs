@@ -14,7 +14,7 @@ use anyhow::{Context as _, Result, bail};
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState},
     model::NodeView,
-    schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
+    model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
 };
 
 use super::{BACKEND_PORT, cluster_ip, median};
@@ -66,7 +66,7 @@ pub fn rebuild_times(backend_counts: &[usize], reps: u32) -> Result<Vec<MaglevRe
             let mut entries = 0;
             for _ in 0..reps {
                 let t = Instant::now();
-                entries = black_box(schedule.layout(black_box(&all), vip()))
+                entries = black_box(proxy_agent::dataplane::layout::layout(&schedule, black_box(&all), vip()))
                     .table
                     .len();
                 table_ms.push(t.elapsed().as_secs_f64() * 1e3);

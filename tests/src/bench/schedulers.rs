@@ -16,7 +16,7 @@ use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState},
     model::NodeView,
-    schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
+    model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
     trace::packet,
 };
 use proxy_common::{CtKey, map_names};

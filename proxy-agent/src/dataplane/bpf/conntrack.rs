@@ -25,7 +25,7 @@ use proxy_common::{Backend, CT_DIR_FORWARD, CtKey, PROTO_SCTP, PROTO_TCP, PROTO_
 
 use super::{
     netlink::Channel,
-    sync::{addr_words, words_addr},
+    writer::{addr_words, words_addr},
 };
 
 /// Deletes the UDP entries of the current network namespace whose original destination

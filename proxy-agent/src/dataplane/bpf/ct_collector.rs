@@ -14,7 +14,7 @@ use proxy_common::{
 
 use super::{
     maps::{MapSet, is_absent},
-    sync::remove_ignoring_absent,
+    writer::remove_ignoring_absent,
 };
 
 /// How often the collector runs.

@@ -22,7 +22,7 @@ pub(crate) mod netlink;
 mod pin_lock;
 mod sockets;
 pub mod stats;
-pub mod sync;
+pub mod writer;
 mod watch;
 
 use std::{
@@ -49,7 +49,7 @@ pub use self::{
     kernel::{TcAttachMode, TcHook},
     links::AttachFailures,
     maps::MapSet,
-    sync::MapState,
+    writer::MapState,
     watch::InterfaceWatch,
 };
 use super::{ApplyReport, Dataplane};
@@ -467,7 +467,7 @@ impl Dataplane for BpfDataplane {
     }
 
     fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
-        sync::configure(&mut self.maps, node)
+        writer::configure(&mut self.maps, node)
     }
 }
 
@@ -538,7 +538,7 @@ impl Dataplane for MapsDataplane<'_> {
     }
 
     fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
-        sync::configure(self.maps, node)
+        writer::configure(self.maps, node)
     }
 }
 

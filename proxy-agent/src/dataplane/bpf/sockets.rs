@@ -29,7 +29,7 @@ use netlink_packet_sock_diag::{
 use netlink_sys::protocols::NETLINK_SOCK_DIAG;
 use proxy_common::SockLb;
 
-use super::{netlink::Channel, sync::LeftUdp};
+use super::{netlink::Channel, writer::LeftUdp};
 
 /// sock_diag's destroy request (`linux/sock_diag.h`).
 const SOCK_DESTROY: u16 = 21;

@@ -21,11 +21,10 @@ use serde::Serialize;
 pub use self::table::{large_number, render_table};
 use super::{
     maps::{MapSet, is_absent},
-    sync::words_addr,
+    writer::words_addr,
 };
 use crate::{
-    model::{Frontend, Protocol},
-    schedule::Scheduler,
+    model::{Frontend, Protocol, schedule::Scheduler},
 };
 
 /// Connections, packets and bytes, summed over CPUs (and over scopes or frontends).
@@ -236,7 +235,7 @@ fn backend_stats(
         present(maps.weights.get(&member, 0))
             .with_context(|| context(map_names::WEIGHTS))?
             .unwrap_or(1)
-    } else if Scheduler::from_code(value.scheduler) == Some(Scheduler::Wrr) {
+    } else if super::writer::encode::scheduler_of_code(value.scheduler) == Some(Scheduler::Wrr) {
         slots
     } else {
         1
@@ -280,7 +279,7 @@ fn protocol_of(proto: u8) -> Option<Protocol> {
 
 /// An unknown code (a newer agent's scheduler) shows as `?`, never as another's name.
 fn scheduler_name(code: u8) -> &'static str {
-    match Scheduler::from_code(code) {
+    match super::writer::encode::scheduler_of_code(code) {
         Some(s) => s.name(),
         None => "?",
     }

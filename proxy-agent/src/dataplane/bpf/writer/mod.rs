@@ -24,13 +24,14 @@ use proxy_common::{
 use rustc_hash::FxHashMap;
 
 use super::{maps::MapSet, members};
+
+pub mod encode;
 use crate::{
     dataplane::ApplyReport,
     model::{
         BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
-        WhenEmpty,
+        WhenEmpty, schedule::Schedule,
     },
-    schedule::{Schedule, Scheduler},
 };
 
 /// One service-map entry the view asks for.
@@ -291,7 +292,7 @@ impl MapState {
                     backend_ids,
                     endpoints,
                     schedule: Schedule {
-                        scheduler: Scheduler::from_code(value.scheduler).unwrap_or_default(),
+                        scheduler: encode::scheduler_of_code(value.scheduler).unwrap_or_default(),
                         ..Default::default()
                     },
                     table,
@@ -524,7 +525,7 @@ impl MapState {
         // The scheduler's slot layout (each endpoint once, by weight, or a Maglev
         // table), as backend ids; each endpoint's id is looked up once.
         let mut id_of: Vec<Option<u32>> = vec![None; endpoints.len()];
-        let layout = schedule.layout(&endpoints, d.frontend.ip);
+        let layout = crate::dataplane::layout::layout(schedule, &endpoints, d.frontend.ip);
         let mut backend_ids = Vec::with_capacity(layout.slots.len());
         for &i in &layout.slots {
             let i = i as usize;
@@ -554,7 +555,7 @@ impl MapState {
                 backend_ids.len()
             )
         })?;
-        let scheduler = schedule.scheduler.code();
+        let scheduler = encode::scheduler_code(schedule.scheduler);
         let old = self.services.get(&key).cloned();
         if let Some(old) = &old
             && old.backend_ids == backend_ids
