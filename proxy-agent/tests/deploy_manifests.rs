@@ -4,7 +4,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-/// The agent container's capabilities (README, "Privileges").
+/// The agent container's capabilities (docs/operations.md, "Privileges").
 const PRIVILEGES: [&str; 3] = ["NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"];
 
 #[test]
@@ -23,7 +23,7 @@ fn deploy_yaml_parses() {
                 assert_eq!(pod["hostNetwork"], true, "{pod}");
                 assert_eq!(pod["hostPID"], true, "{pod}");
                 // Exactly these capabilities, nothing of the runtime's default set: each
-                // one is needed by a feature (README, "Privileges"), as
+                // one is needed by a feature (docs/operations.md, "Privileges"), as
                 // tests/tests/privileges.rs shows by running the agent without it.
                 let caps = &pod["containers"][0]["securityContext"]["capabilities"];
                 assert_eq!(caps["drop"], serde_json::json!(["ALL"]), "{caps}");

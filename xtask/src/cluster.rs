@@ -87,7 +87,7 @@ pub fn build(root: &Path) -> Result<PathBuf> {
     fs::create_dir_all(&partial)?;
     eprintln!(
         "xtask: building etcd, kube-apiserver and kube-controller-manager {kube} into {} \
-         (the first build takes a while: see README)",
+         (the first build takes a while: see docs/cluster-in-a-box.md)",
         dir.display()
     );
     let started = Instant::now();

@@ -4,7 +4,7 @@
 //! per-packet classifier with `BPF_PROG_TEST_RUN`.
 //!
 //! Reported path: the per-packet (TC) path, whose outcome is kube-proxy's. The connect-time
-//! path reaches the same backends without NAT on the wire (see the README's differences).
+//! path reaches the same backends without NAT on the wire (see docs/differences.md).
 
 pub mod connect;
 pub mod packet;
