@@ -121,18 +121,12 @@ fn main() {
         let (_ebpf, mut maps) = bpf::load_private(&[]).expect("load BPF object");
         let mut state = bpf::MapState::adopt(&maps).expect("adopt");
         let t = Instant::now();
-        let r = bpf::MapsDataplane {
-            maps: &mut maps,
-            state: &mut state,
-        }
+        let r = bpf::MapsDataplane::new(&mut maps, &mut state)
         .apply(&view)
         .expect("apply");
         let t_full = ms(t);
         let t = Instant::now();
-        let r2 = bpf::MapsDataplane {
-            maps: &mut maps,
-            state: &mut state,
-        }
+        let r2 = bpf::MapsDataplane::new(&mut maps, &mut state)
         .apply_changes(&view2, &changes.frontends)
         .expect("apply");
         let t_one = ms(t);

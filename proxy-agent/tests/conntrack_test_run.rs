@@ -250,7 +250,7 @@ fn tiny_port_range(h: &mut Harness) {
     configure_node_with(
         h,
         false,
-        proxy_agent::config::ConntrackSettings {
+        proxy_agent::dataplane::bpf::ConntrackOptions {
             masquerade_ports: (20_000, 20_003),
             ..Default::default()
         },

@@ -418,6 +418,8 @@ fn setting() -> BoxedStrategy<(NodeInfo, ViewConfig)> {
                 node_port_addresses: npa.iter().map(|n| n.parse().unwrap()).collect(),
                 node_port_primary: primary,
                 service_proxy_name: named.then(|| "other".to_string()),
+                // The BPF dataplane's limit, as the runner gives it to the view.
+                max_endpoints: proxy_common::MAX_BACKENDS_PER_SERVICE as usize,
                 ..ViewConfig::default()
             };
             (node, cfg)
@@ -599,7 +601,7 @@ fn checked_view(
             );
         }
         for set in std::iter::once(&st.backends).chain(st.internal.as_ref()) {
-            prop_assert!(set.endpoints.len() <= proxy_common::MAX_BACKENDS_PER_SERVICE as usize);
+            prop_assert!(set.endpoints.len() <= cfg.max_endpoints);
             for ep in &set.endpoints {
                 prop_assert!(ep.port() != 0, "{fe}: backend {ep} with port 0");
                 prop_assert_eq!(ep.is_ipv4(), fe.ip.is_ipv4(), "{}: backend {}", fe, ep);

@@ -385,10 +385,7 @@ struct Maps {
 
 impl Dataplane for Maps {
     fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
-        let r = bpf::MapsDataplane {
-            maps: &mut self.maps,
-            state: &mut self.state,
-        }
+        let r = bpf::MapsDataplane::new(&mut self.maps, &mut self.state)
         .apply(view);
         let _ = self.applied.send(());
         r

@@ -919,7 +919,7 @@ fn a_full_local_networks_table_does_not_poison_the_next_config() {
             .collect(),
         ..Default::default()
     };
-    let err = bpf::writer::configure(&mut h.maps, &too_many).expect_err("more than it holds");
+    let err = bpf::writer::configure(&mut h.maps, &too_many, &Default::default()).expect_err("more than it holds");
     assert!(format!("{err:#}").contains("local networks"), "{err:#}");
     // The table is full now; the usual config still applies, and works.
     configure_node(&mut h, false);

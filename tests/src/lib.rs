@@ -940,7 +940,7 @@ endpoints:
 
 /// The cgroup v2 mount (`/sys/fs/cgroup/unified` here, `/sys/fs/cgroup` on most hosts).
 pub fn cgroup_root() -> Result<PathBuf> {
-    proxy_agent::cgroup2_mount()
+    proxy_agent::dataplane::bpf::cgroup2_mount()
 }
 
 fn path_str(p: &Path) -> Result<&str> {

@@ -49,6 +49,11 @@ pub trait Dataplane {
         self.apply(view)
     }
 
+    /// The most endpoints one frontend can have here (the view refuses larger sets).
+    fn max_endpoints(&self) -> usize {
+        usize::MAX
+    }
+
     /// Tells the dataplane who this node is (addresses, pod network, masquerade).
     fn configure(&mut self, _node: &NodeSettings) -> anyhow::Result<()> {
         Ok(())

@@ -329,8 +329,6 @@ pub struct ViewConfig {
     pub pod_cidrs_from_node: bool,
     /// kube-proxy's `masqueradeAll`.
     pub masquerade_all: bool,
-    /// Connection-tracking timeouts of the per-packet path.
-    pub conntrack: crate::config::ConntrackSettings,
     /// CIDRs whose node addresses get NodePorts; empty (and not `primary`): every node
     /// address.
     pub node_port_addresses: Vec<ipnet::IpNet>,
@@ -345,9 +343,12 @@ pub struct ViewConfig {
     /// label names this proxy.
     pub service_proxy_name: Option<String>,
     /// The node's scheduler (a Service's annotation overrides it).
-    pub scheduler: crate::model::schedule::Scheduler,
+    pub scheduler: schedule::Scheduler,
     /// Maglev table length of the hashing schedulers.
     pub maglev_table_len: u32,
+    /// The most endpoints one frontend may have: the dataplane's limit
+    /// (`Dataplane::max_endpoints`); a port with more is refused alone.
+    pub max_endpoints: usize,
 }
 
 impl Default for ViewConfig {
@@ -356,14 +357,14 @@ impl Default for ViewConfig {
             pod_cidrs: Vec::new(),
             pod_cidrs_from_node: false,
             masquerade_all: false,
-            conntrack: Default::default(),
             node_port_addresses: Vec::new(),
             node_port_primary: false,
             node_port_range: DEFAULT_NODE_PORT_RANGE,
             localhost_node_ports: true,
             service_proxy_name: None,
-            scheduler: crate::model::schedule::Scheduler::Random,
-            maglev_table_len: crate::model::schedule::DEFAULT_MAGLEV_TABLE_LEN,
+            scheduler: schedule::Scheduler::Random,
+            maglev_table_len: schedule::DEFAULT_MAGLEV_TABLE_LEN,
+            max_endpoints: usize::MAX,
         }
     }
 }
@@ -452,7 +453,7 @@ pub struct FrontendState {
     /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
     pub source_ranges: Vec<ipnet::IpNet>,
     /// How new flows pick among the backends.
-    pub schedule: crate::model::schedule::Schedule,
+    pub schedule: schedule::Schedule,
 }
 
 /// What the per-packet path needs to know about this node.
@@ -461,7 +462,6 @@ pub struct NodeSettings {
     pub pod_cidrs: Vec<ipnet::IpNet>,
     pub node_addresses: Vec<IpAddr>,
     pub masquerade_all: bool,
-    pub conntrack: crate::config::ConntrackSettings,
 }
 
 impl NodeSettings {
@@ -474,7 +474,6 @@ impl NodeSettings {
             },
             node_addresses: node.addresses.clone(),
             masquerade_all: cfg.masquerade_all,
-            conntrack: cfg.conntrack.clone(),
         }
     }
 }

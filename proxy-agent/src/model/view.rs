@@ -135,12 +135,12 @@ pub fn service_view(
             // Too many for one frontend's backend slots: refused alone, named and
             // counted, so the rest of the node stays programmed and healthy.
             let most = sets.cluster.len().max(sets.local.len());
-            if most > proxy_common::MAX_BACKENDS_PER_SERVICE as usize {
+            if most > cfg.max_endpoints {
                 out.rejections.push(rejection(format!(
                     "port {} ({}): {most} endpoints exceed the {} one Service port can hold",
                     number,
                     if v4 { "IPv4" } else { "IPv6" },
-                    proxy_common::MAX_BACKENDS_PER_SERVICE
+                    cfg.max_endpoints
                 )));
                 continue;
             }

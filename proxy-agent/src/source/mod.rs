@@ -42,3 +42,37 @@ impl ChangeCounts {
         self.endpoint_slices += changes.slices;
     }
 }
+
+/// This node's name as kube-proxy finds it: the override (`--node-name`, `NODE_NAME` from
+/// the downward API, `hostnameOverride`) or else the host name — trimmed and lowercased,
+/// as Node names are.
+pub fn node_name(name_override: Option<&str>) -> anyhow::Result<String> {
+    use anyhow::Context as _;
+    let name = match name_override.map(str::trim).filter(|n| !n.is_empty()) {
+        Some(n) => n.to_string(),
+        None => nix::unistd::gethostname()
+            .context("reading the host name (or pass --node-name / NODE_NAME)")?
+            .to_string_lossy()
+            .trim()
+            .to_string(),
+    };
+    anyhow::ensure!(
+        !name.is_empty(),
+        "empty node name: pass --node-name or NODE_NAME"
+    );
+    Ok(name.to_lowercase())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn node_names_are_lowercased_and_trimmed() {
+        assert_eq!(
+            super::node_name(Some(" Node-A.Example ")).expect("name"),
+            "node-a.example"
+        );
+        let host = super::node_name(None).expect("the host name");
+        assert_eq!(host, host.to_lowercase());
+        assert_eq!(super::node_name(Some("")).expect("falls back"), host);
+    }
+}

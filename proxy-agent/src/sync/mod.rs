@@ -89,6 +89,11 @@ pub async fn run<D: Dataplane>(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     tokio::pin!(shutdown);
+    // The dataplane's limits arrive in the view as settings.
+    let cfg = ViewConfig {
+        max_endpoints: cfg.max_endpoints.min(dataplane.max_endpoints()),
+        ..cfg
+    };
     status.set_health_timeout(timing.resync * 2);
     let mut last_sync: Option<Instant> = None;
     let mut next_resync = Instant::now() + timing.resync;

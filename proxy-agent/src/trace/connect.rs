@@ -45,7 +45,7 @@ pub struct HookedCgroup {
 impl HookedCgroup {
     /// Attaches connect4/connect6 (already loaded) to a fresh child cgroup.
     pub fn new(ebpf: &mut Ebpf, tag: &str) -> Result<Self> {
-        let root = crate::cgroup2_mount()?;
+        let root = crate::dataplane::bpf::cgroup2_mount()?;
         let path = root.join(format!("proxy-trace-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
         let dir = std::fs::File::open(&path)?;

@@ -101,8 +101,14 @@ impl Bench {
         bpf::writer::configure(
             &mut maps,
             &NodeSettings::new(&case.node.info, &case.node.view),
+            &bpf::ConntrackOptions::default(),
         )?;
-        let (view, rejected) = node_view(&case.model, &case.node.info, &case.node.view);
+        // The programs' own limit, as the runner gives it to the agent's view.
+        let view_cfg = crate::model::ViewConfig {
+            max_endpoints: proxy_common::MAX_BACKENDS_PER_SERVICE as usize,
+            ..case.node.view.clone()
+        };
+        let (view, rejected) = node_view(&case.model, &case.node.info, &view_cfg);
         for r in rejected {
             tracing::warn!(case = case.id, object = %r.object, reason = r.reason, "object left out");
         }

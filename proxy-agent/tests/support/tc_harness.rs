@@ -172,12 +172,11 @@ pub fn configure_node(h: &mut Harness, masquerade_all: bool) {
 pub fn configure_node_with(
     h: &mut Harness,
     masquerade_all: bool,
-    conntrack: proxy_agent::config::ConntrackSettings,
+    conntrack: bpf::ConntrackOptions,
 ) {
     bpf::writer::configure(
         &mut h.maps,
         &NodeSettings {
-            conntrack,
             pod_cidrs: vec![
                 "10.244.0.0/16".parse().expect("cidr"),
                 "fd00:244::/48".parse().expect("cidr"),
@@ -188,6 +187,7 @@ pub fn configure_node_with(
             ],
             masquerade_all,
         },
+        &conntrack,
     )
     .expect("configure");
 }

@@ -3,7 +3,7 @@
 //! frees its entries — and with them its masquerade port — and measures how full the
 //! tables really are. It is what netfilter's and Cilium's conntrack GC do.
 
-use std::{collections::HashMap as StdHashMap, time::Duration};
+use std::{collections::HashMap as StdHashMap, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData};
@@ -35,6 +35,40 @@ pub struct CtStats {
     pub new_capacity: u64,
     /// Entries this pass removed (expired flows and orphaned reply entries).
     pub collected: u64,
+}
+
+/// Runs the collector every `INTERVAL` on its own handle of the pinned maps (opened
+/// when they exist), refreshing the flows left to netfilter while there are any, and
+/// hands each pass's figures to `record`.
+pub fn spawn(maps_dir: PathBuf, mut record: impl FnMut(CtStats) + Send + 'static) {
+    tokio::task::spawn_blocking(move || {
+        let mut maps = None;
+        loop {
+            std::thread::sleep(INTERVAL);
+            if maps.is_none() {
+                maps = MapSet::open_pinned(&maps_dir)
+                    .inspect_err(|e| {
+                        tracing::warn!(error = format!("{e:#}"), "conntrack collector: no maps")
+                    })
+                    .ok();
+            }
+            let Some(m) = maps.as_mut() else { continue };
+            // While flows from before us (kube-proxy's) are left to netfilter, follow
+            // its table: they go from the map as they end there.
+            if m.netfilter_flows.keys().next().is_some()
+                && let Err(e) = super::sync_netfilter_flows(m)
+            {
+                tracing::warn!(error = format!("{e:#}"), "netfilter flows not refreshed");
+            }
+            match collect(m, monotonic_ns()) {
+                Ok(st) => {
+                    tracing::debug!(?st, "conntrack collected");
+                    record(st);
+                }
+                Err(e) => tracing::warn!(error = format!("{e:#}"), "conntrack collector failed"),
+            }
+        }
+    });
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns()`.

@@ -7,6 +7,7 @@
 //! traffic never sees a gap. Where the kernel has no tcx, the classifier's clsact filters
 //! stay attached the same way and are swapped in place.
 
+mod cgroup;
 mod clsact;
 mod conntrack;
 pub use conntrack::sync_netfilter_flows;
@@ -17,9 +18,11 @@ mod link_events;
 mod link_update;
 mod links;
 pub mod maps;
+mod options;
 mod members;
 pub(crate) mod netlink;
 mod pin_lock;
+pub mod program_log;
 mod sockets;
 pub mod stats;
 pub mod writer;
@@ -45,6 +48,8 @@ use aya::{
 use proxy_common::map_names;
 
 pub use self::{
+    cgroup::cgroup2_mount,
+    options::{BpfLogLevel, ConntrackOptions, DEFAULT_PIN_DIR, MapSizes, Options, check_masquerade_ports, conntrack_capacities},
     interfaces::InterfaceSelector,
     kernel::{TcAttachMode, TcHook},
     links::AttachFailures,
@@ -86,106 +91,6 @@ const SET_RETVAL_GLOBAL: &str = "SET_RETVAL";
 /// bpffs magic number (`statfs.f_type`).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
-/// Where and how to attach.
-#[derive(Clone, Debug, Default)]
-pub struct AttachOptions {
-    /// Folder on a bpffs for this agent's pins (`maps/`, `links/`).
-    pub pin_dir: PathBuf,
-    /// cgroup v2 folder for the connect-time hooks; `None` leaves them out.
-    pub cgroup: Option<PathBuf>,
-    /// Interfaces whose ingress gets the per-packet classifier, now and as they appear.
-    pub interfaces: InterfaceSelector,
-    /// How the classifier is hooked to them: tcx, a clsact filter, or whichever the
-    /// kernel has.
-    pub tc_attach: TcAttachMode,
-    /// aya-log level for messages from the programs (0 off ... 5 trace).
-    pub bpf_log_level: u8,
-    /// Entries of the answered-flows table (`CONNTRACK`; the new-flows table gets a
-    /// quarter); 0 keeps the built-in capacities.
-    pub conntrack_entries: u32,
-    /// Counts classifier attachments that failed.
-    pub attach_failures: AttachFailures,
-    /// Capacities of the service-side maps.
-    pub map_sizes: MapSizes,
-}
-
-/// Capacities of the service-side maps (`ebpf.mapSizes`). Sizing: `services` ≥ frontends
-/// (Service ports × their cluster, external, load-balancer and NodePort addresses), plus
-/// one per externalTrafficPolicy-Local frontend; `backendSlots` ≥ the sum over frontends
-/// of their endpoints, with room for one backend set being replaced; `backends` ≥
-/// distinct endpoint addresses and ports. The maps allocate entries as they fill (no
-/// preallocation), but the kernel allocates each map's hash buckets (16 bytes per
-/// entry of capacity, rounded up to a power of two) when it is created.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct MapSizes {
-    /// `SERVICES` and `REV_NAT`.
-    pub services: u32,
-    /// `BACKEND_SLOTS` and `MEMBERS`.
-    pub backend_slots: u32,
-    /// `BACKENDS`.
-    pub backends: u32,
-}
-
-impl Default for MapSizes {
-    fn default() -> Self {
-        Self {
-            services: proxy_common::capacity::SERVICES,
-            backend_slots: proxy_common::capacity::BACKEND_SLOTS,
-            backends: proxy_common::capacity::BACKENDS,
-        }
-    }
-}
-
-impl MapSizes {
-    pub const MIN: u32 = 1_024;
-    /// The kernel's hash maps take up to 2^31 buckets; far more than a node needs.
-    pub const MAX: u32 = 1 << 26;
-
-    /// Each map's capacity, by name.
-    pub fn capacities(&self) -> [(&'static str, u32); 9] {
-        [
-            (map_names::SERVICES, self.services),
-            (map_names::REV_NAT, self.services),
-            (map_names::LB_STATS, self.services),
-            (map_names::BACKEND_SLOTS, self.backend_slots),
-            (map_names::MEMBERS, self.backend_slots),
-            (map_names::MAGLEV, self.backend_slots),
-            (map_names::BACKENDS, self.backends),
-            (map_names::ACTIVE_CONNS, self.backends),
-            (map_names::BACKEND_STATS, self.backends),
-        ]
-    }
-}
-
-/// Capacities of the two connection-tracking tables for `entries` answered entries.
-pub fn conntrack_capacities(entries: u32) -> [(&'static str, u32); 2] {
-    [
-        (map_names::CONNTRACK, entries),
-        (map_names::CONNTRACK_NEW, (entries / 4).max(1_024)),
-    ]
-}
-
-/// Refuses a masquerade port range that overlaps the node's ephemeral ports
-/// (`net.ipv4.ip_local_port_range`): a connection the node opens itself could then
-/// share its tuple with a masqueraded flow.
-pub fn check_masquerade_ports(range: (u16, u16)) -> Result<()> {
-    let path = "/proc/sys/net/ipv4/ip_local_port_range";
-    let text = fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
-    let mut parts = text.split_whitespace().map(str::parse::<u16>);
-    let (Some(Ok(lo)), Some(Ok(hi))) = (parts.next(), parts.next()) else {
-        bail!("{path}: unexpected content {text:?}");
-    };
-    if range.0 <= hi && lo <= range.1 {
-        bail!(
-            "masquerade ports {}-{} overlap the node's ephemeral ports {lo}-{hi} \
-             (net.ipv4.ip_local_port_range): set ebpf.masqueradePortRange outside them",
-            range.0,
-            range.1
-        );
-    }
-    Ok(())
-}
-
 /// The loaded, attached dataplane.
 pub struct BpfDataplane {
     /// Kept for the program logger's ring buffer and for attaching the classifier to
@@ -198,6 +103,8 @@ pub struct BpfDataplane {
     cgroup: Option<PathBuf>,
     /// Follows interfaces for the classifier, until [`Self::take_interface_watch`].
     interfaces: Option<InterfaceWatch>,
+    /// The flow tables' idle limits and masquerade ports, written with the node settings.
+    conntrack: ConntrackOptions,
     /// This agent's hold on the pin folder.
     _lock: pin_lock::PinLock,
 }
@@ -241,7 +148,7 @@ pub fn check_bpffs(dir: &Path) -> Result<()> {
 impl BpfDataplane {
     /// Loads the programs (reusing pinned maps), attaches or re-adopts every link, and
     /// rebuilds the mirror of the maps.
-    pub fn start(opts: &AttachOptions) -> Result<Self> {
+    pub fn start(opts: &Options) -> Result<Self> {
         check_bpffs(&opts.pin_dir)?;
         let kernel = kernel::check(
             opts.cgroup.is_some(),
@@ -263,15 +170,14 @@ impl BpfDataplane {
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());
         }
-        let level = opts.bpf_log_level;
+        let level = opts.bpf_log_level.code();
         loader.override_global("AYA_LOG_LEVEL", &level, false);
         let set_retval = u8::from(kernel.set_retval);
         loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
-        if opts.conntrack_entries > 0 {
-            for (name, size) in conntrack_capacities(opts.conntrack_entries) {
-                loader.map_max_entries(name, size);
-                warn_if_pinned_size_differs(&maps_dir.join(name), size);
-            }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for (name, size) in conntrack_capacities(opts.conntrack.table_entries(cpus)) {
+            loader.map_max_entries(name, size);
+            warn_if_pinned_size_differs(&maps_dir.join(name), size);
         }
         for (name, size) in opts.map_sizes.capacities() {
             loader.map_max_entries(name, size);
@@ -345,6 +251,7 @@ impl BpfDataplane {
             state,
             cgroup: opts.cgroup.clone(),
             interfaces,
+            conntrack: opts.conntrack.clone(),
             _lock: lock,
         })
     }
@@ -449,6 +356,10 @@ fn prepare_sctp(ebpf: &mut Ebpf) -> Result<()> {
 }
 
 impl Dataplane for BpfDataplane {
+    fn max_endpoints(&self) -> usize {
+        proxy_common::MAX_BACKENDS_PER_SERVICE as usize
+    }
+
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
         self.apply_some(view, None)
     }
@@ -467,7 +378,7 @@ impl Dataplane for BpfDataplane {
     }
 
     fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
-        writer::configure(&mut self.maps, node)
+        writer::configure(&mut self.maps, node, &self.conntrack)
     }
 }
 
@@ -517,9 +428,25 @@ impl BpfDataplane {
 pub struct MapsDataplane<'a> {
     pub maps: &'a mut MapSet,
     pub state: &'a mut MapState,
+    pub conntrack: ConntrackOptions,
+}
+
+impl<'a> MapsDataplane<'a> {
+    /// On `maps`, with the default connection-tracking options.
+    pub fn new(maps: &'a mut MapSet, state: &'a mut MapState) -> Self {
+        Self {
+            maps,
+            state,
+            conntrack: ConntrackOptions::default(),
+        }
+    }
 }
 
 impl Dataplane for MapsDataplane<'_> {
+    fn max_endpoints(&self) -> usize {
+        proxy_common::MAX_BACKENDS_PER_SERVICE as usize
+    }
+
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
         self.state.apply(self.maps, view)
     }
@@ -538,7 +465,7 @@ impl Dataplane for MapsDataplane<'_> {
     }
 
     fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
-        writer::configure(self.maps, node)
+        writer::configure(self.maps, node, &self.conntrack)
     }
 }
 

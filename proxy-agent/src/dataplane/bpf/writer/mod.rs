@@ -23,7 +23,7 @@ use proxy_common::{
 };
 use rustc_hash::FxHashMap;
 
-use super::{maps::MapSet, members};
+use super::{ConntrackOptions, maps::MapSet, members};
 
 pub mod encode;
 use crate::{
@@ -926,7 +926,7 @@ fn lpm_key(tag: u32, net: &ipnet::IpNet) -> LpmKey<LpmData> {
 
 /// Writes the node settings: the masquerade addresses and flags, the pod network and the
 /// node's own addresses (who is "inside").
-pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
+pub fn configure(maps: &mut MapSet, node: &NodeSettings, ct: &ConntrackOptions) -> Result<()> {
     let first = |v4: bool| {
         node.node_addresses
             .iter()
@@ -941,7 +941,6 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings) -> Result<()> {
         flags |= CFG_LOCAL_DETECTOR;
     }
     let secs = |d: std::time::Duration| u32::try_from(d.as_secs().max(1)).unwrap_or(u32::MAX);
-    let ct = &node.conntrack;
     let cfg = NodeConfig {
         snat_v4: first(true),
         snat_v6: first(false),

@@ -3,9 +3,15 @@
 //! we do not know, or know but do not support, are reported — never silently ignored.
 //! Flags override the file.
 
-use std::{collections::BTreeMap, path::Path, time::Duration};
+mod duration;
+mod file;
 
-use serde::Deserialize;
+use std::{
+    path::{Path, PathBuf},
+    str::FromStr,
+    time::Duration,
+};
+
 use thiserror::Error;
 
 /// A config file that cannot be used.
@@ -21,107 +27,46 @@ pub enum ConfigError {
     Invalid { path: String, message: String },
 }
 
-/// The parts of `KubeProxyConfiguration` (kubeproxy.config.k8s.io/v1alpha1) we read.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct KubeProxyConfiguration {
-    api_version: Option<String>,
-    kind: Option<String>,
-    #[serde(rename = "clusterCIDR")]
-    cluster_cidr: Option<String>,
-    detect_local_mode: Option<String>,
-    detect_local: Option<DetectLocal>,
-    node_port_addresses: Option<Vec<String>>,
-    min_sync_period: Option<String>,
-    sync_period: Option<String>,
-    healthz_bind_address: Option<String>,
-    metrics_bind_address: Option<String>,
-    hostname_override: Option<String>,
-    conntrack: Option<Conntrack>,
-    mode: Option<String>,
-    iptables: Option<ModeSection>,
-    nftables: Option<ModeSection>,
-    ipvs: Option<ModeSection>,
-    client_connection: Option<ClientConnection>,
-    ebpf: Option<EbpfSection>,
-    /// Everything else: reported as unknown or unsupported.
-    #[serde(flatten)]
-    rest: BTreeMap<String, serde_json::Value>,
+use self::file::KubeProxyConfiguration;
+pub use self::duration::parse_duration;
+pub use crate::dataplane::bpf::{BpfLogLevel, ConntrackOptions, MapSizes, TcAttachMode};
+use crate::{
+    dataplane::bpf::DEFAULT_PIN_DIR,
+    model::{ViewConfig, schedule::Scheduler},
+    sync::SyncTiming,
+};
+
+/// Where `metricsBindAddress` listens by default (kube-proxy's); `dump --view`, `dump
+/// --model` and `watch` ask the agent there.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:10249";
+/// kube-proxy's default `healthzBindAddress`.
+pub const DEFAULT_HEALTHZ_ADDR: &str = "0.0.0.0:10256";
+
+/// Which cgroup v2 folder gets the connect-time hooks (`--cgroup`, `ebpf.cgroup`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum CgroupChoice {
+    /// The cgroup2 mount point: every process on the node.
+    #[default]
+    Auto,
+    /// No connect-time hooks.
+    None,
+    Path(PathBuf),
 }
 
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct DetectLocal {
-    bridge_interface: Option<String>,
-    interface_name_prefix: Option<String>,
-}
+impl FromStr for CgroupChoice {
+    type Err = String;
 
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ModeSection {
-    masquerade_all: Option<bool>,
-    localhost_node_ports: Option<bool>,
-    min_sync_period: Option<String>,
-    sync_period: Option<String>,
-    /// `ipvs.scheduler`.
-    scheduler: Option<String>,
-    #[serde(flatten)]
-    rest: BTreeMap<String, serde_json::Value>,
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s.trim() {
+            "auto" => Self::Auto,
+            "none" | "" => Self::None,
+            path => Self::Path(PathBuf::from(path)),
+        })
+    }
 }
-
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Conntrack {
-    tcp_established_timeout: Option<String>,
-    tcp_close_wait_timeout: Option<String>,
-    udp_timeout: Option<String>,
-    udp_stream_timeout: Option<String>,
-    max_per_core: Option<i64>,
-    min: Option<i64>,
-    #[serde(flatten)]
-    rest: BTreeMap<String, serde_json::Value>,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ClientConnection {
-    kubeconfig: Option<String>,
-    #[serde(flatten)]
-    rest: BTreeMap<String, serde_json::Value>,
-}
-
-/// Our own settings, under `ebpf:` in the same file.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct EbpfSection {
-    bpffs: Option<String>,
-    cgroup: Option<String>,
-    interfaces: Option<Vec<String>>,
-    tc_attach: Option<String>,
-    bpf_log_level: Option<String>,
-    service_proxy_name: Option<String>,
-    debug_bind_address: Option<String>,
-    masquerade_port_range: Option<String>,
-    api_server: Option<String>,
-    node_port_range: Option<String>,
-    map_sizes: Option<MapSizesSection>,
-    maglev_table_size: Option<u32>,
-}
-
-/// `ebpf.mapSizes`: capacities of the service-side maps.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct MapSizesSection {
-    services: Option<u32>,
-    backend_slots: Option<u32>,
-    backends: Option<u32>,
-}
-
-pub use crate::dataplane::bpf::MapSizes;
-use crate::model::schedule::Scheduler;
 
 /// How local (pod) traffic is told apart from other traffic.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LocalDetector {
     /// Sources in the cluster's pod CIDRs (`clusterCIDR`).
     ClusterCidr(Vec<ipnet::IpNet>),
@@ -129,46 +74,6 @@ pub enum LocalDetector {
     NodeCidr,
     /// Not told apart: no `clusterCIDR` and no mode.
     None,
-}
-
-/// Connection tracking of the per-packet path: idle limits, table size, masquerade ports.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct ConntrackSettings {
-    /// TCP flows the backend has not answered yet.
-    pub tcp_syn: Duration,
-    pub tcp_established: Duration,
-    pub tcp_close_wait: Duration,
-    pub udp: Duration,
-    pub udp_stream: Duration,
-    /// Answered flows the table holds: `maxPerCore` × CPUs, at least `min`, as kube-proxy
-    /// sizes netfilter's table (`conntrack.maxPerCore`, `conntrack.min`).
-    pub max_per_core: u32,
-    pub min: u32,
-    /// Masquerade source ports (inclusive): `ebpf.masqueradePortRange`.
-    pub masquerade_ports: (u16, u16),
-}
-
-impl Default for ConntrackSettings {
-    fn default() -> Self {
-        Self {
-            tcp_syn: Duration::from_secs(60),
-            tcp_established: Duration::from_secs(86_400),
-            tcp_close_wait: Duration::from_secs(3_600),
-            udp: Duration::from_secs(30),
-            udp_stream: Duration::from_secs(120),
-            max_per_core: 32_768,
-            min: 131_072,
-            masquerade_ports: (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX),
-        }
-    }
-}
-
-impl ConntrackSettings {
-    /// Entries of the answered-flows table on a node with `cpus` CPUs.
-    pub fn table_entries(&self, cpus: usize) -> u32 {
-        let per_core = self.max_per_core.saturating_mul(cpus as u32);
-        per_core.max(self.min).max(1_024)
-    }
 }
 
 /// A duration field as kube-proxy reads it: absent, empty or zero (kubeadm writes `0s`
@@ -208,7 +113,7 @@ fn parse_port_range(text: &str, lowest: u16) -> Result<(u16, u16), String> {
 }
 
 /// The agent's settings, after defaults, file and flags.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub local_detector: LocalDetector,
     pub masquerade_all: bool,
@@ -223,16 +128,16 @@ pub struct Config {
     pub healthz_bind_address: String,
     pub metrics_bind_address: String,
     pub hostname_override: Option<String>,
-    pub conntrack: ConntrackSettings,
+    pub conntrack: ConntrackOptions,
     pub kubeconfig: Option<String>,
     /// The API server's URL (`ebpf.apiServer`), overriding the kubeconfig's or the
     /// in-cluster one (the `kubernetes` ClusterIP, which only a service proxy serves).
     pub api_server: Option<String>,
-    pub bpffs: String,
-    pub cgroup: String,
+    pub bpffs: PathBuf,
+    pub cgroup: CgroupChoice,
     pub interfaces: Vec<String>,
-    /// How the classifier is hooked: `auto`, `tcx` or `clsact` (`ebpf.tcAttach`).
-    pub tc_attach: String,
+    /// How the classifier is hooked (`ebpf.tcAttach`).
+    pub tc_attach: TcAttachMode,
     /// Capacities of the service-side maps (`ebpf.mapSizes`).
     pub map_sizes: MapSizes,
     /// The node's scheduler: `ipvs.scheduler` (default `rr`) when `mode: ipvs`, else
@@ -240,7 +145,7 @@ pub struct Config {
     pub scheduler: Scheduler,
     /// Maglev table length for `sh`, `dh`, `mh` (`ebpf.maglevTableSize`).
     pub maglev_table_len: u32,
-    pub bpf_log_level: String,
+    pub bpf_log_level: BpfLogLevel,
     pub service_proxy_name: Option<String>,
     /// An extra debug endpoint (model, view, watch); empty (the default) disables it: the
     /// metrics address serves the same views.
@@ -248,32 +153,33 @@ pub struct Config {
 }
 
 impl Default for Config {
+    /// Each setting's default comes from the layer that owns it.
     fn default() -> Self {
+        let view = ViewConfig::default();
+        let timing = SyncTiming::default();
         Self {
             local_detector: LocalDetector::None,
-            masquerade_all: false,
-            localhost_node_ports: true,
+            masquerade_all: view.masquerade_all,
+            localhost_node_ports: view.localhost_node_ports,
             node_port_addresses: Vec::new(),
             node_port_primary: false,
-            node_port_range: crate::model::DEFAULT_NODE_PORT_RANGE,
-            // kube-proxy defaults to 1s because each iptables sync is costly; a map
-            // update is not, so bursts are coalesced over a much shorter window.
-            min_sync_period: Duration::from_millis(100),
-            sync_period: Duration::from_secs(30),
-            healthz_bind_address: "0.0.0.0:10256".into(),
-            metrics_bind_address: "127.0.0.1:10249".into(),
+            node_port_range: view.node_port_range,
+            min_sync_period: timing.min_interval,
+            sync_period: timing.resync,
+            healthz_bind_address: DEFAULT_HEALTHZ_ADDR.into(),
+            metrics_bind_address: DEFAULT_METRICS_ADDR.into(),
             hostname_override: None,
-            conntrack: ConntrackSettings::default(),
+            conntrack: ConntrackOptions::default(),
             kubeconfig: None,
             api_server: None,
-            bpffs: "/sys/fs/bpf/proxy-agent".into(),
-            cgroup: "auto".into(),
+            bpffs: PathBuf::from(DEFAULT_PIN_DIR),
+            cgroup: CgroupChoice::Auto,
             interfaces: Vec::new(),
-            tc_attach: "auto".into(),
+            tc_attach: TcAttachMode::default(),
             map_sizes: MapSizes::default(),
-            scheduler: Scheduler::Random,
-            maglev_table_len: crate::model::schedule::DEFAULT_MAGLEV_TABLE_LEN,
-            bpf_log_level: "warn".into(),
+            scheduler: view.scheduler,
+            maglev_table_len: view.maglev_table_len,
+            bpf_log_level: BpfLogLevel::default(),
             service_proxy_name: None,
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
             debug_bind_address: String::new(),
@@ -331,7 +237,7 @@ impl Config {
 
     /// Parses the YAML of a config file.
     pub fn from_text(text: &str) -> Result<(Self, Vec<String>), String> {
-        let file: KubeProxyConfiguration = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        let file = KubeProxyConfiguration::parse(text)?;
         let mut warnings = Vec::new();
         if let Some(kind) = &file.kind
             && kind != "KubeProxyConfiguration"
@@ -468,8 +374,8 @@ impl Config {
                         .map_err(|_| format!("conntrack.{name}: {n} is out of range")),
                 }
             };
-            let defaults = ConntrackSettings::default();
-            cfg.conntrack = ConntrackSettings {
+            let defaults = ConntrackOptions::default();
+            cfg.conntrack = ConntrackOptions {
                 tcp_syn: cfg.conntrack.tcp_syn,
                 tcp_established: d(
                     &ct.tcp_established_timeout,
@@ -503,21 +409,19 @@ impl Config {
         }
         if let Some(e) = file.ebpf {
             if let Some(v) = e.bpffs {
-                cfg.bpffs = v;
+                cfg.bpffs = PathBuf::from(v);
             }
             if let Some(v) = e.cgroup {
-                cfg.cgroup = v;
+                cfg.cgroup = v.parse().map_err(|e| format!("ebpf.cgroup: {e}"))?;
             }
             if let Some(v) = e.interfaces {
                 cfg.interfaces = v;
             }
             if let Some(v) = e.tc_attach {
-                v.parse::<crate::dataplane::bpf::TcAttachMode>()
-                    .map_err(|e| format!("ebpf.tcAttach: {e}"))?;
-                cfg.tc_attach = v;
+                cfg.tc_attach = v.parse().map_err(|e| format!("ebpf.tcAttach: {e}"))?;
             }
             if let Some(v) = e.bpf_log_level {
-                cfg.bpf_log_level = v;
+                cfg.bpf_log_level = v.parse().map_err(|e| format!("ebpf.bpfLogLevel: {e}"))?;
             }
             cfg.service_proxy_name = e.service_proxy_name;
             if let Some(v) = e.debug_bind_address {
@@ -595,54 +499,6 @@ fn parse_cidrs(s: &str, field: &str) -> Result<Vec<ipnet::IpNet>, String> {
         .collect()
 }
 
-/// Go's `time.Duration` text: `1s`, `500ms`, `1m30s`, `24h0m0s`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let mut total = Duration::ZERO;
-    let mut rest = s.trim();
-    if rest == "0" {
-        return Ok(total);
-    }
-    if rest.is_empty() {
-        return Err("empty duration".into());
-    }
-    while !rest.is_empty() {
-        let num_end = rest
-            .find(|c: char| !c.is_ascii_digit() && c != '.')
-            .unwrap_or(rest.len());
-        let (num, tail) = rest.split_at(num_end);
-        let unit_end = tail
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(tail.len());
-        let (unit, tail) = tail.split_at(unit_end);
-        let n: f64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
-        let secs = match unit {
-            "h" => 3600.0,
-            "m" => 60.0,
-            "s" => 1.0,
-            "ms" => 1e-3,
-            "us" | "µs" => 1e-6,
-            "ns" => 1e-9,
-            _ => return Err(format!("invalid duration {s:?}: unit {unit:?}")),
-        };
-        let part = n * secs;
-        // Go's durations are i64 nanoseconds: nothing longer is a duration.
-        if !part.is_finite() || part > GO_DURATION_MAX_S {
-            return Err(format!(
-                "duration {s:?} out of range (Go durations end at 2562047h47m16s)"
-            ));
-        }
-        total = total
-            .checked_add(Duration::from_secs_f64(part))
-            .filter(|t| t.as_secs_f64() <= GO_DURATION_MAX_S)
-            .ok_or_else(|| format!("duration {s:?} out of range"))?;
-        rest = tail;
-    }
-    Ok(total)
-}
-
-/// The longest Go `time.Duration`, in seconds (i64::MAX nanoseconds).
-const GO_DURATION_MAX_S: f64 = 9_223_372_036.854_775;
-
 /// The longest sync period the agent accepts: longer ones are typos, and the timers
 /// built from them must not overflow.
 pub const MAX_SYNC_PERIOD: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -677,22 +533,6 @@ mod tests {
         assert_eq!(cfg.maglev_table_len, 16381);
         let err = Config::from_text("ebpf: {maglevTableSize: 1000}\n").expect_err("not prime");
         assert!(err.contains("maglevTableSize"), "{err}");
-    }
-
-    #[test]
-    fn go_durations() {
-        for (s, ms) in [
-            ("1s", 1000),
-            ("500ms", 500),
-            ("1m30s", 90_000),
-            ("24h0m0s", 86_400_000),
-            ("0", 0),
-            ("1.5s", 1500),
-        ] {
-            assert_eq!(parse_duration(s), Ok(Duration::from_millis(ms)), "{s}");
-        }
-        assert!(parse_duration("5 parsecs").is_err());
-        assert!(parse_duration("").is_err());
     }
 
     #[test]
@@ -748,13 +588,13 @@ ebpf:
             Some("/var/lib/kube-proxy/kubeconfig.conf")
         );
         assert_eq!(cfg.interfaces, vec!["eth0"]);
-        assert_eq!(cfg.tc_attach, "clsact");
+        assert_eq!(cfg.tc_attach, TcAttachMode::Clsact);
         assert_eq!(
             (cfg.map_sizes.backend_slots, cfg.map_sizes.services),
             (8_388_608, MapSizes::default().services),
             "a size given, the others kept"
         );
-        assert_eq!(Config::default().tc_attach, "auto");
+        assert_eq!(Config::default().tc_attach, TcAttachMode::Auto);
         assert_eq!(cfg.service_proxy_name.as_deref(), Some("ebpf-proxy"));
         for needle in [
             "mode \"nftables\": not applicable",
@@ -777,7 +617,7 @@ ebpf:
     /// never "off" and never zero.
     #[test]
     fn kubeadms_configmap_as_kube_proxy_reads_it() {
-        let text = include_str!("../tests/data/kubeadm-kube-proxy-config.conf");
+        let text = include_str!("../../tests/data/kubeadm-kube-proxy-config.conf");
         let (cfg, warnings) = Config::from_text(text).expect("kubeadm's file is valid");
         let defaults = Config::default();
         assert_eq!(cfg.healthz_bind_address, "0.0.0.0:10256");
@@ -786,7 +626,7 @@ ebpf:
         assert_eq!(cfg.min_sync_period, defaults.min_sync_period);
         assert_eq!(
             cfg.conntrack,
-            ConntrackSettings::default(),
+            ConntrackOptions::default(),
             "udpTimeout: 0s is the default"
         );
         assert_eq!(

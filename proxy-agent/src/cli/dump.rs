@@ -1,0 +1,162 @@
+//! `proxy-agent dump`: what the pinned maps hold (works while the agent is down), traffic
+//! per frontend and backend, or a running agent's view.
+
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use proxy_agent::dataplane::bpf::{self, MapSet, writer::words_addr};
+
+/// `dump --model`: the running agent's cluster-wide model, as it serves it.
+pub fn dump_model(addr: &str) -> Result<()> {
+    println!("{}", super::agent_client::fetch(addr, "/debug/model")?);
+    Ok(())
+}
+
+pub fn dump_view(addr: &str, json: bool) -> Result<()> {
+    let body = super::agent_client::fetch(addr, "/debug/view")?;
+    if json {
+        println!("{body}");
+        return Ok(());
+    }
+    let entries: Vec<serde_json::Value> = serde_json::from_str(&body).context("agent's view")?;
+    println!(
+        "{:<30} {:<13} {:<28} BACKENDS",
+        "FRONTEND", "KIND", "SERVICE"
+    );
+    for e in entries {
+        let st = &e["state"];
+        let set = |b: &serde_json::Value| {
+            let eps: Vec<&str> = b["endpoints"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_str())
+                .collect();
+            if eps.is_empty() {
+                format!(
+                    "none ({})",
+                    b["when_empty"].as_str().unwrap_or("?").to_lowercase()
+                )
+            } else {
+                eps.join(" ")
+            }
+        };
+        let mut backends = set(&st["backends"]);
+        if !st["internal"].is_null() {
+            backends.push_str(&format!("  | internal: {}", set(&st["internal"])));
+        }
+        println!(
+            "{:<30} {:<13} {:<28} {}",
+            e["frontend"].as_str().unwrap_or(""),
+            st["kind"].as_str().unwrap_or(""),
+            st["service"].as_str().unwrap_or(""),
+            backends
+        );
+    }
+    Ok(())
+}
+
+fn open_pins(bpffs: &Path) -> Result<MapSet> {
+    MapSet::open_pinned(&bpffs.join("maps"))
+        .with_context(|| format!("is an agent's state pinned under {}?", bpffs.display()))
+}
+
+/// `dump --stats`: every frontend's and backend's counts, as `ipvsadm -Ln --stats`.
+pub fn dump_stats(bpffs: &Path, json: bool, exact: bool) -> Result<()> {
+    let rows = bpf::stats::read(&open_pins(bpffs)?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", bpf::stats::render_table(&rows, exact));
+    }
+    Ok(())
+}
+
+pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
+    let maps = open_pins(bpffs)?;
+    let mut rows = Vec::new();
+    for entry in maps.services.iter() {
+        let (key, value) = entry?;
+        let mut backends = Vec::new();
+        for slot in 0..u32::from(value.count) {
+            let slot_key = proxy_common::BackendSlotKey {
+                service_id: value.id,
+                rev: value.rev,
+                slot,
+            };
+            if let Ok(s) = maps.slots.get(&slot_key, 0)
+                && let Ok(b) = maps.backends.get(&s.backend_id, 0)
+            {
+                backends.push(
+                    std::net::SocketAddr::new(words_addr(b.addr, b.family), u16::from_be(b.port))
+                        .to_string(),
+                );
+            }
+        }
+        rows.push(serde_json::json!({
+            "frontend": std::net::SocketAddr::new(words_addr(key.addr, key.family), u16::from_be(key.port)).to_string(),
+            "protocol": match key.proto {
+                proxy_common::PROTO_UDP => "UDP",
+                proxy_common::PROTO_SCTP => "SCTP",
+                _ => "TCP",
+            },
+            "id": value.id,
+            "rev": value.rev,
+            "affinity_timeout_s": value.affinity_timeout_s,
+            "backends": backends,
+        }));
+    }
+    let counters = maps.counters()?;
+    // Live sockets the connect-time hooks remember (entries go when a socket closes).
+    let sockets = maps.sock_lb.keys().filter(Result::is_ok).count();
+    // Per-packet flows (two entries each): answered, and not answered yet.
+    let answered = maps.conntrack.keys().filter(Result::is_ok).count();
+    let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
+    // Flows netfilter translated before the classifier was attached (kube-proxy's).
+    let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
+    if json {
+        let counters: serde_json::Map<String, serde_json::Value> = counters
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).into()))
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "services": rows,
+                "counters": counters,
+                "sockets": sockets,
+                "conntrack": {"answered": answered, "new": new},
+                "netfilter_flows": netfilter,
+            }))?
+        );
+    } else {
+        println!(
+            "{:<28} {:<5} {:>5} {:>4}  BACKENDS",
+            "FRONTEND", "PROTO", "ID", "REV"
+        );
+        for r in &rows {
+            println!(
+                "{:<28} {:<5} {:>5} {:>4}  {}",
+                r["frontend"].as_str().unwrap_or(""),
+                r["protocol"].as_str().unwrap_or(""),
+                r["id"].as_u64().unwrap_or(0),
+                r["rev"].as_u64().unwrap_or(0),
+                r["backends"]
+                    .as_array()
+                    .map(|b| b
+                        .iter()
+                        .filter_map(|v| v.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" "))
+                    .unwrap_or_default()
+            );
+        }
+        println!("\nsockets tracked: {sockets}");
+        println!("conntrack entries: {answered} answered, {new} new (two per flow)");
+        println!("flows left to netfilter (translated before the classifier): {netfilter}\n");
+        for (name, value) in counters {
+            println!("{name:<24} {value}");
+        }
+    }
+    Ok(())
+}

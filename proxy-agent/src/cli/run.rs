@@ -1,0 +1,307 @@
+//! `proxy-agent run`: the flags over the config file, then the agent's wiring — the
+//! dataplane, the source, the HTTP endpoints, the conntrack collector and the runner.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use proxy_agent::{
+    config::{BpfLogLevel, CgroupChoice, Config, LocalDetector, TcAttachMode},
+    dataplane::bpf::{self, BpfDataplane, InterfaceSelector},
+    source,
+    sync::{self, SyncTiming, status::ConntrackFill},
+};
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// kube-proxy's KubeProxyConfiguration file (plus our `ebpf:` section); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Where Services and EndpointSlices come from.
+    #[arg(long, value_enum, default_value = "files")]
+    source: SourceKind,
+    /// Folder of Kubernetes manifests (Services, EndpointSlices), re-read on change
+    /// (`--source files`).
+    #[arg(long, default_value = "deploy/examples")]
+    manifests: PathBuf,
+    /// kubeconfig for `--source kube`; default: the config file's, else in-cluster, else
+    /// ~/.kube/config.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// The API server's URL for `--source kube` (`https://HOST:PORT`), overriding the
+    /// kubeconfig's; with no kubeconfig, used with the in-cluster ServiceAccount
+    /// credentials (the in-cluster address is a ClusterIP that only a proxy serves).
+    #[arg(long, env = "PROXY_AGENT_API_SERVER")]
+    api_server: Option<String>,
+    /// Folder on a bpffs where maps and links are pinned [default: /sys/fs/bpf/proxy-agent].
+    #[arg(long)]
+    bpffs: Option<PathBuf>,
+    /// cgroup v2 folder for the connect-time hooks; `auto` finds the cgroup2 mount
+    /// (every process on the node), `none` leaves them out [default: auto].
+    #[arg(long)]
+    cgroup: Option<CgroupChoice>,
+    /// Interfaces for the per-packet classifier (comma-separated names or `*` globs such
+    /// as `veth*`), now and as they appear; `auto` is every interface with an Ethernet
+    /// header except loopback. Devices without one (WireGuard, tun, ipip) are skipped
+    /// [default: none].
+    #[arg(long, value_delimiter = ',')]
+    interfaces: Option<Vec<String>>,
+    /// How the classifier is hooked to those interfaces: `tcx` (bpf links, Linux 6.6),
+    /// `clsact` (filters on a clsact qdisc, older kernels), `auto`: tcx where the kernel
+    /// has it [default: auto].
+    #[arg(long)]
+    tc_attach: Option<TcAttachMode>,
+    /// Level of log messages from the BPF programs: off, error, warn, info, debug, trace
+    /// [default: warn].
+    #[arg(long)]
+    bpf_log_level: Option<BpfLogLevel>,
+    /// Minimum interval between syncs, in milliseconds (coalesces bursts) [default: 100].
+    #[arg(long)]
+    min_sync_ms: Option<u64>,
+    /// Periodic full resync, in seconds [default: 30].
+    #[arg(long)]
+    resync_s: Option<u64>,
+    /// Serve only Services labelled service.kubernetes.io/service-proxy-name=NAME (and
+    /// unlabelled ones).
+    #[arg(long)]
+    service_proxy_name: Option<String>,
+    /// An extra debug endpoint (model, view, watch, metrics; the metrics address serves them
+    /// too); `off` disables [default: off].
+    #[arg(long)]
+    debug_addr: Option<String>,
+    #[command(flatten)]
+    node: NodeArgs,
+}
+
+impl RunArgs {
+    /// Defaults, then the config file, then flags.
+    fn config(&self) -> Result<Config> {
+        let mut cfg = match &self.config {
+            Some(path) => {
+                let (cfg, warnings) = Config::from_file(path)?;
+                for w in warnings {
+                    tracing::warn!(config = %path.display(), "{w}");
+                }
+                cfg
+            }
+            None => Config::default(),
+        };
+        if let Some(v) = &self.bpffs {
+            cfg.bpffs = v.clone();
+        }
+        if let Some(v) = &self.cgroup {
+            cfg.cgroup = v.clone();
+        }
+        if let Some(v) = &self.interfaces {
+            cfg.interfaces = v.iter().filter(|s| !s.is_empty()).cloned().collect();
+        }
+        if let Some(v) = self.tc_attach {
+            cfg.tc_attach = v;
+        }
+        if let Some(v) = self.bpf_log_level {
+            cfg.bpf_log_level = v;
+        }
+        if let Some(v) = self.min_sync_ms {
+            cfg.min_sync_period = Duration::from_millis(v);
+        }
+        if let Some(v) = self.resync_s {
+            cfg.sync_period = Duration::from_secs(v.max(1));
+        }
+        if let Some(v) = &self.service_proxy_name {
+            cfg.service_proxy_name = Some(v.clone());
+        }
+        if let Some(v) = &self.debug_addr {
+            cfg.debug_bind_address = if v == "off" { String::new() } else { v.clone() };
+        }
+        if let Some(v) = &self.kubeconfig {
+            cfg.kubeconfig = Some(v.display().to_string());
+        }
+        if let Some(v) = self.api_server.as_ref().filter(|v| !v.is_empty()) {
+            cfg.api_server = Some(v.clone());
+        }
+        if let Some(v) = &self.node.node_name {
+            cfg.hostname_override = Some(v.clone());
+        }
+        cfg.validate().map_err(anyhow::Error::msg)?;
+        Ok(cfg)
+    }
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum SourceKind {
+    /// A folder of YAML manifests (the embedded default; no cluster needed).
+    Files,
+    /// The Kubernetes API server.
+    Kube,
+}
+
+/// Who this node is, for the file source (the API-server source reads the Node object).
+#[derive(Args)]
+pub struct NodeArgs {
+    /// This node's name (kube-proxy's hostnameOverride; the DaemonSet passes the
+    /// downward API's spec.nodeName as NODE_NAME) [default: the host name, lowercased].
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// This node's addresses, for NodePorts (repeatable).
+    #[arg(long = "node-ip")]
+    node_ips: Vec<std::net::IpAddr>,
+    /// A node label, `key=value` (repeatable; topology.kubernetes.io/zone matters).
+    #[arg(long = "node-label", value_parser = parse_label)]
+    node_labels: Vec<(String, String)>,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+}
+
+impl NodeArgs {
+    fn info(&self, name_override: Option<&str>) -> Result<proxy_agent::model::NodeInfo> {
+        Ok(proxy_agent::model::NodeInfo {
+            name: proxy_agent::source::node_name(name_override)?,
+            labels: self.node_labels.iter().cloned().collect(),
+            addresses: self.node_ips.clone(),
+            ..Default::default()
+        })
+    }
+}
+
+pub async fn run(args: RunArgs) -> Result<()> {
+    let cfg = args.config()?;
+    // Before anything is attached: a typo must not leave a node with programs and no source.
+    if matches!(args.source, SourceKind::Files) && !args.manifests.exists() {
+        anyhow::bail!(
+            "--manifests {}: no such file or folder",
+            args.manifests.display()
+        );
+    }
+    let status = sync::Status::default();
+    let opts = bpf::Options {
+        pin_dir: cfg.bpffs.clone(),
+        cgroup: match &cfg.cgroup {
+            CgroupChoice::None => None,
+            CgroupChoice::Auto => Some(bpf::cgroup2_mount()?),
+            CgroupChoice::Path(p) => Some(p.clone()),
+        },
+        interfaces: InterfaceSelector::parse(&cfg.interfaces)
+            .context("--interfaces (ebpf.interfaces)")?,
+        tc_attach: cfg.tc_attach,
+        bpf_log_level: cfg.bpf_log_level,
+        conntrack: cfg.conntrack.clone(),
+        attach_failures: status.attach_failures(),
+        map_sizes: cfg.map_sizes,
+    };
+    bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;
+    tracing::info!(cgroup = ?opts.cgroup, interfaces = ?cfg.interfaces, "starting");
+    let mut dataplane = BpfDataplane::start(&opts)?;
+    {
+        let mut ebpf = dataplane
+            .ebpf
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the BPF object's lock is poisoned"))?;
+        bpf::program_log::spawn(&mut ebpf);
+    }
+    if let Some(watch) = dataplane.take_interface_watch() {
+        tokio::spawn(async move {
+            // Interfaces already served keep their classifier; new ones wait for a restart.
+            if let Err(e) = watch.run().await {
+                tracing::error!(error = format!("{e:#}"), "no longer following interfaces");
+            }
+        });
+    }
+    let timing = SyncTiming {
+        min_interval: cfg.min_sync_period,
+        resync: cfg.sync_period.max(Duration::from_secs(1)),
+        ..SyncTiming::default()
+    };
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down; pinned programs keep serving traffic");
+    };
+    let node = args.node.info(cfg.hostname_override.as_deref())?;
+    if cfg.local_detector == LocalDetector::NodeCidr && matches!(args.source, SourceKind::Files) {
+        anyhow::bail!(
+            "detectLocalMode NodeCIDR reads this Node's spec.podCIDRs: it needs --source kube"
+        );
+    }
+    let view_cfg = proxy_agent::model::ViewConfig {
+        pod_cidrs: match &cfg.local_detector {
+            LocalDetector::ClusterCidr(nets) => nets.clone(),
+            LocalDetector::NodeCidr | LocalDetector::None => Vec::new(),
+        },
+        pod_cidrs_from_node: cfg.local_detector == LocalDetector::NodeCidr,
+        masquerade_all: cfg.masquerade_all,
+        node_port_addresses: cfg.node_port_addresses.clone(),
+        node_port_primary: cfg.node_port_primary,
+        node_port_range: cfg.node_port_range,
+        localhost_node_ports: cfg.localhost_node_ports,
+        service_proxy_name: cfg.service_proxy_name.clone(),
+        scheduler: cfg.scheduler,
+        maglev_table_len: cfg.maglev_table_len,
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    match args.source {
+        SourceKind::Files => {
+            let dir = args.manifests.clone();
+            tokio::spawn(async move {
+                if let Err(e) = source::manifest_watch::run(dir, node, tx).await {
+                    tracing::error!(error = format!("{e:#}"), "file source stopped");
+                }
+            });
+        }
+        SourceKind::Kube => {
+            let api = source::api_server::ApiServerOptions {
+                kubeconfig: cfg.kubeconfig.clone(),
+                api_server: cfg.api_server.clone(),
+            };
+            let config = source::api_server::client_config(&api).await?;
+            let url = config.cluster_url.to_string();
+            let client = kube::Client::try_from(config).context("building the API client")?;
+            let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
+            tokio::spawn(async move {
+                source::api_server::wait_reachable(&client, &url).await;
+                source::events::announce_start(client.clone(), &node.name).await;
+                source::kube::run(client, node.name, selector, tx).await
+            });
+        }
+    }
+    use proxy_agent::debug::Endpoints;
+    for (addr, endpoints) in [
+        (&cfg.healthz_bind_address, Endpoints::Healthz),
+        (&cfg.metrics_bind_address, Endpoints::Metrics),
+        (&cfg.debug_bind_address, Endpoints::Debug),
+    ] {
+        if addr.is_empty() {
+            continue;
+        }
+        let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
+        tokio::spawn(async move {
+            // An endpoint that cannot listen is reported; proxying goes on without it.
+            if let Err(e) = proxy_agent::debug::serve(&addr, endpoints, st, Some(maps)).await {
+                tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
+            }
+        });
+    }
+    {
+        let status = status.clone();
+        bpf::ct_collector::spawn(opts.pin_dir.join("maps"), move |st| {
+            let fill = ConntrackFill {
+                answered: st.answered,
+                answered_capacity: st.answered_capacity,
+                new: st.new,
+                new_capacity: st.new_capacity,
+                collected_total: 0,
+            };
+            status.record_conntrack(fill, st.collected);
+        });
+    }
+    sync::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
+}
+
