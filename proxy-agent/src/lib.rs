@@ -1,17 +1,18 @@
 //! proxy-agent: an eBPF service proxy for Kubernetes.
 //!
-//! `source` → `model` (node view) → `sync` → `dataplane` → BPF maps.
+//! `source` → `model` (node view) → `runner` → `dataplane` → BPF maps; the layers and
+//! what each may import: `docs/architecture.md`.
 
 pub mod config;
 pub mod dataplane;
-pub mod debug;
-pub mod health;
+pub mod health_check;
+pub mod http_server;
 pub mod kube_proxy_cleanup;
 pub mod metrics;
 pub mod model;
 pub mod netns;
 pub mod source;
-pub mod sync;
+pub mod runner;
 pub mod trace;
 
 // Selects rustls' crypto provider (ring) for the API client; nothing to call.

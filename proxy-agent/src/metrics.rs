@@ -10,11 +10,11 @@ use std::{path::Path, sync::atomic::AtomicU64};
 
 use prometheus_client::{
     encoding::text::encode,
-    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
     registry::Registry,
 };
 
-use crate::{dataplane::bpf::MapSet, sync::Status};
+use crate::{dataplane::bpf::MapSet, runner::Status};
 
 type Labels = Vec<(String, String)>;
 
@@ -327,20 +327,6 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
     );
 }
 
-/// kube-proxy's network programming buckets: 0.25 s to 5 min.
-pub fn kube_proxy_programming_buckets() -> Vec<f64> {
-    let mut b = vec![0.25, 0.5];
-    b.extend((1..=59).map(f64::from));
-    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
-    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
-    b
-}
-
-/// A histogram with kube-proxy's network programming buckets.
-pub fn kube_proxy_programming_histogram() -> Histogram {
-    Histogram::new(kube_proxy_programming_buckets())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,6 +358,9 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} missing:\n{text}");
         }
-        assert_eq!(kube_proxy_programming_buckets().len(), 2 + 59 + 12 + 7);
+        assert_eq!(
+            crate::runner::latency::kube_proxy_programming_buckets().len(),
+            2 + 59 + 12 + 7
+        );
     }
 }

@@ -10,7 +10,7 @@ mod support;
 use std::net::SocketAddr;
 
 use proxy_agent::{
-    dataplane::bpf::ct_collector::{self, monotonic_ns},
+    dataplane::bpf::conntrack_gc::{self, monotonic_ns},
     model::{FrontendKind, NodeView, Protocol},
 };
 use proxy_common::{CT_DIR_FORWARD, CT_DIR_REPLY, CtKey, CtValue, map_names};
@@ -450,7 +450,7 @@ fn the_collector_frees_expired_flows_and_orphans() {
         .conntrack
         .insert(&orphan_key, &orphan, 0)
         .expect("insert");
-    let st = ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    let st = conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert_eq!(
         (st.answered, st.new, st.collected),
         (20, 2, 1),
@@ -461,14 +461,14 @@ fn the_collector_frees_expired_flows_and_orphans() {
         u64::from(proxy_common::capacity::CONNTRACK)
     );
     age(&mut h, 11);
-    let st = ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    let st = conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert_eq!(
         (st.answered, st.new, st.collected),
         (18, 2, 2),
         "the reset flow: {st:?}"
     );
     age(&mut h, 50);
-    let st = ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    let st = conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert_eq!(
         (st.answered, st.new, st.collected),
         (18, 0, 2),

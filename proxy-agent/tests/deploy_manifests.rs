@@ -134,7 +134,7 @@ fn kustomization_lists_every_manifest() {
 fn examples_build_the_demo_view() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
     let view =
-        proxy_agent::sync::view_from_manifests(&dir, &Default::default(), &Default::default())
+        proxy_agent::runner::view_from_manifests(&dir, &Default::default(), &Default::default())
             .expect("examples load");
     // web: 2 families x (http, dns); empty: 1.
     assert_eq!(view.len(), 5, "{view:#?}");

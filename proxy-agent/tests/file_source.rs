@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use proxy_agent::source::{SharedSnapshot, manifest_watch};
+use proxy_agent::source::{SharedSnapshot, files::follow};
 use tokio::sync::watch;
 
 fn services(names: &[&str]) -> String {
@@ -33,7 +33,7 @@ fn temp(name: &str) -> PathBuf {
 fn start(path: &Path) -> watch::Receiver<Option<SharedSnapshot>> {
     let (tx, rx) = watch::channel(None);
     let path = path.to_path_buf();
-    tokio::spawn(async move { manifest_watch::run(path, Default::default(), tx).await });
+    tokio::spawn(async move { follow::run(path, Default::default(), tx).await });
     rx
 }
 
@@ -136,7 +136,7 @@ async fn a_single_file_replaced_twice_is_followed() {
 #[tokio::test]
 async fn a_missing_path_is_an_error() {
     let (tx, _rx) = watch::channel(None);
-    let err = manifest_watch::run(
+    let err = follow::run(
         PathBuf::from("/nonexistent/manifests"),
         Default::default(),
         tx,
@@ -169,16 +169,16 @@ async fn unreadable_documents_are_counted_as_rejected() {
     )
     .expect("write");
     let rx = start(&dir);
-    let status = proxy_agent::sync::Status::default();
+    let status = proxy_agent::runner::Status::default();
     let st = status.clone();
     tokio::spawn(async move {
         let mut dp = Nothing;
-        let timing = proxy_agent::sync::SyncTiming {
+        let timing = proxy_agent::runner::Timing {
             min_interval: Duration::from_millis(10),
             resync: Duration::from_secs(600),
             retry: Duration::from_millis(100),
         };
-        let _ = proxy_agent::sync::run(
+        let _ = proxy_agent::runner::run(
             rx,
             Default::default(),
             &mut dp,

@@ -11,7 +11,7 @@ use proxy_agent::{
     dataplane::{ApplyReport, Dataplane, bpf},
     model::{Frontend, NodeView, Protocol, ViewConfig},
     source,
-    sync::{self, Status, SyncTiming},
+    runner::{self, Status, Timing},
 };
 use serde_json::{Value, json};
 use support::{
@@ -64,8 +64,8 @@ impl Dataplane for Recording {
     }
 }
 
-fn timing() -> SyncTiming {
-    SyncTiming {
+fn timing() -> Timing {
+    Timing {
         min_interval: Duration::from_millis(10),
         resync: Duration::from_secs(600),
         retry: Duration::from_millis(100),
@@ -84,7 +84,7 @@ fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, mut dataplane: D
     let status = Status::default();
     let st = status.clone();
     tokio::spawn(async move {
-        let _ = sync::run(
+        let _ = runner::run(
             rx,
             ViewConfig::default(),
             &mut dataplane,
@@ -268,7 +268,7 @@ async fn healthz_fails_and_livez_holds_while_the_node_drains() {
     let st = status.clone();
     let a = addr.clone();
     tokio::spawn(async move {
-        proxy_agent::debug::serve(&a, proxy_agent::debug::Endpoints::Metrics, st, None).await
+        proxy_agent::http_server::serve(&a, proxy_agent::http_server::Endpoints::Metrics, st, None).await
     });
     let get = |path: &'static str| {
         let addr = addr.clone();

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 
 use proxy_agent::{
     dataplane::bpf::{
-        ct_collector::{self, monotonic_ns},
+        conntrack_gc::{self, monotonic_ns},
         stats::{self, Totals},
     },
     model::{BackendSet, FrontendKind, NodeView, Protocol, WhenEmpty},
@@ -160,7 +160,7 @@ fn dump_stats_shows_the_flow_and_its_open_connection() {
         return;
     }
     let (mut h, _) = one_flow();
-    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     let table = stats::render_table(&stats::read(&h.maps).expect("read"), false);
     let expected = "\
 Prot LocalAddress:Port Scheduler  Weight ActiveConn    Conns   InPkts  OutPkts  InBytes OutBytes
@@ -242,7 +242,7 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
         .insert(&old_backend, &5, 0)
         .expect("insert");
     h.maps.active_conns.insert(&4242, &3, 0).expect("insert");
-    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert_eq!(h.maps.active_conns.get(&old_backend, 0).ok(), Some(1));
     assert!(
         h.maps.active_conns.get(&4242, 0).is_err(),
@@ -251,7 +251,7 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
 
     // The flow closes: no longer active.
     run_ok(&h, &tcp_with_flags(sa(CLIENT), sa(VIP), RST));
-    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert!(h.maps.active_conns.get(&old_backend, 0).is_err(), "closed");
 
     // The backend leaves the Service: its counts go, the frontend's stay.
@@ -262,7 +262,7 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
         &["10.244.2.6:8080"],
     )]));
     assert!(h.maps.backends.get(&old_backend, 0).is_err(), "removed");
-    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert!(h.maps.backend_stats.get(&old_backend, 0).is_err());
     let rows = stats::read(&h.maps).expect("read");
     assert_eq!(rows.len(), 1);
@@ -281,7 +281,7 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
 
     // The frontend goes too.
     h.apply(&NodeView::new());
-    ct_collector::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert_eq!(h.maps.lb_stats.keys().count(), 0, "LB_STATS emptied");
     assert_eq!(
         h.maps.backend_stats.keys().count(),

@@ -9,7 +9,7 @@ use proxy_agent::{
     config::{BpfLogLevel, CgroupChoice, Config, LocalDetector, TcAttachMode},
     dataplane::bpf::{self, BpfDataplane, InterfaceSelector},
     source,
-    sync::{self, SyncTiming, status::ConntrackFill},
+    runner::{self, Timing, status::ConntrackFill},
 };
 
 #[derive(Args)]
@@ -176,7 +176,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             args.manifests.display()
         );
     }
-    let status = sync::Status::default();
+    let status = runner::Status::default();
     let opts = bpf::Options {
         pin_dir: cfg.bpffs.clone(),
         cgroup: match &cfg.cgroup {
@@ -210,10 +210,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
         });
     }
-    let timing = SyncTiming {
+    let timing = Timing {
         min_interval: cfg.min_sync_period,
         resync: cfg.sync_period.max(Duration::from_secs(1)),
-        ..SyncTiming::default()
+        ..Timing::default()
     };
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -251,7 +251,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         SourceKind::Files => {
             let dir = args.manifests.clone();
             tokio::spawn(async move {
-                if let Err(e) = source::manifest_watch::run(dir, node, tx).await {
+                if let Err(e) = source::files::follow::run(dir, node, tx).await {
                     tracing::error!(error = format!("{e:#}"), "file source stopped");
                 }
             });
@@ -272,7 +272,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             });
         }
     }
-    use proxy_agent::debug::Endpoints;
+    use proxy_agent::http_server::Endpoints;
     for (addr, endpoints) in [
         (&cfg.healthz_bind_address, Endpoints::Healthz),
         (&cfg.metrics_bind_address, Endpoints::Metrics),
@@ -284,14 +284,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
         let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
         tokio::spawn(async move {
             // An endpoint that cannot listen is reported; proxying goes on without it.
-            if let Err(e) = proxy_agent::debug::serve(&addr, endpoints, st, Some(maps)).await {
+            if let Err(e) = proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps)).await {
                 tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
             }
         });
     }
     {
         let status = status.clone();
-        bpf::ct_collector::spawn(opts.pin_dir.join("maps"), move |st| {
+        bpf::conntrack_gc::spawn(opts.pin_dir.join("maps"), move |st| {
             let fill = ConntrackFill {
                 answered: st.answered,
                 answered_capacity: st.answered_capacity,
@@ -302,6 +302,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
             status.record_conntrack(fill, st.collected);
         });
     }
-    sync::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
+    runner::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
 }
 

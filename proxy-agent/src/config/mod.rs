@@ -33,7 +33,7 @@ pub use crate::dataplane::bpf::{BpfLogLevel, ConntrackOptions, MapSizes, TcAttac
 use crate::{
     dataplane::bpf::DEFAULT_PIN_DIR,
     model::{ViewConfig, schedule::Scheduler},
-    sync::SyncTiming,
+    runner::Timing,
 };
 
 /// Where `metricsBindAddress` listens by default (kube-proxy's); `dump --view`, `dump
@@ -156,7 +156,7 @@ impl Default for Config {
     /// Each setting's default comes from the layer that owns it.
     fn default() -> Self {
         let view = ViewConfig::default();
-        let timing = SyncTiming::default();
+        let timing = Timing::default();
         Self {
             local_detector: LocalDetector::None,
             masquerade_all: view.masquerade_all,

@@ -6,7 +6,6 @@ pub mod api_server;
 pub mod events;
 pub mod files;
 pub mod kube;
-pub mod manifest_watch;
 
 use crate::model::{ClusterModel, NodeInfo};
 

@@ -111,7 +111,7 @@ fn service_metrics(tb: &Testbed) -> Result<String> {
 /// Frontends the example manifests produce, by the agent's own parser.
 fn count_frontends(dir: &std::path::Path) -> Result<usize> {
     Ok(
-        proxy_agent::sync::view_from_manifests(dir, &Default::default(), &Default::default())?
+        proxy_agent::runner::view_from_manifests(dir, &Default::default(), &Default::default())?
             .len(),
     )
 }

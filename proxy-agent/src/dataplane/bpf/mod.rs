@@ -9,9 +9,9 @@
 
 mod cgroup;
 mod clsact;
-mod conntrack;
-pub use conntrack::sync_netfilter_flows;
-pub mod ct_collector;
+mod ctnetlink;
+pub use ctnetlink::refresh_netfilter_flows;
+pub mod conntrack_gc;
 pub mod interfaces;
 pub mod kernel;
 mod link_events;
@@ -211,7 +211,7 @@ impl BpfDataplane {
         // Before the classifier meets their packets: flows netfilter is translating
         // (kube-proxy's, while migrating) stay with it instead of being dropped as
         // unknown mid-stream segments.
-        if let Err(e) = conntrack::sync_netfilter_flows(&mut maps) {
+        if let Err(e) = ctnetlink::refresh_netfilter_flows(&mut maps) {
             tracing::warn!(
                 error = format!("{e:#}"),
                 "the kernel's conntrack table is unreadable: connections kube-proxy translated before this start may break"
@@ -395,7 +395,7 @@ impl BpfDataplane {
         // The kernel's entries carry no Service: only backends no frontend uses go.
         let gone: Vec<_> = left.iter().filter(|l| l.gone).map(|l| l.backend).collect();
         if !gone.is_empty() {
-            match conntrack::forget_udp_flows_to(&gone) {
+            match ctnetlink::forget_udp_flows_to(&gone) {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(
                     entries = n,
@@ -562,7 +562,7 @@ fn remove_filters(links_dir: &Path) -> Result<()> {
 /// Removes everything the agent pinned under `pin_dir`: links first (which detaches the
 /// programs), then the clsact filters of this network namespace (and the qdiscs we added,
 /// when nothing else uses them), then the kernel's conntrack entries our flows left
-/// (`conntrack::forget_translated_flows`), then maps.
+/// (`ctnetlink::forget_translated_flows`), then maps.
 pub fn cleanup(pin_dir: &Path) -> Result<CleanupReport> {
     let mut report = CleanupReport::default();
     if !pin_dir.exists() {
@@ -580,7 +580,7 @@ pub fn cleanup(pin_dir: &Path) -> Result<CleanupReport> {
         // The kernel releases an unpinned link in deferred work: a packet the classifier
         // still translates meanwhile would leave its entry behind again.
         std::thread::sleep(std::time::Duration::from_millis(250));
-        match conntrack::forget_translated_flows(&maps) {
+        match ctnetlink::forget_translated_flows(&maps) {
             Ok(n) => tracing::info!(
                 entries = n,
                 "the kernel's conntrack entries of our flows deleted"

@@ -1,4 +1,4 @@
-//! The sync loop: turns each new snapshot from a source into the node view and hands it
+//! The runner: turns each new snapshot from a source into the node view and hands it
 //! to the dataplane — bursts coalesced by a minimum interval, a periodic resync that
 //! repairs drift, and retries with backoff when an apply fails.
 
@@ -13,7 +13,7 @@ use tokio::{sync::watch, time::Instant};
 pub use self::status::Status;
 use crate::{
     dataplane::Dataplane,
-    health::HealthServers,
+    health_check::HealthServers,
     model::{
         Frontend, NodeInfo, NodeSettings, NodeView, ViewConfig, ViewTracker,
         health_check_addresses, node_view,
@@ -38,16 +38,16 @@ impl Programming {
     }
 }
 
-/// Timing of the sync loop (kube-proxy's minSyncPeriod / syncPeriod).
+/// Timing of the runner (kube-proxy's minSyncPeriod / syncPeriod).
 #[derive(Clone, Copy, Debug)]
-pub struct SyncTiming {
+pub struct Timing {
     pub min_interval: Duration,
     pub resync: Duration,
     /// First retry delay after a failed apply; doubles up to `resync`.
     pub retry: Duration,
 }
 
-impl Default for SyncTiming {
+impl Default for Timing {
     fn default() -> Self {
         Self {
             min_interval: Duration::from_millis(100),
@@ -84,7 +84,7 @@ pub async fn run<D: Dataplane>(
     mut source: watch::Receiver<Option<SharedSnapshot>>,
     cfg: ViewConfig,
     dataplane: &mut D,
-    timing: SyncTiming,
+    timing: Timing,
     status: Status,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
@@ -101,7 +101,10 @@ pub async fn run<D: Dataplane>(
     let mut retry_delay = timing.retry;
     let mut last_unreadable = 0;
     let mut settings: Option<NodeSettings> = None;
-    let mut health = HealthServers::new(status.clone());
+    let probe = status.clone();
+    let mut health = HealthServers::new(std::sync::Arc::new(move || {
+        probe.health(std::time::Instant::now()).healthy
+    }));
     let mut programming = Programming::default();
     let mut tracker: Option<ViewTracker> = None;
     // The model the tracker's view was built from.

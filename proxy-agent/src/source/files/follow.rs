@@ -21,7 +21,7 @@ use anyhow::{Context as _, Result, bail};
 use notify::Watcher as _;
 use tokio::sync::{mpsc, watch};
 
-use super::{ChangeCounts, SharedSnapshot, Snapshot, files};
+use crate::source::{ChangeCounts, SharedSnapshot, Snapshot, files};
 use crate::model::{ClusterModel, NodeInfo};
 
 /// How long the files must be quiet before a burst of changes is read.
@@ -89,7 +89,7 @@ fn publish(
     changes: &mut ChangeCounts,
 ) {
     // The fresh reading folded into the last published model: what did not change stays
-    // shared, so the sync loop's diff is of the changes alone.
+    // shared, so the runner's diff is of the changes alone.
     let mut next = tx
         .borrow()
         .as_ref()

@@ -16,7 +16,10 @@ use axum::{Json, Router, extract::State, http::StatusCode, response::IntoRespons
 use serde_json::json;
 use tokio::task::JoinHandle;
 
-use crate::{model::HealthCheck, sync::Status};
+use crate::model::HealthCheck;
+
+/// Whether the proxy itself is healthy now (a listener answers 503 when it is not).
+pub type ProxyHealthy = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// How long a listener that could not open waits before trying again.
 const LISTEN_RETRY: Duration = Duration::from_secs(5);
@@ -24,7 +27,7 @@ const LISTEN_RETRY: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 struct Shared {
     check: Arc<RwLock<HealthCheck>>,
-    status: Status,
+    healthy: ProxyHealthy,
 }
 
 struct Server {
@@ -45,14 +48,14 @@ impl Drop for Server {
 /// The running health-check listeners.
 pub struct HealthServers {
     servers: BTreeMap<u16, Server>,
-    status: Status,
+    healthy: ProxyHealthy,
 }
 
 impl HealthServers {
-    pub fn new(status: Status) -> Self {
+    pub fn new(healthy: ProxyHealthy) -> Self {
         Self {
             servers: BTreeMap::new(),
-            status,
+            healthy,
         }
     }
 
@@ -74,7 +77,7 @@ impl HealthServers {
             }
             let shared = Shared {
                 check: Arc::new(RwLock::new(check.clone())),
-                status: self.status.clone(),
+                healthy: Arc::clone(&self.healthy),
             };
             let app = Router::new()
                 .fallback(get(answer))
@@ -134,7 +137,7 @@ async fn answer(State(shared): State<Shared>) -> impl IntoResponse {
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
-    let healthy = shared.status.health(std::time::Instant::now()).healthy;
+    let healthy = (shared.healthy)();
     let code = if check.local_endpoints > 0 && healthy {
         StatusCode::OK
     } else {
@@ -153,7 +156,7 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
-    use crate::model::ObjectRef;
+    use crate::{model::ObjectRef, runner::Status};
 
     /// The status code of `GET /` on `addr`, or `None` if nothing answers.
     async fn status_code(addr: SocketAddr) -> Option<u16> {
@@ -205,7 +208,10 @@ mod tests {
         let squatter = std::net::TcpListener::bind("[::]:0").expect("bind");
         let port = squatter.local_addr().expect("addr").port();
         let status = Status::default();
-        let mut servers = HealthServers::new(status.clone());
+        // The probe the runner gives the listeners: its own health.
+        let probe = status.clone();
+        let mut servers =
+            HealthServers::new(Arc::new(move || probe.health(std::time::Instant::now()).healthy));
         servers.update(&on(port, check(1)), None);
         tokio::time::sleep(Duration::from_millis(300)).await;
         drop(squatter);

@@ -1,4 +1,4 @@
-//! What the sync loop last did, shared with the debug endpoint and metrics: the model, the
+//! What the runner last did, shared with the HTTP server and metrics: the model, the
 //! node view, counters, and a stream of view diffs for `proxy-agent watch`.
 
 use std::{
@@ -105,7 +105,7 @@ impl Default for Histograms {
         Self {
             sync: buckets(),
             programming: buckets(),
-            programming_kube: crate::metrics::kube_proxy_programming_histogram(),
+            programming_kube: super::latency::kube_proxy_programming_histogram(),
         }
     }
 }

@@ -10,7 +10,7 @@ use proxy_agent::{
     dataplane::{ApplyReport, Dataplane},
     model::{NodeView, ViewConfig},
     source::Snapshot,
-    sync::{self, Status, SyncTiming},
+    runner::{self, Status, Timing},
 };
 
 struct Counting(Arc<std::sync::atomic::AtomicUsize>);
@@ -28,13 +28,13 @@ async fn shutdown_does_not_wait_for_the_minimum_sync_interval() {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let applied = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut dataplane = Counting(applied.clone());
-    let timing = SyncTiming {
+    let timing = Timing {
         min_interval: Duration::from_secs(60),
         resync: Duration::from_secs(600),
         retry: Duration::from_millis(100),
     };
     let task = tokio::spawn(async move {
-        sync::run(
+        runner::run(
             rx,
             ViewConfig::default(),
             &mut dataplane,
@@ -128,13 +128,13 @@ async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let recording = Recording::default();
     let mut dataplane = recording.clone();
-    let timing = SyncTiming {
+    let timing = Timing {
         min_interval: Duration::from_millis(10),
         resync: Duration::from_secs(600),
         retry: Duration::from_millis(100),
     };
     let task = tokio::spawn(async move {
-        sync::run(
+        runner::run(
             rx,
             ViewConfig::default(),
             &mut dataplane,

@@ -210,7 +210,7 @@ pub fn dnat_flows() -> Result<HashSet<CtKey>> {
 /// Mirrors the kernel's destination-NATed flows into `NETFILTER_FLOWS` (before the
 /// classifier is attached, and then while any are left: entries go as netfilter's go).
 /// Returns how many the map holds now.
-pub fn sync_netfilter_flows(maps: &mut super::MapSet) -> Result<usize> {
+pub fn refresh_netfilter_flows(maps: &mut super::MapSet) -> Result<usize> {
     let flows = dnat_flows()?;
     let (added, removed) = mirror_netfilter_flows(&mut maps.netfilter_flows, &flows)?;
     if added + removed > 0 {

@@ -1,4 +1,5 @@
-//! The agent's local HTTP endpoint: health, Prometheus metrics, and — in KPNG's spirit —
+//! The agent's HTTP server (kube-proxy's healthz and metrics addresses): health, Prometheus
+//! metrics, and — as kube-proxy serves its debug handlers there, in KPNG's spirit —
 //! the global model, this node's view, and a live stream of view diffs.
 
 use std::{convert::Infallible, net::SocketAddr, path::PathBuf};
@@ -14,7 +15,7 @@ use axum::{
 };
 use serde_json::json;
 
-use crate::{model::NodeView, sync::Status};
+use crate::{model::NodeView, runner::Status};
 
 #[derive(Clone)]
 struct AppState {

@@ -5,9 +5,25 @@
 
 use std::time::{Duration, SystemTime};
 
+use prometheus_client::metrics::histogram::Histogram;
+
 /// How long ago `t` was; zero for a clock that ran ahead of ours.
 pub fn since(t: SystemTime, now: SystemTime) -> Duration {
     now.duration_since(t).unwrap_or_default()
+}
+
+/// kube-proxy's network programming buckets: 0.25 s to 5 min.
+pub fn kube_proxy_programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    b
+}
+
+/// A histogram with kube-proxy's network programming buckets.
+pub fn kube_proxy_programming_histogram() -> Histogram {
+    Histogram::new(kube_proxy_programming_buckets())
 }
 
 #[cfg(test)]

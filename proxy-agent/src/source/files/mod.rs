@@ -1,6 +1,8 @@
 //! A folder of Kubernetes YAML (or JSON) manifests: the embedded default source.
 //! Multi-document files and `kind: List` are understood; anything else is skipped.
 
+pub mod follow;
+
 use std::{
     fs,
     path::{Path, PathBuf},
