@@ -202,10 +202,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
             .map_err(|_| anyhow::anyhow!("the BPF object's lock is poisoned"))?;
         bpf::program_log::spawn(&mut ebpf);
     }
-    if let Some(watch) = dataplane.take_interface_watch() {
+    if let Some(follower) = dataplane.take_interface_follower() {
         tokio::spawn(async move {
             // Interfaces already served keep their classifier; new ones wait for a restart.
-            if let Err(e) = watch.run().await {
+            if let Err(e) = follower.run().await {
                 tracing::error!(error = format!("{e:#}"), "no longer following interfaces");
             }
         });

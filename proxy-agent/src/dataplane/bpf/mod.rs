@@ -7,16 +7,11 @@
 //! traffic never sees a gap. Where the kernel has no tcx, the classifier's clsact filters
 //! stay attached the same way and are swapped in place.
 
-mod cgroup;
-mod clsact;
+pub mod attach;
 mod ctnetlink;
 pub use ctnetlink::refresh_netfilter_flows;
 pub mod conntrack_gc;
-pub mod interfaces;
 pub mod kernel;
-mod link_events;
-mod link_update;
-mod links;
 pub mod maps;
 mod options;
 mod members;
@@ -26,12 +21,10 @@ pub mod program_log;
 mod sockets;
 pub mod stats;
 pub mod writer;
-mod watch;
 
 use std::{
     ffi::CString,
     fs,
-    os::fd::AsFd as _,
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
 };
@@ -39,23 +32,21 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{
-        CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier,
-        cgroup_sock_addr::CgroupSockAddrLink,
-        links::{FdLink, PinnedLink},
-    },
+    programs::{SchedClassifier, links::PinnedLink},
 };
 use proxy_common::map_names;
 
 pub use self::{
-    cgroup::cgroup2_mount,
+    attach::{
+        cgroup::cgroup2_mount,
+        follow::InterfaceFollower,
+        interfaces::{self, InterfaceSelector},
+        links::{self, AttachFailures},
+    },
     options::{BpfLogLevel, ConntrackOptions, DEFAULT_PIN_DIR, MapSizes, Options, check_masquerade_ports, conntrack_capacities},
-    interfaces::InterfaceSelector,
     kernel::{TcAttachMode, TcHook},
-    links::AttachFailures,
     maps::MapSet,
     writer::MapState,
-    watch::InterfaceWatch,
 };
 use super::{ApplyReport, Dataplane};
 use crate::model::NodeView;
@@ -101,8 +92,8 @@ pub struct BpfDataplane {
     pub state: MapState,
     /// Where the connect-time hooks are attached (whose sockets may need destroying).
     cgroup: Option<PathBuf>,
-    /// Follows interfaces for the classifier, until [`Self::take_interface_watch`].
-    interfaces: Option<InterfaceWatch>,
+    /// Follows interfaces for the classifier, until [`Self::take_interface_follower`].
+    interfaces: Option<InterfaceFollower>,
     /// The flow tables' idle limits and masquerade ports, written with the node settings.
     conntrack: ConntrackOptions,
     /// This agent's hold on the pin folder.
@@ -205,7 +196,7 @@ impl BpfDataplane {
 
         prepare_sctp(&mut ebpf)?;
         if let Some(cgroup) = &opts.cgroup {
-            attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
+            attach::cgroup::attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
         let mut maps = MapSet::take(&mut ebpf)?;
         // Before the classifier meets their packets: flows netfilter is translating
@@ -229,13 +220,13 @@ impl BpfDataplane {
                 hook,
                 opts.attach_failures.clone(),
             )?;
-            let watch = InterfaceWatch::start(classifiers)?;
+            let watch = InterfaceFollower::start(classifiers)?;
             tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
             Some(watch)
         } else {
             // Links and filters of interfaces no longer configured: unpinning detaches.
             links::prune_pins(&links_dir, |_| false);
-            if let Err(e) = remove_filters(&links_dir) {
+            if let Err(e) = attach::remove_filters(&links_dir) {
                 tracing::warn!(error = format!("{e:#}"), "clsact filters left");
             }
             None
@@ -257,8 +248,8 @@ impl BpfDataplane {
     }
 
     /// The watch that attaches the classifier to interfaces as they appear (run it with
-    /// [`InterfaceWatch::run`]); `None` without `--interfaces`, or once taken.
-    pub fn take_interface_watch(&mut self) -> Option<InterfaceWatch> {
+    /// [`InterfaceFollower::run`]); `None` without `--interfaces`, or once taken.
+    pub fn take_interface_follower(&mut self) -> Option<InterfaceFollower> {
         self.interfaces.take()
     }
 }
@@ -469,96 +460,6 @@ impl Dataplane for MapsDataplane<'_> {
     }
 }
 
-fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> Result<()> {
-    let cgroup_file =
-        fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
-    for name in CGROUP_PROGRAMS {
-        let prog: &mut CgroupSockAddr = ebpf
-            .program_mut(name)
-            .with_context(|| format!("BPF object has no program {name}"))?
-            .try_into()?;
-        prog.load().with_context(|| format!("loading {name}"))?;
-        let pin = links_dir.join(format!("cgroup_{name}"));
-        let link_id = if pin.exists() {
-            // Adopt: swap this program into the pinned link, no gap in between.
-            let fd_link: FdLink = PinnedLink::from_pin(&pin)
-                .with_context(|| format!("opening pinned link {}", pin.display()))?
-                .into();
-            let link = CgroupSockAddrLink::try_from(fd_link)?;
-            prog.attach_to_link(link)
-                .with_context(|| format!("replacing the program of {}", pin.display()))?
-        } else {
-            let id = prog
-                // Links are always multi-attach; the kernel rejects explicit flags for them.
-                .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
-                .with_context(|| {
-                    format!(
-                        "attaching {name} to {} (needs cgroup bpf links, Linux 5.7{})",
-                        cgroup.display(),
-                        if name.starts_with("getpeername") {
-                            ", and the getpeername hooks, Linux 5.8"
-                        } else {
-                            ""
-                        }
-                    )
-                })?;
-            let link = prog.take_link(id)?;
-            FdLink::try_from(link)?
-                .pin(&pin)
-                .with_context(|| format!("pinning {}", pin.display()))?;
-            continue;
-        };
-        // The link is pinned already; dropping our fd keeps it attached.
-        let link = prog.take_link(link_id)?;
-        drop(FdLink::try_from(link)?);
-    }
-    attach_sock_release(ebpf, &cgroup_file, cgroup, links_dir)
-}
-
-/// Attaches `sock_release` (or swaps it into its pinned link): without it, `SOCK_LB` would
-/// keep the entries of closed sockets.
-fn attach_sock_release(
-    ebpf: &mut Ebpf,
-    cgroup_file: &fs::File,
-    cgroup: &Path,
-    links_dir: &Path,
-) -> Result<()> {
-    let prog: &mut CgroupSock = ebpf
-        .program_mut(SOCK_RELEASE_PROGRAM)
-        .with_context(|| format!("BPF object has no program {SOCK_RELEASE_PROGRAM}"))?
-        .try_into()?;
-    prog.load()
-        .with_context(|| format!("loading {SOCK_RELEASE_PROGRAM}"))?;
-    let pin = links_dir.join(format!("cgroup_{SOCK_RELEASE_PROGRAM}"));
-    if pin.exists() {
-        return link_update::replace_program(&pin, prog.fd()?.as_fd());
-    }
-    let id = prog
-        .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
-        .with_context(|| {
-            format!(
-                "attaching {SOCK_RELEASE_PROGRAM} to {} (needs the cgroup sock_release hook, \
-                 Linux 5.9)",
-                cgroup.display()
-            )
-        })?;
-    FdLink::try_from(prog.take_link(id)?)?
-        .pin(&pin)
-        .with_context(|| format!("pinning {}", pin.display()))?;
-    Ok(())
-}
-
-/// Deletes our clsact filters from every device of this network namespace, and the
-/// clsact qdiscs we added that nothing else uses.
-fn remove_filters(links_dir: &Path) -> Result<()> {
-    let indexes: Vec<u32> = link_events::list()?.iter().map(|l| l.index).collect();
-    let removed = clsact::remove_everywhere(links_dir, &indexes, &links::FILTERS)?;
-    if removed > 0 {
-        tracing::info!(filters = removed, "clsact filters deleted");
-    }
-    Ok(())
-}
-
 /// Removes everything the agent pinned under `pin_dir`: links first (which detaches the
 /// programs), then the clsact filters of this network namespace (and the qdiscs we added,
 /// when nothing else uses them), then the kernel's conntrack entries our flows left
@@ -575,7 +476,7 @@ pub fn cleanup(pin_dir: &Path) -> Result<CleanupReport> {
         .context("refusing to clean up under a running agent")?;
     let links_dir = links_dir(pin_dir);
     remove_ours(&links_dir, is_our_link, &mut report)?;
-    remove_filters(&links_dir)?;
+    attach::remove_filters(&links_dir)?;
     if let Ok(maps) = MapSet::open_pinned(&maps_dir(pin_dir)) {
         // The kernel releases an unpinned link in deferred work: a packet the classifier
         // still translates meanwhile would leave its entry behind again.

@@ -10,22 +10,22 @@ use super::{
 };
 
 /// The rtnetlink subscription and the links it drives.
-pub struct InterfaceWatch {
+pub struct InterfaceFollower {
     events: LinkEvents,
     classifiers: Classifiers,
 }
 
-impl InterfaceWatch {
+impl InterfaceFollower {
     /// Subscribes, then serves every interface present now (blocking until the dump
     /// ends), so the agent reports ready only with its classifiers in place.
     pub fn start(classifiers: Classifiers) -> Result<Self> {
-        let mut watch = Self {
+        let mut follower = Self {
             events: LinkEvents::open()?,
             classifiers,
         };
-        watch.dump_blocking()?;
-        watch.events.set_non_blocking()?;
-        Ok(watch)
+        follower.dump_blocking()?;
+        follower.events.set_non_blocking()?;
+        Ok(follower)
     }
 
     /// Names of the interfaces served now.

@@ -27,11 +27,11 @@ use aya::{
 };
 
 use super::{
-    TC_EGRESS_PROGRAM, TC_PROGRAM, clsact,
+    clsact,
     interfaces::{Decision, InterfaceSelector},
-    kernel::TcHook,
     link_events::{Link, LinkChange},
 };
+use crate::dataplane::bpf::{TC_EGRESS_PROGRAM, TC_PROGRAM, kernel::TcHook};
 
 /// The programs attached to each served interface: name, hook, pin prefix.
 const HOOKS: [(&str, TcAttachType, &str); 2] = [

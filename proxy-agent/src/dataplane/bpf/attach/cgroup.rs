@@ -1,0 +1,112 @@
+//! The connect-time hooks on a cgroup v2 folder: the sock_addr programs and
+//! `sock_release`, each adopted from its pinned link (swapped in place) or attached and
+//! pinned; and where cgroup v2 is mounted.
+
+use std::{fs, os::fd::AsFd as _, path::Path};
+
+use anyhow::{Context as _, Result};
+use aya::{
+    Ebpf,
+    programs::{
+        CgroupAttachMode, CgroupSock, CgroupSockAddr,
+        cgroup_sock_addr::CgroupSockAddrLink,
+        links::{FdLink, PinnedLink},
+    },
+};
+
+use super::link_update;
+use crate::dataplane::bpf::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
+
+/// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
+pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {
+    use anyhow::Context as _;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").context("reading mountinfo")?;
+    info.lines()
+        .find_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            post.starts_with("cgroup2 ")
+                .then(|| pre.split(' ').nth(4).map(std::path::PathBuf::from))?
+        })
+        .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")
+}
+
+
+pub fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> Result<()> {
+    let cgroup_file =
+        fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+    for name in CGROUP_PROGRAMS {
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .with_context(|| format!("BPF object has no program {name}"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("loading {name}"))?;
+        let pin = links_dir.join(format!("cgroup_{name}"));
+        let link_id = if pin.exists() {
+            // Adopt: swap this program into the pinned link, no gap in between.
+            let fd_link: FdLink = PinnedLink::from_pin(&pin)
+                .with_context(|| format!("opening pinned link {}", pin.display()))?
+                .into();
+            let link = CgroupSockAddrLink::try_from(fd_link)?;
+            prog.attach_to_link(link)
+                .with_context(|| format!("replacing the program of {}", pin.display()))?
+        } else {
+            let id = prog
+                // Links are always multi-attach; the kernel rejects explicit flags for them.
+                .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
+                .with_context(|| {
+                    format!(
+                        "attaching {name} to {} (needs cgroup bpf links, Linux 5.7{})",
+                        cgroup.display(),
+                        if name.starts_with("getpeername") {
+                            ", and the getpeername hooks, Linux 5.8"
+                        } else {
+                            ""
+                        }
+                    )
+                })?;
+            let link = prog.take_link(id)?;
+            FdLink::try_from(link)?
+                .pin(&pin)
+                .with_context(|| format!("pinning {}", pin.display()))?;
+            continue;
+        };
+        // The link is pinned already; dropping our fd keeps it attached.
+        let link = prog.take_link(link_id)?;
+        drop(FdLink::try_from(link)?);
+    }
+    attach_sock_release(ebpf, &cgroup_file, cgroup, links_dir)
+}
+
+/// Attaches `sock_release` (or swaps it into its pinned link): without it, `SOCK_LB` would
+/// keep the entries of closed sockets.
+fn attach_sock_release(
+    ebpf: &mut Ebpf,
+    cgroup_file: &fs::File,
+    cgroup: &Path,
+    links_dir: &Path,
+) -> Result<()> {
+    let prog: &mut CgroupSock = ebpf
+        .program_mut(SOCK_RELEASE_PROGRAM)
+        .with_context(|| format!("BPF object has no program {SOCK_RELEASE_PROGRAM}"))?
+        .try_into()?;
+    prog.load()
+        .with_context(|| format!("loading {SOCK_RELEASE_PROGRAM}"))?;
+    let pin = links_dir.join(format!("cgroup_{SOCK_RELEASE_PROGRAM}"));
+    if pin.exists() {
+        return link_update::replace_program(&pin, prog.fd()?.as_fd());
+    }
+    let id = prog
+        .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
+        .with_context(|| {
+            format!(
+                "attaching {SOCK_RELEASE_PROGRAM} to {} (needs the cgroup sock_release hook, \
+                 Linux 5.9)",
+                cgroup.display()
+            )
+        })?;
+    FdLink::try_from(prog.take_link(id)?)?
+        .pin(&pin)
+        .with_context(|| format!("pinning {}", pin.display()))?;
+    Ok(())
+}
+

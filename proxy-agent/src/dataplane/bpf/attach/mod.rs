@@ -1,0 +1,27 @@
+//! Hooking the programs to the kernel: the connect-time hooks on a cgroup, the
+//! classifier on interfaces (tcx links or clsact filters) now and as they appear, each
+//! adopted from its pin so an agent restart swaps programs without a gap.
+
+pub mod cgroup;
+mod clsact;
+pub mod follow;
+pub mod interfaces;
+pub mod link_events;
+pub mod link_update;
+pub mod links;
+
+use std::path::Path;
+
+use anyhow::Result;
+
+/// Deletes our clsact filters from every device of this network namespace, and the
+/// clsact qdiscs we added that nothing else uses.
+pub fn remove_filters(links_dir: &Path) -> Result<()> {
+    let indexes: Vec<u32> = link_events::list()?.iter().map(|l| l.index).collect();
+    let removed = clsact::remove_everywhere(links_dir, &indexes, &links::FILTERS)?;
+    if removed > 0 {
+        tracing::info!(filters = removed, "clsact filters deleted");
+    }
+    Ok(())
+}
+
