@@ -19,6 +19,8 @@ pub const PROTO_UDP: u8 = 17;
 /// IP protocol numbers as they appear in the IP header.
 pub const PROTO_SCTP: u8 = 132;
 
+#[cfg(feature = "user")]
+pub mod addr;
 pub mod crc32c;
 pub mod sched;
 
