@@ -113,3 +113,124 @@ maps! {
     /// `LbStats` per backend id.
     BACKEND_STATS(as BACKENDS);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// `ABI.md`'s table of maps: per row, the cells under `map` and `default capacity`.
+    fn abi_rows() -> Vec<(String, String)> {
+        let abi = include_str!("../ABI.md");
+        // A `\|` inside a cell is a pipe of the cell's text, not a column break.
+        let cells = |line: &str| -> Vec<String> {
+            let line = line.trim().trim_start_matches('|').trim_end_matches('|');
+            line.replace("\\|", "\u{0}")
+                .split('|')
+                .map(|c| c.trim().replace('\u{0}', "|"))
+                .collect()
+        };
+        let mut lines = abi.lines().skip_while(|l| !l.starts_with("| map |"));
+        let header = cells(
+            lines
+                .next()
+                .expect("ABI.md has a table whose first column is `map`"),
+        );
+        let column = |name: &str| {
+            header
+                .iter()
+                .position(|h| h == name)
+                .unwrap_or_else(|| panic!("ABI.md's table of maps has no `{name}` column"))
+        };
+        let (name_col, capacity_col) = (column("map"), column("default capacity"));
+        lines
+            .skip(1) // |---|---|
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| {
+                let row = cells(l);
+                assert_eq!(row.len(), header.len(), "ABI.md row {l:?}");
+                let name = row[name_col].trim_matches('`').to_string();
+                (name, row[capacity_col].clone())
+            })
+            .collect()
+    }
+
+    /// The leading number of a capacity cell: digits, grouped by spaces ("2 097 152").
+    fn leading_number(cell: &str) -> Option<u32> {
+        let digits: String = cell
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == ' ')
+            .filter(char::is_ascii_digit)
+            .collect();
+        digits.parse().ok()
+    }
+
+    /// ABI.md lists every map of the table, and only those, with the capacity the code
+    /// gives it; a map sized as another says so ("as `OTHER`").
+    #[test]
+    fn abi_md_lists_every_map_with_its_capacity() {
+        let rows = abi_rows();
+        let mut documented = BTreeMap::new();
+        for (name, capacity) in &rows {
+            assert!(
+                documented
+                    .insert(name.as_str(), capacity.as_str())
+                    .is_none(),
+                "ABI.md lists `{name}` twice"
+            );
+        }
+        for spec in MAPS {
+            let Some(cell) = documented.remove(spec.name) else {
+                panic!("ABI.md's table of maps lacks `{}`", spec.name);
+            };
+            assert_eq!(
+                leading_number(cell),
+                Some(spec.capacity),
+                "ABI.md gives `{}` the capacity {cell:?}",
+                spec.name
+            );
+            match spec.sized_as {
+                Some(other) => assert!(
+                    cell.contains(&format!("as `{other}`")),
+                    "ABI.md should say `{}` is sized as `{other}`: {cell:?}",
+                    spec.name
+                ),
+                None => assert!(
+                    !cell.contains("as `"),
+                    "ABI.md says `{}` is sized as another map, the code does not: {cell:?}",
+                    spec.name
+                ),
+            }
+        }
+        assert!(
+            documented.is_empty(),
+            "ABI.md lists maps the code lacks: {:?}",
+            documented.keys().collect::<Vec<_>>()
+        );
+    }
+
+    /// One table: the names, `ALL` and the capacities are its rows, and a map sized as
+    /// another names one with a capacity of its own.
+    #[test]
+    fn the_table_is_consistent() {
+        assert_eq!(map_names::ALL.len(), MAPS.len());
+        for (name, spec) in map_names::ALL.iter().zip(MAPS) {
+            assert_eq!(*name, spec.name);
+            assert!(spec.capacity > 0, "{name}");
+            if let Some(other) = spec.sized_as {
+                let other = MAPS.iter().find(|m| m.name == other).unwrap();
+                assert_eq!(
+                    other.sized_as, None,
+                    "{name} is sized as a map sized as another"
+                );
+                assert_eq!(spec.capacity, other.capacity, "{name}");
+            }
+        }
+        let mut names = map_names::ALL.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), MAPS.len(), "a map is named twice");
+        assert_eq!(capacity::MAGLEV, capacity::BACKEND_SLOTS);
+        assert_eq!(capacity::COUNTERS, crate::counter::COUNT);
+    }
+}
