@@ -1,0 +1,60 @@
+//! The connect-time path's per-socket state (`SOCK_LB`).
+
+/// One frontend a socket was sent to by the connect-time hooks, and the backend chosen.
+/// `service_id == 0` marks an empty binding.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockBinding {
+    /// The backend's own address (IPv4 for an IPv6 socket that named `::ffff:a.b.c.d`).
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub family: u8,
+    pub _pad: u8,
+    /// The service entry the backend was chosen from (`MEMBERS` key).
+    pub service_id: u32,
+    /// The frontend replies are shown as (`REV_NAT` key).
+    pub rev_nat_id: u32,
+    pub backend_id: u32,
+    /// `bpf_ktime_get_ns()` when the backend was chosen: the binding holds while
+    /// `MEMBERS` has the pair since no later than this.
+    pub bound_ns: u64,
+}
+
+/// `SockLb::sent` length: frontends one unconnected socket keeps a backend for at once.
+pub const SOCK_SENT_SLOTS: usize = 8;
+
+/// `SOCK_LB` value (keyed by the socket cookie, a `u64`): what the connect-time hooks did
+/// for one socket. Deleted by `sock_release` when the socket goes.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockLb {
+    /// Where `connect` sent the socket (TCP, connected UDP, SCTP).
+    pub connected: SockBinding,
+    /// Where `sendto` datagrams go, per frontend (unconnected UDP).
+    pub sent: [SockBinding; SOCK_SENT_SLOTS],
+    /// The `sent` slot to reuse next when all are taken.
+    pub next: u32,
+    pub _pad: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    /// Sizes are part of the ABI: a change here must be a deliberate, versioned change.
+    #[test]
+    fn layout_is_stable() {
+        assert_eq!(size_of::<SockBinding>(), 40);
+        assert_eq!(size_of::<SockLb>(), 40 * (1 + SOCK_SENT_SLOTS) + 8);
+    }
+
+    /// No implicit padding: the sum of the field sizes equals the struct size.
+    #[test]
+    fn no_implicit_padding() {
+        assert_eq!(size_of::<SockBinding>(), 16 + 2 + 1 + 1 + 4 + 4 + 4 + 8);
+    }
+}

@@ -1,0 +1,98 @@
+//! What the programs count: per frontend and backend (`LB_STATS`, `BACKEND_STATS`) and
+//! per reason (`COUNTERS`).
+
+/// Per frontend (by `rev_nat_id`) and per backend (by id): what `ipvsadm -Ln --stats`
+/// shows. Per CPU; the agent sums.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LbStats {
+    /// New connections (flows) scheduled.
+    pub conns: u64,
+    /// Client to backend.
+    pub packets_in: u64,
+    pub bytes_in: u64,
+    /// Backend to client.
+    pub packets_out: u64,
+    pub bytes_out: u64,
+}
+
+/// Indices of the per-CPU `COUNTERS` array: why packets and connections took the path
+/// they did. The agent exports them as metrics.
+pub mod counter {
+    pub const SVC_HIT: u32 = 0;
+    pub const NO_BACKEND_REJECT: u32 = 1;
+    pub const NO_BACKEND_DROP: u32 = 2;
+    pub const BACKEND_MISSING: u32 = 3;
+    pub const CT_CREATE_FAILED: u32 = 4;
+    pub const CT_REPLY_NAT: u32 = 5;
+    /// A socket's `SOCK_LB` entry could not be made (the map is full): its replies and
+    /// `getpeername` show the backend. (Named after the map `SOCK_LB` replaced.)
+    pub const SOCK_REV_NAT_FAILED: u32 = 6;
+    pub const AFFINITY_HIT: u32 = 7;
+    pub const REWRITE_FAILED: u32 = 8;
+    pub const SOURCE_RANGE_DROP: u32 = 9;
+    pub const SNAT: u32 = 10;
+    pub const SNAT_PORTS_EXHAUSTED: u32 = 11;
+    pub const REJECT_SENT: u32 = 12;
+    pub const REJECT_RATE_LIMITED: u32 = 13;
+    /// A TCP segment other than a SYN for a frontend, with no flow: dropped, as
+    /// kube-proxy drops what netfilter marks INVALID.
+    pub const CT_INVALID: u32 = 14;
+    /// An answered flow found the answered-flows table full: it stays in the table of
+    /// new flows (LRU), where a flood may evict it.
+    pub const CT_FULL: u32 = 15;
+    /// A closed or expired flow's tuple (or masquerade port) was taken over by a new one.
+    pub const CT_REUSED: u32 = 16;
+    /// An ICMP/ICMPv6 error about a translated flow was translated (its quote and
+    /// addresses put back as the flow's other side knows them).
+    pub const ICMP_ERROR_NAT: u32 = 17;
+    /// A translated packet too big for its route's MTU was answered with "fragmentation
+    /// needed" / "packet too big" instead of being sent on.
+    pub const TOO_BIG_SENT: u32 = 18;
+    /// A packet for a frontend with no flow of ours, of a flow netfilter translated
+    /// before the classifier was attached (`NETFILTER_FLOWS`): left to netfilter.
+    pub const NETFILTER_PASS: u32 = 19;
+    /// Length of the array.
+    pub const COUNT: u32 = 20;
+    /// Human-readable names, by index.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "service_hit",
+        "no_backend_reject",
+        "no_backend_drop",
+        "backend_missing",
+        "ct_create_failed",
+        "ct_reply_nat",
+        "sock_rev_nat_failed",
+        "affinity_hit",
+        "rewrite_failed",
+        "source_range_drop",
+        "snat",
+        "snat_ports_exhausted",
+        "reject_sent",
+        "reject_rate_limited",
+        "ct_invalid",
+        "ct_full",
+        "ct_reused",
+        "icmp_error_nat",
+        "too_big_sent",
+        "netfilter_pass",
+    ];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    /// Sizes are part of the ABI: a change here must be a deliberate, versioned change.
+    #[test]
+    fn layout_is_stable() {
+        assert_eq!(size_of::<LbStats>(), 40);
+    }
+
+    #[test]
+    fn counter_names_cover_every_index() {
+        assert_eq!(counter::NAMES.len(), counter::COUNT as usize);
+    }
+}
