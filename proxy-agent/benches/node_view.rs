@@ -122,13 +122,13 @@ fn main() {
         let mut state = bpf::MapState::adopt(&maps).expect("adopt");
         let t = Instant::now();
         let r = bpf::MapsDataplane::new(&mut maps, &mut state)
-        .apply(&view)
-        .expect("apply");
+            .apply(&view)
+            .expect("apply");
         let t_full = ms(t);
         let t = Instant::now();
         let r2 = bpf::MapsDataplane::new(&mut maps, &mut state)
-        .apply_changes(&view2, &changes.frontends)
-        .expect("apply");
+            .apply_changes(&view2, &changes.frontends)
+            .expect("apply");
         let t_one = ms(t);
         println!(
             "  program all into maps    {t_full:>9.1} ms ({} entries written)",

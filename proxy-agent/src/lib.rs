@@ -11,8 +11,8 @@ pub mod kube_proxy_cleanup;
 pub mod metrics;
 pub mod model;
 pub mod netns;
-pub mod source;
 pub mod runner;
+pub mod source;
 pub mod trace;
 
 // Selects rustls' crypto provider (ring) for the API client; nothing to call.

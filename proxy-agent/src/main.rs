@@ -122,4 +122,3 @@ fn main() -> Result<()> {
         Cmd::Cleanup { bpffs, kube_proxy } => cli::cleanup::cleanup(&bpffs, kube_proxy),
     }
 }
-

@@ -487,13 +487,12 @@ fn a_flow_netfilter_translated_before_us_is_left_to_it() {
     if !root("a_flow_netfilter_translated_before_us_is_left_to_it") {
         return;
     }
-    use proxy_agent::dataplane::bpf::writer::addr_words;
     let (mut h, client, vip, be) = one_clusterip();
     let other = sa("10.244.0.4:40001");
-    let (saddr, family) = addr_words(client.ip());
+    let (saddr, family) = proxy_common::addr::to_words(client.ip());
     let key = CtKey {
         saddr,
-        daddr: addr_words(vip.ip()).0,
+        daddr: proxy_common::addr::to_words(vip.ip()).0,
         sport: client.port().to_be(),
         dport: vip.port().to_be(),
         proto: proxy_common::PROTO_TCP,

@@ -31,7 +31,6 @@ use proptest::{
     test_runner::{TestCaseError, TestRunner},
 };
 use proxy_agent::{
-    dataplane::bpf::writer::words_addr,
     model::{FrontendKind, NodeView, Protocol},
     trace::packet::{build, build_tcp, fold, sum16},
 };
@@ -665,7 +664,7 @@ fn flow_table_addresses(h: &Harness) -> (BTreeSet<IpAddr>, BTreeSet<SocketAddr>)
             (v.nat_addr, v.nat_port),
             (v.xlate_addr, v.xlate_port),
         ] {
-            let a = words_addr(words, k.family);
+            let a = proxy_common::addr::from_words(words, k.family);
             ips.insert(a);
             socks.insert(SocketAddr::new(a, u16::from_be(port)));
         }

@@ -14,8 +14,8 @@ use std::{
 
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState},
-    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
     model::schedule::{Schedule, Scheduler},
+    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
 };
 use proxy_common::BackendSlotKey;
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};

@@ -10,8 +10,8 @@ use std::{net::SocketAddr, time::Duration};
 use proxy_agent::{
     dataplane::{ApplyReport, Dataplane, bpf},
     model::{Frontend, NodeView, Protocol, ViewConfig},
-    source,
     runner::{self, Status, Timing},
+    source,
 };
 use serde_json::{Value, json};
 use support::{
@@ -268,7 +268,8 @@ async fn healthz_fails_and_livez_holds_while_the_node_drains() {
     let st = status.clone();
     let a = addr.clone();
     tokio::spawn(async move {
-        proxy_agent::http_server::serve(&a, proxy_agent::http_server::Endpoints::Metrics, st, None).await
+        proxy_agent::http_server::serve(&a, proxy_agent::http_server::Endpoints::Metrics, st, None)
+            .await
     });
     let get = |path: &'static str| {
         let addr = addr.clone();
@@ -385,8 +386,7 @@ struct Maps {
 
 impl Dataplane for Maps {
     fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
-        let r = bpf::MapsDataplane::new(&mut self.maps, &mut self.state)
-        .apply(view);
+        let r = bpf::MapsDataplane::new(&mut self.maps, &mut self.state).apply(view);
         let _ = self.applied.send(());
         r
     }
@@ -399,7 +399,7 @@ fn programmed(maps: &bpf::MapSet) -> Vec<(SocketAddr, u16)> {
         .iter()
         .map(|e| {
             let (k, val) = e.expect("entry");
-            let ip = bpf::writer::words_addr(k.addr, k.family);
+            let ip = proxy_common::addr::from_words(k.addr, k.family);
             (SocketAddr::new(ip, u16::from_be(k.port)), val.count)
         })
         .collect();

@@ -9,8 +9,8 @@ use std::{
 use proxy_agent::{
     dataplane::{ApplyReport, Dataplane},
     model::{NodeView, ViewConfig},
-    source::Snapshot,
     runner::{self, Status, Timing},
+    source::Snapshot,
 };
 
 struct Counting(Arc<std::sync::atomic::AtomicUsize>);

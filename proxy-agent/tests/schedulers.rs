@@ -14,9 +14,9 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::bpf::{MapState, writer::addr_words},
-    model::{Frontend, FrontendState, NodeView, Protocol},
+    dataplane::bpf::MapState,
     model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, Schedule, Scheduler, parse_weights},
+    model::{Frontend, FrontendState, NodeView, Protocol},
     trace,
 };
 use support::{root, tc_harness};
@@ -69,7 +69,7 @@ impl Node {
     /// The backend's id, if any slot holds it.
     fn programmed(&self, endpoint: &str) -> Option<u32> {
         let sa: SocketAddr = endpoint.parse().expect("endpoint");
-        let (addr, _) = addr_words(sa.ip());
+        let (addr, _) = proxy_common::addr::to_words(sa.ip());
         self.0
             .maps
             .backends
@@ -113,7 +113,7 @@ fn layout(st: &FrontendState) -> Vec<SocketAddr> {
 }
 
 fn hash(sa: SocketAddr, with_port: bool) -> usize {
-    let (words, _) = addr_words(sa.ip());
+    let (words, _) = proxy_common::addr::to_words(sa.ip());
     let port = if with_port { sa.port().to_be() } else { 0 };
     proxy_common::sched_hash(&words, port) as usize
 }

@@ -630,7 +630,7 @@ fn flows_of_removed_backends_are_cleared() {
             .backends
             .iter()
             .filter_map(Result::ok)
-            .find(|(_, b)| bpf::writer::words_addr(b.addr, b.family).to_string() == ip)
+            .find(|(_, b)| proxy_common::addr::from_words(b.addr, b.family).to_string() == ip)
             .map(|(id, _)| id);
         h.ct_entries()
             .into_iter()
@@ -919,7 +919,8 @@ fn a_full_local_networks_table_does_not_poison_the_next_config() {
             .collect(),
         ..Default::default()
     };
-    let err = bpf::writer::configure(&mut h.maps, &too_many, &Default::default()).expect_err("more than it holds");
+    let err = bpf::writer::configure(&mut h.maps, &too_many, &Default::default())
+        .expect_err("more than it holds");
     assert!(format!("{err:#}").contains("local networks"), "{err:#}");
     // The table is full now; the usual config still applies, and works.
     configure_node(&mut h, false);

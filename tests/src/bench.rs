@@ -17,8 +17,8 @@ use anyhow::{Context as _, Result};
 use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapState},
-    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
     model::schedule::Schedule,
+    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
     trace::packet,
 };
 

@@ -27,4 +27,3 @@ pub fn watch(addr: &str) -> Result<()> {
     }
     Ok(())
 }
-

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
-use proxy_agent::dataplane::bpf::{self, MapSet, writer::words_addr};
+use proxy_agent::dataplane::bpf::{self, MapSet};
 
 /// `dump --model`: the running agent's cluster-wide model, as it serves it.
 pub fn dump_model(addr: &str) -> Result<()> {
@@ -87,14 +87,12 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
             if let Ok(s) = maps.slots.get(&slot_key, 0)
                 && let Ok(b) = maps.backends.get(&s.backend_id, 0)
             {
-                backends.push(
-                    std::net::SocketAddr::new(words_addr(b.addr, b.family), u16::from_be(b.port))
-                        .to_string(),
-                );
+                backends
+                    .push(proxy_common::addr::socket_addr(b.addr, b.family, b.port).to_string());
             }
         }
         rows.push(serde_json::json!({
-            "frontend": std::net::SocketAddr::new(words_addr(key.addr, key.family), u16::from_be(key.port)).to_string(),
+            "frontend": proxy_common::addr::socket_addr(key.addr, key.family, key.port).to_string(),
             "protocol": match key.proto {
                 proxy_common::PROTO_UDP => "UDP",
                 proxy_common::PROTO_SCTP => "SCTP",

@@ -8,8 +8,8 @@ use clap::Args;
 use proxy_agent::{
     config::{BpfLogLevel, CgroupChoice, Config, LocalDetector, TcAttachMode},
     dataplane::bpf::{self, BpfDataplane, InterfaceSelector},
-    source,
     runner::{self, Timing, status::ConntrackFill},
+    source,
 };
 
 #[derive(Args)]
@@ -284,7 +284,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
         tokio::spawn(async move {
             // An endpoint that cannot listen is reported; proxying goes on without it.
-            if let Err(e) = proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps)).await {
+            if let Err(e) = proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps)).await
+            {
                 tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
             }
         });
@@ -304,4 +305,3 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     runner::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
 }
-

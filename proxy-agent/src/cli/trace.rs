@@ -160,4 +160,3 @@ pub fn trace(args: TraceArgs) -> Result<()> {
     }
     Ok(())
 }
-

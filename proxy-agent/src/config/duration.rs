@@ -50,7 +50,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// The longest Go `time.Duration`, in seconds (i64::MAX nanoseconds).
 const GO_DURATION_MAX_S: f64 = 9_223_372_036.854_775;
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

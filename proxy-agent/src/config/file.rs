@@ -102,7 +102,6 @@ pub(super) struct MapSizesSection {
     pub(super) backends: Option<u32>,
 }
 
-
 impl KubeProxyConfiguration {
     /// Reads the YAML text of a config file.
     pub(super) fn parse(text: &str) -> Result<Self, String> {

@@ -27,8 +27,8 @@ pub enum ConfigError {
     Invalid { path: String, message: String },
 }
 
-use self::file::KubeProxyConfiguration;
 pub use self::duration::parse_duration;
+use self::file::KubeProxyConfiguration;
 pub use crate::dataplane::bpf::{BpfLogLevel, ConntrackOptions, MapSizes, TcAttachMode};
 use crate::{
     dataplane::bpf::DEFAULT_PIN_DIR,

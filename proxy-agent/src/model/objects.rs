@@ -21,8 +21,8 @@ use k8s_openapi::{
 };
 use serde::Serialize;
 
-use super::{Protocol, sloppy};
 use super::schedule;
+use super::{Protocol, sloppy};
 
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";

@@ -179,7 +179,6 @@ pub fn check_table_len(len: u32) -> Result<u32, String> {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -164,7 +164,7 @@ impl Bench {
         ]
         .into_iter()
         .filter(|(a, _)| *a != [0; 4])
-        .map(|(a, f)| bpf::writer::words_addr(a, f))
+        .map(|(a, f)| proxy_common::addr::from_words(a, f))
         .collect();
         Ok(Self {
             ebpf,

@@ -66,9 +66,13 @@ pub fn rebuild_times(backend_counts: &[usize], reps: u32) -> Result<Vec<MaglevRe
             let mut entries = 0;
             for _ in 0..reps {
                 let t = Instant::now();
-                entries = black_box(proxy_agent::dataplane::layout::layout(&schedule, black_box(&all), vip()))
-                    .table
-                    .len();
+                entries = black_box(proxy_agent::dataplane::layout::layout(
+                    &schedule,
+                    black_box(&all),
+                    vip(),
+                ))
+                .table
+                .len();
                 table_ms.push(t.elapsed().as_secs_f64() * 1e3);
             }
             let fewer = &all[1..];

@@ -23,10 +23,7 @@ use netlink_packet_netfilter::{
 use netlink_sys::protocols::NETLINK_NETFILTER;
 use proxy_common::{Backend, CT_DIR_FORWARD, CtKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
-use super::{
-    netlink::Channel,
-    writer::{addr_words, words_addr},
-};
+use super::netlink::Channel;
 
 /// Deletes the UDP entries of the current network namespace whose original destination
 /// or reply source is one of `gone`. Returns how many went.
@@ -34,7 +31,12 @@ pub fn forget_udp_flows_to(gone: &[Backend]) -> Result<usize> {
     let gone: HashSet<(IpAddr, u16)> = gone
         .iter()
         .filter(|b| b.proto == PROTO_UDP)
-        .map(|b| (words_addr(b.addr, b.family), u16::from_be(b.port)))
+        .map(|b| {
+            (
+                proxy_common::addr::from_words(b.addr, b.family),
+                u16::from_be(b.port),
+            )
+        })
         .collect();
     if gone.is_empty() {
         return Ok(0);
@@ -75,10 +77,16 @@ pub fn forget_translated_flows(maps: &super::MapSet) -> Result<usize> {
             if key.dir != CT_DIR_FORWARD || value.flags & CT_F_SNAT != 0 {
                 continue;
             }
-            let client = (words_addr(key.saddr, key.family), u16::from_be(key.sport));
-            let frontend = (words_addr(key.daddr, key.family), u16::from_be(key.dport));
+            let client = (
+                proxy_common::addr::from_words(key.saddr, key.family),
+                u16::from_be(key.sport),
+            );
+            let frontend = (
+                proxy_common::addr::from_words(key.daddr, key.family),
+                u16::from_be(key.dport),
+            );
             let backend = (
-                words_addr(value.xlate_addr, key.family),
+                proxy_common::addr::from_words(value.xlate_addr, key.family),
                 u16::from_be(value.xlate_port),
             );
             let family = if key.family == proxy_common::FAMILY_V4 {
@@ -254,8 +262,8 @@ fn forward_key(tuple: &[Tuple]) -> Option<CtKey> {
         _ => return None,
     };
     let ((saddr, sport), (daddr, dport)) = (e.src?, e.dst?);
-    let (saddr, family) = addr_words(saddr);
-    let (daddr, _) = addr_words(daddr);
+    let (saddr, family) = proxy_common::addr::to_words(saddr);
+    let (daddr, _) = proxy_common::addr::to_words(daddr);
     Some(CtKey {
         saddr,
         daddr,

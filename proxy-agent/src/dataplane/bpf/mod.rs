@@ -13,9 +13,9 @@ pub use ctnetlink::refresh_netfilter_flows;
 pub mod conntrack_gc;
 pub mod kernel;
 pub mod maps;
-mod options;
 mod members;
 pub(crate) mod netlink;
+mod options;
 mod pin_lock;
 pub mod program_log;
 mod sockets;
@@ -43,9 +43,12 @@ pub use self::{
         interfaces::{self, InterfaceSelector},
         links::{self, AttachFailures},
     },
-    options::{BpfLogLevel, ConntrackOptions, DEFAULT_PIN_DIR, MapSizes, Options, check_masquerade_ports, conntrack_capacities},
     kernel::{TcAttachMode, TcHook},
     maps::MapSet,
+    options::{
+        BpfLogLevel, ConntrackOptions, DEFAULT_PIN_DIR, MapSizes, Options, check_masquerade_ports,
+        conntrack_capacities,
+    },
     writer::MapState,
 };
 use super::{ApplyReport, Dataplane};

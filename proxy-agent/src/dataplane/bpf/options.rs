@@ -110,7 +110,6 @@ pub fn check_masquerade_ports(range: (u16, u16)) -> Result<()> {
     Ok(())
 }
 
-
 /// Connection tracking of the per-packet path: idle limits, table size, masquerade ports.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct ConntrackOptions {
@@ -197,7 +196,14 @@ mod tests {
 
     #[test]
     fn log_levels_parse_to_aya_codes() {
-        for (name, code) in [("off", 0), ("error", 1), ("warn", 2), ("info", 3), ("debug", 4), ("trace", 5)] {
+        for (name, code) in [
+            ("off", 0),
+            ("error", 1),
+            ("warn", 2),
+            ("info", 3),
+            ("debug", 4),
+            ("trace", 5),
+        ] {
             assert_eq!(name.parse::<BpfLogLevel>().map(BpfLogLevel::code), Ok(code));
         }
         assert!("loud".parse::<BpfLogLevel>().is_err());

@@ -27,4 +27,3 @@ pub fn spawn(ebpf: &mut aya::Ebpf) {
         }
     });
 }
-

@@ -65,7 +65,7 @@ pub fn slots(schedule: &Schedule, endpoints: &[SocketAddr], frontend_ip: IpAddr)
                 .map(|k| eligible[k as usize])
                 .collect();
             if schedule.scheduler == Scheduler::Dh {
-                let (words, _) = super::bpf::writer::addr_words(frontend_ip);
+                let (words, _) = proxy_common::addr::to_words(frontend_ip);
                 let at = proxy_common::sched_hash(&words, 0) as usize % table.len();
                 vec![table[at]]
             } else {

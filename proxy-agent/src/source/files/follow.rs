@@ -21,8 +21,8 @@ use anyhow::{Context as _, Result, bail};
 use notify::Watcher as _;
 use tokio::sync::{mpsc, watch};
 
-use crate::source::{ChangeCounts, SharedSnapshot, Snapshot, files};
 use crate::model::{ClusterModel, NodeInfo};
+use crate::source::{ChangeCounts, SharedSnapshot, Snapshot, files};
 
 /// How long the files must be quiet before a burst of changes is read.
 const QUIET: Duration = Duration::from_millis(300);

@@ -30,7 +30,6 @@ pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {
         .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")
 }
 
-
 pub fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> Result<()> {
     let cgroup_file =
         fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
@@ -109,4 +108,3 @@ fn attach_sock_release(
         .with_context(|| format!("pinning {}", pin.display()))?;
     Ok(())
 }
-

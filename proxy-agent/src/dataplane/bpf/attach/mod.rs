@@ -24,4 +24,3 @@ pub fn remove_filters(links_dir: &Path) -> Result<()> {
     }
     Ok(())
 }
-

@@ -19,13 +19,8 @@ use proxy_common::{
 use serde::Serialize;
 
 pub use self::table::{large_number, render_table};
-use super::{
-    maps::{MapSet, is_absent},
-    writer::words_addr,
-};
-use crate::{
-    model::{Frontend, Protocol, schedule::Scheduler},
-};
+use super::maps::{MapSet, is_absent};
+use crate::model::{Frontend, Protocol, schedule::Scheduler};
 
 /// Connections, packets and bytes, summed over CPUs (and over scopes or frontends).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -128,7 +123,7 @@ pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
         let Some(protocol) = protocol_of(key.proto) else {
             continue;
         };
-        let address = SocketAddr::new(words_addr(key.addr, key.family), u16::from_be(key.port));
+        let address = proxy_common::addr::socket_addr(key.addr, key.family, key.port);
         let row = rows
             .entry(Frontend {
                 ip: address.ip(),
@@ -179,7 +174,7 @@ pub fn frontend_totals(maps: &MapSet) -> Result<BTreeMap<Frontend, Totals>> {
             continue;
         };
         let frontend = Frontend {
-            ip: words_addr(rev.addr, rev.family),
+            ip: proxy_common::addr::from_words(rev.addr, rev.family),
             port: u16::from_be(rev.port),
             protocol,
         };
@@ -241,7 +236,7 @@ fn backend_stats(
         1
     };
     Ok(Some(BackendStats {
-        address: SocketAddr::new(words_addr(b.addr, b.family), u16::from_be(b.port)),
+        address: proxy_common::addr::socket_addr(b.addr, b.family, b.port),
         id,
         weight,
         active_conns: present(maps.active_conns.get(&id, 0))

@@ -1,8 +1,15 @@
-//! The model's values as the map ABI spells them: scheduler codes.
+//! The model's values as the map ABI spells them: protocols, frontend keys,
+//! backend entries, LPM keys and scheduler codes.
 
-use proxy_common::sched;
+use std::net::SocketAddr;
 
-use crate::model::schedule::Scheduler;
+use aya::maps::lpm_trie::Key as LpmKey;
+use proxy_common::{
+    BACKEND_ACTIVE, Backend, LPM_TAG_BITS, LpmData, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    SCOPE_EXTERNAL, ServiceKey, addr::to_words, sched,
+};
+
+use crate::model::{Frontend, Protocol, schedule::Scheduler};
 
 /// The `ServiceValue::scheduler` code of a scheduler.
 pub fn scheduler_code(s: Scheduler) -> u8 {
@@ -27,9 +34,84 @@ pub fn scheduler_of_code(code: u8) -> Option<Scheduler> {
         .find(|&s| scheduler_code(s) == code)
 }
 
+pub(super) fn proto_number(p: Protocol) -> u8 {
+    match p {
+        Protocol::Tcp => PROTO_TCP,
+        Protocol::Udp => PROTO_UDP,
+        Protocol::Sctp => PROTO_SCTP,
+    }
+}
+
+/// The service-map key of a frontend.
+pub fn service_key(fe: &Frontend) -> ServiceKey {
+    let (addr, family) = to_words(fe.ip);
+    ServiceKey {
+        addr,
+        port: fe.port.to_be(),
+        proto: proto_number(fe.protocol),
+        family,
+        scope: SCOPE_EXTERNAL,
+        _pad: [0; 3],
+    }
+}
+
+pub(super) fn backend_value(sa: SocketAddr, protocol: Protocol) -> Backend {
+    let (addr, family) = to_words(sa.ip());
+    Backend {
+        addr,
+        port: sa.port().to_be(),
+        proto: proto_number(protocol),
+        family,
+        state: BACKEND_ACTIVE,
+        _pad: [0; 3],
+    }
+}
+
+/// The `SOURCE_RANGES` key of one CIDR of one service.
+pub(super) fn range_key(service_id: u32, net: &ipnet::IpNet) -> LpmKey<LpmData> {
+    lpm_key(service_id, net)
+}
+
+pub(super) fn lpm_key(tag: u32, net: &ipnet::IpNet) -> LpmKey<LpmData> {
+    let (addr, _) = to_words(net.network());
+    LpmKey::new(
+        LPM_TAG_BITS + u32::from(net.prefix_len()),
+        LpmData { tag, addr },
+    )
+}
+
 #[cfg(test)]
 mod tests {
+    use proxy_common::FAMILY_V4;
+
     use super::*;
+
+    #[test]
+    fn frontend_key_is_network_order() {
+        let key = service_key(&Frontend {
+            ip: "10.96.0.10".parse().expect("ip"),
+            port: 80,
+            protocol: Protocol::Udp,
+        });
+        // The bytes as the packet carries them.
+        assert_eq!(key.addr[0].to_ne_bytes(), [10, 96, 0, 10]);
+        assert_eq!(key.addr[1..], [0, 0, 0]);
+        assert_eq!(key.port.to_ne_bytes(), [0, 80]);
+        assert_eq!(
+            (key.proto, key.family, key.scope),
+            (PROTO_UDP, FAMILY_V4, SCOPE_EXTERNAL)
+        );
+    }
+
+    #[test]
+    fn backend_entry_carries_target_port() {
+        let be = backend_value("10.244.1.5:8080".parse().expect("sa"), Protocol::Tcp);
+        assert_eq!(be.port.to_ne_bytes(), 8080u16.to_be_bytes());
+        assert_eq!(
+            (be.proto, be.family, be.state),
+            (PROTO_TCP, FAMILY_V4, BACKEND_ACTIVE)
+        );
+    }
 
     #[test]
     fn scheduler_codes_round_trip() {

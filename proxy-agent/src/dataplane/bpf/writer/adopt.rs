@@ -1,0 +1,118 @@
+//! Adoption: the mirror rebuilt from what the maps hold, so a restarted agent writes only
+//! what changed while it was away.
+
+use std::{collections::HashMap, net::SocketAddr};
+
+use anyhow::Result;
+use proxy_common::{BackendSlotKey, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, MemberKey, ServiceValue};
+
+use super::{
+    MapState, Programmed, encode,
+    generation::{chunk_key, chunks},
+};
+use crate::dataplane::bpf::{maps::MapSet, members};
+use crate::model::schedule::Schedule;
+
+impl MapState {
+    /// Rebuilds the mirror from what the maps hold (entries another agent wrote).
+    pub fn adopt(maps: &MapSet) -> Result<Self> {
+        let mut state = MapState {
+            next_service_id: 1,
+            next_backend_id: 1,
+            ..Default::default()
+        };
+        for entry in maps.backends.iter() {
+            let (id, be) = entry?;
+            state.backend_ids.insert(be, id);
+            state.backends_by_id.insert(id, be);
+            // Swept at the next apply unless a frontend turns out to use it.
+            state.maybe_unused.insert(id);
+            state.next_backend_id = state.next_backend_id.max(id.wrapping_add(1));
+        }
+        let mut ranges_by_id: HashMap<u32, Vec<ipnet::IpNet>> = HashMap::new();
+        for key in maps.source_ranges.keys() {
+            let key = key?;
+            let data = key.data();
+            let (family, bits) =
+                if data.addr[1..] == [0, 0, 0] && key.prefix_len() <= LPM_TAG_BITS + 32 {
+                    (FAMILY_V4, key.prefix_len() - LPM_TAG_BITS)
+                } else {
+                    (FAMILY_V6, key.prefix_len() - LPM_TAG_BITS)
+                };
+            if let Ok(net) = ipnet::IpNet::new(
+                proxy_common::addr::from_words(data.addr, family),
+                bits as u8,
+            ) {
+                ranges_by_id.entry(data.tag).or_default().push(net);
+            }
+        }
+        for entry in maps.services.iter() {
+            let (key, value) = entry?;
+            let mut backend_ids = Vec::with_capacity(usize::from(value.count));
+            for slot in 0..u32::from(value.count) {
+                let slot_key = BackendSlotKey {
+                    service_id: value.id,
+                    rev: value.rev,
+                    slot,
+                };
+                match maps.slots.get(&slot_key, 0) {
+                    Ok(s) => backend_ids.push(s.backend_id),
+                    // A torn set (agent died mid-write) is rewritten on the next apply.
+                    Err(_) => backend_ids.clear(),
+                }
+            }
+            let table = adopt_table(maps, &value);
+            state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
+            state.used_service_ids.insert(value.id);
+            state.hold(&backend_ids);
+            let ranges = ranges_by_id.remove(&value.id).unwrap_or_default();
+            let endpoints: Vec<SocketAddr> = backend_ids
+                .iter()
+                .filter_map(|id| state.backends_by_id.get(id))
+                .map(|be| proxy_common::addr::socket_addr(be.addr, be.family, be.port))
+                .collect();
+            state.services.insert(
+                key,
+                Programmed {
+                    value,
+                    complete: endpoints.len() == backend_ids.len(),
+                    backend_ids,
+                    endpoints,
+                    schedule: Schedule {
+                        scheduler: encode::scheduler_of_code(value.scheduler).unwrap_or_default(),
+                        ..Default::default()
+                    },
+                    table,
+                    ranges,
+                    seen: 0,
+                },
+            );
+        }
+        let programmed = state
+            .services
+            .values()
+            .flat_map(|p| {
+                p.backend_ids.iter().map(|&backend_id| MemberKey {
+                    service_id: p.value.id,
+                    backend_id,
+                })
+            })
+            .collect();
+        state.members_fix = members::Reconcile::plan(maps, &programmed)?;
+        Ok(state)
+    }
+}
+
+/// Reads an adopted entry's Maglev table; empty when it has none or a chunk is missing
+/// (a torn write: rewritten on the next apply).
+pub(super) fn adopt_table(maps: &MapSet, value: &ServiceValue) -> Vec<u16> {
+    let mut table = Vec::with_capacity(usize::from(value.table_len));
+    for chunk in 0..chunks(value.table_len) {
+        match maps.maglev.get(&chunk_key(value, chunk), 0) {
+            Ok(c) => table.extend_from_slice(&c.slots),
+            Err(_) => return Vec::new(),
+        }
+    }
+    table.truncate(usize::from(value.table_len));
+    table
+}

@@ -1,0 +1,81 @@
+//! The node settings: masquerade addresses and flags, connection-tracking timeouts and
+//! ports, the pod network and the node's own addresses.
+
+use anyhow::{Context as _, Result};
+use aya::maps::lpm_trie::Key as LpmKey;
+use proxy_common::{
+    CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_NODE,
+    LPM_TAG_POD, LpmData, NodeConfig,
+};
+
+use super::{encode::lpm_key, remove_ignoring_absent};
+use crate::dataplane::bpf::{ConntrackOptions, maps::MapSet};
+use crate::model::NodeSettings;
+
+/// Writes the node settings: the masquerade addresses and flags, the pod network and the
+/// node's own addresses (who is "inside").
+pub fn configure(maps: &mut MapSet, node: &NodeSettings, ct: &ConntrackOptions) -> Result<()> {
+    let first = |v4: bool| {
+        node.node_addresses
+            .iter()
+            .find(|a| a.is_ipv4() == v4)
+            .map_or([0; 4], |a| proxy_common::addr::to_words(*a).0)
+    };
+    let mut flags = 0;
+    if node.masquerade_all {
+        flags |= CFG_MASQUERADE_ALL;
+    }
+    if !node.pod_cidrs.is_empty() {
+        flags |= CFG_LOCAL_DETECTOR;
+    }
+    let secs = |d: std::time::Duration| u32::try_from(d.as_secs().max(1)).unwrap_or(u32::MAX);
+    let cfg = NodeConfig {
+        snat_v4: first(true),
+        snat_v6: first(false),
+        flags,
+        timeouts: CtTimeouts {
+            tcp_syn: secs(ct.tcp_syn),
+            tcp_established: secs(ct.tcp_established),
+            tcp_closing: secs(ct.tcp_close_wait),
+            udp: secs(ct.udp),
+            udp_stream: secs(ct.udp_stream),
+            // No kube-proxy setting: netfilter's TIME_WAIT and CLOSE (the built-in defaults).
+            tcp_time_wait: 0,
+            tcp_close: 0,
+        },
+        snat_port_min: ct.masquerade_ports.0,
+        snat_port_max: ct.masquerade_ports.1,
+    };
+    maps.node_config.set(0, &cfg, 0)?;
+    let mut wanted = Vec::new();
+    for net in &node.pod_cidrs {
+        let family = if net.addr().is_ipv4() {
+            FAMILY_V4
+        } else {
+            FAMILY_V6
+        };
+        wanted.push(lpm_key(LPM_TAG_POD | u32::from(family), net));
+    }
+    for ip in &node.node_addresses {
+        let family = if ip.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 };
+        let net = ipnet::IpNet::from(*ip);
+        wanted.push(lpm_key(LPM_TAG_NODE | u32::from(family), &net));
+    }
+    let present: Vec<LpmKey<LpmData>> = maps.local_nets.keys().filter_map(|k| k.ok()).collect();
+    // Stale entries go first: a table left full by an earlier run (or config) must not
+    // refuse the entries this one needs.
+    for key in present {
+        let still = wanted
+            .iter()
+            .any(|w| w.prefix_len() == key.prefix_len() && w.data() == key.data());
+        if !still {
+            remove_ignoring_absent(maps.local_nets.remove(&key))?;
+        }
+    }
+    for key in &wanted {
+        maps.local_nets
+            .insert(key, &1, 0)
+            .with_context(|| format!("writing {} local networks", wanted.len()))?;
+    }
+    Ok(())
+}
