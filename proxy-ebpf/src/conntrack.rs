@@ -18,7 +18,7 @@ use crate::{
     maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, SCRATCH_REPLY, count, ct_scratch},
     nat,
     packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
-    tc::DROP,
+    verdict::DROP,
 };
 
 /// An entry found in one of the two tables.

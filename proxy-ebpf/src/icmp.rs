@@ -19,7 +19,8 @@ use crate::{
     maps::{ICMP_SCRATCH, count},
     packet::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     route,
-    tc::{DONE, DROP, PASS_ON, is_node_address},
+    tc::is_node_address,
+    verdict::{DONE, DROP, PASS_ON},
 };
 
 const IPPROTO_ICMP: u8 = 1;

@@ -19,6 +19,7 @@ mod route;
 mod sock;
 mod stats;
 mod tc;
+mod verdict;
 
 use aya_ebpf::{
     macros::{cgroup_sock, cgroup_sock_addr, classifier},

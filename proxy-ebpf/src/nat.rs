@@ -20,7 +20,7 @@ use crate::{
         ETH_HLEN, IPV4_CSUM_OFF, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
         Packet,
     },
-    tc::DROP,
+    verdict::DROP,
 };
 
 /// Where a packet comes from, as kube-proxy's local-traffic detector sees it.

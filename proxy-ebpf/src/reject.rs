@@ -14,7 +14,7 @@ use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
 use crate::{
     maps::count,
     packet::{ETH_HLEN, Packet, ifindex},
-    tc::DROP,
+    verdict::DROP,
 };
 
 const TCP_FIN: u8 = 0x01;

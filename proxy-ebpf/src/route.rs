@@ -19,7 +19,7 @@ use proxy_common::{FAMILY_V4, PROTO_TCP};
 
 use crate::{
     packet::{ETH_HLEN, Packet, ifindex},
-    tc::Verdict,
+    verdict::Verdict,
 };
 
 const AF_INET: u8 = 2;

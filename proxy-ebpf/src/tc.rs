@@ -5,12 +5,7 @@
 //! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state in `conntrack`,
 //! rewriting and masquerade ports in `nat`, service lookup and backend choice in `lb`.
 
-use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    btf_maps::lpm_trie::Key,
-    helpers::bpf_ktime_get_ns,
-    programs::TcContext,
-};
+use aya_ebpf::{btf_maps::lpm_trie::Key, helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
     AFFINITY_BY_ADDR, CFG_LOCAL_DETECTOR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED,
     CT_F_SNAT, FAMILY_V4, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_SCTP,
@@ -27,29 +22,8 @@ use crate::{
     nat::{self, Origin, Side, rewrite},
     packet::{self, Packet, parse},
     reject, route, stats,
+    verdict::{DONE, DROP, PASS_ON},
 };
-
-/// Where a translated packet goes next.
-pub enum Verdict {
-    /// On through the stack (routing, local delivery).
-    Stack,
-    /// Already sent out of an interface: return this code.
-    Redirected(i32),
-}
-
-impl Verdict {
-    pub fn code(self) -> i32 {
-        match self {
-            Verdict::Stack => DONE,
-            Verdict::Redirected(code) => code,
-        }
-    }
-}
-
-/// Not ours: let the next program (or the stack) have it.
-pub const PASS_ON: i32 = TC_ACT_UNSPEC;
-pub const DONE: i32 = TC_ACT_OK as i32;
-pub const DROP: i32 = TC_ACT_SHOT as i32;
 
 /// The classifier: translate, then — for SCTP only — hand the checksum to the tail call.
 /// ICMP errors about translated flows are translated too.
