@@ -17,9 +17,9 @@ use proxy_common::{
 use crate::{
     conntrack,
     maps::{ICMP_SCRATCH, count},
+    node::is_node_address,
     packet::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     route,
-    tc::is_node_address,
     verdict::{DONE, DROP, PASS_ON},
 };
 

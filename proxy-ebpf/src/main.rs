@@ -13,6 +13,7 @@ mod icmp;
 mod lb;
 mod maps;
 mod nat;
+mod node;
 mod packet;
 mod reject;
 mod route;

@@ -16,20 +16,13 @@ use proxy_common::{
 use crate::{
     conntrack,
     maps::{SCTP_PENDING, SCTP_ZEROS, TC_TAIL, count},
+    node::Origin,
     packet::{
         ETH_HLEN, IPV4_CSUM_OFF, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
         Packet,
     },
     verdict::DROP,
 };
-
-/// Where a packet comes from, as kube-proxy's local-traffic detector sees it.
-pub struct Origin {
-    /// From the pod network (`clusterCIDR`).
-    pub pod: bool,
-    /// Sent by the node itself (one of its addresses, or loopback).
-    pub node: bool,
-}
 
 /// kube-proxy's masquerade rules: hairpin (a pod reaching itself); external frontends
 /// always with `externalTrafficPolicy: Cluster`, only for traffic the node sends with

@@ -5,21 +5,20 @@
 //! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state in `conntrack`,
 //! rewriting and masquerade ports in `nat`, service lookup and backend choice in `lb`.
 
-use aya_ebpf::{btf_maps::lpm_trie::Key, helpers::bpf_ktime_get_ns, programs::TcContext};
+use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
-    AFFINITY_BY_ADDR, CFG_LOCAL_DETECTOR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED,
-    CT_F_SNAT, FAMILY_V4, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_SCTP,
-    PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
+    AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED, CT_F_SNAT,
+    FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
 };
 
 use crate::{
     conntrack, icmp,
     lb::{self, Client, NoBackend},
     maps::{
-        LOCAL_NETS, NETFILTER_FLOWS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count,
-        ct_scratch, scratch,
+        NETFILTER_FLOWS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count, ct_scratch, scratch,
     },
-    nat::{self, Origin, Side, rewrite},
+    nat::{self, Side, rewrite},
+    node::{is_node_address, lpm_key, origin},
     packet::{self, Packet, parse},
     reject, route, stats,
     verdict::{DONE, DROP, PASS_ON},
@@ -324,40 +323,6 @@ fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         return Ok(route::redirect(hop).code());
     }
     Ok(DONE)
-}
-
-fn lpm_key(tag: u32, family: u8, addr: [u32; 4]) -> Key<LpmData> {
-    let bits = if family == FAMILY_V4 { 32 } else { 128 };
-    Key::new(LPM_TAG_BITS + bits, LpmData { tag, addr })
-}
-
-/// (Not inlined, as the rest of the LPM lookups: their keys would crowd `new_flow`'s
-/// frame.)
-#[inline(never)]
-fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
-    let family = u32::from(pkt.family);
-    let pod = cfg.flags & CFG_LOCAL_DETECTOR != 0
-        && LOCAL_NETS
-            .get(&lpm_key(LPM_TAG_POD | family, pkt.family, pkt.saddr))
-            .is_some();
-    let loopback = if pkt.family == FAMILY_V4 {
-        pkt.saddr[0].to_ne_bytes()[0] == 127
-    } else {
-        pkt.saddr == [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
-    };
-    let node = loopback
-        || LOCAL_NETS
-            .get(&lpm_key(LPM_TAG_NODE | family, pkt.family, pkt.saddr))
-            .is_some();
-    Origin { pod, node }
-}
-
-/// One of the node's own addresses (or loopback).
-#[inline(never)]
-pub fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
-    LOCAL_NETS
-        .get(&lpm_key(LPM_TAG_NODE | u32::from(family), family, *addr))
-        .is_some()
 }
 
 /// Whether netfilter was translating this flow before the classifier was attached.
