@@ -2,8 +2,8 @@
 //! connection tracking so every packet of a flow keeps its backend, masquerade (SNAT to
 //! the node) where kube-proxy would masquerade, reverse NAT of the replies, source-range
 //! filtering, and TCP resets for services without endpoints. Packets that are not ours
-//! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state in `conntrack`,
-//! rewriting and masquerade ports in `nat`, service lookup and backend choice in `lb`.
+//! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state and masquerade
+//! ports in `conntrack`, rewriting in `nat`, service lookup and backend choice in `lb`.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
