@@ -211,7 +211,3 @@ pub struct LcScan {
 
 #[btf_map]
 pub static LC_SCRATCH: PerCpuArray<LcScan, 1> = PerCpuArray::new();
-
-/// Per-CPU room for the ICMP error being translated (`icmp::Scratch`).
-#[btf_map]
-pub static ICMP_SCRATCH: PerCpuArray<crate::icmp::Scratch, 1> = PerCpuArray::new();
