@@ -10,7 +10,9 @@
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
+    btf_maps::PerCpuArray,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    macros::btf_map,
 };
 use proxy_common::{
     CT_DIR_REPLY, CT_F_ASSURED, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
@@ -19,10 +21,37 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, SCRATCH_REPLY, count, ct_scratch},
+    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, count},
     packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
     verdict::DROP,
 };
+
+/// Per-CPU room for a new flow's two conntrack values while they are built (forward at
+/// `SCRATCH_FORWARD`, reply at `SCRATCH_REPLY`): the 512-byte BPF stack has none to spare
+/// on that path. (Not pinned: each load has its own.)
+#[btf_map]
+static CT_SCRATCH: PerCpuArray<CtValue, 2> = PerCpuArray::new();
+pub const SCRATCH_FORWARD: u32 = 0;
+const SCRATCH_REPLY: u32 = 1;
+
+/// This CPU's scratch value `idx`, zeroed. Nothing else runs on this CPU until the
+/// current packet is done, so the slot is ours meanwhile.
+#[inline(always)]
+pub fn ct_scratch(idx: u32) -> Option<&'static mut CtValue> {
+    let p = CT_SCRATCH.get_ptr_mut(idx)?;
+    // SAFETY: a valid per-CPU slot, used by one packet at a time (see above).
+    let v = unsafe { &mut *p };
+    *v = CtValue::default();
+    Some(v)
+}
+
+/// This CPU's scratch value `idx` as the current packet left it.
+#[inline(always)]
+pub fn scratch(idx: u32) -> Option<&'static mut CtValue> {
+    let p = CT_SCRATCH.get_ptr_mut(idx)?;
+    // SAFETY: as for `ct_scratch`.
+    Some(unsafe { &mut *p })
+}
 
 /// An entry found in one of the two tables.
 pub struct Entry {

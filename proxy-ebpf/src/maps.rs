@@ -119,33 +119,6 @@ pub static FRAGMENTS: LruHashMap<FragKey, FragPorts, { capacity::FRAGMENTS as us
 pub static NETFILTER_FLOWS: LruHashMap<CtKey, u8, { capacity::NETFILTER_FLOWS as usize }> =
     LruHashMap::new();
 
-/// Per-CPU room for a new flow's two conntrack values while they are built (forward at
-/// `SCRATCH_FORWARD`, reply at `SCRATCH_REPLY`): the 512-byte BPF stack has none to spare
-/// on that path.
-#[btf_map]
-pub static CT_SCRATCH: PerCpuArray<CtValue, 2> = PerCpuArray::new();
-pub const SCRATCH_FORWARD: u32 = 0;
-pub const SCRATCH_REPLY: u32 = 1;
-
-/// This CPU's scratch value `idx`, zeroed. Nothing else runs on this CPU until the
-/// current packet is done, so the slot is ours meanwhile.
-#[inline(always)]
-pub fn ct_scratch(idx: u32) -> Option<&'static mut CtValue> {
-    let p = CT_SCRATCH.get_ptr_mut(idx)?;
-    // SAFETY: a valid per-CPU slot, used by one packet at a time (see above).
-    let v = unsafe { &mut *p };
-    *v = CtValue::default();
-    Some(v)
-}
-
-/// This CPU's scratch value `idx` as the current packet left it.
-#[inline(always)]
-pub fn scratch(idx: u32) -> Option<&'static mut CtValue> {
-    let p = CT_SCRATCH.get_ptr_mut(idx)?;
-    // SAFETY: as for `ct_scratch`.
-    Some(unsafe { &mut *p })
-}
-
 /// Counts one event of kind `idx` (a `proxy_common::counter` index).
 #[inline(always)]
 pub fn count(idx: u32) {

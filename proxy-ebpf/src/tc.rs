@@ -12,11 +12,10 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack, icmp,
+    conntrack::{self, SCRATCH_FORWARD, ct_scratch, scratch},
+    icmp,
     lb::{self, Client, NoBackend},
-    maps::{
-        NETFILTER_FLOWS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count, ct_scratch, scratch,
-    },
+    maps::{NETFILTER_FLOWS, NODE_CONFIG, SOURCE_RANGES, count},
     nat::{self, Side, rewrite},
     node::{is_node_address, lpm_key, origin},
     packet::{self, Packet, parse},
