@@ -53,11 +53,6 @@ pub static REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO
 pub static SOCK_LB: HashMap<u64, SockLb, { capacity::SOCK_LB as usize }, NO_PREALLOC> =
     HashMap::new();
 
-/// A zeroed `SockLb`, never written: the initial value of a new `SOCK_LB` entry (too big
-/// for the stack).
-#[btf_map]
-pub static SOCK_LB_ZERO: Array<SockLb, 1> = Array::new();
-
 /// (service entry, backend id) pairs of the current backend sets, with the time each was
 /// added (agent-written).
 #[btf_map]
@@ -89,10 +84,6 @@ pub static LOCAL_NETS: LpmTrie<LpmData, u8, { capacity::LOCAL_NETS as usize }> =
 #[btf_map]
 pub static SOURCE_RANGES: LpmTrie<LpmData, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
-
-/// Per-CPU credit for refusals (resets and ICMP errors), in nanoseconds.
-#[btf_map]
-pub static REJECT_CREDIT: PerCpuArray<[u64; 2], 1> = PerCpuArray::new();
 
 /// `crc32c::zeros(len)` at index `len`, filled by the agent before anything is
 /// attached: the CRC32c shift an SCTP port rewrite needs.
@@ -168,19 +159,3 @@ pub static BACKEND_STATS: PerCpuHashMap<
     { capacity::BACKENDS as usize },
     NO_PREALLOC,
 > = PerCpuHashMap::new();
-
-/// The least-connection scan's state (`lb::proxy_least_loaded`), per CPU.
-#[repr(C)]
-pub struct LcScan {
-    pub slot_key: BackendSlotKey,
-    pub member_key: MemberKey,
-    pub mode: u32,
-    /// Slots left to look at.
-    pub count: u32,
-    pub best_slot: u32,
-    pub best_active: u64,
-    pub best_weight: u64,
-}
-
-#[btf_map]
-pub static LC_SCRATCH: PerCpuArray<LcScan, 1> = PerCpuArray::new();

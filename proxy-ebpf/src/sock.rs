@@ -5,7 +5,9 @@
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::BPF_NOEXIST,
+    btf_maps::Array,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    macros::btf_map,
     programs::{SockAddrContext, SockContext},
 };
 use aya_log_ebpf::debug;
@@ -16,7 +18,7 @@ use proxy_common::{
 
 use crate::{
     lb::{self, Client, NoBackend},
-    maps::{REV_NAT, SOCK_LB, SOCK_LB_ZERO, count},
+    maps::{REV_NAT, SOCK_LB, count},
 };
 
 /// Let the call proceed.
@@ -126,6 +128,11 @@ fn kept(entry: *mut SockLb, svc: &ServiceValue) -> Option<([u32; 4], u16)> {
     }
     None
 }
+
+/// A zeroed `SockLb`, never written: the initial value of a new `SOCK_LB` entry (too big
+/// for the stack; not pinned: each load has its own).
+#[btf_map]
+static SOCK_LB_ZERO: Array<SockLb, 1> = Array::new();
 
 /// The socket's `SOCK_LB` entry, made (zeroed) if it has none; `None` when the map is full.
 #[inline(always)]
