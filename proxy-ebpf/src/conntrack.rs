@@ -7,6 +7,11 @@
 //! flood of new flows — spoofed SYNs at a NodePort — can only evict other unanswered
 //! flows, never an established one, as netfilter's early drop only takes unassured
 //! entries. The forward entry holds the flow's state for both directions.
+//!
+//! Layer 3. Owns: the flow entries (`CONNTRACK`, `CONNTRACK_NEW`: lookup, state bits,
+//! expiry, promotion, removal), the claims on reply tuples and the masquerade port
+//! allocation that retries them, and `CT_SCRATCH`. May import: layers 0-2 (`maps`,
+//! `verdict`, `packet`, `stats`, `node`); never `nat`, which may use it.
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,

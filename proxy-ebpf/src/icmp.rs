@@ -7,6 +7,10 @@
 //! Both directions: an error about a packet the client sent (from the backend or a
 //! router between the node and the backend) is found through the flow's reply entry, one
 //! about a reply (from the client's side) through its forward entry.
+//!
+//! Layer 4. Owns: the translation of ICMP errors about translated flows, and
+//! `ICMP_SCRATCH`. May import: layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `node`,
+//! `conntrack`, `lb`, `reject`, `route`).
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use proxy_common::{

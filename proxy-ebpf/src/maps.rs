@@ -1,6 +1,11 @@
 //! Every map the programs share with the agent. Types and names come from `proxy-common`;
 //! the agent pins them under its bpffs folder (and re-adopts them on restart); a private
 //! load (tests, `trace`) gets fresh unpinned maps.
+//!
+//! Layer 0 (a leaf). Owns: the maps the agent pins (`proxy_common::map::ALL`, no other)
+//! and `count` (`COUNTERS`). A map each load makes afresh (a per-CPU scratch value, a rate
+//! limiter's tokens) lives beside the one module that uses it instead. May import: no crate
+//! module.
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,

@@ -2,6 +2,11 @@
 //! checksums (IPv4 header, TCP/UDP pseudo-header, SCTP's CRC32c) and masquerade
 //! decisions. The masquerade source ports are `conntrack`'s: a port is a claim on a reply
 //! tuple.
+//!
+//! Layer 4. Owns: the address and port rewrites with their checksums, the masquerade
+//! decision, and the SCTP checksum's tail call (`finish`, `sctp_checksum`). May import:
+//! layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `node`, `conntrack`, `lb`, `reject`,
+//! `route`).
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},

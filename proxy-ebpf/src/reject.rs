@@ -3,6 +3,10 @@
 //! and either is sent back out of the interface it came in on, so the client fails at
 //! once instead of waiting for a timeout. A translated packet too big for its next hop
 //! is answered the same way, with "fragmentation needed" / "packet too big".
+//!
+//! Layer 3. Owns: the refusals (TCP reset, ICMP port unreachable, "too big") and their
+//! rate limit, `REJECT_CREDIT`. May import: layers 0-2 (`maps`, `verdict`, `packet`,
+//! `stats`, `node`).
 
 use aya_ebpf::{
     bindings::{TC_ACT_REDIRECT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},

@@ -1,6 +1,9 @@
 //! Connect-time load balancing (cgroup sock_addr hooks): the socket is pointed at a
 //! backend before the first packet exists, so no per-packet NAT is needed, and
 //! replies and `getpeername` are translated back so applications only ever see the VIP.
+//!
+//! Layer 5, an entry pipeline. Owns: the connect-time hooks' bodies, `SOCK_LB`'s entries
+//! and `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `tc` and `main`).
 
 use aya_ebpf::{
     EbpfContext as _, Global,

@@ -4,6 +4,10 @@
 //! filtering, and TCP resets for services without endpoints. Packets that are not ours
 //! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state and masquerade
 //! ports in `conntrack`, rewriting in `nat`, service lookup and backend choice in `lb`.
+//!
+//! Layer 5, an entry pipeline. Owns: the classifiers' bodies (`ingress`, `egress`) and the
+//! order of their steps (reply, established, new flow), source ranges and netfilter's
+//! flows. May import: layers 0-4 (every module but `sock` and `main`).
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{

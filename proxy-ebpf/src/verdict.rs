@@ -1,5 +1,8 @@
 //! Verdict codes of the classifiers: what a packet's program returns, and where a
-//! translated packet goes next. A leaf: imports no crate module.
+//! translated packet goes next.
+//!
+//! Layer 0 (a leaf). Owns: `PASS_ON`, `DONE`, `DROP`, `Verdict`. May import: no crate
+//! module.
 
 use aya_ebpf::bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC};
 
