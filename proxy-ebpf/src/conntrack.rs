@@ -1,25 +1,62 @@
 //! Connection tracking of the per-packet path: a flow's two entries (forward, keyed by
-//! the client's tuple; reply, keyed by the backend's), its TCP state and its idle limit.
+//! the client's tuple; reply, keyed by the backend's), its TCP state and its idle limit,
+//! and the claims on reply tuples, masquerade source ports among them.
 //!
 //! New flows live in `CONNTRACK_NEW` (LRU) until the backend answers; then both entries
 //! move to `CONNTRACK` (a hash the agent's collector expires by the same limits). So a
 //! flood of new flows — spoofed SYNs at a NodePort — can only evict other unanswered
 //! flows, never an established one, as netfilter's early drop only takes unassured
 //! entries. The forward entry holds the flow's state for both directions.
+//!
+//! Layer 3. Owns: the flow entries (`CONNTRACK`, `CONNTRACK_NEW`: lookup, state bits,
+//! expiry, promotion, removal), the claims on reply tuples and the masquerade port
+//! allocation that retries them, and `CT_SCRATCH`. May import: layers 0-2 (`maps`,
+//! `verdict`, `packet`, `stats`, `node`); never `nat`, which may use it.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    btf_maps::PerCpuArray,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    macros::btf_map,
+};
 use proxy_common::{
     CT_DIR_REPLY, CT_F_ASSURED, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
-    CtKey, CtTimeouts, CtValue, PROTO_TCP, counter, ct_closed, elapsed_ns, forward_key_of,
-    reply_key_of,
+    CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, ct_closed,
+    elapsed_ns, forward_key_of, reply_key_of,
 };
 
 use crate::{
-    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, SCRATCH_REPLY, count, ct_scratch},
-    nat,
+    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, count},
     packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
-    tc::DROP,
+    verdict::DROP,
 };
+
+/// Per-CPU room for a new flow's two conntrack values while they are built (forward at
+/// `SCRATCH_FORWARD`, reply at `SCRATCH_REPLY`): the 512-byte BPF stack has none to spare
+/// on that path. (Not pinned: each load has its own.)
+#[btf_map]
+static CT_SCRATCH: PerCpuArray<CtValue, 2> = PerCpuArray::new();
+pub const SCRATCH_FORWARD: u32 = 0;
+const SCRATCH_REPLY: u32 = 1;
+
+/// This CPU's scratch value `idx`, zeroed. Nothing else runs on this CPU until the
+/// current packet is done, so the slot is ours meanwhile.
+#[inline(always)]
+pub fn ct_scratch(idx: u32) -> Option<&'static mut CtValue> {
+    let p = CT_SCRATCH.get_ptr_mut(idx)?;
+    // SAFETY: a valid per-CPU slot, used by one packet at a time (see above).
+    let v = unsafe { &mut *p };
+    *v = CtValue::default();
+    Some(v)
+}
+
+/// This CPU's scratch value `idx` as the current packet left it.
+#[inline(always)]
+pub fn scratch(idx: u32) -> Option<&'static mut CtValue> {
+    let p = CT_SCRATCH.get_ptr_mut(idx)?;
+    // SAFETY: as for `ct_scratch`.
+    Some(unsafe { &mut *p })
+}
 
 /// An entry found in one of the two tables.
 pub struct Entry {
@@ -230,6 +267,36 @@ pub fn claim(key: &CtKey, value: &CtValue) -> bool {
         .is_ok()
 }
 
+/// Random ports tried before a flow is refused for want of one (netfilter tries up to
+/// 128 on a crowded range). Closed flows hold theirs for a second, so at thousands of
+/// new flows a second to one backend a good part of the range is briefly taken.
+const PORT_TRIES: u32 = 32;
+
+/// Finds a free source port for a flow whose reply tuple is `reply_key` (destination
+/// port to be chosen) and claims it with the flow's reply entry. A port is free when no
+/// live flow's replies use the same tuple: closed and expired flows give theirs back.
+/// Returns the port in network byte order.
+#[inline(never)]
+fn allocate_port(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
+    let (mut min, mut max) = (SNAT_PORT_MIN, SNAT_PORT_MAX);
+    if let Some(cfg) = NODE_CONFIG.get(0)
+        && cfg.snat_port_min != 0
+        && cfg.snat_port_max >= cfg.snat_port_min
+    {
+        (min, max) = (cfg.snat_port_min, cfg.snat_port_max);
+    }
+    let range = u32::from(max - min) + 1;
+    for _ in 0..PORT_TRIES {
+        // SAFETY: no preconditions.
+        let port = (u32::from(min) + unsafe { bpf_get_prandom_u32() } % range) as u16;
+        reply_key.dport = port.to_be();
+        if claim(reply_key, reply) {
+            return Some(port.to_be());
+        }
+    }
+    None
+}
+
 /// Writes a new flow's two entries into the table of new flows. `fwd` arrives with the
 /// backend (`xlate_*`, `backend_id`), the reverse-NAT id and — to masquerade — the node
 /// address in `nat_addr`; it leaves with `CT_F_SNAT` and `nat_port` when the flow got a
@@ -272,7 +339,7 @@ pub fn record(pkt: &Packet, fwd: &mut CtValue) -> Result<(), i32> {
     reply.nat_addr = pkt.saddr;
     reply.nat_port = pkt.sport;
     reply_key.daddr = fwd.nat_addr;
-    let Some(port) = nat::allocate_port(&mut reply_key, reply) else {
+    let Some(port) = allocate_port(&mut reply_key, reply) else {
         count(counter::SNAT_PORTS_EXHAUSTED);
         return Err(DROP);
     };

@@ -7,8 +7,12 @@
 //! Both directions: an error about a packet the client sent (from the backend or a
 //! router between the node and the backend) is found through the flow's reply entry, one
 //! about a reply (from the client's side) through its forward entry.
+//!
+//! Layer 4. Owns: the translation of ICMP errors about translated flows, and
+//! `ICMP_SCRATCH`. May import: layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `node`,
+//! `conntrack`, `lb`, `reject`, `route`).
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use proxy_common::{
     CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_SNAT, CtKey, FAMILY_V4, FAMILY_V6, PROTO_SCTP, PROTO_TCP,
     PROTO_UDP, counter,
@@ -16,10 +20,11 @@ use proxy_common::{
 
 use crate::{
     conntrack,
-    maps::{ICMP_SCRATCH, count},
+    maps::count,
+    node::is_node_address,
     packet::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     route,
-    tc::{DONE, DROP, PASS_ON, is_node_address},
+    verdict::{DONE, DROP, PASS_ON},
 };
 
 const IPPROTO_ICMP: u8 = 1;
@@ -29,10 +34,14 @@ const IPV6_HLEN: usize = 40;
 
 /// Per-CPU room for an error's `Quote` and `Edit` (`ICMP_SCRATCH`): on the stack they
 /// would push the classifier's call chain past the verifier's 512 bytes.
-pub struct Scratch {
+struct Scratch {
     q: Quote,
     e: Edit,
 }
+
+/// Per-CPU room for the ICMP error being translated (not pinned: each load has its own).
+#[btf_map]
+static ICMP_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 
 /// An ICMP error's layout and the tuple of the packet it quotes.
 struct Quote {

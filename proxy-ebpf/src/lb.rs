@@ -1,7 +1,15 @@
 //! Service lookup and backend selection, shared by the connect-time and per-packet paths
 //! so both choose from the same maps with the same rules.
+//!
+//! Layer 3. Owns: service lookup, the schedulers, backend selection, session affinity, the
+//! active-connection counts, and `LC_SCRATCH`. May import: layers 0-2 (`maps`, `verdict`,
+//! `packet`, `stats`, `node`).
 
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
+use aya_ebpf::{
+    btf_maps::PerCpuArray,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    macros::btf_map,
+};
 use core::{
     intrinsics::{AtomicOrdering, atomic_xadd},
     num::NonZeroU32,
@@ -14,8 +22,8 @@ use proxy_common::{
 };
 
 use crate::maps::{
-    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, LC_SCRATCH, LcScan, MAGLEV, MEMBERS,
-    RR_CURSORS, SERVICES, WEIGHTS, count,
+    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, MAGLEV, MEMBERS, RR_CURSORS, SERVICES,
+    WEIGHTS, count,
 };
 
 /// Why no backend was chosen for a packet or connection addressed to a service.
@@ -213,6 +221,23 @@ fn round_robin(id: u32) -> u32 {
     let _ = RR_CURSORS.insert(&id, &start, 0);
     start
 }
+
+/// The least-connection scan's state (`lb::proxy_least_loaded`), per CPU.
+#[repr(C)]
+struct LcScan {
+    slot_key: BackendSlotKey,
+    member_key: MemberKey,
+    mode: u32,
+    /// Slots left to look at.
+    count: u32,
+    best_slot: u32,
+    best_active: u64,
+    best_weight: u64,
+}
+
+/// Its room, per CPU (not pinned: each load has its own).
+#[btf_map]
+static LC_SCRATCH: PerCpuArray<LcScan, 1> = PerCpuArray::new();
 
 /// The least-connection schedulers: of up to `sched::LC_SCAN` slots from a random start
 /// (every slot when there are no more), the one whose backend has the lowest cost. The

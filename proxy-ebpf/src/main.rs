@@ -1,6 +1,23 @@
 //! BPF programs of the service proxy. Entry points are thin: the work lives in `lb`
-//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet path, with `packet`, `conntrack`,
-//! `nat`, `icmp` and `route`).
+//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet
+//! path, with `packet`, `conntrack`, `nat`, `icmp`, `reject` and `route`).
+//!
+//! The modules are layered by concept, as Cilium's `bpf/lib`: a module may import
+//! (`use crate::x`, or a `crate::x::` path) only modules of a lower layer, never one of
+//! its own layer or above, so no module imports one that calls it.
+//!
+//! - layer 0: `verdict` (verdict codes), `maps` (the pinned maps, `count`);
+//! - layer 1: `packet` (parsing, fragments), `stats` (per-frontend and per-backend
+//!   statistics);
+//! - layer 2: `node` (the node's addresses, the local-traffic detector);
+//! - layer 3: `conntrack` (flows, tuple claims, masquerade ports), `lb` (services,
+//!   backends), `reject` (refusals), `route` (FIB lookup, redirect);
+//! - layer 4: `nat` (rewrites, masquerade decision, SCTP checksum), `icmp` (ICMP errors);
+//! - layer 5: `tc` (per-packet pipeline), `sock` (connect-time pipeline);
+//! - layer 6: `main` (the programs, entry points only).
+//!
+//! A map each load makes afresh (not pinned) is declared beside the one module that uses
+//! it; the pinned ones are all in `maps`.
 #![no_std]
 #![no_main]
 // Atomic adds on map values: the BPF target has no `fetch_add` in `core::sync::atomic`
@@ -13,12 +30,14 @@ mod icmp;
 mod lb;
 mod maps;
 mod nat;
+mod node;
 mod packet;
 mod reject;
 mod route;
 mod sock;
 mod stats;
 mod tc;
+mod verdict;
 
 use aya_ebpf::{
     macros::{cgroup_sock, cgroup_sock_addr, classifier},

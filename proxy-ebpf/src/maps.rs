@@ -1,6 +1,11 @@
 //! Every map the programs share with the agent. Types and names come from `proxy-common`;
 //! the agent pins them under its bpffs folder (and re-adopts them on restart); a private
 //! load (tests, `trace`) gets fresh unpinned maps.
+//!
+//! Layer 0 (a leaf). Owns: the maps the agent pins (`proxy_common::map::ALL`, no other)
+//! and `count` (`COUNTERS`). A map each load makes afresh (a per-CPU scratch value, a rate
+//! limiter's tokens) lives beside the one module that uses it instead. May import: no crate
+//! module.
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
@@ -53,11 +58,6 @@ pub static REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO
 pub static SOCK_LB: HashMap<u64, SockLb, { capacity::SOCK_LB as usize }, NO_PREALLOC> =
     HashMap::new();
 
-/// A zeroed `SockLb`, never written: the initial value of a new `SOCK_LB` entry (too big
-/// for the stack).
-#[btf_map]
-pub static SOCK_LB_ZERO: Array<SockLb, 1> = Array::new();
-
 /// (service entry, backend id) pairs of the current backend sets, with the time each was
 /// added (agent-written).
 #[btf_map]
@@ -90,10 +90,6 @@ pub static LOCAL_NETS: LpmTrie<LpmData, u8, { capacity::LOCAL_NETS as usize }> =
 pub static SOURCE_RANGES: LpmTrie<LpmData, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
 
-/// Per-CPU credit for refusals (resets and ICMP errors), in nanoseconds.
-#[btf_map]
-pub static REJECT_CREDIT: PerCpuArray<[u64; 2], 1> = PerCpuArray::new();
-
 /// `crc32c::zeros(len)` at index `len`, filled by the agent before anything is
 /// attached: the CRC32c shift an SCTP port rewrite needs.
 #[btf_map]
@@ -118,33 +114,6 @@ pub static FRAGMENTS: LruHashMap<FragKey, FragPorts, { capacity::FRAGMENTS as us
 #[btf_map]
 pub static NETFILTER_FLOWS: LruHashMap<CtKey, u8, { capacity::NETFILTER_FLOWS as usize }> =
     LruHashMap::new();
-
-/// Per-CPU room for a new flow's two conntrack values while they are built (forward at
-/// `SCRATCH_FORWARD`, reply at `SCRATCH_REPLY`): the 512-byte BPF stack has none to spare
-/// on that path.
-#[btf_map]
-pub static CT_SCRATCH: PerCpuArray<CtValue, 2> = PerCpuArray::new();
-pub const SCRATCH_FORWARD: u32 = 0;
-pub const SCRATCH_REPLY: u32 = 1;
-
-/// This CPU's scratch value `idx`, zeroed. Nothing else runs on this CPU until the
-/// current packet is done, so the slot is ours meanwhile.
-#[inline(always)]
-pub fn ct_scratch(idx: u32) -> Option<&'static mut CtValue> {
-    let p = CT_SCRATCH.get_ptr_mut(idx)?;
-    // SAFETY: a valid per-CPU slot, used by one packet at a time (see above).
-    let v = unsafe { &mut *p };
-    *v = CtValue::default();
-    Some(v)
-}
-
-/// This CPU's scratch value `idx` as the current packet left it.
-#[inline(always)]
-pub fn scratch(idx: u32) -> Option<&'static mut CtValue> {
-    let p = CT_SCRATCH.get_ptr_mut(idx)?;
-    // SAFETY: as for `ct_scratch`.
-    Some(unsafe { &mut *p })
-}
 
 /// Counts one event of kind `idx` (a `proxy_common::counter` index).
 #[inline(always)]
@@ -195,23 +164,3 @@ pub static BACKEND_STATS: PerCpuHashMap<
     { capacity::BACKENDS as usize },
     NO_PREALLOC,
 > = PerCpuHashMap::new();
-
-/// The least-connection scan's state (`lb::proxy_least_loaded`), per CPU.
-#[repr(C)]
-pub struct LcScan {
-    pub slot_key: BackendSlotKey,
-    pub member_key: MemberKey,
-    pub mode: u32,
-    /// Slots left to look at.
-    pub count: u32,
-    pub best_slot: u32,
-    pub best_active: u64,
-    pub best_weight: u64,
-}
-
-#[btf_map]
-pub static LC_SCRATCH: PerCpuArray<LcScan, 1> = PerCpuArray::new();
-
-/// Per-CPU room for the ICMP error being translated (`icmp::Scratch`).
-#[btf_map]
-pub static ICMP_SCRATCH: PerCpuArray<crate::icmp::Scratch, 1> = PerCpuArray::new();

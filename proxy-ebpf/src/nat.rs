@@ -1,35 +1,31 @@
 //! Address translation of the per-packet path: rewriting addresses and ports with their
-//! checksums (IPv4 header, TCP/UDP pseudo-header, SCTP's CRC32c), masquerade decisions
-//! and masquerade source ports.
+//! checksums (IPv4 header, TCP/UDP pseudo-header, SCTP's CRC32c) and masquerade
+//! decisions. The masquerade source ports are `conntrack`'s: a port is a claim on a reply
+//! tuple.
+//!
+//! Layer 4. Owns: the address and port rewrites with their checksums, the masquerade
+//! decision, and the SCTP checksum's tail call (`finish`, `sctp_checksum`). May import:
+//! layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `node`, `conntrack`, `lb`, `reject`,
+//! `route`).
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::bpf_get_prandom_u32,
     programs::TcContext,
 };
 use proxy_common::{
-    Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CtKey, CtValue, FAMILY_V4, NodeConfig,
-    PROTO_SCTP, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, SVC_F_EXT_LOCAL, SVC_F_EXTERNAL,
-    ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
+    Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, FAMILY_V4, NodeConfig, PROTO_SCTP, PROTO_TCP,
+    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
 };
 
 use crate::{
-    conntrack,
     maps::{SCTP_PENDING, SCTP_ZEROS, TC_TAIL, count},
+    node::Origin,
     packet::{
         ETH_HLEN, IPV4_CSUM_OFF, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
         Packet,
     },
-    tc::DROP,
+    verdict::DROP,
 };
-
-/// Where a packet comes from, as kube-proxy's local-traffic detector sees it.
-pub struct Origin {
-    /// From the pod network (`clusterCIDR`).
-    pub pod: bool,
-    /// Sent by the node itself (one of its addresses, or loopback).
-    pub node: bool,
-}
 
 /// kube-proxy's masquerade rules: hairpin (a pod reaching itself); external frontends
 /// always with `externalTrafficPolicy: Cluster`, only for traffic the node sends with
@@ -50,36 +46,6 @@ pub fn masquerade(
         return svc.flags & SVC_F_EXT_LOCAL == 0 || origin.node;
     }
     cfg.flags & CFG_MASQUERADE_ALL != 0 || (cfg.flags & CFG_LOCAL_DETECTOR != 0 && !origin.pod)
-}
-
-/// Random ports tried before a flow is refused for want of one (netfilter tries up to
-/// 128 on a crowded range). Closed flows hold theirs for a second, so at thousands of
-/// new flows a second to one backend a good part of the range is briefly taken.
-const PORT_TRIES: u32 = 32;
-
-/// Finds a free source port for a flow whose reply tuple is `reply_key` (destination
-/// port to be chosen) and claims it with the flow's reply entry. A port is free when no
-/// live flow's replies use the same tuple: closed and expired flows give theirs back.
-/// Returns the port in network byte order.
-#[inline(never)]
-pub fn allocate_port(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
-    let (mut min, mut max) = (SNAT_PORT_MIN, SNAT_PORT_MAX);
-    if let Some(cfg) = crate::maps::NODE_CONFIG.get(0)
-        && cfg.snat_port_min != 0
-        && cfg.snat_port_max >= cfg.snat_port_min
-    {
-        (min, max) = (cfg.snat_port_min, cfg.snat_port_max);
-    }
-    let range = u32::from(max - min) + 1;
-    for _ in 0..PORT_TRIES {
-        // SAFETY: no preconditions.
-        let port = (u32::from(min) + unsafe { bpf_get_prandom_u32() } % range) as u16;
-        reply_key.dport = port.to_be();
-        if conntrack::claim(reply_key, reply) {
-            return Some(port.to_be());
-        }
-    }
-    None
 }
 
 pub enum Side {

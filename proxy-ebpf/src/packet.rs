@@ -1,5 +1,9 @@
 //! Reading a packet: the 5-tuple (and TCP flags) of TCP/UDP/SCTP over IPv4 or IPv6, with
 //! IPv4 fragments taking their ports from the datagram's first fragment.
+//!
+//! Layer 1. Owns: `Packet` and its parsing, the header offsets and TCP flag bits, the
+//! interface indexes of the skb, and the `FRAGMENTS` bookkeeping. May import: `maps`,
+//! `verdict`.
 
 use aya_ebpf::{EbpfContext as _, bindings::__sk_buff, programs::TcContext};
 use proxy_common::{

@@ -3,10 +3,16 @@
 //! and either is sent back out of the interface it came in on, so the client fails at
 //! once instead of waiting for a timeout. A translated packet too big for its next hop
 //! is answered the same way, with "fragmentation needed" / "packet too big".
+//!
+//! Layer 3. Owns: the refusals (TCP reset, ICMP port unreachable, "too big") and their
+//! rate limit, `REJECT_CREDIT`. May import: layers 0-2 (`maps`, `verdict`, `packet`,
+//! `stats`, `node`).
 
 use aya_ebpf::{
     bindings::{TC_ACT_REDIRECT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
+    btf_maps::PerCpuArray,
     helpers::{bpf_csum_diff, bpf_redirect},
+    macros::btf_map,
     programs::TcContext,
 };
 use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
@@ -14,7 +20,7 @@ use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
 use crate::{
     maps::count,
     packet::{ETH_HLEN, Packet, ifindex},
-    tc::DROP,
+    verdict::DROP,
 };
 
 const TCP_FIN: u8 = 0x01;
@@ -43,9 +49,14 @@ pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     }
 }
 
+/// Per-CPU credit for refusals (resets and ICMP errors), in nanoseconds (not pinned: each
+/// load has its own).
+#[btf_map]
+static REJECT_CREDIT: PerCpuArray<[u64; 2], 1> = PerCpuArray::new();
+
 /// A per-CPU token bucket: [credit in ns, last refill time].
 fn take_credit() -> bool {
-    let Some(slot) = crate::maps::REJECT_CREDIT.get_ptr_mut(0) else {
+    let Some(slot) = REJECT_CREDIT.get_ptr_mut(0) else {
         return true;
     };
     // SAFETY: per-CPU slot, no concurrent writer on this CPU; no preconditions for ktime.

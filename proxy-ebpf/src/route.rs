@@ -5,6 +5,9 @@
 //! the stack's forwarding, they also skip its MTU check: `lookup` makes it (the FIB
 //! knows the egress MTU), and a packet too big is answered with "fragmentation needed"
 //! or "packet too big" instead of vanishing (no PMTU black hole).
+//!
+//! Layer 3. Owns: the FIB lookup with its MTU check, and the redirect out of an interface.
+//! May import: layers 0-2 (`maps`, `verdict`, `packet`, `stats`, `node`).
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -19,7 +22,7 @@ use proxy_common::{FAMILY_V4, PROTO_TCP};
 
 use crate::{
     packet::{ETH_HLEN, Packet, ifindex},
-    tc::Verdict,
+    verdict::Verdict,
 };
 
 const AF_INET: u8 = 2;

@@ -1,11 +1,16 @@
 //! Connect-time load balancing (cgroup sock_addr hooks): the socket is pointed at a
 //! backend before the first packet exists, so no per-packet NAT is needed, and
 //! replies and `getpeername` are translated back so applications only ever see the VIP.
+//!
+//! Layer 5, an entry pipeline. Owns: the connect-time hooks' bodies, `SOCK_LB`'s entries
+//! and `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `tc` and `main`).
 
 use aya_ebpf::{
     EbpfContext as _, Global,
     bindings::BPF_NOEXIST,
+    btf_maps::Array,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    macros::btf_map,
     programs::{SockAddrContext, SockContext},
 };
 use aya_log_ebpf::debug;
@@ -16,7 +21,7 @@ use proxy_common::{
 
 use crate::{
     lb::{self, Client, NoBackend},
-    maps::{REV_NAT, SOCK_LB, SOCK_LB_ZERO, count},
+    maps::{REV_NAT, SOCK_LB, count},
 };
 
 /// Let the call proceed.
@@ -126,6 +131,11 @@ fn kept(entry: *mut SockLb, svc: &ServiceValue) -> Option<([u32; 4], u16)> {
     }
     None
 }
+
+/// A zeroed `SockLb`, never written: the initial value of a new `SOCK_LB` entry (too big
+/// for the stack; not pinned: each load has its own).
+#[btf_map]
+static SOCK_LB_ZERO: Array<SockLb, 1> = Array::new();
 
 /// The socket's `SOCK_LB` entry, made (zeroed) if it has none; `None` when the map is full.
 #[inline(always)]

@@ -2,6 +2,9 @@
 //! new connections, and packets and bytes each way. Per-CPU values, summed by the agent;
 //! an entry is made on its first use and removed by the agent's collector once its
 //! frontend or backend is gone.
+//!
+//! Layer 1. Owns: the `LB_STATS` / `BACKEND_STATS` accounting. May import: `maps`,
+//! `verdict`.
 
 use proxy_common::LbStats;
 

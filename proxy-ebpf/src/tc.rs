@@ -2,54 +2,30 @@
 //! connection tracking so every packet of a flow keeps its backend, masquerade (SNAT to
 //! the node) where kube-proxy would masquerade, reverse NAT of the replies, source-range
 //! filtering, and TCP resets for services without endpoints. Packets that are not ours
-//! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state in `conntrack`,
-//! rewriting and masquerade ports in `nat`, service lookup and backend choice in `lb`.
+//! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state and masquerade
+//! ports in `conntrack`, rewriting in `nat`, service lookup and backend choice in `lb`.
+//!
+//! Layer 5, an entry pipeline. Owns: the classifiers' bodies (`ingress`, `egress`) and the
+//! order of their steps (reply, established, new flow), source ranges and netfilter's
+//! flows. May import: layers 0-4 (every module but `sock` and `main`).
 
-use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    btf_maps::lpm_trie::Key,
-    helpers::bpf_ktime_get_ns,
-    programs::TcContext,
-};
+use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use proxy_common::{
-    AFFINITY_BY_ADDR, CFG_LOCAL_DETECTOR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED,
-    CT_F_SNAT, FAMILY_V4, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig, PROTO_SCTP,
-    PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
+    AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED, CT_F_SNAT,
+    FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
 };
 
 use crate::{
-    conntrack, icmp,
+    conntrack::{self, SCRATCH_FORWARD, ct_scratch, scratch},
+    icmp,
     lb::{self, Client, NoBackend},
-    maps::{
-        LOCAL_NETS, NETFILTER_FLOWS, NODE_CONFIG, SCRATCH_FORWARD, SOURCE_RANGES, count,
-        ct_scratch, scratch,
-    },
-    nat::{self, Origin, Side, rewrite},
+    maps::{NETFILTER_FLOWS, NODE_CONFIG, SOURCE_RANGES, count},
+    nat::{self, Side, rewrite},
+    node::{is_node_address, lpm_key, origin},
     packet::{self, Packet, parse},
     reject, route, stats,
+    verdict::{DONE, DROP, PASS_ON},
 };
-
-/// Where a translated packet goes next.
-pub enum Verdict {
-    /// On through the stack (routing, local delivery).
-    Stack,
-    /// Already sent out of an interface: return this code.
-    Redirected(i32),
-}
-
-impl Verdict {
-    pub fn code(self) -> i32 {
-        match self {
-            Verdict::Stack => DONE,
-            Verdict::Redirected(code) => code,
-        }
-    }
-}
-
-/// Not ours: let the next program (or the stack) have it.
-pub const PASS_ON: i32 = TC_ACT_UNSPEC;
-pub const DONE: i32 = TC_ACT_OK as i32;
-pub const DROP: i32 = TC_ACT_SHOT as i32;
 
 /// The classifier: translate, then — for SCTP only — hand the checksum to the tail call.
 /// ICMP errors about translated flows are translated too.
@@ -350,40 +326,6 @@ fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         return Ok(route::redirect(hop).code());
     }
     Ok(DONE)
-}
-
-fn lpm_key(tag: u32, family: u8, addr: [u32; 4]) -> Key<LpmData> {
-    let bits = if family == FAMILY_V4 { 32 } else { 128 };
-    Key::new(LPM_TAG_BITS + bits, LpmData { tag, addr })
-}
-
-/// (Not inlined, as the rest of the LPM lookups: their keys would crowd `new_flow`'s
-/// frame.)
-#[inline(never)]
-fn origin(pkt: &Packet, cfg: &NodeConfig) -> Origin {
-    let family = u32::from(pkt.family);
-    let pod = cfg.flags & CFG_LOCAL_DETECTOR != 0
-        && LOCAL_NETS
-            .get(&lpm_key(LPM_TAG_POD | family, pkt.family, pkt.saddr))
-            .is_some();
-    let loopback = if pkt.family == FAMILY_V4 {
-        pkt.saddr[0].to_ne_bytes()[0] == 127
-    } else {
-        pkt.saddr == [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
-    };
-    let node = loopback
-        || LOCAL_NETS
-            .get(&lpm_key(LPM_TAG_NODE | family, pkt.family, pkt.saddr))
-            .is_some();
-    Origin { pod, node }
-}
-
-/// One of the node's own addresses (or loopback).
-#[inline(never)]
-pub fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
-    LOCAL_NETS
-        .get(&lpm_key(LPM_TAG_NODE | u32::from(family), family, *addr))
-        .is_some()
 }
 
 /// Whether netfilter was translating this flow before the classifier was attached.
