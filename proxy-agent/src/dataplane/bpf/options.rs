@@ -42,11 +42,11 @@ pub struct Options {
 /// entry of capacity, rounded up to a power of two) when it is created.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct MapSizes {
-    /// `SERVICES` and `REV_NAT`.
+    /// `SERVICES`, `REV_NAT` and `LB_STATS`.
     pub services: u32,
-    /// `BACKEND_SLOTS` and `MEMBERS`.
+    /// `BACKEND_SLOTS`, `MEMBERS` and `MAGLEV`.
     pub backend_slots: u32,
-    /// `BACKENDS`.
+    /// `BACKENDS`, `ACTIVE_CONNS` and `BACKEND_STATS`.
     pub backends: u32,
 }
 
