@@ -12,7 +12,8 @@ use proxy_agent::{
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
     trace,
 };
-use support::{root, tc_harness};
+use support::tc_harness;
+use test_support::needs_root;
 
 const CLIENTS: u8 = 40;
 
@@ -93,11 +94,9 @@ const B: &str = "10.244.1.5:8080";
 const C: &str = "10.244.2.6:8080";
 const D: &str = "10.244.3.7:8080";
 
+#[needs_root]
 #[test]
 fn affinity_never_pins_to_an_endpoint_that_left_the_service() {
-    if !root("affinity_never_pins_to_an_endpoint_that_left_the_service") {
-        return;
-    }
     let mut h = Harness::new();
     let (vip, other) = (sa("10.96.0.10:80"), sa("10.96.0.11:80"));
     // B serves both Services; every client is pinned to it on the first.
@@ -119,11 +118,9 @@ fn affinity_never_pins_to_an_endpoint_that_left_the_service() {
     assert!(h.round(40_000, other).iter().all(|d| *d == sa(B)));
 }
 
+#[needs_root]
 #[test]
 fn backend_ids_reused_after_a_restart_never_resurrect_a_pin() {
-    if !root("backend_ids_reused_after_a_restart_never_resurrect_a_pin") {
-        return;
-    }
     let mut h = Harness::new();
     let vip = sa("10.96.0.10:80");
     h.apply(&NodeView::from([sticky("10.96.0.10", &[B])]));
@@ -160,11 +157,9 @@ fn backend_ids_reused_after_a_restart_never_resurrect_a_pin() {
     );
 }
 
+#[needs_root]
 #[test]
 fn adoption_restores_and_prunes_memberships() {
-    if !root("adoption_restores_and_prunes_memberships") {
-        return;
-    }
     let mut h = Harness::new();
     let view = NodeView::from([sticky("10.96.0.10", &[B, C])]);
     h.apply(&view);

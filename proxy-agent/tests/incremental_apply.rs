@@ -14,11 +14,12 @@ use std::{
 
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState},
-    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
     model::schedule::{Schedule, Scheduler},
+    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
 };
 use proxy_common::BackendSlotKey;
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
+use test_support::needs_root;
 
 fn random_set(rng: &mut StdRng) -> BackendSet {
     BackendSet {
@@ -157,11 +158,9 @@ fn contents(maps: &MapSet) -> Contents {
     }
 }
 
+#[needs_root]
 #[test]
 fn applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply() {
-    if !support::root("applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply") {
-        return;
-    }
     let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
     let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
     let mut a = MapState::adopt(&a_maps).expect("adopt");

@@ -42,19 +42,6 @@ pub const TCP_TARGET: u16 = 8080;
 pub const UDP_PORT: u16 = 53;
 pub const UDP_TARGET: u16 = 5353;
 
-/// Root is needed for namespaces, cgroups, bpffs and BPF. Prints why a test skips.
-pub fn require_root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    eprintln!(
-        "SKIP {test}: needs root (network namespaces, cgroup v2, bpffs and BPF programs); \
-         run `cargo xtask test` as root"
-    );
-    false
-}
-
 /// Runs a command, failing with its stderr.
 pub fn sh(args: &[&str]) -> Result<String> {
     let out = Command::new(args[0])
