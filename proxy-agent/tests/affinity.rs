@@ -9,7 +9,7 @@ use std::{collections::BTreeSet, net::SocketAddr};
 
 use proxy_agent::{
     dataplane::bpf::MapState,
-    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    model::{Frontend, FrontendKind, FrontendState, NodeView, Protocol},
     trace,
 };
 use support::tc_harness;
@@ -69,20 +69,10 @@ fn sticky(ip: &str, backends: &[&str]) -> (Frontend, FrontendState) {
             port: 80,
             protocol: Protocol::Tcp,
         },
-        FrontendState {
-            service: format!("default/{ip}"),
-            kind: FrontendKind::ClusterIp,
-            backends: BackendSet {
-                endpoints: backends.iter().map(|b| sa(b)).collect(),
-                when_empty: WhenEmpty::Reject,
-            },
-            internal: None,
-            affinity_timeout_s: Some(3600),
-            external_local: false,
-            internal_local: false,
-            source_ranges: Vec::new(),
-            schedule: Default::default(),
-        },
+        FrontendState::builder(format!("default/{ip}"), FrontendKind::ClusterIp)
+            .backends(backends.iter().map(|b| sa(b)))
+            .affinity(3600)
+            .build(),
     )
 }
 

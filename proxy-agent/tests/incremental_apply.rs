@@ -46,21 +46,19 @@ fn random_state(rng: &mut StdRng) -> FrontendState {
         FrontendKind::NodePort
     };
     let external_local = kind == FrontendKind::NodePort && rng.random_bool(0.5);
-    FrontendState {
-        service: format!("ns/svc-{}:http", rng.random_range(0..4)),
-        kind,
-        backends: random_set(rng),
-        internal: external_local.then(|| random_set(rng)),
-        affinity_timeout_s: rng.random_bool(0.3).then_some(10_800),
-        external_local,
-        internal_local: false,
-        source_ranges: if rng.random_bool(0.2) {
+    // Drawn in the fields' order, as before: a seed still gives the same states.
+    FrontendState::builder(format!("ns/svc-{}:http", rng.random_range(0..4)), kind)
+        .backend_set(random_set(rng))
+        .internal(external_local.then(|| random_set(rng)))
+        .affinity(rng.random_bool(0.3).then_some(10_800))
+        .external_local(external_local)
+        .source_ranges(if rng.random_bool(0.2) {
             vec!["198.51.100.0/24".parse().expect("cidr")]
         } else {
             Vec::new()
-        },
-        schedule: random_schedule(rng),
-    }
+        })
+        .schedule(random_schedule(rng))
+        .build()
 }
 
 /// Random scheduler (expanded layouts and weights among them), small Maglev tables.
