@@ -9,10 +9,11 @@ use std::{collections::BTreeSet, net::SocketAddr};
 
 use proxy_agent::{
     dataplane::bpf::MapState,
-    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    model::{Frontend, FrontendKind, FrontendState, NodeView, Protocol},
     trace,
 };
-use support::{root, tc_harness};
+use support::tc_harness;
+use test_support::needs_root;
 
 const CLIENTS: u8 = 40;
 
@@ -68,20 +69,10 @@ fn sticky(ip: &str, backends: &[&str]) -> (Frontend, FrontendState) {
             port: 80,
             protocol: Protocol::Tcp,
         },
-        FrontendState {
-            service: format!("default/{ip}"),
-            kind: FrontendKind::ClusterIp,
-            backends: BackendSet {
-                endpoints: backends.iter().map(|b| sa(b)).collect(),
-                when_empty: WhenEmpty::Reject,
-            },
-            internal: None,
-            affinity_timeout_s: Some(3600),
-            external_local: false,
-            internal_local: false,
-            source_ranges: Vec::new(),
-            schedule: Default::default(),
-        },
+        FrontendState::builder(format!("default/{ip}"), FrontendKind::ClusterIp)
+            .backends(backends.iter().map(|b| sa(b)))
+            .affinity(3600)
+            .build(),
     )
 }
 
@@ -93,11 +84,9 @@ const B: &str = "10.244.1.5:8080";
 const C: &str = "10.244.2.6:8080";
 const D: &str = "10.244.3.7:8080";
 
+#[needs_root]
 #[test]
 fn affinity_never_pins_to_an_endpoint_that_left_the_service() {
-    if !root("affinity_never_pins_to_an_endpoint_that_left_the_service") {
-        return;
-    }
     let mut h = Harness::new();
     let (vip, other) = (sa("10.96.0.10:80"), sa("10.96.0.11:80"));
     // B serves both Services; every client is pinned to it on the first.
@@ -119,11 +108,9 @@ fn affinity_never_pins_to_an_endpoint_that_left_the_service() {
     assert!(h.round(40_000, other).iter().all(|d| *d == sa(B)));
 }
 
+#[needs_root]
 #[test]
 fn backend_ids_reused_after_a_restart_never_resurrect_a_pin() {
-    if !root("backend_ids_reused_after_a_restart_never_resurrect_a_pin") {
-        return;
-    }
     let mut h = Harness::new();
     let vip = sa("10.96.0.10:80");
     h.apply(&NodeView::from([sticky("10.96.0.10", &[B])]));
@@ -160,11 +147,9 @@ fn backend_ids_reused_after_a_restart_never_resurrect_a_pin() {
     );
 }
 
+#[needs_root]
 #[test]
 fn adoption_restores_and_prunes_memberships() {
-    if !root("adoption_restores_and_prunes_memberships") {
-        return;
-    }
     let mut h = Harness::new();
     let view = NodeView::from([sticky("10.96.0.10", &[B, C])]);
     h.apply(&view);

@@ -14,7 +14,8 @@ use proxy_agent::{
     model::{FrontendKind, NodeView, Protocol},
 };
 use proxy_common::{CT_DIR_FORWARD, CT_DIR_REPLY, CtKey, CtValue, map_names};
-use support::{root, tc_harness::*};
+use support::tc_harness::*;
+use test_support::needs_root;
 
 const SYN: u8 = 0x02;
 const SYN_ACK: u8 = 0x12;
@@ -75,11 +76,9 @@ fn clusterip(h: &mut Harness, backends: &[&str]) {
     )]));
 }
 
+#[needs_root]
 #[test]
 fn tcp_flows_age_by_their_state_at_the_default_timeouts() {
-    if !root("tcp_flows_age_by_their_state_at_the_default_timeouts") {
-        return;
-    }
     let (mut h, client, vip, be) = one_clusterip();
 
     assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
@@ -155,11 +154,9 @@ fn tcp_flows_age_by_their_state_at_the_default_timeouts() {
     );
 }
 
+#[needs_root]
 #[test]
 fn an_unanswered_flow_expires_after_60_s() {
-    if !root("an_unanswered_flow_expires_after_60_s") {
-        return;
-    }
     let (mut h, client, vip, be) = one_clusterip();
     seg(&h, client, vip, SYN);
     age(&mut h, 59);
@@ -178,11 +175,9 @@ fn an_unanswered_flow_expires_after_60_s() {
     );
 }
 
+#[needs_root]
 #[test]
 fn a_syn_on_a_closed_flow_reaches_a_live_backend() {
-    if !root("a_syn_on_a_closed_flow_reaches_a_live_backend") {
-        return;
-    }
     let (mut h, client, vip, old) = one_clusterip();
     seg(&h, client, vip, SYN);
     seg(&h, old, client, SYN_ACK);
@@ -204,11 +199,9 @@ fn a_syn_on_a_closed_flow_reaches_a_live_backend() {
     assert_eq!(seg(&h, client2, vip, ACK).2, sa("10.244.2.6:8080"));
 }
 
+#[needs_root]
 #[test]
 fn udp_answered_then_silent_for_35_s_keeps_translating() {
-    if !root("udp_answered_then_silent_for_35_s_keeps_translating") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     h.apply(&NodeView::from([frontend(
@@ -260,11 +253,9 @@ fn tiny_port_range(h: &mut Harness) {
     h.apply(&NodeView::from([(np, st)]));
 }
 
+#[needs_root]
 #[test]
 fn masquerade_ports_of_closed_and_expired_flows_are_reused() {
-    if !root("masquerade_ports_of_closed_and_expired_flows_are_reused") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     tiny_port_range(&mut h);
     let np = sa("192.0.2.10:30080");
@@ -313,11 +304,9 @@ fn masquerade_ports_of_closed_and_expired_flows_are_reused() {
     assert!(h.counter("ct_reused") >= 2);
 }
 
+#[needs_root]
 #[test]
 fn a_syn_flood_evicts_no_answered_flow() {
-    if !root("a_syn_flood_evicts_no_answered_flow") {
-        return;
-    }
     const ESTABLISHED: u16 = 200;
     const FLOOD: u32 = 20_000;
     let mut h = Harness::new(&[(map_names::CONNTRACK_NEW, 1_024)]);
@@ -384,11 +373,9 @@ fn a_syn_flood_evicts_no_answered_flow() {
     assert!(!clash, "a flooding flow got an answered flow's tuple");
 }
 
+#[needs_root]
 #[test]
 fn one_client_port_to_two_frontends_sharing_a_backend() {
-    if !root("one_client_port_to_two_frontends_sharing_a_backend") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     h.apply(&NodeView::from([
@@ -415,11 +402,9 @@ fn one_client_port_to_two_frontends_sharing_a_backend() {
     assert_eq!(seg(&h, be, src2, SYN_ACK), (TC_ACT_OK, vip2, client));
 }
 
+#[needs_root]
 #[test]
 fn the_collector_frees_expired_flows_and_orphans() {
-    if !root("the_collector_frees_expired_flows_and_orphans") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     clusterip(&mut h, &["10.244.1.5:8080"]);
@@ -482,11 +467,9 @@ fn the_collector_frees_expired_flows_and_orphans() {
 /// as the agent writes it from the kernel's conntrack table at start): its mid-stream
 /// segments go on untouched to netfilter instead of being dropped as `ct_invalid`, and a
 /// SYN on its tuple is a new connection of ours.
+#[needs_root]
 #[test]
 fn a_flow_netfilter_translated_before_us_is_left_to_it() {
-    if !root("a_flow_netfilter_translated_before_us_is_left_to_it") {
-        return;
-    }
     let (mut h, client, vip, be) = one_clusterip();
     let other = sa("10.244.0.4:40001");
     let (saddr, family) = proxy_common::addr::to_words(client.ip());

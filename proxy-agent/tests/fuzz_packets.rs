@@ -35,7 +35,8 @@ use proxy_agent::{
     trace::packet::{build, build_tcp, fold, sum16},
 };
 use proxy_common::crc32c::sctp_checksum;
-use support::{fuzz_config, root, tc_harness::*};
+use support::{fuzz_config, tc_harness::*};
+use test_support::needs_root;
 
 // ---- the node ---------------------------------------------------------------------
 
@@ -855,11 +856,9 @@ impl Tally {
     }
 }
 
+#[needs_root]
 #[test]
 fn random_and_mutated_packets_through_the_classifiers() {
-    if !root("random_and_mutated_packets_through_the_classifiers") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     h.apply(&view());

@@ -15,7 +15,8 @@ use proxy_agent::{
     model::{FrontendKind, NodeView, Protocol},
     trace::packet::{build, fold, sum16},
 };
-use support::{root, tc_harness::*};
+use support::tc_harness::*;
+use test_support::needs_root;
 
 /// The IP packet `src` -> `dst` (TCP or UDP, valid checksums) as an error quotes it: its
 /// first `len` bytes (`None`: all of it).
@@ -92,11 +93,9 @@ fn open(h: &Harness, src: SocketAddr, dst: SocketAddr, tcp: bool) -> SocketAddr 
     inspect(&out).src
 }
 
+#[needs_root]
 #[test]
 fn errors_about_client_packets_reach_the_client_v4() {
-    if !root("errors_about_client_packets_reach_the_client_v4") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let (np, mut np_state) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
@@ -207,11 +206,9 @@ fn errors_about_client_packets_reach_the_client_v4() {
     assert_eq!(h.run(&stray), (TC_ACT_UNSPEC, stray.clone()));
 }
 
+#[needs_root]
 #[test]
 fn errors_about_client_packets_reach_the_client_v6() {
-    if !root("errors_about_client_packets_reach_the_client_v6") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     h.apply(&NodeView::from([frontend(
@@ -299,11 +296,9 @@ fn errors_about_client_packets_reach_the_client_v6() {
 /// itself: port unreachable for a UDP reply after it closed its socket; a router; the
 /// node's own forwarding, at egress). The backend gets it about the reply it sent, from
 /// the address it sent to.
+#[needs_root]
 #[test]
 fn errors_about_replies_reach_the_backend() {
-    if !root("errors_about_replies_reach_the_backend") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let (np, mut st) = frontend("192.0.2.10", 30053, Protocol::Udp, &["10.244.2.9:5353"]);
@@ -388,11 +383,9 @@ fn errors_about_replies_reach_the_backend() {
 /// masqueraded (delivered locally, as kube-proxy's POSTROUTING masquerade never sees
 /// them), and what the node sends back — replies, and its own ICMP errors — leaves
 /// through the egress program with the frontend's address.
+#[needs_root]
 #[test]
 fn an_endpoint_on_the_node_address_answers_from_the_frontend() {
-    if !root("an_endpoint_on_the_node_address_answers_from_the_frontend") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, true); // masqueradeAll: still not masqueraded
     let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["192.0.2.10:8080"]);
@@ -479,11 +472,9 @@ fn an_endpoint_on_the_node_address_answers_from_the_frontend() {
 /// packet — its forwarding found the backend's link too small — leaves through the
 /// egress program quoting the packet the client sent, so the client's PMTU discovery
 /// works.
+#[needs_root]
 #[test]
 fn the_nodes_own_fragmentation_needed_quotes_the_frontend() {
-    if !root("the_nodes_own_fragmentation_needed_quotes_the_frontend") {
-        return;
-    }
     let mut h = one_service("10.96.0.10", 80, "10.244.1.5:8080");
     let (client, vip, be) = (
         sa("10.244.0.3:40000"),
@@ -527,11 +518,9 @@ fn one_service(vip: &str, port: u16, backend: &str) -> Harness {
 /// by padding that looks like a quote, had the padding translated and the ICMP checksum
 /// adjusted for it — so the error's own (8-byte) message no longer checked. Only a quote
 /// inside the error's IP packet is read; this one passes untouched.
+#[needs_root]
 #[test]
 fn a_quote_past_the_errors_ip_length_is_not_read() {
-    if !root("a_quote_past_the_errors_ip_length_is_not_read") {
-        return;
-    }
     let h = one_service("10.96.0.10", 80, "10.244.1.5:8080");
     let (client, vip, be) = (
         sa("10.244.0.3:1024"),
@@ -563,11 +552,9 @@ fn a_quote_past_the_errors_ip_length_is_not_read() {
 
 /// Both classifiers load, and the verifier's walk of each stays well inside its budget
 /// (1,000,000 instructions): ICMP translation added paths to both.
+#[needs_root]
 #[test]
 fn the_classifiers_stay_inside_the_verifier_budget() {
-    if !root("the_classifiers_stay_inside_the_verifier_budget") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.run_egress(&packet(sa("10.0.0.1:1"), sa("10.0.0.2:2"), true));
     for name in ["tc_ingress", "tc_egress"] {

@@ -13,7 +13,7 @@ use proxy_agent::dataplane::bpf::{
     BPF_OBJECT, TcAttachMode, TcHook,
     kernel::{self, choose_tc_hook},
 };
-use support::root;
+use test_support::needs_root;
 
 /// The translated size of `program` loaded with `SET_RETVAL` = `set_retval`.
 fn translated_size(program: &str, set_retval: u8) -> Result<u32, ProgramError> {
@@ -30,11 +30,9 @@ fn translated_size(program: &str, set_retval: u8) -> Result<u32, ProgramError> {
     Ok(prog.info()?.size_translated().expect("translated size"))
 }
 
+#[needs_root]
 #[test]
 fn set_retval_off_leaves_no_call_for_the_verifier() {
-    if !root("set_retval_off_leaves_no_call_for_the_verifier") {
-        return;
-    }
     for program in ["connect4", "connect6", "sendmsg4", "sendmsg6"] {
         let with = translated_size(program, 1).expect("loads with bpf_set_retval");
         let without = translated_size(program, 0).expect("loads without bpf_set_retval");
@@ -47,11 +45,9 @@ fn set_retval_off_leaves_no_call_for_the_verifier() {
 
 /// This kernel (6.6 or later) has tcx: `auto` picks it, `tcx` is accepted, and every
 /// feature the programs need is found.
+#[needs_root]
 #[test]
 fn auto_chooses_tcx_on_this_kernel() {
-    if !root("auto_chooses_tcx_on_this_kernel") {
-        return;
-    }
     let release = kernel::release().expect("kernel release");
     assert_eq!(
         kernel::tcx_supported().expect("probe"),

@@ -14,10 +14,8 @@ use proxy_agent::{
     source,
 };
 use serde_json::{Value, json};
-use support::{
-    fake_apiserver::{FakeApiServer, Kind},
-    root,
-};
+use support::fake_apiserver::{FakeApiServer, Kind};
+use test_support::needs_root;
 use tokio::sync::mpsc;
 
 fn service(name: &str, ip: &str, port: u16) -> Value {
@@ -407,11 +405,9 @@ fn programmed(maps: &bpf::MapSet) -> Vec<(SocketAddr, u16)> {
     v
 }
 
+#[needs_root]
 #[tokio::test]
 async fn services_appear_change_and_disappear_in_the_bpf_maps() {
-    if !root("services_appear_change_and_disappear_in_the_bpf_maps") {
-        return;
-    }
     let server = FakeApiServer::start().await;
     server.apply(Kind::Services, service("web", "10.96.0.10", 80));
     server.apply(

@@ -17,7 +17,8 @@ use proxy_agent::{
     trace::packet::{fold, sum16},
 };
 use proxy_common::ServiceValue;
-use support::{root, tc_harness::*};
+use support::tc_harness::*;
+use test_support::needs_root;
 
 const SYN: u8 = 0x02;
 const SYN_ACK: u8 = 0x12;
@@ -111,11 +112,9 @@ fn one_flow() -> (Harness, Totals) {
     (h, expected)
 }
 
+#[needs_root]
 #[test]
 fn a_tcp_flow_is_counted_per_frontend_and_per_backend() {
-    if !root("a_tcp_flow_is_counted_per_frontend_and_per_backend") {
-        return;
-    }
     let (h, expected) = one_flow();
     let [svc] = entries(&h)[..] else {
         panic!("one service entry")
@@ -154,11 +153,9 @@ fn a_tcp_flow_is_counted_per_frontend_and_per_backend() {
     );
 }
 
+#[needs_root]
 #[test]
 fn dump_stats_shows_the_flow_and_its_open_connection() {
-    if !root("dump_stats_shows_the_flow_and_its_open_connection") {
-        return;
-    }
     let (mut h, _) = one_flow();
     conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     let table = stats::render_table(&stats::read(&h.maps).expect("read"), false);
@@ -173,11 +170,9 @@ TCP  10.96.0.10:80 random                                  1        2        1  
 
 /// An `externalTrafficPolicy: Local` NodePort has an external and an internal entry:
 /// one row with both entries' counts, each backend once.
+#[needs_root]
 #[test]
 fn both_scopes_of_a_frontend_make_one_row() {
-    if !root("both_scopes_of_a_frontend_make_one_row") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &[BACKEND]);
@@ -223,11 +218,9 @@ fn both_scopes_of_a_frontend_make_one_row() {
     assert_eq!(per_backend, 2, "the two flows, on whichever backends");
 }
 
+#[needs_root]
 #[test]
 fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries() {
-    if !root("the_collector_recounts_active_connections_and_drops_stats_of_removed_entries") {
-        return;
-    }
     let (mut h, expected) = one_flow();
     let old_backend = h
         .maps

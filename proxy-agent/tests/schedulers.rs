@@ -19,7 +19,8 @@ use proxy_agent::{
     model::{Frontend, FrontendState, NodeView, Protocol},
     trace,
 };
-use support::{root, tc_harness};
+use support::tc_harness;
+use test_support::needs_root;
 
 const VIP: &str = "10.96.0.10:80";
 
@@ -125,11 +126,9 @@ fn pin_to_one_cpu() {
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).expect("affinity");
 }
 
+#[needs_root]
 #[test]
 fn round_robin_takes_the_slots_in_turn_and_wrr_by_weight() {
-    if !root("round_robin_takes_the_slots_in_turn_and_wrr_by_weight") {
-        return;
-    }
     pin_to_one_cpu();
     for (scheduler, weights) in [
         (Scheduler::Rr, ""),
@@ -169,11 +168,9 @@ fn round_robin_takes_the_slots_in_turn_and_wrr_by_weight() {
     }
 }
 
+#[needs_root]
 #[test]
 fn hashing_schedulers_pick_what_the_agents_table_says() {
-    if !root("hashing_schedulers_pick_what_the_agents_table_says") {
-        return;
-    }
     for scheduler in [Scheduler::Sh, Scheduler::Mh, Scheduler::Dh] {
         let svc = service(scheduler, "", 5);
         let table = layout(&svc.1);
@@ -202,11 +199,9 @@ fn hashing_schedulers_pick_what_the_agents_table_says() {
     }
 }
 
+#[needs_root]
 #[test]
 fn maglev_picks_the_same_backend_on_every_node() {
-    if !root("maglev_picks_the_same_backend_on_every_node") {
-        return;
-    }
     let svc = service(Scheduler::Mh, "", 7);
     let node_a = Node::with(std::slice::from_ref(&svc));
     // Node B numbered its backends differently: another Service came first.
@@ -246,11 +241,9 @@ fn maglev_picks_the_same_backend_on_every_node() {
     );
 }
 
+#[needs_root]
 #[test]
 fn least_connection_schedulers_pick_the_least_loaded() {
-    if !root("least_connection_schedulers_pick_the_least_loaded") {
-        return;
-    }
     let b = backends(3);
     // (scheduler, weights, active connections, expected pick): IPVS's cost functions.
     let cases = [
@@ -299,11 +292,9 @@ fn least_connection_schedulers_pick_the_least_loaded() {
     }
 }
 
+#[needs_root]
 #[test]
 fn session_affinity_holds_with_every_scheduler() {
-    if !root("session_affinity_holds_with_every_scheduler") {
-        return;
-    }
     for scheduler in Scheduler::ALL {
         let (fe, mut st) = service(scheduler, "", 4);
         st.affinity_timeout_s = Some(10_800);

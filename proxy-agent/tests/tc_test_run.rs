@@ -4,8 +4,6 @@
 
 mod support;
 
-use support::root;
-
 use std::{collections::BTreeSet, net::SocketAddr};
 
 use proxy_agent::{
@@ -17,14 +15,13 @@ use proxy_agent::{
     },
 };
 use support::tc_harness::*;
+use test_support::needs_root;
 
 // ---- tests -------------------------------------------------------------------------
 
+#[needs_root]
 #[test]
 fn tcp_v4_dnat_and_reverse_nat_with_valid_checksums() {
-    if !root("tcp_v4_dnat_and_reverse_nat_with_valid_checksums") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([frontend(
         "10.96.0.10",
@@ -57,11 +54,9 @@ fn tcp_v4_dnat_and_reverse_nat_with_valid_checksums() {
     assert!(h.counter("ct_reply_nat") >= 1);
 }
 
+#[needs_root]
 #[test]
 fn udp_v6_dnat_and_reverse_nat_with_valid_checksums() {
-    if !root("udp_v6_dnat_and_reverse_nat_with_valid_checksums") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([frontend(
         "fd96::10",
@@ -78,11 +73,9 @@ fn udp_v6_dnat_and_reverse_nat_with_valid_checksums() {
     assert_eq!(inspect(&out).src, sa("[fd96::10]:53"));
 }
 
+#[needs_root]
 #[test]
 fn udp_v4_zero_checksum_stays_zero() {
-    if !root("udp_v4_zero_checksum_stays_zero") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([frontend(
         "10.96.0.53",
@@ -99,11 +92,9 @@ fn udp_v4_zero_checksum_stays_zero() {
     assert_eq!(inspect(&out).dst, sa("10.244.1.9:5353"));
 }
 
+#[needs_root]
 #[test]
 fn packets_not_for_a_service_pass_untouched() {
-    if !root("packets_not_for_a_service_pass_untouched") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([frontend(
         "10.96.0.10",
@@ -129,11 +120,9 @@ fn packets_not_for_a_service_pass_untouched() {
 /// "IPv6" frame whose header said version 7 (which `ipv6_rcv` drops) was masqueraded to a
 /// NodePort's backend, taking a flow entry and a masquerade port; an "IPv4" header of
 /// version 5 was translated too. Only headers of their own version are ours.
+#[needs_root]
 #[test]
 fn ip_headers_of_another_version_pass_untouched() {
-    if !root("ip_headers_of_another_version_pass_untouched") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let (np, mut st) = frontend(
@@ -170,11 +159,9 @@ fn ip_headers_of_another_version_pass_untouched() {
     );
 }
 
+#[needs_root]
 #[test]
 fn service_without_backends_rejects_tcp_with_a_reset_and_udp_with_icmp() {
-    if !root("service_without_backends_rejects_tcp_with_a_reset_and_udp_with_icmp") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([
         frontend("10.96.0.20", 80, Protocol::Tcp, &[]),
@@ -219,11 +206,9 @@ fn service_without_backends_rejects_tcp_with_a_reset_and_udp_with_icmp() {
     assert_eq!(h.counter("no_backend_reject"), 2);
 }
 
+#[needs_root]
 #[test]
 fn a_flow_keeps_its_backend_and_new_flows_spread() {
-    if !root("a_flow_keeps_its_backend_and_new_flows_spread") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     let backends = ["10.244.1.5:8080", "10.244.2.6:8080", "10.244.3.7:8080"];
     h.apply(&NodeView::from([frontend(
@@ -261,11 +246,9 @@ fn a_flow_keeps_its_backend_and_new_flows_spread() {
     );
 }
 
+#[needs_root]
 #[test]
 fn backend_set_flip_leaves_only_the_new_generation() {
-    if !root("backend_set_flip_leaves_only_the_new_generation") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([frontend(
         "10.96.0.10",
@@ -305,11 +288,9 @@ fn backend_set_flip_leaves_only_the_new_generation() {
     }
 }
 
+#[needs_root]
 #[test]
 fn full_map_is_reported_and_other_services_keep_working() {
-    if !root("full_map_is_reported_and_other_services_keep_working") {
-        return;
-    }
     let mut h = Harness::new(&[("BACKEND_SLOTS", 4)]);
     let a = frontend(
         "10.96.0.10",
@@ -346,11 +327,9 @@ fn full_map_is_reported_and_other_services_keep_working() {
     );
 }
 
+#[needs_root]
 #[test]
 fn two_scopes_pods_use_the_internal_set_outside_clients_the_external_one() {
-    if !root("two_scopes_pods_use_the_internal_set_outside_clients_the_external_one") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let (f, mut st) = frontend("203.0.113.7", 80, Protocol::Tcp, &["10.244.1.5:8080"]);
@@ -401,11 +380,9 @@ fn two_scopes_pods_use_the_internal_set_outside_clients_the_external_one() {
     }
 }
 
+#[needs_root]
 #[test]
 fn masquerade_rewrites_the_source_and_replies_find_their_way_back() {
-    if !root("masquerade_rewrites_the_source_and_replies_find_their_way_back") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
@@ -463,11 +440,9 @@ fn masquerade_rewrites_the_source_and_replies_find_their_way_back() {
     assert_eq!(h.counter("snat"), 3);
 }
 
+#[needs_root]
 #[test]
 fn hairpin_and_masquerade_all() {
-    if !root("hairpin_and_masquerade_all") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     h.apply(&NodeView::from([frontend(
@@ -520,11 +495,9 @@ fn hairpin_and_masquerade_all() {
     }
 }
 
+#[needs_root]
 #[test]
 fn load_balancer_source_ranges_allow_and_drop() {
-    if !root("load_balancer_source_ranges_allow_and_drop") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let (lb, mut st) = frontend("203.0.113.50", 80, Protocol::Tcp, &["10.244.1.5:8080"]);
@@ -557,11 +530,9 @@ fn load_balancer_source_ranges_allow_and_drop() {
     assert_eq!(verdict, TC_ACT_OK);
 }
 
+#[needs_root]
 #[test]
 fn drop_when_policy_leaves_no_endpoint_here() {
-    if !root("drop_when_policy_leaves_no_endpoint_here") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     let (f, mut st) = frontend("10.96.0.40", 80, Protocol::Tcp, &[]);
     st.backends.when_empty = WhenEmpty::Drop;
@@ -574,11 +545,9 @@ fn drop_when_policy_leaves_no_endpoint_here() {
     );
 }
 
+#[needs_root]
 #[test]
 fn refusals_are_rate_limited() {
-    if !root("refusals_are_rate_limited") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([frontend(
         "10.96.0.20",
@@ -604,11 +573,9 @@ fn refusals_are_rate_limited() {
     assert_eq!(h.counter("reject_rate_limited"), 300 - sent);
 }
 
+#[needs_root]
 #[test]
 fn flows_of_removed_backends_are_cleared() {
-    if !root("flows_of_removed_backends_are_cleared") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     let both = ["10.244.1.5:5353", "10.244.2.6:5353"];
     h.apply(&NodeView::from([frontend(
@@ -672,11 +639,9 @@ fn inspect_sctp(pkt: &[u8]) -> (SocketAddr, SocketAddr) {
 
 /// DNAT to a backend on another port, and the reply back from the frontend, both
 /// families: addresses and ports change, the CRC32c stays valid (updated in place).
+#[needs_root]
 #[test]
 fn sctp_dnat_and_reverse_nat_keep_the_crc32c_valid() {
-    if !root("sctp_dnat_and_reverse_nat_keep_the_crc32c_valid") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([
         frontend("10.96.0.30", 3868, Protocol::Sctp, &["10.244.1.7:13868"]),
@@ -719,11 +684,9 @@ fn sctp_dnat_and_reverse_nat_keep_the_crc32c_valid() {
 
 /// kube-proxy clears UDP flows per Service port: a pod that leaves one Service but still
 /// serves another loses only the first one's flows (and TCP flows are never cleared).
+#[needs_root]
 #[test]
 fn udp_flows_are_cleared_per_service() {
-    if !root("udp_flows_are_cleared_per_service") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     let shared = "10.244.1.5:5353";
     let other = "10.244.2.6:5353";
@@ -842,11 +805,9 @@ fn reassemble(first: &[u8], second: &[u8]) -> (SocketAddr, SocketAddr) {
 /// A fragmented UDP datagram (a large DNS answer, say) is translated whole: the first
 /// fragment as any packet, the later one by the ports the first left behind; both ways.
 /// A later fragment that arrives first, or belongs to no flow, passes untouched.
+#[needs_root]
 #[test]
 fn fragmented_udp_is_translated_in_every_fragment() {
-    if !root("fragmented_udp_is_translated_in_every_fragment") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     h.apply(&NodeView::from([frontend(
         "10.96.0.53",
@@ -897,11 +858,9 @@ fn fragmented_udp_is_translated_in_every_fragment() {
 
 /// A table of local networks left full (by an earlier config with more pod CIDRs than it
 /// holds) does not poison the next configuration: stale entries go before new ones.
+#[needs_root]
 #[test]
 fn a_full_local_networks_table_does_not_poison_the_next_config() {
-    if !root("a_full_local_networks_table_does_not_poison_the_next_config") {
-        return;
-    }
     let mut h = Harness::new(&[]);
     let capacity = proxy_common::capacity::LOCAL_NETS;
     let many: Vec<ipnet::IpNet> = (0..capacity)

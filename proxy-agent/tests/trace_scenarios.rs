@@ -3,11 +3,10 @@
 
 mod support;
 
-use support::root;
-
 use std::{path::PathBuf, process::Command};
 
 use proxy_agent::trace::{self, scenario};
+use test_support::needs_root;
 
 fn scenario_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios");
@@ -26,11 +25,9 @@ fn scenario_files() -> Vec<PathBuf> {
     files
 }
 
+#[needs_root]
 #[test]
 fn every_scenario_packet_behaves_as_kube_proxy_does() {
-    if !root("every_scenario_packet_behaves_as_kube_proxy_does") {
-        return;
-    }
     let mut total = 0;
     let mut failures = Vec::new();
     for file in scenario_files() {
@@ -73,11 +70,9 @@ fn agent() -> Command {
     Command::new(env!("CARGO_BIN_EXE_proxy-agent"))
 }
 
+#[needs_root]
 #[test]
 fn trace_exit_statuses_and_diff() {
-    if !root("trace_exit_statuses_and_diff") {
-        return;
-    }
     let dir = std::env::temp_dir().join(format!("trace-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
     // A wrong expectation: exit 1, with a diff-like explanation.

@@ -18,7 +18,7 @@ use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapState},
     model::schedule::Schedule,
-    model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
+    model::{Frontend, FrontendKind, FrontendState, NodeView, Protocol},
     trace::packet,
 };
 
@@ -142,20 +142,10 @@ fn cluster_ip(
             port: 80,
             protocol: Protocol::Tcp,
         },
-        FrontendState {
-            service: vip.to_string(),
-            kind: FrontendKind::ClusterIp,
-            backends: BackendSet {
-                endpoints,
-                when_empty: WhenEmpty::Reject,
-            },
-            internal: None,
-            affinity_timeout_s: None,
-            external_local: false,
-            internal_local: false,
-            source_ranges: Vec::new(),
-            schedule,
-        },
+        FrontendState::builder(vip.to_string(), FrontendKind::ClusterIp)
+            .backends(endpoints)
+            .schedule(schedule)
+            .build(),
     )
 }
 

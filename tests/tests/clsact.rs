@@ -9,8 +9,9 @@ use std::{collections::BTreeMap, thread, time::Duration};
 
 use proxy_e2e::{
     Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, first_attempt,
-    nodeport_manifests, require_root, sh, target, web_manifests,
+    nodeport_manifests, sh, target, web_manifests,
 };
+use test_support::needs_root;
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -84,11 +85,9 @@ fn all_reach(tb: &Testbed, ns: Option<&str>, t: &str, proto: &str) {
     }
 }
 
+#[needs_root]
 #[test]
 fn clsact_serves_cluster_ips_and_a_nodeport() {
-    if !require_root("clsact_serves_cluster_ips_and_a_nodeport") {
-        return;
-    }
     let tb = clsact_testbed(
         1,
         &nodeport_manifests(),
@@ -120,11 +119,9 @@ fn clsact_serves_cluster_ips_and_a_nodeport() {
 
 /// kill -9 and a new agent while one TCP connection keeps asking: it never fails, and
 /// the new agent swaps its programs into the same filters (one per hook afterwards).
+#[needs_root]
 #[test]
 fn clsact_restart_keeps_a_live_connection_and_one_filter() {
-    if !require_root("clsact_restart_keeps_a_live_connection_and_one_filter") {
-        return;
-    }
     let mut tb = clsact_testbed(2, &web_manifests(&[0, 1], None), FRONTENDS, &[]);
     let t = target(VIP4, TCP_PORT);
     let mut session = tb.spawn_session(&t, 150).expect("client");
@@ -158,11 +155,9 @@ fn clsact_restart_keeps_a_live_connection_and_one_filter() {
     all_reach(&tb, None, &t, "tcp");
 }
 
+#[needs_root]
 #[test]
 fn clsact_serves_an_interface_created_after_start() {
-    if !require_root("clsact_serves_an_interface_created_after_start") {
-        return;
-    }
     let mut tb = Testbed::new(1).expect("testbed");
     tb.write_manifests(&web_manifests(&[0], None))
         .expect("manifests");
@@ -181,11 +176,9 @@ fn clsact_serves_an_interface_created_after_start() {
 /// `cleanup` deletes our filters and nothing else: a foreign filter on the same clsact
 /// qdisc stays (and keeps the qdisc we added), a qdisc someone else added stays, and a
 /// qdisc we added that nobody else uses goes.
+#[needs_root]
 #[test]
 fn clsact_cleanup_removes_only_our_filters() {
-    if !require_root("clsact_cleanup_removes_only_our_filters") {
-        return;
-    }
     let mut tb = Testbed::new(2).expect("testbed");
     tb.write_manifests(&web_manifests(&[0, 1], None))
         .expect("manifests");
@@ -269,11 +262,9 @@ fn clsact_cleanup_removes_only_our_filters() {
 /// On this kernel (tcx since 6.6) `auto` picks tcx; started over an agent that left
 /// clsact filters, it pins tcx links and deletes the filters, with no gap for a live
 /// connection.
+#[needs_root]
 #[test]
 fn auto_chooses_tcx_here_and_takes_over_from_clsact() {
-    if !require_root("auto_chooses_tcx_here_and_takes_over_from_clsact") {
-        return;
-    }
     let release = proxy_agent::dataplane::bpf::kernel::release().expect("kernel release");
     if release < (6, 6) {
         eprintln!("skipping: kernel {release:?} has no tcx");

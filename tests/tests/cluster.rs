@@ -20,6 +20,7 @@ use proxy_e2e::cluster::{
     Cluster, ClusterOptions, eventually, kubeconfig_client, require_binaries,
 };
 use serde_json::json;
+use test_support::needs_root;
 
 const NS: &str = "smoke";
 const POD_IP: &str = "10.244.1.5";
@@ -223,12 +224,10 @@ fn readyz_from(netns: &Path, kubeconfig: &Path) -> Result<String> {
     .map_err(|_| anyhow::anyhow!("readyz thread panicked"))?
 }
 
+#[needs_root]
 #[tokio::test]
 async fn the_api_server_is_reachable_from_a_testbed_namespace() -> Result<()> {
     const TEST: &str = "the_api_server_is_reachable_from_a_testbed_namespace";
-    if !proxy_e2e::require_root(TEST) {
-        return Ok(());
-    }
     let Some(mut cluster) = cluster(TEST).await? else {
         return Ok(());
     };

@@ -33,9 +33,10 @@ use kube::{
 use proxy_e2e::{
     Path_, TCP_PORT, TCP_TARGET, Testbed,
     cluster::{Cluster, ClusterOptions, eventually, require_binaries},
-    require_root, target,
+    target,
 };
 use serde_json::{Value, json};
+use test_support::needs_root;
 
 const NODE: &str = "node-a";
 /// The testbed node's address on the client side.
@@ -211,12 +212,10 @@ async fn until_backends(tb: &Testbed, want: usize, what: &str) -> Result<()> {
     .with_context(|| tb.agent_log())
 }
 
+#[needs_root]
 #[tokio::test(flavor = "multi_thread")]
 async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result<()> {
     const TEST: &str = "the_daemonsets_command_line_serves_a_real_clusters_services";
-    if !require_root(TEST) {
-        return Ok(());
-    }
     let Some(bin_dir) = require_binaries(TEST) else {
         return Ok(());
     };

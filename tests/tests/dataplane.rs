@@ -9,9 +9,10 @@ use std::{
 
 use proxy_e2e::{
     Attempt, EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP4_MAPPED, VIP6,
-    chi_square_uniform, finish_client, first_attempt, require_root, sh, spread, stop_client,
-    target, web_manifests,
+    chi_square_uniform, finish_client, first_attempt, sh, spread, stop_client, target,
+    web_manifests,
 };
+use test_support::needs_root;
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -73,26 +74,22 @@ fn reaches_all_families(path: Path_) {
     }
 }
 
+#[needs_root]
 #[test]
 fn connect_time_reaches_backends_tcp_udp_v4_v6() {
-    if require_root("connect_time_reaches_backends_tcp_udp_v4_v6") {
-        reaches_all_families(Path_::ConnectTime);
-    }
+    reaches_all_families(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_reaches_backends_tcp_udp_v4_v6() {
-    if require_root("per_packet_reaches_backends_tcp_udp_v4_v6") {
-        reaches_all_families(Path_::PerPacket);
-    }
+    reaches_all_families(Path_::PerPacket);
 }
 
 /// With checksum offload off, receivers verify the checksums the NAT rewrote.
+#[needs_root]
 #[test]
 fn per_packet_nat_checksums_with_offload_off() {
-    if !require_root("per_packet_nat_checksums_with_offload_off") {
-        return;
-    }
     let tb = testbed(Path_::PerPacket, &[0, 1, 2], None);
     tb.disable_offload().expect("ethtool");
     for (vip, proto, port) in [
@@ -125,18 +122,16 @@ fn spreads_uniformly(path: Path_) {
     );
 }
 
+#[needs_root]
 #[test]
 fn connect_time_spreads_uniformly() {
-    if require_root("connect_time_spreads_uniformly") {
-        spreads_uniformly(Path_::ConnectTime);
-    }
+    spreads_uniformly(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_spreads_uniformly() {
-    if require_root("per_packet_spreads_uniformly") {
-        spreads_uniformly(Path_::PerPacket);
-    }
+    spreads_uniformly(Path_::PerPacket);
 }
 
 /// `sessionAffinity: ClientIP` pins a client to one backend, and lets go after the timeout.
@@ -169,18 +164,16 @@ fn affinity_pins_then_releases(path: Path_) {
     );
 }
 
+#[needs_root]
 #[test]
 fn connect_time_affinity_pins_then_releases() {
-    if require_root("connect_time_affinity_pins_then_releases") {
-        affinity_pins_then_releases(Path_::ConnectTime);
-    }
+    affinity_pins_then_releases(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_affinity_pins_then_releases() {
-    if require_root("per_packet_affinity_pins_then_releases") {
-        affinity_pins_then_releases(Path_::PerPacket);
-    }
+    affinity_pins_then_releases(Path_::PerPacket);
 }
 
 /// Removing one of three backends while a client loops fails no connection: those aimed
@@ -217,18 +210,16 @@ fn backend_removal_is_hitless(path: Path_) {
     );
 }
 
+#[needs_root]
 #[test]
 fn connect_time_backend_removal_is_hitless() {
-    if require_root("connect_time_backend_removal_is_hitless") {
-        backend_removal_is_hitless(Path_::ConnectTime);
-    }
+    backend_removal_is_hitless(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_backend_removal_is_hitless() {
-    if require_root("per_packet_backend_removal_is_hitless") {
-        backend_removal_is_hitless(Path_::PerPacket);
-    }
+    backend_removal_is_hitless(Path_::PerPacket);
 }
 
 /// A backend leaving its Service (a terminating pod) keeps the connections it has, as
@@ -264,18 +255,16 @@ fn established_tcp_outlives_backend_removal(path: Path_) {
     );
 }
 
+#[needs_root]
 #[test]
 fn connect_time_established_tcp_outlives_backend_removal() {
-    if require_root("connect_time_established_tcp_outlives_backend_removal") {
-        established_tcp_outlives_backend_removal(Path_::ConnectTime);
-    }
+    established_tcp_outlives_backend_removal(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_established_tcp_outlives_backend_removal() {
-    if require_root("per_packet_established_tcp_outlives_backend_removal") {
-        established_tcp_outlives_backend_removal(Path_::PerPacket);
-    }
+    established_tcp_outlives_backend_removal(Path_::PerPacket);
 }
 
 /// Connect-time: an unconnected UDP socket keeps its backend per frontend, as kube-proxy's
@@ -283,11 +272,9 @@ fn per_packet_established_tcp_outlives_backend_removal() {
 /// VIP reach one backend, and an IPv6 socket sending to two frontends in turn (the IPv6
 /// ClusterIP and the IPv4 one as `::ffff:a.b.c.d`) keeps one backend for each. Replies
 /// come from the VIPs.
+#[needs_root]
 #[test]
 fn connect_time_unconnected_udp_keeps_its_backend_per_frontend() {
-    if !require_root("connect_time_unconnected_udp_keeps_its_backend_per_frontend") {
-        return;
-    }
     let tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
     let t4 = target(VIP4, UDP_PORT);
     let attempts = tb
@@ -349,11 +336,9 @@ fn assert_all_from(attempts: &[Attempt], vip: &str) {
 
 /// Connect-time: when the backend an unconnected UDP socket keeps leaves the Service, the
 /// socket's next datagram goes to a live backend — and stays there.
+#[needs_root]
 #[test]
 fn connect_time_unconnected_udp_moves_off_a_removed_backend() {
-    if !require_root("connect_time_unconnected_udp_moves_off_a_removed_backend") {
-        return;
-    }
     let tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
     let t = target(VIP4, UDP_PORT);
     let mut session = tb
@@ -406,11 +391,9 @@ fn connect_time_unconnected_udp_moves_off_a_removed_backend() {
 /// connections and 2000 short connected UDP sockets leave `SOCK_LB` with the live sockets
 /// only, and a long-lived connected UDP socket keeps its entry meanwhile: when its backend
 /// leaves, the agent still finds the socket (by that entry) and destroys it.
+#[needs_root]
 #[test]
 fn connect_time_short_connections_leave_socket_state_bounded() {
-    if !require_root("connect_time_short_connections_leave_socket_state_bounded") {
-        return;
-    }
     let tb = testbed(Path_::ConnectTime, &[0], None);
     let tu = target(VIP4, UDP_PORT);
     let mut session = tb
@@ -595,26 +578,23 @@ fn connected_udp_moves_off_a_removed_backend(path: Path_, vip: &str) {
     }
 }
 
+#[needs_root]
 #[test]
 fn connect_time_connected_udp_moves_off_a_removed_backend() {
-    if require_root("connect_time_connected_udp_moves_off_a_removed_backend") {
-        connected_udp_moves_off_a_removed_backend(Path_::ConnectTime, VIP4);
-    }
+    connected_udp_moves_off_a_removed_backend(Path_::ConnectTime, VIP4);
 }
 
 /// The same for an IPv6 socket that named the IPv4 ClusterIP as `::ffff:a.b.c.d`.
+#[needs_root]
 #[test]
 fn connect_time_connected_udp_v4_mapped_moves_off_a_removed_backend() {
-    if require_root("connect_time_connected_udp_v4_mapped_moves_off_a_removed_backend") {
-        connected_udp_moves_off_a_removed_backend(Path_::ConnectTime, VIP4_MAPPED);
-    }
+    connected_udp_moves_off_a_removed_backend(Path_::ConnectTime, VIP4_MAPPED);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_connected_udp_moves_off_a_removed_backend() {
-    if require_root("per_packet_connected_udp_moves_off_a_removed_backend") {
-        connected_udp_moves_off_a_removed_backend(Path_::PerPacket, VIP4);
-    }
+    connected_udp_moves_off_a_removed_backend(Path_::PerPacket, VIP4);
 }
 
 /// A Service without endpoints refuses at once (kube-proxy's REJECT), never hangs: at
@@ -651,27 +631,23 @@ fn no_endpoints_refuses_quickly(path: Path_) {
     }
 }
 
+#[needs_root]
 #[test]
 fn connect_time_no_endpoints_refuses_quickly() {
-    if require_root("connect_time_no_endpoints_refuses_quickly") {
-        no_endpoints_refuses_quickly(Path_::ConnectTime);
-    }
+    no_endpoints_refuses_quickly(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_no_endpoints_refuses_quickly() {
-    if require_root("per_packet_no_endpoints_refuses_quickly") {
-        no_endpoints_refuses_quickly(Path_::PerPacket);
-    }
+    no_endpoints_refuses_quickly(Path_::PerPacket);
 }
 
 /// `proxy-agent cleanup` detaches every program and removes every pin: the ClusterIP is
 /// no longer translated, the bpffs folder is gone.
+#[needs_root]
 #[test]
 fn cleanup_detaches_and_unpins_everything() {
-    if !require_root("cleanup_detaches_and_unpins_everything") {
-        return;
-    }
     let mut tb = testbed(Path_::ConnectTime, &[0, 1, 2], None);
     let t = target(VIP4, TCP_PORT);
     assert!(
@@ -708,11 +684,9 @@ fn cleanup_detaches_and_unpins_everything() {
 /// `cleanup` removes only what it can tell is its own: on a folder that is not on a bpffs
 /// it removes nothing and says why; on a bpffs, a foreign pin (a map pinned under a name
 /// that is not ours) and a foreign file stay, named in the output.
+#[needs_root]
 #[test]
 fn cleanup_removes_only_its_own_pins() {
-    if !require_root("cleanup_removes_only_its_own_pins") {
-        return;
-    }
     let cleanup = |dir: &std::path::Path| {
         std::process::Command::new(proxy_e2e::agent_bin())
             .args(["cleanup", "--bpffs", dir.to_str().expect("utf-8")])
@@ -764,11 +738,9 @@ fn cleanup_removes_only_its_own_pins() {
 
 /// An upgrade over the pins of a release that counted fewer things (a smaller counters
 /// map): the new agent replaces that pin and starts, and a live connection never notices.
+#[needs_root]
 #[test]
 fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
-    if !require_root("an_upgrade_over_an_outgrown_counters_map_is_hitless") {
-        return;
-    }
     use proxy_common::map_names::{BACKENDS, COUNTERS};
     let mut tb = testbed(Path_::PerPacket, &[0, 1], None);
     let t = target(VIP4, TCP_PORT);
@@ -805,11 +777,9 @@ fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
 /// A pin set this object cannot use (a map of another shape under one of our names, as
 /// another version might leave) is refused with a clear error, and the attempt leaves no
 /// half-made pins behind.
+#[needs_root]
 #[test]
 fn an_incompatible_pin_set_is_refused_and_leaves_no_partial_pins() {
-    if !require_root("an_incompatible_pin_set_is_refused_and_leaves_no_partial_pins") {
-        return;
-    }
     use proxy_common::map_names::{BACKENDS, SERVICES};
     let mut tb = testbed(Path_::ConnectTime, &[0], None);
     tb.kill_agent().expect("kill");
@@ -884,26 +854,22 @@ fn restart_is_hitless(path: Path_) {
     );
 }
 
+#[needs_root]
 #[test]
 fn connect_time_agent_restart_is_hitless() {
-    if require_root("connect_time_agent_restart_is_hitless") {
-        restart_is_hitless(Path_::ConnectTime);
-    }
+    restart_is_hitless(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_agent_restart_is_hitless() {
-    if require_root("per_packet_agent_restart_is_hitless") {
-        restart_is_hitless(Path_::PerPacket);
-    }
+    restart_is_hitless(Path_::PerPacket);
 }
 
 /// An invalid object is skipped with a log line naming it; the others still apply.
+#[needs_root]
 #[test]
 fn invalid_object_is_skipped_others_apply() {
-    if !require_root("invalid_object_is_skipped_others_apply") {
-        return;
-    }
     let mut tb = Testbed::new(3).expect("testbed");
     let mut files = web_manifests(&[0, 1, 2], None);
     files.insert(

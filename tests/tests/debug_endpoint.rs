@@ -7,7 +7,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_e2e::{Path_, Testbed, agent_bin, require_root, sh, web_manifests};
+use proxy_e2e::{Path_, Testbed, agent_bin, sh, web_manifests};
+use test_support::needs_root;
 
 fn agent(tb: &Testbed, args: &[&str]) -> String {
     let ns = format!("/run/netns/{}", tb.node_ns());
@@ -21,11 +22,9 @@ fn agent(tb: &Testbed, args: &[&str]) -> String {
     sh(&argv).expect("proxy-agent")
 }
 
+#[needs_root]
 #[test]
 fn view_model_watch_and_metrics_from_a_running_agent() {
-    if !require_root("view_model_watch_and_metrics_from_a_running_agent") {
-        return;
-    }
     let mut tb = Testbed::new(3).expect("testbed");
     tb.write_manifests(&web_manifests(&[0, 1, 2], None))
         .expect("manifests");

@@ -15,7 +15,8 @@ use std::{
     process::{Command, Stdio},
 };
 
-use proxy_e2e::{Path_, Testbed, ip, require_root, target, web_manifests};
+use proxy_e2e::{Path_, Testbed, ip, target, web_manifests};
+use test_support::needs_root;
 
 /// A dual-stack NodePort Service `name` (ClusterIPs `vip4`, `vip6`) with `ports`
 /// (name, protocol, port, targetPort, nodePort) and endpoints `v4`, `v6`.
@@ -111,11 +112,9 @@ fn python(tb: &Testbed, script: &str) -> String {
 /// unreachable, translated, fails the client's connected socket with ECONNREFUSED —
 /// through a ClusterIP (v4, v6) and a masqueraded NodePort, whose error comes back to
 /// the node's address and must be sent on to the client.
+#[needs_root]
 #[test]
 fn per_packet_port_unreachable_reaches_a_connected_udp_socket() {
-    if !require_root("per_packet_port_unreachable_reaches_a_connected_udp_socket") {
-        return;
-    }
     let closed = service(
         "closed",
         "10.96.0.50",
@@ -165,11 +164,9 @@ print(probe(socket.AF_INET, ("10.96.0.50", 53)),
 /// answers with its own error, which the egress program translates) and through a
 /// masqueraded NodePort (redirected past the node's forwarding: the classifier checks
 /// the FIB's MTU and answers). Without either the upload stalls: a black hole.
+#[needs_root]
 #[test]
 fn per_packet_pmtu_discovery_across_a_lower_mtu_link() {
-    if !require_root("per_packet_pmtu_discovery_across_a_lower_mtu_link") {
-        return;
-    }
     let bulk = service(
         "bulk",
         "10.96.0.40",
@@ -275,11 +272,9 @@ print(upload(socket.AF_INET, ("10.96.0.40", 9000)),
 /// NodePort (TCP and connected UDP) and gets its answers from the address it asked —
 /// the node's stack sends them, the egress program translates them — with its own
 /// address kept (delivered locally, never masqueraded, as with kube-proxy).
+#[needs_root]
 #[test]
 fn per_packet_host_network_endpoint_through_clusterip_and_nodeport() {
-    if !require_root("per_packet_host_network_endpoint_through_clusterip_and_nodeport") {
-        return;
-    }
     let host = service(
         "host",
         "10.96.0.60",
@@ -343,11 +338,9 @@ fn per_packet_host_network_endpoint_through_clusterip_and_nodeport() {
 /// backend, quoting the backend's own packet), through a masqueraded NodePort by the
 /// classifier (replies it redirects skip the stack's check). Without either the download
 /// stalls.
+#[needs_root]
 #[test]
 fn per_packet_pmtu_discovery_for_replies() {
-    if !require_root("per_packet_pmtu_discovery_for_replies") {
-        return;
-    }
     let bulk = service(
         "bulk",
         "10.96.0.40",

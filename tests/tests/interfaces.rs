@@ -6,7 +6,8 @@
 
 use std::{thread, time::Duration};
 
-use proxy_e2e::{TCP_PORT, Testbed, VIP4, VIP6, ip, require_root, target, web_manifests};
+use proxy_e2e::{TCP_PORT, Testbed, VIP4, VIP6, ip, target, web_manifests};
+use test_support::needs_root;
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -82,29 +83,25 @@ fn new_pod_interface_is_served(interfaces: &str) {
     );
 }
 
+#[needs_root]
 #[test]
 fn auto_serves_a_pod_interface_created_after_start() {
-    if require_root("auto_serves_a_pod_interface_created_after_start") {
-        new_pod_interface_is_served("auto");
-    }
+    new_pod_interface_is_served("auto");
 }
 
+#[needs_root]
 #[test]
 fn pattern_serves_a_pod_interface_created_after_start() {
-    if require_root("pattern_serves_a_pod_interface_created_after_start") {
-        // c<id> (the client side), b<i><id> (backends) and p<i><id> (new pods).
-        new_pod_interface_is_served("c*,b*,p*");
-    }
+    // c<id> (the client side), b<i><id> (backends) and p<i><id> (new pods).
+    new_pod_interface_is_served("c*,b*,p*");
 }
 
 /// While the agent is down, a pod's veth is deleted and re-created under the same name:
 /// the restarted agent finds that pin's link on the old (gone) device and replaces it,
 /// and adopts the still-valid pins of the other interfaces.
+#[needs_root]
 #[test]
 fn restart_replaces_the_pin_of_an_interface_recreated_while_down() {
-    if !require_root("restart_replaces_the_pin_of_an_interface_recreated_while_down") {
-        return;
-    }
     let mut tb = Testbed::new(1).expect("testbed");
     tb.write_manifests(&web_manifests(&[0], None))
         .expect("manifests");
@@ -143,11 +140,9 @@ fn restart_replaces_the_pin_of_an_interface_recreated_while_down() {
 
 /// An interface no pattern names is left alone (and so cannot reach the ClusterIP); a
 /// matching device without an Ethernet header (tun, L3) is skipped with a log line.
+#[needs_root]
 #[test]
 fn unmatched_and_non_ethernet_interfaces_are_left_out() {
-    if !require_root("unmatched_and_non_ethernet_interfaces_are_left_out") {
-        return;
-    }
     let mut tb = Testbed::new(1).expect("testbed");
     tb.write_manifests(&web_manifests(&[0], None))
         .expect("manifests");
@@ -206,11 +201,9 @@ fn attach_failures(tb: &Testbed) -> u64 {
 /// An attachment that fails (here: something that is not a link squats on the pin's
 /// path) is logged with the interface and counted, the other interfaces are served, and
 /// the next change of the device retries it.
+#[needs_root]
 #[test]
 fn attach_failure_is_logged_counted_and_retried() {
-    if !require_root("attach_failure_is_logged_counted_and_retried") {
-        return;
-    }
     let mut tb = Testbed::new(1).expect("testbed");
     tb.write_manifests(&web_manifests(&[0], None))
         .expect("manifests");

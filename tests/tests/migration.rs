@@ -15,8 +15,9 @@ use std::{
 use proxy_e2e::{
     Attempt, Path_, TCP_PORT, Testbed, VIP4, VIP6, agent_bin, finish_client, first_attempt,
     kube_proxy::{self, NodeChains},
-    require_root, sh, stop_client, target, web_manifests,
+    sh, stop_client, target, web_manifests,
 };
+use test_support::needs_root;
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -146,11 +147,9 @@ fn chains(save: &str) -> Vec<String> {
 /// nftables tables and kube-ipvs0 loaded as kube-proxy (and kubelet, and a CNI) leave
 /// them; `cleanup --kube-proxy` removes kube-proxy's and nothing else, says why it left
 /// what it left, and a second run finds nothing to do.
+#[needs_root]
 #[test]
 fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
-    if !require_root("cleanup_removes_kube_proxys_leftovers_and_nothing_else") {
-        return;
-    }
     let tb = Testbed::new(0).expect("testbed");
     let v4 = NodeChains {
         v6: false,
@@ -275,11 +274,9 @@ fn kube_proxy_has(cmd: &str) -> bool {
 /// connection goes on through netfilter's conntrack entry (the agent left its flow to
 /// netfilter: `netfilter_pass`, no `ct_invalid`); `cleanup --kube-proxy` removes the
 /// rules and the connection still goes on (the kernel's conntrack entry keeps its DNAT).
+#[needs_root]
 #[test]
 fn migration_keeps_connections_kube_proxy_opened() {
-    if !require_root("migration_keeps_connections_kube_proxy_opened") {
-        return;
-    }
     let mut tb = Testbed::new(3).expect("testbed");
     tb.write_manifests(&web_manifests(&[0, 1], None))
         .expect("manifests");
@@ -347,11 +344,9 @@ fn migration_keeps_connections_kube_proxy_opened() {
 /// sees answered): their replies are INVALID, so every new per-packet connection fails
 /// while that rule is there. docs/migration.md step 1 sets `conntrack.tcpBeLiberal` first.
 /// The connect-time path is not affected (the socket itself is aimed at the backend).
+#[needs_root]
 #[test]
 fn kube_proxys_invalid_drop_rule_stops_the_per_packet_path() {
-    if !require_root("kube_proxys_invalid_drop_rule_stops_the_per_packet_path") {
-        return;
-    }
     let mut tb = Testbed::new(3).expect("testbed");
     tb.write_manifests(&web_manifests(&[0, 1], None))
         .expect("manifests");
@@ -474,22 +469,18 @@ fn assert_reset_then_kube_proxys(session: &[Attempt], first: &str, cleanup_at: f
 
 /// The way back with kube-proxy's rules choosing another backend (as they mostly will,
 /// with several).
+#[needs_root]
 #[test]
 fn rollback_resets_a_connection_kube_proxy_sends_elsewhere() {
-    if !require_root("rollback_resets_a_connection_kube_proxy_sends_elsewhere") {
-        return;
-    }
     let (session, first, cleanup_at) = roll_back(&[0, 1], &[2]);
     assert_reset_then_kube_proxys(&session, &first, cleanup_at, "backend-2");
 }
 
 /// The way back with kube-proxy's rules choosing the very backend the connection has (one
 /// endpoint): reset all the same — the connection is not handed over to netfilter.
+#[needs_root]
 #[test]
 fn rollback_resets_a_connection_even_to_the_same_backend() {
-    if !require_root("rollback_resets_a_connection_even_to_the_same_backend") {
-        return;
-    }
     let (session, first, cleanup_at) = roll_back(&[0], &[0]);
     assert_eq!(first, "backend-0");
     assert_reset_then_kube_proxys(&session, &first, cleanup_at, "backend-0");

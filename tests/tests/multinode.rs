@@ -3,10 +3,8 @@
 
 use std::{thread, time::Duration};
 
-use proxy_e2e::{
-    multinode::{CLIENT, MultiNode, NODE_A, NODE_B},
-    require_root,
-};
+use proxy_e2e::multinode::{CLIENT, MultiNode, NODE_A, NODE_B};
+use test_support::needs_root;
 
 fn slice(name: &str, svc: &str, pods: &[(&str, &str)]) -> String {
     let mut s = format!(
@@ -96,11 +94,9 @@ fn one(tb: &MultiNode, args: &[&str]) -> proxy_e2e::Attempt {
     tb.client(args).expect("client").remove(0)
 }
 
+#[needs_root]
 #[test]
 fn traffic_from_outside_the_node() {
-    if !require_root("traffic_from_outside_the_node") {
-        return;
-    }
     let tb = testbed();
 
     // NodePort on node A, backend on node B, and back: the backend sees node A.
@@ -190,11 +186,9 @@ fn traffic_from_outside_the_node() {
     );
 }
 
+#[needs_root]
 #[test]
 fn udp_flow_recovers_when_its_backend_goes_away() {
-    if !require_root("udp_flow_recovers_when_its_backend_goes_away") {
-        return;
-    }
     let tb = testbed();
     let target = format!("{NODE_A}:30053");
     // One connected socket: one flow, like a DNS stub resolver.

@@ -20,8 +20,9 @@ use std::{
 
 use proxy_e2e::{
     Attempt, Path_, Testbed, UDP_PORT, VIP4, finish_client, first_attempt, helper_bin,
-    nodeport_manifests, require_root, target, web_manifests,
+    nodeport_manifests, target, web_manifests,
 };
+use test_support::needs_root;
 
 /// Capability numbers (`linux/capability.h`) of the names a manifest may use.
 const CAPS: [(&str, u32); 6] = [
@@ -247,9 +248,10 @@ fn spawn_pod_client(tb: &Testbed, args: &[&str]) -> Child {
         .expect("starting the pod's client")
 }
 
-/// The DaemonSet's capabilities, when this test can run (root, util-linux's tools).
+/// The DaemonSet's capabilities, when this test can run (util-linux's tools; root is
+/// `#[needs_root]`'s).
 fn setup(test: &str) -> Option<Vec<String>> {
-    (require_root(test) && tools_present(test)).then(daemonset_caps)
+    tools_present(test).then(daemonset_caps)
 }
 
 /// Both paths serve, but the stale connected UDP socket stays on its removed backend.
@@ -312,6 +314,7 @@ fn assert_everything_works(caps: &[String], o: &Outcome) {
     );
 }
 
+#[needs_root]
 #[test]
 fn daemonset_capabilities_serve_both_paths() {
     let Some(caps) = setup("daemonset_capabilities_serve_both_paths") else {
@@ -320,6 +323,7 @@ fn daemonset_capabilities_serve_both_paths() {
     assert_everything_works(&caps, &run_with(&caps, false));
 }
 
+#[needs_root]
 #[test]
 fn each_daemonset_capability_is_needed() {
     let Some(caps) = setup("each_daemonset_capability_is_needed") else {
@@ -337,6 +341,7 @@ fn each_daemonset_capability_is_needed() {
 /// runs without them), and cannot replace it: with them instead of CAP_SYS_ADMIN both
 /// paths serve, but setns into a pod's network namespace fails and its stale connected
 /// UDP socket stays.
+#[needs_root]
 #[test]
 fn bpf_and_perfmon_cannot_replace_sys_admin() {
     let Some(caps) = setup("bpf_and_perfmon_cannot_replace_sys_admin") else {
@@ -357,6 +362,7 @@ fn bpf_and_perfmon_cannot_replace_sys_admin() {
 /// Without hostPID the agent sees no pod process: the cgroup's pids are not in its PID
 /// namespace, so the pods' network namespaces are never found and their stale connected
 /// UDP sockets stay; serving works.
+#[needs_root]
 #[test]
 fn host_pid_is_needed_for_stale_udp_sockets() {
     let Some(caps) = setup("host_pid_is_needed_for_stale_udp_sockets") else {

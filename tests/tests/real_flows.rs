@@ -12,9 +12,10 @@ use std::{
 };
 
 use proxy_e2e::{
-    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, nodeport_manifests,
-    require_root, sh, target, web_manifests,
+    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, nodeport_manifests, sh, target,
+    web_manifests,
 };
+use test_support::needs_root;
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -119,18 +120,16 @@ fn idle_flows_outlive_the_unanswered_timeouts(masquerade: bool) {
     }
 }
 
+#[needs_root]
 #[test]
 fn per_packet_idle_flows_outlive_the_unanswered_timeouts() {
-    if require_root("per_packet_idle_flows_outlive_the_unanswered_timeouts") {
-        idle_flows_outlive_the_unanswered_timeouts(false);
-    }
+    idle_flows_outlive_the_unanswered_timeouts(false);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts() {
-    if require_root("per_packet_idle_masqueraded_flows_outlive_the_unanswered_timeouts") {
-        idle_flows_outlive_the_unanswered_timeouts(true);
-    }
+    idle_flows_outlive_the_unanswered_timeouts(true);
 }
 
 /// The agent's `/metrics`, fetched from inside the node namespace.
@@ -143,11 +142,9 @@ fn metrics(tb: &Testbed) -> String {
 /// NodePort to one backend: ten times more than the 10,000 masquerade ports, so ports
 /// of closed flows must be given back. None fails; a port is short at most once in
 /// 10,000 new flows (and that SYN's retransmission gets one).
+#[needs_root]
 #[test]
 fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
-    if !require_root("per_packet_100k_short_connections_through_a_masqueraded_nodeport") {
-        return;
-    }
     const CONNECTIONS: u32 = 100_000;
     let mut tb = Testbed::new(1).expect("testbed");
     tb.write_manifests(&nodeport_manifests())
@@ -237,11 +234,9 @@ fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
 /// that nothing routes back to; the backend answers every one) while ten keep-alive
 /// connections ask ten times a second: none of them fails, and none of the flood reaches
 /// the table of established flows.
+#[needs_root]
 #[test]
 fn per_packet_syn_flood_keeps_established_flows() {
-    if !require_root("per_packet_syn_flood_keeps_established_flows") {
-        return;
-    }
     let mut tb = Testbed::new(1).expect("testbed");
     tb.write_manifests(&nodeport_manifests())
         .expect("manifests");
@@ -291,11 +286,9 @@ fn per_packet_syn_flood_keeps_established_flows() {
 /// A client reconnects from the same source port after its backend left the Service:
 /// once after a graceful close (the flow in TIME_WAIT), once after a reset (CLOSE). The
 /// new connections reach a live backend, not the removed one.
+#[needs_root]
 #[test]
 fn per_packet_reconnect_from_the_same_port_reaches_a_live_backend() {
-    if !require_root("per_packet_reconnect_from_the_same_port_reaches_a_live_backend") {
-        return;
-    }
     let tb = per_packet(&[0], false);
     sh(&[
         "ip",

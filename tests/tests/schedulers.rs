@@ -5,7 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use proxy_e2e::{Path_, TCP_PORT, Testbed, VIP4, require_root, spread, target, web_manifests};
+use proxy_e2e::{Path_, TCP_PORT, Testbed, VIP4, spread, target, web_manifests};
+use test_support::needs_root;
 
 /// Frontends the web manifests program: web (2 families × 2 ports) + empty.
 const FRONTENDS: usize = 5;
@@ -64,18 +65,16 @@ fn round_robin(path: Path_) {
     assert!(spread <= cpus(), "{path:?}: rr spread {s:?} is not in turn");
 }
 
+#[needs_root]
 #[test]
 fn connect_time_round_robin_takes_backends_in_turn() {
-    if require_root("connect_time_round_robin_takes_backends_in_turn") {
-        round_robin(Path_::ConnectTime);
-    }
+    round_robin(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_round_robin_takes_backends_in_turn() {
-    if require_root("per_packet_round_robin_takes_backends_in_turn") {
-        round_robin(Path_::PerPacket);
-    }
+    round_robin(Path_::PerPacket);
 }
 
 /// Weighted round robin 3:1:2 by endpoint address: the shares follow the weights (each
@@ -102,18 +101,16 @@ fn weighted(path: Path_) {
     }
 }
 
+#[needs_root]
 #[test]
 fn connect_time_weighted_round_robin_follows_weights() {
-    if require_root("connect_time_weighted_round_robin_follows_weights") {
-        weighted(Path_::ConnectTime);
-    }
+    weighted(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_weighted_round_robin_follows_weights() {
-    if require_root("per_packet_weighted_round_robin_follows_weights") {
-        weighted(Path_::PerPacket);
-    }
+    weighted(Path_::PerPacket);
 }
 
 /// Source hashing: one client is one backend, every time; Maglev hashing of the flow
@@ -138,18 +135,16 @@ fn hashing(path: Path_) {
     }
 }
 
+#[needs_root]
 #[test]
 fn connect_time_hashing_schedulers() {
-    if require_root("connect_time_hashing_schedulers") {
-        hashing(Path_::ConnectTime);
-    }
+    hashing(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_hashing_schedulers() {
-    if require_root("per_packet_hashing_schedulers") {
-        hashing(Path_::PerPacket);
-    }
+    hashing(Path_::PerPacket);
 }
 
 /// Least connection: every new connection counts at once on its backend, so a burst of
@@ -164,16 +159,14 @@ fn least_connection(path: Path_) {
     assert!(spread <= 3, "{path:?}: lc spread {s:?} is not even");
 }
 
+#[needs_root]
 #[test]
 fn connect_time_least_connection_fills_evenly() {
-    if require_root("connect_time_least_connection_fills_evenly") {
-        least_connection(Path_::ConnectTime);
-    }
+    least_connection(Path_::ConnectTime);
 }
 
+#[needs_root]
 #[test]
 fn per_packet_least_connection_fills_evenly() {
-    if require_root("per_packet_least_connection_fills_evenly") {
-        least_connection(Path_::PerPacket);
-    }
+    least_connection(Path_::PerPacket);
 }

@@ -83,7 +83,7 @@ fn service_port_labels(service: &str) -> Labels {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{BackendSet, FrontendKind, FrontendState, Protocol, WhenEmpty};
+    use crate::model::{FrontendKind, FrontendState, Protocol};
 
     fn frontend(ip: &str, port: u16) -> Frontend {
         Frontend {
@@ -94,20 +94,7 @@ mod tests {
     }
 
     fn state(service: &str, kind: FrontendKind) -> FrontendState {
-        FrontendState {
-            service: service.into(),
-            kind,
-            backends: BackendSet {
-                endpoints: Default::default(),
-                when_empty: WhenEmpty::Reject,
-            },
-            internal: None,
-            affinity_timeout_s: None,
-            external_local: false,
-            internal_local: false,
-            source_ranges: Vec::new(),
-            schedule: Default::default(),
-        }
+        FrontendState::builder(service, kind).build()
     }
 
     fn totals(conns: u64, bytes_in: u64) -> Totals {

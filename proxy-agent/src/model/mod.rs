@@ -4,6 +4,7 @@
 //! traffic leads to. Plain data in, plain data out.
 
 mod endpoints;
+pub mod frontend_builder;
 pub mod objects;
 pub mod schedule;
 pub mod sloppy;

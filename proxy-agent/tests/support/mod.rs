@@ -6,16 +6,6 @@
 pub mod fake_apiserver;
 pub mod tc_harness;
 
-/// Root is needed to load BPF programs and maps; says why a test skips otherwise.
-pub fn root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    eprintln!("SKIP {test}: loading BPF programs and maps (and BPF_PROG_TEST_RUN) needs root");
-    false
-}
-
 /// Cases per property: `PROXY_FUZZ_CASES` (the long run, `cargo xtask fuzz`), else
 /// `default` (a few seconds, for every `cargo xtask test`). `PROPTEST_RNG_SEED` replays a run.
 pub fn fuzz_config(default: u32) -> proptest::test_runner::Config {

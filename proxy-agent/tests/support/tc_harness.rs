@@ -6,10 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState, load_private},
-    model::{
-        BackendSet, Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol,
-        WhenEmpty,
-    },
+    model::{Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol},
     trace::{
         self,
         packet::{fold, sum16},
@@ -129,23 +126,9 @@ pub fn frontend(
             port,
             protocol,
         },
-        FrontendState {
-            service: format!("default/test:{port}"),
-            kind: FrontendKind::ClusterIp,
-            backends: BackendSet {
-                endpoints: backends
-                    .iter()
-                    .map(|b| b.parse().expect("backend"))
-                    .collect(),
-                when_empty: WhenEmpty::Reject,
-            },
-            internal: None,
-            affinity_timeout_s: None,
-            external_local: false,
-            internal_local: false,
-            source_ranges: Vec::new(),
-            schedule: Default::default(),
-        },
+        FrontendState::builder(format!("default/test:{port}"), FrontendKind::ClusterIp)
+            .backends(backends.iter().map(|b| b.parse().expect("backend")))
+            .build(),
     )
 }
 

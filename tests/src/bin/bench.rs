@@ -269,9 +269,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     // SAFETY: single-threaded here; the harness reads it to find the agent.
     unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
-    if !proxy_e2e::require_root("bench") {
-        bail!("the benchmark needs root");
-    }
+    test_support::require_root("the benchmark")?;
     let (scales, secs, rounds, runs): (Vec<usize>, u32, u32, u32) = if args.quick {
         (vec![1, 100], 1, 1, 2_000)
     } else {

@@ -153,9 +153,7 @@ struct TargetCheck {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    if !proxy_e2e::require_root("churn bench") {
-        bail!("needs root (a bpffs for the agent's pins)");
-    }
+    test_support::require_root("the churn benchmark (a bpffs for the agent's pins)")?;
     let agent = fs::canonicalize(&args.agent)
         .with_context(|| format!("the agent binary {}", args.agent.display()))?;
     let sizes: Vec<usize> = match (args.services, args.quick) {

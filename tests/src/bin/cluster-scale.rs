@@ -134,9 +134,7 @@ fn quantile(before: &str, after: &str, name: &str, q: f64) -> Option<f64> {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    if !proxy_e2e::require_root("cluster-scale") {
-        bail!("needs root");
-    }
+    test_support::require_root("cluster-scale")?;
     let n = args.services;
     let cluster = Cluster::start(ClusterOptions::new(&args.bin_dir)).await?;
     let client = cluster.client().await?;

@@ -21,9 +21,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     // SAFETY: single-threaded at this point; the harness reads it to find the agent.
     unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
-    if !proxy_e2e::require_root("demo") {
-        anyhow::bail!("the demo needs root");
-    }
+    test_support::require_root("the demo")?;
     let n = args.requests.to_string();
     println!(
         "{:<13} {:<22} {:>8} {:>10} {:>10} {:>10} {:>7}",

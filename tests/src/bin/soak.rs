@@ -544,9 +544,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     // SAFETY: single-threaded at this point; the harness reads it to find the agent.
     unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
-    if !proxy_e2e::require_root("soak") {
-        bail!("the soak needs root");
-    }
+    test_support::require_root("the soak")?;
     // Ctrl-C and SIGTERM end the run early; the testbed is still removed on the way out.
     // SAFETY: the handler only stores to an atomic.
     unsafe {
