@@ -65,15 +65,12 @@ pub fn built_binaries() -> Result<PathBuf, String> {
     }
 }
 
-/// For tests: the binaries' folder, or `None` after printing why the test skips.
-pub fn require_binaries(test: &str) -> Option<PathBuf> {
-    match built_binaries() {
-        Ok(dir) => Some(dir),
-        Err(why) => {
-            eprintln!("SKIP {test}: needs the cluster-in-a-box binaries: {why}");
-            None
-        }
-    }
+/// For tests: the binaries' folder. Without them the test fails, saying how to build
+/// them: `cargo xtask test` builds them first, and a test that did not run must never
+/// count as passed.
+pub fn require_binaries(test: &str) -> PathBuf {
+    built_binaries()
+        .unwrap_or_else(|why| panic!("{test} needs the cluster-in-a-box binaries: {why}"))
 }
 
 /// What [`Cluster::start`] runs.

@@ -28,12 +28,9 @@ const POD_IP: &str = "10.244.1.5";
 /// makes, so finding it on the slice shows the controller took it from the Pod.
 const READY_SINCE: &str = "2020-01-02T03:04:05Z";
 
-/// A fresh cluster, or `None` after printing why `test` skips.
-async fn cluster(test: &str) -> Result<Option<Cluster>> {
-    let Some(bin_dir) = require_binaries(test) else {
-        return Ok(None);
-    };
-    Ok(Some(Cluster::start(ClusterOptions::new(bin_dir)).await?))
+/// A fresh cluster (the test fails without the binaries).
+async fn cluster(test: &str) -> Result<Cluster> {
+    Cluster::start(ClusterOptions::new(require_binaries(test))).await
 }
 
 fn object<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T> {
@@ -47,10 +44,7 @@ async fn slices_of(api: &Api<EndpointSlice>, service: &str) -> Result<Vec<Endpoi
 
 #[tokio::test]
 async fn endpointslice_controller_writes_the_slice_of_a_ready_pod() -> Result<()> {
-    let Some(cluster) = cluster("endpointslice_controller_writes_the_slice_of_a_ready_pod").await?
-    else {
-        return Ok(());
-    };
+    let cluster = cluster("endpointslice_controller_writes_the_slice_of_a_ready_pod").await?;
     let client = cluster.client().await?;
     cluster.create_namespace(NS).await?;
 
@@ -144,11 +138,8 @@ async fn endpointslice_controller_writes_the_slice_of_a_ready_pod() -> Result<()
 
 #[tokio::test]
 async fn service_account_tokens_meet_rbac_and_survive_an_apiserver_restart() -> Result<()> {
-    let Some(mut cluster) =
-        cluster("service_account_tokens_meet_rbac_and_survive_an_apiserver_restart").await?
-    else {
-        return Ok(());
-    };
+    let mut cluster =
+        cluster("service_account_tokens_meet_rbac_and_survive_an_apiserver_restart").await?;
     let admin = cluster.client().await?;
     cluster.create_namespace(NS).await?;
     let sa: ServiceAccount = object(json!({"metadata": {"name": "reader"}}))?;
@@ -228,9 +219,7 @@ fn readyz_from(netns: &Path, kubeconfig: &Path) -> Result<String> {
 #[tokio::test]
 async fn the_api_server_is_reachable_from_a_testbed_namespace() -> Result<()> {
     const TEST: &str = "the_api_server_is_reachable_from_a_testbed_namespace";
-    let Some(mut cluster) = cluster(TEST).await? else {
-        return Ok(());
-    };
+    let mut cluster = cluster(TEST).await?;
     let ns = Netns(format!("pxyclu{}", std::process::id()));
     proxy_e2e::sh(&["ip", "netns", "add", &ns.0])?;
     proxy_e2e::ip(&ns.0, "link set lo up")?;
@@ -253,11 +242,7 @@ async fn the_api_server_is_reachable_from_a_testbed_namespace() -> Result<()> {
 
 #[tokio::test]
 async fn a_component_that_fails_to_start_is_reported_with_its_log() -> Result<()> {
-    let Some(bin_dir) =
-        require_binaries("a_component_that_fails_to_start_is_reported_with_its_log")
-    else {
-        return Ok(());
-    };
+    let bin_dir = require_binaries("a_component_that_fails_to_start_is_reported_with_its_log");
     let opts = ClusterOptions {
         apiserver_args: vec!["--no-such-flag".into()],
         ..ClusterOptions::new(bin_dir)

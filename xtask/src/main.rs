@@ -6,6 +6,8 @@
 
 mod cluster;
 mod fuzz;
+mod packages;
+mod summary;
 
 use std::{
     env,
@@ -289,6 +291,7 @@ fn toolchain_ready(name: &str, component: &str) -> bool {
 }
 
 fn setup(root: &Path) -> Result<()> {
+    packages::ensure()?;
     if !toolchain_ready(STABLE, "clippy") {
         run(Command::new("rustup").args([
             "toolchain",
@@ -409,11 +412,23 @@ fn build(root: &Path) -> Result<()> {
 }
 
 fn test(root: &Path, args: &[String]) -> Result<()> {
+    // The cluster in a box's binaries (cached under .tools/): its tests fail without them.
+    let bin_dir = cluster::build(root)?;
     let mut cmd = cargo(root, STABLE);
-    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"])
-        .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
-        // Built or not: tests that need them skip, saying how to build them.
-        .env(cluster::BIN_DIR_ENV, cluster::bin_dir(root)?)
-        .args(args);
-    run(&mut cmd)
+    cmd.args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "proxy-ebpf",
+        "--no-fail-fast",
+    ])
+    .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
+    .env(cluster::BIN_DIR_ENV, bin_dir)
+    .args(args);
+    let (status, summary) = summary::run(&mut cmd)?;
+    eprintln!("{}", summary.line());
+    if !status.success() {
+        bail!("cargo test failed: {status}");
+    }
+    Ok(())
 }
