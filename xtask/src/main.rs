@@ -415,16 +415,14 @@ fn test(root: &Path, args: &[String]) -> Result<()> {
     // The cluster in a box's binaries (cached under .tools/): its tests fail without them.
     let bin_dir = cluster::build(root)?;
     let mut cmd = cargo(root, STABLE);
-    cmd.args([
-        "test",
-        "--workspace",
-        "--exclude",
-        "proxy-ebpf",
-        "--no-fail-fast",
-    ])
-    .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
-    .env(cluster::BIN_DIR_ENV, bin_dir)
-    .args(args);
+    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
+    // Every binary runs, whichever fails first.
+    if !args.iter().any(|a| a == "--no-fail-fast") {
+        cmd.arg("--no-fail-fast");
+    }
+    cmd.env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
+        .env(cluster::BIN_DIR_ENV, bin_dir)
+        .args(args);
     let (status, summary) = summary::run(&mut cmd)?;
     eprintln!("{}", summary.line());
     if !status.success() {
