@@ -72,7 +72,7 @@ async fn get(addr: &str, path: &str) -> Result<Incoming> {
         .header(header::HOST, addr)
         .body(Empty::<Bytes>::new())?;
     let response = sender.send_request(request).await?;
-    // An error from 400 on, as before (ureq's default); the agent sends no redirect.
+    // A status from 400 on is an error, as it always was here; the agent sends no redirect.
     let status = response.status().as_u16();
     if status >= 400 {
         bail!("http status: {status}");
