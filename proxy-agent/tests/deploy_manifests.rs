@@ -13,7 +13,7 @@ fn deploy_yaml_parses() {
     let mut kinds = Vec::new();
     for file in ["daemonset.yaml", "rbac.yaml", "config.yaml"] {
         let text = std::fs::read_to_string(dir.join(file)).expect("read");
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in serde_norway::Deserializer::from_str(&text) {
             let v: serde_json::Value = serde::Deserialize::deserialize(doc).expect("valid YAML");
             kinds.push(v["kind"].as_str().expect("kind").to_string());
             if v["kind"] == "DaemonSet" {
@@ -104,7 +104,7 @@ fn deploy_yaml_parses() {
 fn kustomization_lists_every_manifest() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
     let text = std::fs::read_to_string(dir.join("kustomization.yaml")).expect("read");
-    let k: Value = serde_yaml::from_str(&text).expect("valid YAML");
+    let k: Value = serde_norway::from_str(&text).expect("valid YAML");
     let resources: Vec<&str> = k["resources"]
         .as_array()
         .expect("resources")

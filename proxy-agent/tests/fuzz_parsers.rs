@@ -372,7 +372,7 @@ fn render(objects: &[Value], layout: Layout) -> String {
             .join("---\n"),
         Layout::YamlDocuments => objects
             .iter()
-            .map(|o| serde_yaml::to_string(o).expect("YAML of JSON"))
+            .map(|o| serde_norway::to_string(o).expect("YAML of JSON"))
             .collect::<Vec<_>>()
             .join("---\n"),
         Layout::List => {
@@ -985,7 +985,7 @@ fn config_text() -> BoxedStrategy<String> {
                         ])),
                     ),
                 ]);
-                serde_yaml::to_string(&c).expect("YAML of JSON")
+                serde_norway::to_string(&c).expect("YAML of JSON")
             },
         )
         .boxed()

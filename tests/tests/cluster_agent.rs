@@ -54,7 +54,7 @@ fn deploy() -> PathBuf {
 
 fn yaml_docs(path: &Path) -> Result<Vec<Value>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
-    serde_yaml::Deserializer::from_str(&text)
+    serde_norway::Deserializer::from_str(&text)
         .map(|d| Ok(serde::Deserialize::deserialize(d)?))
         .filter(|v: &Result<Value>| !matches!(v, Ok(Value::Null)))
         .collect()

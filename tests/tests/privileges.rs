@@ -45,7 +45,7 @@ const POD_UID: &str = "65534";
 fn daemonset_caps() -> Vec<String> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/daemonset.yaml");
     let text = std::fs::read_to_string(path).expect("read daemonset.yaml");
-    let ds: serde_json::Value = serde_yaml::from_str(&text).expect("valid YAML");
+    let ds: serde_json::Value = serde_norway::from_str(&text).expect("valid YAML");
     let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
     assert_eq!(
         sc["capabilities"]["drop"],

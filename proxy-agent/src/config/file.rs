@@ -105,6 +105,6 @@ pub(super) struct MapSizesSection {
 impl KubeProxyConfiguration {
     /// Reads the YAML text of a config file.
     pub(super) fn parse(text: &str) -> Result<Self, String> {
-        serde_yaml::from_str(text).map_err(|e| e.to_string())
+        serde_norway::from_str(text).map_err(|e| e.to_string())
     }
 }

@@ -157,7 +157,7 @@ pub fn add_documents(
     path: &Path,
     text: &str,
 ) -> bool {
-    for (doc, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
+    for (doc, de) in serde_norway::Deserializer::from_str(text).enumerate() {
         let parse_err = |message: String| ManifestError::Parse {
             path: path.to_path_buf(),
             doc,
@@ -253,5 +253,35 @@ apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0
             first.contains("t.yaml document 0") && first.contains("Service bad"),
             "{first}"
         );
+    }
+
+    /// The YAML parser's own bounds, below the file's size and flow-depth checks: an alias
+    /// bomb (a billion laughs) and block nesting the flow-depth count does not see.
+    #[test]
+    fn alias_bombs_and_deep_block_nesting_are_refused() {
+        let mut bomb = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x]\n");
+        for i in 1..10 {
+            let refs = vec![format!("*a{}", i - 1); 9].join(", ");
+            bomb.push_str(&format!("a{i}: &a{i} [{refs}]\n"));
+        }
+        let deep: String = (0..200)
+            .map(|i| format!("{}a:\n", "  ".repeat(i)))
+            .collect();
+        for (text, needle) in [
+            (bomb, "repetition limit exceeded"),
+            (deep, "recursion limit exceeded"),
+        ] {
+            let started = std::time::Instant::now();
+            let mut model = ClusterModel::default();
+            let mut errors = Vec::new();
+            assert!(!add_documents(
+                &mut model,
+                &mut errors,
+                Path::new("t.yaml"),
+                &text
+            ));
+            assert!(started.elapsed() < std::time::Duration::from_secs(1));
+            assert!(errors[0].to_string().contains(needle), "{errors:?}");
+        }
     }
 }
