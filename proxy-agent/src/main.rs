@@ -9,6 +9,9 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use proxy_agent::{config::DEFAULT_METRICS_ADDR, dataplane::bpf::DEFAULT_PIN_DIR, netns};
 
+/// How long blocking work still under way may hold the agent's exit.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[derive(Parser)]
 #[command(
     version,
@@ -90,7 +93,15 @@ fn main() -> Result<()> {
         netns::enter(ns)?;
     }
     match cli.cmd {
-        Cmd::Run(args) => tokio::runtime::Runtime::new()?.block_on(cli::run::run(*args)),
+        Cmd::Run(args) => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            let result = runtime.block_on(cli::run::run(*args));
+            // Dropping the runtime would wait for every blocking task (a resolver's lookup
+            // of the API server's name that hangs): the pinned programs serve on, nothing
+            // is left to save, and SIGTERM must end the process.
+            runtime.shutdown_timeout(SHUTDOWN_GRACE);
+            result
+        }
         Cmd::Dump {
             view: true,
             json,

@@ -283,14 +283,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
         let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
         tokio::spawn(async move {
-            // An endpoint that cannot listen is reported; proxying goes on without it.
+            // A port that is taken is retried; an address that does not parse is reported.
+            // Proxying goes on either way.
             if let Err(e) = proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps)).await
             {
                 tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
             }
         });
     }
-    {
+    // Stops when dropped, as this function returns.
+    let _collector = {
         let status = status.clone();
         bpf::conntrack_gc::spawn(opts.pin_dir.join("maps"), move |st| {
             let fill = ConntrackFill {
@@ -301,7 +303,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 collected_total: 0,
             };
             status.record_conntrack(fill, st.collected);
-        });
-    }
+        })?
+    };
     runner::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
 }
