@@ -265,9 +265,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
             let url = config.cluster_url.to_string();
             let client = kube::Client::try_from(config).context("building the API client")?;
             let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
+            let status = status.clone();
             tokio::spawn(async move {
                 source::api_server::wait_reachable(&client, &url).await;
-                source::events::announce_start(client.clone(), &node.name).await;
+                // Beside the source, never before it: an events endpoint that does not
+                // answer must not leave the node unprogrammed.
+                let (events, name) = (client.clone(), node.name.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = source::events::announce_start(events, &name).await {
+                        tracing::warn!(error = format!("{e:#}"), "no Starting event");
+                        status.count_event_failure();
+                    }
+                });
                 source::kube::run(client, node.name, selector, tx).await
             });
         }
