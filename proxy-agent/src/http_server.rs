@@ -36,7 +36,20 @@ pub enum Endpoints {
     Debug,
 }
 
-/// Serves `endpoints` on `addr` until the process ends.
+impl Endpoints {
+    /// What the logs call this address.
+    fn name(self) -> &'static str {
+        match self {
+            Endpoints::Healthz => "healthz address",
+            Endpoints::Metrics => "metrics address",
+            Endpoints::Debug => "debug address",
+        }
+    }
+}
+
+/// Serves `endpoints` on `addr` until the process ends; a port that cannot be opened (taken
+/// by another process) is tried again every few seconds, as kube-proxy does. Fails only
+/// on an address that does not parse.
 pub async fn serve(
     addr: &str,
     endpoints: Endpoints,
@@ -45,7 +58,7 @@ pub async fn serve(
 ) -> Result<()> {
     let addr: SocketAddr = addr
         .parse()
-        .with_context(|| format!("listen address {addr:?}"))?;
+        .with_context(|| format!("listen address {addr:?} ({})", endpoints.name()))?;
     let mut app = Router::new()
         .route("/healthz", get(healthz))
         .route("/livez", get(livez));
@@ -57,11 +70,7 @@ pub async fn serve(
             .route("/debug/watch", get(watch));
     }
     let app = app.with_state(AppState { status, maps_dir });
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the debug endpoint on {addr}"))?;
-    tracing::info!(%addr, ?endpoints, "listening");
-    axum::serve(listener, app).await?;
+    crate::health_check::serve_retrying(addr, app, endpoints.name()).await;
     Ok(())
 }
 
