@@ -92,7 +92,7 @@ fn main() -> Result<()> {
     if let Some(ns) = &cli.netns {
         netns::enter(ns)?;
     }
-    match cli.cmd {
+    let result = match cli.cmd {
         Cmd::Run(args) => {
             let runtime = tokio::runtime::Runtime::new()?;
             let result = runtime.block_on(cli::run::run(*args));
@@ -126,10 +126,18 @@ fn main() -> Result<()> {
         // malformed file or packet, a missing file, no arguments) is 2, like clap's usage
         // errors.
         Cmd::Trace(args) => cli::trace::trace(args).or_else(|e| {
+            if cli::output::closed(&e) {
+                return Err(e);
+            }
             eprintln!("Error: {e:#}");
             std::process::exit(cli::trace::EXIT_BAD_SCENARIO)
         }),
         Cmd::TraceProbe => proxy_agent::trace::connect::probe_main(),
         Cmd::Cleanup { bpffs, kube_proxy } => cli::cleanup::cleanup(&bpffs, kube_proxy),
+    };
+    match result {
+        // `dump | head`: the reader has what it wanted.
+        Err(e) if cli::output::closed(&e) => Ok(()),
+        other => other,
     }
 }

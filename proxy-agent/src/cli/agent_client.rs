@@ -11,7 +11,7 @@ pub fn fetch(addr: &str, path: &str) -> Result<String> {
 }
 
 pub fn watch(addr: &str) -> Result<()> {
-    use std::io::{BufRead as _, Write as _};
+    use std::io::BufRead as _;
     let url = format!("http://{addr}/debug/watch");
     let resp = ureq::get(&url)
         .config()
@@ -20,10 +20,9 @@ pub fn watch(addr: &str) -> Result<()> {
         .call()
         .with_context(|| format!("asking the agent at {url}"))?;
     let reader = std::io::BufReader::new(resp.into_body().into_reader());
-    let mut out = std::io::stdout().lock();
     for line in reader.lines() {
-        writeln!(out, "{}", line?)?;
-        out.flush()?;
+        let line = line.with_context(|| format!("reading {url}"))?;
+        outln!("{line}");
     }
     Ok(())
 }
