@@ -65,8 +65,9 @@ pub struct RunArgs {
     /// unlabelled ones).
     #[arg(long)]
     service_proxy_name: Option<String>,
-    /// An extra debug endpoint (model, view, watch, metrics; the metrics address serves them
-    /// too); `off` disables [default: off].
+    /// An extra debug endpoint (model, view, watch, metrics), served wherever it listens;
+    /// a loopback metrics address serves them too, another one not; `off` disables
+    /// [default: off].
     #[arg(long)]
     debug_addr: Option<String>,
     #[command(flatten)]
