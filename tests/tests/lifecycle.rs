@@ -330,10 +330,11 @@ fn a_health_or_metrics_port_taken_at_start_is_retried() {
     agent.wait_for("the frontends programmed", Duration::from_secs(20), |a| {
         a.frontends() == Some(FRONTENDS)
     });
-    agent.wait_for("both ports retried", Duration::from_secs(10), |a| {
+    // Both binds failed (the log names each address).
+    agent.wait_for("both binds failed", Duration::from_secs(10), |a| {
         let log = a.log();
-        log.contains("cannot open healthz address; retrying")
-            && log.contains("cannot open metrics address; retrying")
+        log.contains(&format!("127.0.0.1:{healthz}"))
+            && log.contains(&format!("127.0.0.1:{metrics}"))
     });
     drop(healthz_squatter);
     drop(metrics_squatter);
@@ -344,6 +345,13 @@ fn a_health_or_metrics_port_taken_at_start_is_retried() {
     agent.wait_for("/metrics answering", Duration::from_secs(15), |_| {
         get(metrics, "/metrics").is_some_and(|(code, m)| code == 200 && m.contains("proxy_agent_"))
     });
+    let log = agent.log();
+    for what in ["healthz address", "metrics address"] {
+        assert!(
+            log.contains(&format!("cannot open {what}; retrying")),
+            "{log}"
+        );
+    }
     let _ = fs::remove_dir_all(&manifests);
 }
 
