@@ -89,7 +89,7 @@ impl HealthServers {
             };
             let tasks = binds
                 .into_iter()
-                .map(|addr| tokio::spawn(listen(addr, app.clone())))
+                .map(|addr| tokio::spawn(serve_retrying(addr, app.clone(), "health-check port")))
                 .collect();
             self.servers.insert(
                 *port,
@@ -103,18 +103,26 @@ impl HealthServers {
     }
 }
 
-/// Serves `app` on `addr`, retrying while the port cannot be opened (kube-proxy logs and
-/// retries the same way when a port is taken).
-async fn listen(addr: SocketAddr, app: Router) {
+/// Serves `app` on `addr` until the task is dropped, opening the port again every
+/// `LISTEN_RETRY` while it cannot be opened (another process holds it) or after the
+/// server fails, each time logged with `what` — the healthCheckNodePort listeners and the
+/// agent's own health and metrics addresses alike (kube-proxy logs and retries both when
+/// a port is taken).
+pub async fn serve_retrying(addr: SocketAddr, app: Router, what: &'static str) {
     loop {
         match bind(addr).await {
             Ok(listener) => {
-                tracing::info!(%addr, "health-check port open");
+                tracing::info!(%addr, "{what} open");
                 if let Err(e) = axum::serve(listener, app.clone()).await {
-                    tracing::error!(%addr, error = %e, "health-check port failed");
+                    tracing::error!(%addr, error = %e, "{what} failed; opening it again");
                 }
             }
-            Err(e) => tracing::error!(%addr, error = %e, "cannot open health-check port; retrying"),
+            Err(e) => tracing::error!(
+                %addr,
+                error = %e,
+                retry_in = ?LISTEN_RETRY,
+                "cannot open {what}; retrying"
+            ),
         }
         tokio::time::sleep(LISTEN_RETRY).await;
     }

@@ -1,5 +1,5 @@
 //! The agent's HTTP server (kube-proxy's healthz and metrics addresses): health, Prometheus
-//! metrics, and — as kube-proxy serves its debug handlers there, in KPNG's spirit —
+//! metrics, and — in KPNG's spirit, on a loopback metrics address or the debug address —
 //! the global model, this node's view, and a live stream of view diffs.
 
 use std::{convert::Infallible, net::SocketAddr, path::PathBuf};
@@ -27,16 +27,47 @@ struct AppState {
 /// What one listening address serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoints {
-    /// kube-proxy's healthzBindAddress: `/healthz`.
+    /// kube-proxy's healthzBindAddress: `/healthz`, `/livez`.
     Healthz,
-    /// kube-proxy's metricsBindAddress: `/metrics`, `/healthz` and — as kube-proxy serves
-    /// its own debug handlers there — `/debug/model`, `/debug/view`, `/debug/watch`.
+    /// kube-proxy's metricsBindAddress: `/metrics`, `/healthz`, `/livez` and — on a
+    /// loopback address only — the object views `/debug/model`, `/debug/view`,
+    /// `/debug/watch`.
     Metrics,
-    /// An extra debug endpoint (`ebpf.debugBindAddress`, off by default): the same.
+    /// An extra debug endpoint (`ebpf.debugBindAddress`, off by default): the same,
+    /// object views included wherever it listens (opting in is the operator's choice).
     Debug,
 }
 
-/// Serves `endpoints` on `addr` until the process ends.
+impl Endpoints {
+    /// Whether the object views — every Service and EndpointSlice of the cluster — are
+    /// served on `addr`. kube-proxy serves no objects on its metrics address, and
+    /// `metricsBindAddress: 0.0.0.0:10249` is common (for scraping): there they would be
+    /// open to anyone who reaches the node, so the metrics address serves them only when
+    /// it is loopback (the default, 127.0.0.1:10249, where `dump --view` asks).
+    pub fn serves_objects(self, addr: &SocketAddr) -> bool {
+        match self {
+            Endpoints::Healthz => false,
+            Endpoints::Metrics => addr.ip().is_loopback(),
+            Endpoints::Debug => true,
+        }
+    }
+
+    /// What the logs call this address.
+    fn name(self) -> &'static str {
+        match self {
+            Endpoints::Healthz => "healthz address",
+            Endpoints::Metrics => "metrics address",
+            Endpoints::Debug => "debug address",
+        }
+    }
+}
+
+/// The object views' paths.
+pub const OBJECT_VIEWS: [&str; 3] = ["/debug/model", "/debug/view", "/debug/watch"];
+
+/// Serves `endpoints` on `addr` until the process ends; a port that cannot be opened (taken
+/// by another process) is tried again every few seconds, as kube-proxy does. Fails only
+/// on an address that does not parse.
 pub async fn serve(
     addr: &str,
     endpoints: Endpoints,
@@ -45,24 +76,42 @@ pub async fn serve(
 ) -> Result<()> {
     let addr: SocketAddr = addr
         .parse()
-        .with_context(|| format!("listen address {addr:?}"))?;
+        .with_context(|| format!("listen address {addr:?} ({})", endpoints.name()))?;
     let mut app = Router::new()
         .route("/healthz", get(healthz))
         .route("/livez", get(livez));
     if endpoints != Endpoints::Healthz {
-        app = app
-            .route("/metrics", get(metrics))
-            .route("/debug/model", get(model))
-            .route("/debug/view", get(view))
-            .route("/debug/watch", get(watch));
+        app = app.route("/metrics", get(metrics));
+        if endpoints.serves_objects(&addr) {
+            app = app
+                .route("/debug/model", get(model))
+                .route("/debug/view", get(view))
+                .route("/debug/watch", get(watch));
+        } else {
+            tracing::info!(
+                %addr,
+                "the metrics address is not loopback: the object views ({}) are not served \
+                 there (ebpf.debugBindAddress serves them)",
+                OBJECT_VIEWS.join(", ")
+            );
+            for path in OBJECT_VIEWS {
+                app = app.route(path, get(objects_not_here));
+            }
+        }
     }
     let app = app.with_state(AppState { status, maps_dir });
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the debug endpoint on {addr}"))?;
-    tracing::info!(%addr, ?endpoints, "listening");
-    axum::serve(listener, app).await?;
+    crate::health_check::serve_retrying(addr, app, endpoints.name()).await;
     Ok(())
+}
+
+/// The object views asked for on a metrics address that is not loopback.
+async fn objects_not_here() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        "the object views are served on a loopback metricsBindAddress or on \
+         ebpf.debugBindAddress only\n",
+    )
+        .into_response()
 }
 
 /// kube-proxy's `/healthz`: the proxy is healthy and the node is not draining.
@@ -151,5 +200,29 @@ async fn metrics(State(s): State<AppState>) -> Response {
     match crate::metrics::render(&s.status, s.maps_dir.as_deref()) {
         Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn object_views_only_on_a_loopback_metrics_address_or_the_debug_address() {
+        let sa = |s: &str| s.parse::<SocketAddr>().expect("address");
+        for (addr, metrics) in [
+            ("127.0.0.1:10249", true),
+            ("127.0.0.53:10249", true),
+            ("[::1]:10249", true),
+            ("0.0.0.0:10249", false),
+            ("[::]:10249", false),
+            ("10.0.0.5:10249", false),
+            ("[fd00::5]:10249", false),
+        ] {
+            let addr = sa(addr);
+            assert_eq!(Endpoints::Metrics.serves_objects(&addr), metrics, "{addr}");
+            assert!(Endpoints::Debug.serves_objects(&addr), "{addr}");
+            assert!(!Endpoints::Healthz.serves_objects(&addr), "{addr}");
+        }
     }
 }

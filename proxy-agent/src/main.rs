@@ -9,6 +9,9 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use proxy_agent::{config::DEFAULT_METRICS_ADDR, dataplane::bpf::DEFAULT_PIN_DIR, netns};
 
+/// How long blocking work still under way may hold the agent's exit.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[derive(Parser)]
 #[command(
     version,
@@ -89,8 +92,16 @@ fn main() -> Result<()> {
     if let Some(ns) = &cli.netns {
         netns::enter(ns)?;
     }
-    match cli.cmd {
-        Cmd::Run(args) => tokio::runtime::Runtime::new()?.block_on(cli::run::run(*args)),
+    let result = match cli.cmd {
+        Cmd::Run(args) => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            let result = runtime.block_on(cli::run::run(*args));
+            // Dropping the runtime would wait for every blocking task (a resolver's lookup
+            // of the API server's name that hangs): the pinned programs serve on, nothing
+            // is left to save, and SIGTERM must end the process.
+            runtime.shutdown_timeout(SHUTDOWN_GRACE);
+            result
+        }
         Cmd::Dump {
             view: true,
             json,
@@ -115,10 +126,18 @@ fn main() -> Result<()> {
         // malformed file or packet, a missing file, no arguments) is 2, like clap's usage
         // errors.
         Cmd::Trace(args) => cli::trace::trace(args).or_else(|e| {
+            if cli::output::closed(&e) {
+                return Err(e);
+            }
             eprintln!("Error: {e:#}");
             std::process::exit(cli::trace::EXIT_BAD_SCENARIO)
         }),
         Cmd::TraceProbe => proxy_agent::trace::connect::probe_main(),
         Cmd::Cleanup { bpffs, kube_proxy } => cli::cleanup::cleanup(&bpffs, kube_proxy),
+    };
+    match result {
+        // `dump | head`: the reader has what it wanted.
+        Err(e) if cli::output::closed(&e) => Ok(()),
+        other => other,
     }
 }

@@ -226,6 +226,11 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             c.interface_attach_failures,
         ),
         (
+            "events_failed",
+            "Events (the Starting event) the API server did not record",
+            c.events_failed,
+        ),
+        (
             "conntrack_collected",
             "Entries the collector removed (expired flows, orphaned replies)",
             c.conntrack.collected_total,

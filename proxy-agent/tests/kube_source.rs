@@ -336,7 +336,9 @@ async fn http(addr: &str, path: &str) -> std::io::Result<String> {
 #[tokio::test]
 async fn starting_event_on_the_node() {
     let server = FakeApiServer::start().await;
-    source::events::announce_start(server.client(), "node-a").await;
+    source::events::announce_start(server.client(), "node-a")
+        .await
+        .expect("the Starting event");
     let events = server.events();
     assert_eq!(events.len(), 1, "{events:?}");
     let e = &events[0];

@@ -131,6 +131,10 @@ struct Store {
     label_selectors: BTreeMap<String, String>,
     /// events.k8s.io Events created, as posted.
     events: Vec<Value>,
+    /// Event POSTs received (answered or held).
+    event_posts: u64,
+    /// Event POSTs are held (never answered) until `release_events`.
+    events_held: bool,
 }
 
 struct Shared {
@@ -368,6 +372,22 @@ impl FakeApiServer {
         self.shared.released.notify_waiters();
     }
 
+    /// Holds every Event POST unanswered (an events endpoint that hangs) until
+    /// `release_events`.
+    pub fn hold_events(&self) {
+        self.store(|s| s.events_held = true);
+    }
+
+    pub fn release_events(&self) {
+        self.store(|s| s.events_held = false);
+        self.shared.released.notify_waiters();
+    }
+
+    /// How many Event POSTs arrived, answered or held.
+    pub fn event_posts(&self) -> u64 {
+        self.store(|s| s.event_posts)
+    }
+
     /// The Events posted so far.
     pub fn events(&self) -> Vec<Value> {
         self.store(|s| s.events.clone())
@@ -423,6 +443,15 @@ async fn handle_event(
     State(shared): State<Arc<Shared>>,
     axum::Json(event): axum::Json<Value>,
 ) -> Response {
+    shared.lock().event_posts += 1;
+    loop {
+        // Registered before the flag is read, so a release in between is not missed.
+        let released = shared.released.notified();
+        if !shared.lock().events_held {
+            break;
+        }
+        released.await;
+    }
     shared.lock().events.push(event.clone());
     (StatusCode::CREATED, axum::Json(event)).into_response()
 }

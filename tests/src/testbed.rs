@@ -6,7 +6,7 @@ use std::{
     fs,
     io::Write as _,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Child, Command, ExitStatus, Stdio},
     sync::atomic::{AtomicU32, Ordering},
     thread,
     time::{Duration, Instant},
@@ -619,6 +619,29 @@ impl Testbed {
             agent.wait()?;
         }
         Ok(())
+    }
+
+    /// Sends the agent SIGTERM (as the kubelet stops a pod) and waits up to `within` for
+    /// it to exit: its exit status, or `None` if it was still running then (it is killed).
+    pub fn terminate_agent(&mut self, within: Duration) -> Result<Option<ExitStatus>> {
+        let Some(mut agent) = self.agent.take() else {
+            bail!("no agent is running");
+        };
+        let pid = libc::pid_t::try_from(agent.id()).context("pid")?;
+        // SAFETY: kill has no memory preconditions; the pid is our child's, not reaped yet.
+        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+            return Err(std::io::Error::last_os_error()).context("sending SIGTERM");
+        }
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(status) = agent.try_wait()? {
+                return Ok(Some(status));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        agent.kill()?;
+        agent.wait()?;
+        Ok(None)
     }
 
     /// Runs the client in the client namespace (and, for the connect-time path, in the

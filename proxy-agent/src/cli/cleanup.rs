@@ -8,7 +8,7 @@ use proxy_agent::{dataplane::bpf, kube_proxy_cleanup};
 pub fn cleanup(bpffs: &Path, kube_proxy: bool) -> Result<()> {
     if kube_proxy {
         let report = kube_proxy_cleanup::cleanup();
-        println!("{report}");
+        outln!("{report}");
         if report.count(kube_proxy_cleanup::Outcome::Failed) > 0 {
             std::process::exit(1);
         }

@@ -8,20 +8,22 @@ use proxy_agent::dataplane::bpf::{self, MapSet};
 
 /// `dump --model`: the running agent's cluster-wide model, as it serves it.
 pub fn dump_model(addr: &str) -> Result<()> {
-    println!("{}", super::agent_client::fetch(addr, "/debug/model")?);
+    outln!("{}", super::agent_client::fetch(addr, "/debug/model")?);
     Ok(())
 }
 
 pub fn dump_view(addr: &str, json: bool) -> Result<()> {
     let body = super::agent_client::fetch(addr, "/debug/view")?;
     if json {
-        println!("{body}");
+        outln!("{body}");
         return Ok(());
     }
     let entries: Vec<serde_json::Value> = serde_json::from_str(&body).context("agent's view")?;
-    println!(
+    outln!(
         "{:<30} {:<13} {:<28} BACKENDS",
-        "FRONTEND", "KIND", "SERVICE"
+        "FRONTEND",
+        "KIND",
+        "SERVICE"
     );
     for e in entries {
         let st = &e["state"];
@@ -45,7 +47,7 @@ pub fn dump_view(addr: &str, json: bool) -> Result<()> {
         if !st["internal"].is_null() {
             backends.push_str(&format!("  | internal: {}", set(&st["internal"])));
         }
-        println!(
+        outln!(
             "{:<30} {:<13} {:<28} {}",
             e["frontend"].as_str().unwrap_or(""),
             st["kind"].as_str().unwrap_or(""),
@@ -65,9 +67,9 @@ fn open_pins(bpffs: &Path) -> Result<MapSet> {
 pub fn dump_stats(bpffs: &Path, json: bool, exact: bool) -> Result<()> {
     let rows = bpf::stats::read(&open_pins(bpffs)?)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        print!("{}", bpf::stats::render_table(&rows, exact));
+        out!("{}", bpf::stats::render_table(&rows, exact));
     }
     Ok(())
 }
@@ -117,7 +119,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
             .iter()
             .map(|(k, v)| ((*k).to_string(), (*v).into()))
             .collect();
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "services": rows,
@@ -128,12 +130,15 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
             }))?
         );
     } else {
-        println!(
+        outln!(
             "{:<28} {:<5} {:>5} {:>4}  BACKENDS",
-            "FRONTEND", "PROTO", "ID", "REV"
+            "FRONTEND",
+            "PROTO",
+            "ID",
+            "REV"
         );
         for r in &rows {
-            println!(
+            outln!(
                 "{:<28} {:<5} {:>5} {:>4}  {}",
                 r["frontend"].as_str().unwrap_or(""),
                 r["protocol"].as_str().unwrap_or(""),
@@ -149,11 +154,11 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                     .unwrap_or_default()
             );
         }
-        println!("\nsockets tracked: {sockets}");
-        println!("conntrack entries: {answered} answered, {new} new (two per flow)");
-        println!("flows left to netfilter (translated before the classifier): {netfilter}\n");
+        outln!("\nsockets tracked: {sockets}");
+        outln!("conntrack entries: {answered} answered, {new} new (two per flow)");
+        outln!("flows left to netfilter (translated before the classifier): {netfilter}\n");
         for (name, value) in counters {
-            println!("{name:<24} {value}");
+            outln!("{name:<24} {value}");
         }
     }
     Ok(())

@@ -65,8 +65,9 @@ pub struct RunArgs {
     /// unlabelled ones).
     #[arg(long)]
     service_proxy_name: Option<String>,
-    /// An extra debug endpoint (model, view, watch, metrics; the metrics address serves them
-    /// too); `off` disables [default: off].
+    /// An extra debug endpoint (model, view, watch, metrics), served wherever it listens;
+    /// a loopback metrics address serves them too, another one not; `off` disables
+    /// [default: off].
     #[arg(long)]
     debug_addr: Option<String>,
     #[command(flatten)]
@@ -265,9 +266,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
             let url = config.cluster_url.to_string();
             let client = kube::Client::try_from(config).context("building the API client")?;
             let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
+            let status = status.clone();
             tokio::spawn(async move {
                 source::api_server::wait_reachable(&client, &url).await;
-                source::events::announce_start(client.clone(), &node.name).await;
+                // Beside the source, never before it: an events endpoint that does not
+                // answer must not leave the node unprogrammed.
+                let (events, name) = (client.clone(), node.name.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = source::events::announce_start(events, &name).await {
+                        tracing::warn!(error = format!("{e:#}"), "no Starting event");
+                        status.count_event_failure();
+                    }
+                });
                 source::kube::run(client, node.name, selector, tx).await
             });
         }
@@ -283,14 +293,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
         let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
         tokio::spawn(async move {
-            // An endpoint that cannot listen is reported; proxying goes on without it.
+            // A port that is taken is retried; an address that does not parse is reported.
+            // Proxying goes on either way.
             if let Err(e) = proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps)).await
             {
                 tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
             }
         });
     }
-    {
+    // Stops when dropped, as this function returns.
+    let _collector = {
         let status = status.clone();
         bpf::conntrack_gc::spawn(opts.pin_dir.join("maps"), move |st| {
             let fill = ConntrackFill {
@@ -301,7 +313,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 collected_total: 0,
             };
             status.record_conntrack(fill, st.collected);
-        });
-    }
+        })?
+    };
     runner::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
 }

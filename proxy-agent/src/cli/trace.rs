@@ -80,9 +80,9 @@ pub fn trace(args: TraceArgs) -> Result<()> {
         let outcomes = trace::run_live(&args.bpffs, std::slice::from_ref(&packet))?;
         for o in &outcomes {
             if args.json {
-                println!("{}", serde_json::to_string(o)?);
+                outln!("{}", serde_json::to_string(o)?);
             } else {
-                println!("path: {}\n{}", o.path, trace::describe(o, None));
+                outln!("path: {}\n{}", o.path, trace::describe(o, None));
             }
         }
         return Ok(());
@@ -137,19 +137,19 @@ pub fn trace(args: TraceArgs) -> Result<()> {
     for (i, o) in &outcomes {
         let p = packets.get(*i).copied();
         if args.json {
-            println!("{}", serde_json::to_string(o)?);
+            outln!("{}", serde_json::to_string(o)?);
             continue;
         }
         let heading = format!("case {} (path: {})", o.case, o.path);
         if heading != current_case {
-            println!("{heading}");
+            outln!("{heading}");
             current_case = heading;
         }
-        println!("{}", trace::describe(o, p));
+        outln!("{}", trace::describe(o, p));
     }
     let failed = outcomes.iter().filter(|(_, o)| !o.ok()).count();
     if !args.json {
-        println!(
+        outln!(
             "\n{} packets, {} as expected, {failed} differ",
             outcomes.len(),
             outcomes.len() - failed

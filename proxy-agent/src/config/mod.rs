@@ -147,8 +147,8 @@ pub struct Config {
     pub maglev_table_len: u32,
     pub bpf_log_level: BpfLogLevel,
     pub service_proxy_name: Option<String>,
-    /// An extra debug endpoint (model, view, watch); empty (the default) disables it: the
-    /// metrics address serves the same views.
+    /// An extra debug endpoint (model, view, watch); empty (the default) disables it: a
+    /// loopback metrics address serves the same views (one that is not serves none).
     pub debug_bind_address: String,
 }
 

@@ -25,6 +25,8 @@ pub struct Counters {
     pub udp_sockets_destroyed: u64,
     /// Classifier attachments to interfaces that failed.
     pub interface_attach_failures: u64,
+    /// Events (the "Starting" event) the API server did not record.
+    pub events_failed: u64,
     pub last_sync_seconds: f64,
     /// Answers of `/healthz` and `/livez` by status code (kube-proxy's
     /// `proxy_healthz_total` and `proxy_livez_total`).
@@ -197,6 +199,11 @@ impl Status {
             };
             *answers.entry(code).or_insert(0) += 1;
         });
+    }
+
+    /// An event that could not be recorded (logged by whoever tried).
+    pub fn count_event_failure(&self) {
+        self.with(|s| s.counters.events_failed += 1);
     }
 
     pub(crate) fn count_rejections(&self, n: usize) {

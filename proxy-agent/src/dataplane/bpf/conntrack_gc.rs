@@ -37,38 +37,60 @@ pub struct CtStats {
     pub collected: u64,
 }
 
+/// The running collector: dropping it stops it (at its next wake-up, or once the pass
+/// under way ends).
+#[must_use = "dropping the handle stops the collector"]
+pub struct Collector {
+    _stop: std::sync::mpsc::Sender<()>,
+}
+
 /// Runs the collector every `INTERVAL` on its own handle of the pinned maps (opened
 /// when they exist), refreshing the flows left to netfilter while there are any, and
-/// hands each pass's figures to `record`.
-pub fn spawn(maps_dir: PathBuf, mut record: impl FnMut(CtStats) + Send + 'static) {
-    tokio::task::spawn_blocking(move || {
-        let mut maps = None;
-        loop {
-            std::thread::sleep(INTERVAL);
-            if maps.is_none() {
-                maps = MapSet::open_pinned(&maps_dir)
-                    .inspect_err(|e| {
-                        tracing::warn!(error = format!("{e:#}"), "conntrack collector: no maps")
-                    })
-                    .ok();
-            }
-            let Some(m) = maps.as_mut() else { continue };
-            // While flows from before us (kube-proxy's) are left to netfilter, follow
-            // its table: they go from the map as they end there.
-            if m.netfilter_flows.keys().next().is_some()
-                && let Err(e) = super::refresh_netfilter_flows(m)
+/// hands each pass's figures to `record` — on a thread of its own, not the runtime's
+/// blocking pool: the runtime's drop waits for that pool, and an endless task there held
+/// every SIGTERM (the agent logged "shutting down" and waited for SIGKILL).
+pub fn spawn(
+    maps_dir: PathBuf,
+    mut record: impl FnMut(CtStats) + Send + 'static,
+) -> Result<Collector> {
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    std::thread::Builder::new()
+        .name("conntrack-gc".into())
+        .spawn(move || {
+            let mut maps = None;
+            // Sleeps INTERVAL; ends as soon as the handle is dropped.
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(INTERVAL)
             {
-                tracing::warn!(error = format!("{e:#}"), "netfilter flows not refreshed");
-            }
-            match collect(m, monotonic_ns()) {
-                Ok(st) => {
-                    tracing::debug!(?st, "conntrack collected");
-                    record(st);
+                if maps.is_none() {
+                    maps = MapSet::open_pinned(&maps_dir)
+                        .inspect_err(|e| {
+                            tracing::warn!(error = format!("{e:#}"), "conntrack collector: no maps")
+                        })
+                        .ok();
                 }
-                Err(e) => tracing::warn!(error = format!("{e:#}"), "conntrack collector failed"),
+                let Some(m) = maps.as_mut() else { continue };
+                // While flows from before us (kube-proxy's) are left to netfilter, follow
+                // its table: they go from the map as they end there.
+                if m.netfilter_flows.keys().next().is_some()
+                    && let Err(e) = super::refresh_netfilter_flows(m)
+                {
+                    tracing::warn!(error = format!("{e:#}"), "netfilter flows not refreshed");
+                }
+                match collect(m, monotonic_ns()) {
+                    Ok(st) => {
+                        tracing::debug!(?st, "conntrack collected");
+                        record(st);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = format!("{e:#}"), "conntrack collector failed")
+                    }
+                }
             }
-        }
-    });
+            tracing::debug!("conntrack collector stopped");
+        })
+        .context("starting the conntrack collector's thread")?;
+    Ok(Collector { _stop: stop })
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns()`.
