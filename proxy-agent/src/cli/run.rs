@@ -263,7 +263,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             };
             let config = source::api_server::client_config(&api).await?;
             let url = config.cluster_url.to_string();
-            let client = kube::Client::try_from(config).context("building the API client")?;
+            let client = source::api_server::client(config, &Default::default())?;
             let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
             tokio::spawn(async move {
                 source::api_server::wait_reachable(&client, &url).await;

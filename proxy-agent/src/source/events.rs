@@ -30,6 +30,10 @@ pub async fn announce_start(client: kube::Client, node_name: &str) {
         secondary: None,
     };
     if let Err(e) = Recorder::new(client, reporter).publish(&event, &node).await {
-        tracing::warn!(error = %e, node = node_name, "cannot record the Starting event");
+        tracing::warn!(
+            error = super::api_server::error_chain(&e),
+            node = node_name,
+            "cannot record the Starting event"
+        );
     }
 }
