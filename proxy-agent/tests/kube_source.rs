@@ -71,15 +71,23 @@ fn timing() -> Timing {
 }
 
 /// Starts the source and the sync loop on `dataplane`; returns the status handle.
-fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, mut dataplane: D) -> Status {
+fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, dataplane: D) -> Status {
+    start_with(server.client(), dataplane)
+}
+
+/// Starts the source on `client` and the sync loop on `dataplane`, as the agent does.
+fn start_with<D: Dataplane + Send + 'static>(client: kube::Client, mut dataplane: D) -> Status {
     let (tx, rx) = tokio::sync::watch::channel(None);
+    let status = Status::default();
     tokio::spawn(source::kube::run(
-        server.client(),
-        "node-a".into(),
-        source::kube::label_selector(None),
+        client,
+        source::kube::KubeOptions {
+            node_name: "node-a".into(),
+            label_selector: source::kube::label_selector(None),
+            ..Default::default()
+        },
         tx,
     ));
-    let status = Status::default();
     let st = status.clone();
     tokio::spawn(async move {
         let _ = runner::run(

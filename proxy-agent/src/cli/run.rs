@@ -264,11 +264,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
             let config = source::api_server::client_config(&api).await?;
             let url = config.cluster_url.to_string();
             let client = source::api_server::client(config, &Default::default())?;
-            let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
+            let opts = source::kube::KubeOptions {
+                node_name: node.name.clone(),
+                label_selector: source::kube::label_selector(cfg.service_proxy_name.as_deref()),
+                ..Default::default()
+            };
             tokio::spawn(async move {
                 source::api_server::wait_reachable(&client, &url).await;
                 source::events::announce_start(client.clone(), &node.name).await;
-                source::kube::run(client, node.name, selector, tx).await
+                source::kube::run(client, opts, tx).await
             });
         }
     }
