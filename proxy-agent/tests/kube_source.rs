@@ -84,6 +84,7 @@ fn start_with<D: Dataplane + Send + 'static>(client: kube::Client, mut dataplane
         source::kube::KubeOptions {
             node_name: "node-a".into(),
             label_selector: source::kube::label_selector(None),
+            counters: status.api_counters(),
             ..Default::default()
         },
         tx,

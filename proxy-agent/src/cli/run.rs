@@ -263,10 +263,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
             };
             let config = source::api_server::client_config(&api).await?;
             let url = config.cluster_url.to_string();
-            let client = source::api_server::client(config, &Default::default())?;
+            let counters = status.api_counters();
+            let client = source::api_server::client(config, &counters)?;
             let opts = source::kube::KubeOptions {
                 node_name: node.name.clone(),
                 label_selector: source::kube::label_selector(cfg.service_proxy_name.as_deref()),
+                counters,
                 ..Default::default()
             };
             tokio::spawn(async move {
