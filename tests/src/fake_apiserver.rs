@@ -1073,9 +1073,14 @@ impl Pki {
         };
         use tokio_rustls::rustls::{self, pki_types::PrivateKeyDer};
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "fake-apiserver-ca");
+        // A name of its own: another server's CA is then an unknown issuer, not a
+        // namesake whose signature fails.
+        static SERVERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SERVERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ca_params.distinguished_name.push(
+            DnType::CommonName,
+            format!("fake-apiserver-ca-{}-{n}", std::process::id()),
+        );
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         ca_params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
@@ -1164,6 +1169,8 @@ impl Live {
                 }
             };
             let line = tokio::select! {
+                // A break first: a watch broken (a restore, a restart) sends nothing after.
+                biased;
                 _ = self.breaks.recv() => return None,
                 () = timed_out => return None,
                 () = ticked => {
