@@ -100,7 +100,12 @@ impl ApiCounters {
 
 /// The resource a request path names, as a metric label (a bounded set).
 pub fn resource_of(path: &str) -> &'static str {
-    match path.trim_end_matches('/').rsplit('/').next().unwrap_or_default() {
+    match path
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+    {
         "services" => "services",
         "endpointslices" => "endpointslices",
         "nodes" => "nodes",

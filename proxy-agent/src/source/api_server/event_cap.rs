@@ -62,9 +62,8 @@ where
 {
     type Response = Response<Capped<B>>;
     type Error = S::Error;
-    type Future = Pin<
-        Box<dyn std::future::Future<Output = Result<Response<Capped<B>>, S::Error>> + Send>,
-    >;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Response<Capped<B>>, S::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -171,7 +170,10 @@ mod tests {
         assert!(c.fits(b"012", 10));
         assert!(!c.fits(b"45678901", 10), "11 bytes across two chunks");
         let mut c = capped(10);
-        assert!(!c.fits(b"short\n01234567890\nshort\n", 10), "inside one chunk");
+        assert!(
+            !c.fits(b"short\n01234567890\nshort\n", 10),
+            "inside one chunk"
+        );
         let mut c = capped(10);
         assert!(c.fits(&[b'\n'; 100], 10), "many empty lines");
     }
@@ -179,7 +181,9 @@ mod tests {
     #[test]
     fn only_watches_are_capped() {
         let r = |uri: &str| Request::get(uri).body(()).unwrap();
-        assert!(is_watch(&r("/api/v1/services?watch=true&resourceVersion=5")));
+        assert!(is_watch(&r(
+            "/api/v1/services?watch=true&resourceVersion=5"
+        )));
         assert!(is_watch(&r("/api/v1/services?resourceVersion=5&watch=1")));
         assert!(!is_watch(&r("/api/v1/services?limit=500")));
         assert!(!is_watch(&r("/api/v1/services?watched=true")));

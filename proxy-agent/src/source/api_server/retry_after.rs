@@ -127,8 +127,11 @@ where
                 drop(response);
                 tokio::time::sleep(wait).await;
                 // A GET: no body to keep.
-                response = send(Request::from_parts(parts.clone(), kube::client::Body::empty()))
-                    .await?;
+                response = send(Request::from_parts(
+                    parts.clone(),
+                    kube::client::Body::empty(),
+                ))
+                .await?;
             }
             Ok(response)
         })

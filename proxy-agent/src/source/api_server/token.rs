@@ -166,7 +166,11 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(file.header(), "Bearer second-token");
         std::fs::write(&path, "\n").unwrap();
-        assert_eq!(file.header(), "Bearer second-token", "an empty file is ignored");
+        assert_eq!(
+            file.header(),
+            "Bearer second-token",
+            "an empty file is ignored"
+        );
         assert!(TokenFile::open(&path).is_err(), "but refused at start");
         std::fs::remove_dir_all(&dir).unwrap();
     }

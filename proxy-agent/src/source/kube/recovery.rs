@@ -110,13 +110,11 @@ impl Failure {
             watcher::Error::WatchError(r) => answered(r.code),
             // kube reads the watch request's error answer as a line of the stream.
             watcher::Error::WatchFailed(kube::Error::Api(r)) => answered(r.code),
-            watcher::Error::WatchFailed(e) if find_in_chain::<EventTooLarge>(e).is_some() => {
-                Self {
-                    kind: ApiErrorKind::EventTooLarge,
-                    code: 0,
-                    relist: true,
-                }
-            }
+            watcher::Error::WatchFailed(e) if find_in_chain::<EventTooLarge>(e).is_some() => Self {
+                kind: ApiErrorKind::EventTooLarge,
+                code: 0,
+                relist: true,
+            },
             // A broken connection: kube watches again from where it was, as client-go.
             watcher::Error::WatchFailed(_) => Self {
                 kind: ApiErrorKind::WatchStream,
@@ -275,9 +273,7 @@ mod tests {
             code: 410,
         };
         assert_eq!(f(watcher::Error::WatchError(gone)), (K::Watch, 410, true));
-        let io = std::io::Error::other(kube::Error::Service(Box::new(EventTooLarge {
-            limit: 16,
-        })));
+        let io = std::io::Error::other(kube::Error::Service(Box::new(EventTooLarge { limit: 16 })));
         assert_eq!(
             f(watcher::Error::WatchFailed(kube::Error::ReadEvents(io))),
             (K::EventTooLarge, 0, true)
