@@ -847,8 +847,7 @@ async fn logs_of(f: impl std::future::Future<Output = ()>) -> String {
         let _guard = tracing::subscriber::set_default(subscriber);
         f.await;
     }
-    let text = String::from_utf8_lossy(&buffer.0.lock().expect("log buffer")).into_owned();
-    text
+    String::from_utf8_lossy(&buffer.0.lock().expect("log buffer")).into_owned()
 }
 
 /// A CA that did not sign the server's certificate: kube's error said only "client error
