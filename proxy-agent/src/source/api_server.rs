@@ -169,9 +169,8 @@ pub fn client(mut config: kube::Config, counters: &ApiCounters) -> Result<kube::
     let token = token_file
         .map(|path| token::TokenFile::open(path).map(Arc::new))
         .transpose()?;
-    let builder = kube::client::ClientBuilder::try_from(config)
-        .map_err(|e| anyhow::anyhow!(error_chain(&e)))
-        .context("building the API client")?;
+    let builder =
+        kube::client::ClientBuilder::try_from(config).context("building the API client")?;
     Ok(builder
         .with_layer(&token::TokenLayer(token))
         .with_layer(&event_cap::EventCapLayer(MAX_EVENT_BYTES))
