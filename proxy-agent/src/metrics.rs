@@ -312,6 +312,39 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             Err(e) => tracing::debug!(error = format!("{e:#}"), "no Service statistics"),
         }
     }
+    let api_errors = Family::<Labels, Counter>::default();
+    for ((resource, kind, code), n) in &c.api.errors {
+        let code = match code {
+            0 => "none".to_string(),
+            c => c.to_string(),
+        };
+        api_errors
+            .get_or_create(&vec![
+                ("resource".into(), resource.to_string()),
+                ("kind".into(), kind.as_str().to_string()),
+                ("code".into(), code),
+            ])
+            .inc_by(*n);
+    }
+    r.register(
+        "api_errors",
+        "API requests that failed, by resource, kind (list, watch_start, watch, \
+         watch_stream, event_too_large, no_resource_version, retry_after) and HTTP status \
+         (none: no answer)",
+        api_errors,
+    );
+    let relists = Family::<Labels, Counter>::default();
+    for (resource, n) in &c.api.relists {
+        relists
+            .get_or_create(&vec![("resource".into(), resource.to_string())])
+            .inc_by(*n);
+    }
+    r.register(
+        "api_relists",
+        "Lists of a resource after its first: a watch that could not go on (410 Gone, an \
+         error answer, an event over 16 MiB)",
+        relists,
+    );
     let entries = Family::<Labels, Gauge>::default();
     for (name, n) in [
         ("SERVICES", c.maps.services),
@@ -367,5 +400,27 @@ mod tests {
             crate::runner::latency::kube_proxy_programming_buckets().len(),
             2 + 59 + 12 + 7
         );
+    }
+
+    #[test]
+    fn api_errors_by_resource_kind_and_code_and_relists_by_resource() {
+        use crate::source::api_server::ApiErrorKind;
+        let status = Status::default();
+        let api = status.api_counters();
+        api.watching("services");
+        api.relist("nodes");
+        api.error("services", ApiErrorKind::Watch, 504);
+        api.error("services", ApiErrorKind::Watch, 504);
+        api.error("endpointslices", ApiErrorKind::WatchStream, 0);
+        let text = render(&status, None).expect("render");
+        for line in [
+            "# TYPE proxy_agent_api_errors counter",
+            "proxy_agent_api_errors_total{resource=\"services\",kind=\"watch\",code=\"504\"} 2",
+            "proxy_agent_api_errors_total{resource=\"endpointslices\",kind=\"watch_stream\",code=\"none\"} 1",
+            "proxy_agent_api_relists_total{resource=\"services\"} 0",
+            "proxy_agent_api_relists_total{resource=\"nodes\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! The API-server source against a fake API server on loopback: initial list (and nothing
 //! programmed before every list arrived), add/modify/delete, no-op updates, a broken
 //! watch, a 410 Gone relist, bookmarks — asserted through the dataplane the sync loop
-//! drives: a recording dataplane, and (as root) the real BPF maps.
+//! drives: a recording dataplane, and (as root) the real BPF maps. And the API client
+//! against the fake server's faults (issue 25): a 410 storm, an etcd restore, a huge
+//! event, Retry-After, a token file, a bad CA.
 
 mod support;
 
@@ -14,7 +16,7 @@ use proxy_agent::{
     source,
 };
 use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, Kind};
+use support::fake_apiserver::{FakeApiServer, Kind, OldVersions, Options, Throttle};
 use test_support::needs_root;
 use tokio::sync::mpsc;
 
@@ -70,16 +72,23 @@ fn timing() -> Timing {
     }
 }
 
-/// Starts the source and the sync loop on `dataplane`; returns the status handle.
+/// Starts the source, on the agent's own API client, and the sync loop on `dataplane`, as
+/// the agent does; returns the status handle.
 fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, mut dataplane: D) -> Status {
     let (tx, rx) = tokio::sync::watch::channel(None);
+    let status = Status::default();
+    let client = source::api_server::client(server.config(), &status.api_counters())
+        .expect("the agent's client");
     tokio::spawn(source::kube::run(
-        server.client(),
-        "node-a".into(),
-        source::kube::label_selector(None),
+        client,
+        source::kube::KubeOptions {
+            node_name: "node-a".into(),
+            label_selector: source::kube::label_selector(None),
+            counters: status.api_counters(),
+            ..Default::default()
+        },
         tx,
     ));
-    let status = Status::default();
     let st = status.clone();
     tokio::spawn(async move {
         let _ = runner::run(
@@ -463,4 +472,441 @@ async fn services_appear_change_and_disappear_in_the_bpf_maps() {
         0,
         "backends of the deleted service are gone"
     );
+}
+
+// The API client, as robust as client-go (issue 25).
+
+/// Web (10.96.0.10:80, one backend) and this node, before the agent starts.
+fn seed(server: &FakeApiServer) {
+    server.apply(Kind::Services, service("web", "10.96.0.10", 80));
+    server.apply(Kind::EndpointSlices, slice("web-1", "web", &["10.244.1.5"]));
+    server.apply(Kind::Nodes, node());
+}
+
+const RESOURCES: [&str; 3] = ["services", "endpointslices", "nodes"];
+
+/// Waits until `pred` holds of the status's counters.
+async fn until_counted(
+    status: &Status,
+    what: &str,
+    pred: impl Fn(&runner::status::Counters) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !pred(&status.counters()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}; counters: {:?}",
+            status.counters().api
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A 410 on every watch: each relist is sent back at once. kube's backoff reset on every
+/// event, the relist's included, so all three resources relisted about once a second
+/// forever (12 or so in 10 s); the backoff now grows (0.4–0.8 s, then 0.8–1.6 s, 1.6–3.2 s,
+/// 3.2–6.4 s: at most 4 in 10 s), and the relists and 410s are counted.
+#[tokio::test]
+async fn a_410_storm_relists_a_bounded_number_of_times() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    until(&mut rx, "initial view", |v| !v.is_empty()).await;
+    let before: Vec<u64> = RESOURCES.iter().map(|r| server.lists_served(r)).collect();
+    server.gone_storm(true);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let lists: Vec<u64> = RESOURCES
+        .iter()
+        .zip(&before)
+        .map(|(r, b)| server.lists_served(r) - b)
+        .collect();
+    server.clear_faults();
+    eprintln!("lists in 10 s of 410s, by resource {RESOURCES:?}: {lists:?}");
+    for (r, n) in RESOURCES.iter().zip(&lists) {
+        assert!(
+            (2..=5).contains(n),
+            "{r}: {n} lists in 10 s of 410s (all: {lists:?})"
+        );
+    }
+    let c = status.counters();
+    for (r, n) in RESOURCES.iter().zip(&lists) {
+        assert_eq!(c.api.relists.get(r), Some(n), "{r}: {:?}", c.api);
+        let gone = c
+            .api
+            .errors
+            .iter()
+            .filter(|((res, kind, code), _)| res == r && kind.as_str() == "watch" && *code == 410)
+            .map(|(_, n)| *n)
+            .sum::<u64>();
+        assert!(
+            gone >= *n,
+            "{r}: {gone} 410s counted for {n} relists: {:?}",
+            c.api
+        );
+    }
+    // The relists swapped in the same objects: the view held throughout.
+    assert_eq!(backends(&status.view(), "10.96.0.10", 80).len(), 1);
+    let metrics = proxy_agent::metrics::render(&status, None).expect("metrics");
+    let line = format!(
+        "proxy_agent_api_relists_total{{resource=\"services\"}} {}",
+        lists[0]
+    );
+    assert!(metrics.contains(&line), "{line} missing:\n{metrics}");
+    assert!(
+        metrics.contains(
+            "proxy_agent_api_errors_total{resource=\"services\",kind=\"watch\",code=\"410\"}"
+        ),
+        "{metrics}"
+    );
+}
+
+/// An etcd restore: objects from the backup, `api` gone with it, `fresh` made since; the
+/// agent's resourceVersions are from before. kube watched again from them forever (504
+/// ResourceVersionTooLarge, or a 410 on the request), so `api` stayed programmed and
+/// `fresh` never came; a relist from scratch converges.
+async fn an_etcd_restore_relists_and_converges(old: OldVersions) {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    server.apply(Kind::Services, service("api", "10.96.0.11", 443));
+    server.apply(Kind::EndpointSlices, slice("api-1", "api", &["10.244.3.7"]));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    until(&mut rx, "both Services", |v| {
+        backends(v, "10.96.0.10", 80).len() == 1 && backends(v, "10.96.0.11", 443).len() == 1
+    })
+    .await;
+    server.restore(
+        [
+            (Kind::Services, service("web", "10.96.0.10", 80)),
+            (
+                Kind::EndpointSlices,
+                slice("web-1", "web", &["10.244.1.5", "10.244.2.6"]),
+            ),
+            (Kind::Nodes, node()),
+        ],
+        old,
+    );
+    server.apply(Kind::Services, service("fresh", "10.96.0.12", 80));
+    until(&mut rx, "the restored cluster", |v| {
+        backends(v, "10.96.0.10", 80).len() == 2
+            && !v.contains_key(&fe("10.96.0.11", 443))
+            && v.contains_key(&fe("10.96.0.12", 80))
+    })
+    .await;
+    let code = match old {
+        OldVersions::TooLarge => 504,
+        OldVersions::Gone => 410,
+    };
+    let answered: Vec<u16> = server
+        .served("services")
+        .iter()
+        .filter(|s| s.watch)
+        .map(|s| s.code)
+        .collect();
+    assert!(answered.contains(&code), "watches answered {answered:?}");
+    let c = status.counters().api;
+    assert!(
+        c.relists.get("services").copied().unwrap_or(0) >= 1,
+        "{c:?}"
+    );
+    assert!(
+        c.errors
+            .iter()
+            .any(|((r, kind, k), _)| *r == "services" && kind.as_str() == "watch" && *k == code),
+        "{c:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_etcd_restore_answered_too_large_relists_and_converges() {
+    an_etcd_restore_relists_and_converges(OldVersions::TooLarge).await;
+}
+
+#[tokio::test]
+async fn an_etcd_restore_answered_gone_on_the_watch_request_relists_and_converges() {
+    an_etcd_restore_relists_and_converges(OldVersions::Gone).await;
+}
+
+/// This process's resident set, from /proc/self/status (`VmRSS` or `VmHWM`), in bytes.
+fn memory(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+        .unwrap_or_else(|| panic!("{field} in /proc/self/status"))
+}
+
+/// A 100 MB watch event: kube buffered the whole line, then parsed it (a 400 MB line took
+/// 442 MB). It is cut at the 16 MiB cap: the resident set grows by at most a small
+/// multiple of the cap, the watch relists (counted, named), and later changes arrive.
+#[tokio::test]
+async fn a_huge_watch_event_is_cut_at_the_cap_and_the_watch_relists() {
+    let cap = source::api_server::MAX_EVENT_BYTES as u64;
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    until(&mut rx, "initial view", |v| !v.is_empty()).await;
+    let base = memory("VmRSS");
+    // The peak from now on: reset the high-water mark where the kernel lets us (Linux
+    // 4.0+), and sample besides.
+    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let sampling = sampling.clone();
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(memory("VmRSS"));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            peak
+        })
+    };
+    server.huge_event(Kind::Services, 100 * 1024 * 1024);
+    until_counted(
+        &status,
+        "the huge event refused and Services relisted",
+        |c| {
+            c.api.relists.get("services").copied().unwrap_or(0) >= 1
+                && c.api
+                    .errors
+                    .keys()
+                    .any(|(r, kind, _)| *r == "services" && kind.as_str() == "event_too_large")
+        },
+    )
+    .await;
+    // The watch goes on after the relist.
+    server.apply(Kind::Services, service("after", "10.96.0.13", 80));
+    until(&mut rx, "a change after the relist", |v| {
+        v.contains_key(&fe("10.96.0.13", 80))
+    })
+    .await;
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut peak = sampler.join().expect("sampler");
+    if reset {
+        peak = peak.max(memory("VmHWM"));
+    }
+    let grew = peak.saturating_sub(base);
+    eprintln!(
+        "a 100 MiB event grew the resident set by {} MiB",
+        grew >> 20
+    );
+    assert!(
+        grew < 4 * cap,
+        "resident set grew by {} MiB for a 100 MiB event (cap {} MiB)",
+        grew >> 20,
+        cap >> 20
+    );
+    assert_eq!(backends(&status.view(), "10.96.0.10", 80).len(), 1);
+}
+
+/// Retry-After on a 429 (a list) and a 503 (a watch request): the request is sent again
+/// after the wait the server asked for, not after the watcher's own backoff (kube dropped
+/// the header and came back in 0.8 s), and each wait is counted.
+#[tokio::test]
+async fn retry_after_is_honoured_on_lists_and_watches() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    server.throttle(
+        Kind::Services,
+        Throttle {
+            code: 429,
+            retry_after: Some(Duration::from_secs(3)),
+            times: 1,
+        },
+    );
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    until(&mut rx, "initial view", |v| !v.is_empty()).await;
+    let lists: Vec<_> = server
+        .served("services")
+        .into_iter()
+        .filter(|s| !s.watch)
+        .collect();
+    assert_eq!(lists.iter().map(|s| s.code).collect::<Vec<_>>(), [429, 200]);
+    let waited = lists[1].at - lists[0].at;
+    assert!(
+        waited >= Duration::from_millis(2900),
+        "came back after {waited:?}"
+    );
+
+    // A watch request answered 503 with Retry-After: 2.
+    server.throttle(
+        Kind::Nodes,
+        Throttle {
+            code: 503,
+            retry_after: Some(Duration::from_secs(2)),
+            times: 1,
+        },
+    );
+    server.break_watches();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let watches = loop {
+        let w: Vec<_> = server
+            .served("nodes")
+            .into_iter()
+            .filter(|s| s.watch)
+            .collect();
+        if w.last().is_some_and(|s| s.code == 200) && w.iter().any(|s| s.code == 503) {
+            break w;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "watches: {w:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let i = watches.iter().position(|s| s.code == 503).expect("the 503");
+    let waited = watches[i + 1].at - watches[i].at;
+    assert!(
+        waited >= Duration::from_millis(1900),
+        "came back after {waited:?}"
+    );
+    let c = status.counters().api;
+    let counted = |r: &str, code: u16| {
+        c.errors
+            .iter()
+            .filter(|((res, kind, k), _)| *res == r && kind.as_str() == "retry_after" && *k == code)
+            .map(|(_, n)| *n)
+            .sum::<u64>()
+    };
+    assert_eq!(
+        (counted("services", 429), counted("nodes", 503)),
+        (1, 1),
+        "{c:?}"
+    );
+}
+
+/// A kubeconfig for `server` whose user reads its token from `token_file`.
+fn kubeconfig_with_token_file(server: &FakeApiServer, token_file: &std::path::Path) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: '{}'}}\n\
+         contexts:\n- name: fake\n  context: {{cluster: fake, user: fake}}\n\
+         current-context: fake\nusers:\n- name: fake\n  user: {{tokenFile: '{}'}}\n",
+        server.url(),
+        token_file.display()
+    )
+}
+
+/// A token file written with `echo` ends in a newline: kube put it in the header as is,
+/// which cannot be sent, so the agent never authenticated. It is trimmed, as client-go
+/// trims it, and a rotated file is read again.
+#[tokio::test]
+async fn a_token_file_ending_in_a_newline_authenticates_and_a_rotated_one_is_read_again() {
+    let server = FakeApiServer::start().await;
+    server.require_token(Some("t0ken-1"));
+    let dir = std::env::temp_dir().join(format!("kube-source-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let token = dir.join("token");
+    std::fs::write(&token, "t0ken-1\n").expect("token");
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(&kubeconfig, kubeconfig_with_token_file(&server, &token)).expect("kubeconfig");
+    let opts = source::api_server::ApiServerOptions {
+        kubeconfig: Some(kubeconfig.display().to_string()),
+        api_server: None,
+    };
+    let config = source::api_server::client_config(&opts)
+        .await
+        .expect("config");
+    let client = source::api_server::client(config, &Default::default()).expect("client");
+    client
+        .apiserver_version()
+        .await
+        .expect("authenticated with the trimmed token");
+    // kubelet's rotation: a new file renamed over the old.
+    std::fs::write(dir.join("token.new"), "t0ken-2\n").expect("token");
+    std::fs::rename(dir.join("token.new"), &token).expect("rename");
+    server.require_token(Some("t0ken-2"));
+    client
+        .apiserver_version()
+        .await
+        .expect("authenticated with the rotated token");
+    assert_eq!(server.unauthorized(), 0);
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
+/// What `f` logs (tracing, this thread), as text.
+async fn logs_of(f: impl std::future::Future<Output = ()>) -> String {
+    #[derive(Clone, Default)]
+    struct Buffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buffer {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("log buffer").extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buffer = Buffer::default();
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    {
+        let _guard = tracing::subscriber::set_default(subscriber);
+        f.await;
+    }
+    String::from_utf8_lossy(&buffer.0.lock().expect("log buffer")).into_owned()
+}
+
+/// A CA that did not sign the server's certificate: kube's error said only "client error
+/// (Connect)"; the log line now carries the whole chain, down to rustls's reason.
+#[tokio::test]
+async fn a_bad_ca_is_logged_with_its_tls_cause() {
+    let server = FakeApiServer::try_start_tls(Options::default())
+        .await
+        .expect("https");
+    let good = source::api_server::client(server.config(), &Default::default()).expect("client");
+    good.apiserver_version()
+        .await
+        .expect("the right CA is trusted");
+    let other = FakeApiServer::try_start_tls(Options::default())
+        .await
+        .expect("https");
+    let mut config = server.config();
+    config.root_cert = other.config().root_cert;
+    let client = source::api_server::client(config, &Default::default()).expect("client");
+    let url = server.url();
+    let logs = logs_of(async {
+        let _ = tokio::time::timeout(
+            Duration::from_millis(1500),
+            source::api_server::wait_reachable(&client, &url),
+        )
+        .await;
+    })
+    .await;
+    let line = logs
+        .lines()
+        .find(|l| l.contains("cannot reach the API server"))
+        .unwrap_or_else(|| panic!("no error logged:\n{logs}"));
+    assert!(
+        line.contains("invalid peer certificate") && line.contains("UnknownIssuer"),
+        "the TLS cause is missing: {line}"
+    );
+    assert!(server.tls_failures() >= 1);
+}
+
+/// A token the server refuses: the log says so, instead of suggesting the address is wrong.
+#[tokio::test]
+async fn a_refused_token_is_logged_as_credentials_not_the_address() {
+    let server = FakeApiServer::start().await;
+    server.require_token(Some("right"));
+    let mut config = server.config();
+    config.auth_info.token = Some("wrong".to_string().into());
+    let client = source::api_server::client(config, &Default::default()).expect("client");
+    let url = server.url();
+    let logs = logs_of(async {
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            source::api_server::wait_reachable(&client, &url),
+        )
+        .await;
+    })
+    .await;
+    assert!(logs.contains("refused our credentials"), "{logs}");
+    assert!(!logs.contains("if this is not its address"), "{logs}");
+    assert!(server.unauthorized() >= 1);
 }

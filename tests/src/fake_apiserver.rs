@@ -4,6 +4,14 @@
 //! resourceVersion (410 Gone), bookmarks, and a list held back — and, for benchmarks, a
 //! population of N Services and their EndpointSlices with a churn of endpoint changes.
 //!
+//! It is also a fault injector, for the API client's hostile-input tests: a 410 storm
+//! (every watch answered Gone at once), an etcd restore (objects replaced, old
+//! resourceVersions answered 504 "Too large resource version" or 410 on the watch request
+//! itself), a huge watch event streamed in small chunks (the server never holds it),
+//! 429/5xx answers with Retry-After, a bearer token that must match (and may rotate), and
+//! HTTPS with its own CA (`try_start_tls`) so a client with the wrong one fails its
+//! handshake. Every list and watch request is logged with its time and answer (`served`).
+//!
 //! One source file for proxy-agent's integration tests (included by path) and the
 //! proxy-e2e benchmarks. Objects are serialised once when stored, so a list of 100k
 //! slices is a copy of bytes, not 100k JSON trees built per request.
@@ -135,6 +143,59 @@ struct Store {
     event_posts: u64,
     /// Event POSTs are held (never answered) until `release_events`.
     events_held: bool,
+    faults: Faults,
+    /// Every list (first page) and watch request, in order.
+    served: Vec<Served>,
+    /// Requests refused for want of the right token.
+    unauthorized: u64,
+}
+
+/// The faults in force (`FakeApiServer`'s fault methods set them).
+#[derive(Default)]
+struct Faults {
+    /// Every watch is answered at once with a 410 Gone ERROR event.
+    gone_storm: bool,
+    /// A watch from an expired resourceVersion gets an HTTP 410 answer to its request
+    /// rather than an ERROR event in an open stream.
+    gone_on_request: bool,
+    /// Huge events to stream first on the next watch of a kind: (kind, line length).
+    huge: Vec<(Kind, usize)>,
+    /// Answers to give the next requests of a kind instead of serving them.
+    throttles: Vec<(Kind, Throttle)>,
+    /// The bearer token every request must carry.
+    token: Option<String>,
+}
+
+/// An error answer the server gives before serving: `times` requests (lists and watches)
+/// of the kind get `code` with a `Retry-After` of `retry_after` (whole seconds, rounded up;
+/// none if `None`).
+#[derive(Clone, Debug)]
+pub struct Throttle {
+    pub code: u16,
+    pub retry_after: Option<Duration>,
+    pub times: u32,
+}
+
+/// How a server restored from an etcd backup answers the resourceVersions clients hold
+/// from before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OldVersions {
+    /// The backup's resourceVersions are lower: a client's is "too large", and its watch
+    /// gets 504 Timeout, cause ResourceVersionTooLarge, as the API server answers.
+    TooLarge,
+    /// Its history is gone: a watch request from before gets an HTTP 410 answer (not an
+    /// ERROR event in the stream).
+    Gone,
+}
+
+/// One list or watch request, as served.
+#[derive(Clone, Debug)]
+pub struct Served {
+    pub at: std::time::Instant,
+    pub resource: String,
+    pub watch: bool,
+    /// The HTTP status answered (200 for a list or watch served).
+    pub code: u16,
 }
 
 struct Shared {
@@ -145,6 +206,10 @@ struct Shared {
     /// The accept loop, ended by `shutdown`.
     serving: Mutex<Option<tokio::task::JoinHandle<()>>>,
     options: Options,
+    /// The CA that signed the serving certificate, when serving HTTPS.
+    ca: Option<rcgen::Certificate>,
+    /// TLS handshakes that failed (a client that does not trust our CA).
+    tls_failures: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -191,9 +256,24 @@ impl FakeApiServer {
 
     /// Starts the server on a free loopback port.
     pub async fn try_start(options: Options) -> anyhow::Result<Self> {
+        Self::start_with(options, None).await
+    }
+
+    /// Starts the server on a free loopback port, serving HTTPS with a certificate of its
+    /// own CA (`ca_pem`) for 127.0.0.1 and localhost: `client` trusts that CA, a client
+    /// that does not fails its handshake (counted by `tls_failures`).
+    pub async fn try_start_tls(options: Options) -> anyhow::Result<Self> {
+        Self::start_with(options, Some(Pki::new()?)).await
+    }
+
+    async fn start_with(options: Options, pki: Option<Pki>) -> anyhow::Result<Self> {
         use anyhow::Context as _;
         let (events, _) = broadcast::channel(WATCH_BUFFER);
         let (breaks, _) = broadcast::channel(16);
+        let (ca, tls) = match pki {
+            Some(p) => (Some(p.ca), Some(p.acceptor)),
+            None => (None, None),
+        };
         let shared = Arc::new(Shared {
             store: Mutex::new(Store {
                 rv: 100,
@@ -204,6 +284,8 @@ impl FakeApiServer {
             released: Notify::new(),
             serving: Mutex::new(None),
             options,
+            ca,
+            tls_failures: Default::default(),
         });
         let app = Router::new()
             .route("/version", get(handle_version))
@@ -216,14 +298,21 @@ impl FakeApiServer {
                 "/apis/events.k8s.io/v1/namespaces/{namespace}/events",
                 axum::routing::post(handle_event),
             )
+            .layer(axum::middleware::from_fn_with_state(
+                shared.clone(),
+                authorize,
+            ))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the fake API server on loopback")?;
         let addr = listener.local_addr().context("its address")?;
-        let serving = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let serving = match tls {
+            None => tokio::spawn(async move {
+                let _ = axum::serve(listener, app).await;
+            }),
+            Some(acceptor) => tokio::spawn(serve_tls(listener, acceptor, app, shared.clone())),
+        };
         *shared
             .serving
             .lock()
@@ -231,11 +320,41 @@ impl FakeApiServer {
         Ok(Self { shared, addr })
     }
 
+    /// The server's URL: `http://` or, from `try_start_tls`, `https://`.
+    pub fn url(&self) -> String {
+        let scheme = if self.shared.ca.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// The CA of an HTTPS server, PEM-encoded.
+    pub fn ca_pem(&self) -> Option<String> {
+        self.shared.ca.as_ref().map(rcgen::Certificate::pem)
+    }
+
+    /// A kube client configuration for this server: no credentials; an HTTPS server's CA
+    /// as the only root.
+    pub fn config(&self) -> kube::Config {
+        let mut config = kube::Config::new(self.url().parse().expect("url"));
+        if let Some(ca) = &self.shared.ca {
+            config.root_cert = Some(vec![ca.der().to_vec()]);
+        }
+        config
+    }
+
+    /// TLS handshakes that failed so far.
+    pub fn tls_failures(&self) -> u64 {
+        self.shared
+            .tls_failures
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// A kube client for this server (panics if it cannot: for tests).
     pub fn client(&self) -> kube::Client {
-        let url = format!("http://{}", self.addr).parse().expect("url");
-        let config = kube::Config::new(url);
-        kube::Client::try_from(config).expect("client")
+        kube::Client::try_from(self.config()).expect("client")
     }
 
     /// A kubeconfig naming this server (plain HTTP, no credentials).
@@ -417,6 +536,96 @@ impl FakeApiServer {
     pub fn watches_served(&self, resource: &str) -> u64 {
         self.store(|s| s.watches_served.get(resource).copied().unwrap_or(0))
     }
+
+    /// Every list (first page) and watch request of `resource`, in order, with its answer.
+    pub fn served(&self, resource: &str) -> Vec<Served> {
+        self.store(|s| {
+            s.served
+                .iter()
+                .filter(|r| r.resource == resource)
+                .cloned()
+                .collect()
+        })
+    }
+
+    /// Requests refused for a missing or wrong bearer token.
+    pub fn unauthorized(&self) -> u64 {
+        self.store(|s| s.unauthorized)
+    }
+
+    // Faults.
+
+    /// A 410 storm: while on, every watch is answered at once with a 410 Gone ERROR
+    /// event, so a client relists and is sent back again (open watches are broken).
+    pub fn gone_storm(&self, on: bool) {
+        self.store(|s| s.faults.gone_storm = on);
+        if on {
+            self.break_watches();
+        }
+    }
+
+    /// An etcd restore: every object replaced by `backup`, the history gone, the server
+    /// restarted (watches broken). Clients then hold resourceVersions from before, which
+    /// the server answers as `old` says; a list from "" (a quorum read) is served.
+    pub fn restore(&self, backup: impl IntoIterator<Item = (Kind, Value)>, old: OldVersions) {
+        let backup: Vec<(Kind, String, Value)> = backup
+            .into_iter()
+            .map(|(kind, o)| (kind, key(&o), o))
+            .collect();
+        self.store(|s| {
+            let before = s.rv;
+            s.objects.clear();
+            s.history.clear();
+            match old {
+                // The backup's counter is behind every resourceVersion handed out since.
+                OldVersions::TooLarge => {
+                    s.rv = before / 2;
+                    s.expired_before = 0;
+                }
+                OldVersions::Gone => {
+                    s.rv = before + 1;
+                    s.expired_before = s.rv;
+                    s.faults.gone_on_request = true;
+                }
+            }
+            for (kind, k, mut object) in backup {
+                s.rv += 1;
+                object["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+                s.objects.insert((kind, k), Arc::new(Stored::new(&object)));
+            }
+        });
+        self.break_watches();
+    }
+
+    /// Streams one MODIFIED event of `kind` whose line is `bytes` long (an annotation of
+    /// filler) first on the next watch of `kind`, then serves that watch as usual; open
+    /// watches are broken so that one comes. The object is not stored, and the line is
+    /// made in 64 KiB chunks as it is sent: the server never holds it.
+    pub fn huge_event(&self, kind: Kind, bytes: usize) {
+        self.store(|s| s.faults.huge.push((kind, bytes)));
+        self.break_watches();
+    }
+
+    /// Answers the next `throttle.times` requests (lists and watches) of `kind` with its
+    /// code and Retry-After instead of serving them.
+    pub fn throttle(&self, kind: Kind, throttle: Throttle) {
+        self.store(|s| s.faults.throttles.push((kind, throttle)));
+    }
+
+    /// Requires `Authorization: Bearer TOKEN` on every request (401 otherwise); `None`
+    /// accepts any. Changing it is a token rotation.
+    pub fn require_token(&self, token: Option<&str>) {
+        self.store(|s| s.faults.token = token.map(str::to_string));
+    }
+
+    /// Ends the storm and drops pending throttles and huge events (the token stays).
+    pub fn clear_faults(&self) {
+        self.store(|s| {
+            s.faults.gone_storm = false;
+            s.faults.throttles.clear();
+            s.faults.huge.clear();
+        });
+    }
 }
 
 fn bookmark_event(kind: Kind, rv: u64) -> Event {
@@ -511,6 +720,76 @@ fn status(code: StatusCode, reason: &str, message: &str) -> Response {
     (code, axum::Json(body)).into_response()
 }
 
+/// The API server's answer to a resourceVersion newer than it has
+/// (`storage.NewTooLargeResourceVersionError`): 504 Timeout, cause
+/// ResourceVersionTooLarge.
+fn too_large(requested: u64, current: u64) -> Response {
+    let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                      "message": format!("Too large resource version: {requested}, current: {current}"),
+                      "reason": "Timeout", "code": 504,
+                      "details": {"causes": [{"reason": "ResourceVersionTooLarge",
+                                              "message": "Too large resource version"}],
+                                  "retryAfterSeconds": 1}});
+    (StatusCode::GATEWAY_TIMEOUT, axum::Json(body)).into_response()
+}
+
+/// Refuses a request without the required bearer token, as the API server does (401).
+async fn authorize(
+    State(shared): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let wanted = shared.lock().faults.token.clone();
+    if let Some(token) = wanted {
+        let given = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        if given != Some(format!("Bearer {token}").as_str()) {
+            shared.lock().unauthorized += 1;
+            return status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized");
+        }
+    }
+    next.run(request).await
+}
+
+/// The throttle answer due for this request of `kind`, if any (logged as served).
+fn throttled(shared: &Shared, kind: Kind, resource: &str, watch: bool) -> Option<Response> {
+    let mut s = shared.lock();
+    let i = s.faults.throttles.iter().position(|(k, _)| *k == kind)?;
+    let throttle = s.faults.throttles[i].1.clone();
+    if throttle.times <= 1 {
+        s.faults.throttles.remove(i);
+    } else {
+        s.faults.throttles[i].1.times -= 1;
+    }
+    if throttle.times == 0 {
+        return None;
+    }
+    s.served.push(Served {
+        at: std::time::Instant::now(),
+        resource: resource.to_string(),
+        watch,
+        code: throttle.code,
+    });
+    drop(s);
+    let code = StatusCode::from_u16(throttle.code).unwrap_or(StatusCode::TOO_MANY_REQUESTS);
+    let reason = if code == StatusCode::TOO_MANY_REQUESTS {
+        "TooManyRequests"
+    } else {
+        "InternalError"
+    };
+    let mut answer = status(code, reason, "the server is throttling this client");
+    if let Some(after) = throttle.retry_after {
+        let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+        answer.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from(secs),
+        );
+    }
+    Some(answer)
+}
+
 /// A continue token: the resourceVersion of the list's first page and the last key
 /// served. Later pages hold the objects as they are then (not a snapshot, unlike etcd);
 /// the list's resourceVersion stays the first page's, so a watch from it replays every
@@ -530,7 +809,14 @@ async fn handle(
     resource: String,
     q: BTreeMap<String, String>,
 ) -> Response {
-    if q.get("watch").map(String::as_str) == Some("true") {
+    let is_watch = q.get("watch").map(String::as_str) == Some("true");
+    let first_page = q.get("continue").is_none_or(String::is_empty);
+    if (is_watch || first_page)
+        && let Some(answer) = throttled(&shared, kind, &resource, is_watch)
+    {
+        return answer;
+    }
+    if is_watch {
         return watch(shared, kind, resource, q);
     }
     loop {
@@ -571,11 +857,30 @@ async fn handle(
                  result; you can start a new list without the continue parameter",
             );
         }
+        if resume.is_none()
+            && let Some(asked) = q.get("resourceVersion").and_then(|v| v.parse::<u64>().ok())
+            && asked > s.rv
+        {
+            let current = s.rv;
+            s.served.push(Served {
+                at: std::time::Instant::now(),
+                resource: resource.clone(),
+                watch: false,
+                code: 504,
+            });
+            return too_large(asked, current);
+        }
         *s.pages_served.entry(resource.clone()).or_insert(0) += 1;
         if resume.is_none() {
             let selector = q.get("labelSelector").cloned().unwrap_or_default();
             s.label_selectors.insert(resource.clone(), selector);
             *s.lists_served.entry(resource.clone()).or_insert(0) += 1;
+            s.served.push(Served {
+                at: std::time::Instant::now(),
+                resource: resource.clone(),
+                watch: false,
+                code: 200,
+            });
         }
         let rv = resume.as_ref().map_or(s.rv, |(rv, _)| *rv);
         let from = match &resume {
@@ -648,10 +953,42 @@ fn watch(
         .get("timeoutSeconds")
         .and_then(|t| t.parse().ok())
         .map(Duration::from_secs);
-    let (backlog, gone, events, breaks) = {
+    let (backlog, answer, huge, events, breaks) = {
         let mut s = shared.lock();
-        *s.watches_served.entry(resource).or_insert(0) += 1;
-        let gone = from < s.expired_before;
+        *s.watches_served.entry(resource.clone()).or_insert(0) += 1;
+        let answer = if s.faults.gone_storm {
+            WatchAnswer::GoneEvent
+        } else if from > s.rv {
+            WatchAnswer::TooLarge(s.rv)
+        } else if from < s.expired_before {
+            if s.faults.gone_on_request {
+                WatchAnswer::GoneRequest
+            } else {
+                WatchAnswer::GoneEvent
+            }
+        } else {
+            WatchAnswer::Stream
+        };
+        let huge = match answer {
+            WatchAnswer::Stream => s
+                .faults
+                .huge
+                .iter()
+                .position(|(k, _)| *k == kind)
+                .map(|i| s.faults.huge.remove(i).1),
+            _ => None,
+        };
+        let code = match answer {
+            WatchAnswer::TooLarge(_) => 504,
+            WatchAnswer::GoneRequest => 410,
+            WatchAnswer::GoneEvent | WatchAnswer::Stream => 200,
+        };
+        s.served.push(Served {
+            at: std::time::Instant::now(),
+            resource,
+            watch: true,
+            code,
+        });
         let start = s.history.partition_point(|e| e.rv <= from);
         let backlog: Vec<Event> = s
             .history
@@ -659,19 +996,31 @@ fn watch(
             .filter(|e| e.kind == kind)
             .cloned()
             .collect();
+        let huge = huge.map(|len| (len, s.rv));
         // Subscribed under the lock: no event falls between the backlog and the stream.
         (
             backlog,
-            gone,
+            answer,
+            huge,
             shared.events.subscribe(),
             shared.breaks.subscribe(),
         )
     };
-    if gone {
-        let status = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                    "message": "too old resource version", "reason": "Expired", "code": 410}});
-        return Response::new(Body::from(format!("{status}\n")));
+    match answer {
+        WatchAnswer::Stream => {}
+        WatchAnswer::TooLarge(current) => return too_large(from, current),
+        WatchAnswer::GoneRequest => {
+            return status(StatusCode::GONE, "Expired", "too old resource version");
+        }
+        WatchAnswer::GoneEvent => {
+            let status = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "message": "too old resource version", "reason": "Expired", "code": 410}});
+            return Response::new(Body::from(format!("{status}\n")));
+        }
     }
+    let huge = futures::StreamExt::flatten(futures::stream::iter(
+        huge.map(|(len, rv)| huge_line(kind, rv, len)),
+    ));
     let first: Vec<Result<Bytes, Infallible>> = backlog
         .iter()
         .filter(|e| matches_selector(&e.object, &q))
@@ -695,8 +1044,124 @@ fn watch(
         },
         Live::next,
     );
-    let stream = futures::StreamExt::chain(futures::stream::iter(first), live);
+    let stream = futures::StreamExt::chain(
+        futures::StreamExt::chain(huge, futures::stream::iter(first)),
+        live,
+    );
     Response::new(Body::from_stream(stream))
+}
+
+/// How a watch request is answered.
+#[derive(Clone, Copy)]
+enum WatchAnswer {
+    Stream,
+    /// A 410 Gone ERROR event, then the end of the stream.
+    GoneEvent,
+    /// An HTTP 410 answer to the request.
+    GoneRequest,
+    /// 504 ResourceVersionTooLarge; the server's current resourceVersion.
+    TooLarge(u64),
+}
+
+/// One MODIFIED event line of `len` bytes, made in 64 KiB chunks as it is sent.
+fn huge_line(
+    kind: Kind,
+    rv: u64,
+    len: usize,
+) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + use<> {
+    static FILLER: [u8; 64 * 1024] = [b'x'; 64 * 1024];
+    let head = format!(
+        "{{\"type\":\"MODIFIED\",\"object\":{{\"apiVersion\":\"{}\",\"kind\":\"{}\",\
+         \"metadata\":{{\"name\":\"huge\",\"namespace\":\"default\",\"resourceVersion\":\"{rv}\",\
+         \"annotations\":{{\"filler\":\"",
+        kind.api_version(),
+        kind.kind()
+    );
+    let tail: &'static [u8] = b"\"}}}}\n";
+    let filler = len.saturating_sub(head.len() + tail.len());
+    let (whole, rest) = (filler / FILLER.len(), filler % FILLER.len());
+    let chunks = std::iter::once(Bytes::from(head))
+        .chain((0..whole).map(|_| Bytes::from_static(&FILLER)))
+        .chain(std::iter::once(Bytes::from_static(&FILLER[..rest])))
+        .chain(std::iter::once(Bytes::from_static(tail)))
+        .map(Ok);
+    futures::stream::iter(chunks)
+}
+
+/// The serving certificate and its CA, made for one server.
+struct Pki {
+    ca: rcgen::Certificate,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl Pki {
+    fn new() -> anyhow::Result<Self> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+            SanType,
+        };
+        use tokio_rustls::rustls::{self, pki_types::PrivateKeyDer};
+        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+        // A name of its own: another server's CA is then an unknown issuer, not a
+        // namesake whose signature fails.
+        static SERVERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SERVERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ca_params.distinguished_name.push(
+            DnType::CommonName,
+            format!("fake-apiserver-ca-{}-{n}", std::process::id()),
+        );
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_key = KeyPair::generate()?;
+        let ca = ca_params.self_signed(&ca_key)?;
+        let issuer = Issuer::new(ca_params, ca_key);
+        let mut params = CertificateParams::new(vec!["localhost".to_string()])?;
+        params
+            .subject_alt_names
+            .push(SanType::IpAddress(Ipv4Addr::LOCALHOST.into()));
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &issuer)?;
+        let config = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )?;
+        Ok(Self {
+            ca,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+        })
+    }
+}
+
+/// The HTTPS accept loop: a handshake per connection, then HTTP/1.1 to the router.
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    app: Router,
+    shared: Arc<Shared>,
+) {
+    loop {
+        let Ok((tcp, _)) = listener.accept().await else {
+            continue;
+        };
+        let (acceptor, app, shared) = (acceptor.clone(), app.clone(), shared.clone());
+        tokio::spawn(async move {
+            let Ok(tls) = acceptor.accept(tcp).await else {
+                shared
+                    .tls_failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return;
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app);
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                .await;
+        });
+    }
 }
 
 /// An open watch after its backlog: live events of its kind that match its selectors,
@@ -733,6 +1198,8 @@ impl Live {
                 }
             };
             let line = tokio::select! {
+                // A break first: a watch broken (a restore, a restart) sends nothing after.
+                biased;
                 _ = self.breaks.recv() => return None,
                 () = timed_out => return None,
                 () = ticked => {

@@ -12,7 +12,9 @@ use kube::{
 };
 use serde_json::json;
 
-use crate::fake_apiserver::{FakeApiServer, Kind, Options, Population, TRIGGER_TIME};
+use crate::fake_apiserver::{
+    FakeApiServer, Kind, OldVersions, Options, Population, TRIGGER_TIME, Throttle,
+};
 
 const SELECTOR: &str = "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name";
 
@@ -221,4 +223,225 @@ async fn bookmarks_only_when_asked() {
     let (with, without) = tokio::join!(get(true), get(false));
     assert!(with.contains("\"type\":\"BOOKMARK\""), "{with}");
     assert!(!without.contains("BOOKMARK"), "{without}");
+}
+
+// The fault injector.
+
+/// A GET over HTTP/1.0 (the answer ends with the connection): status, head, body.
+async fn raw_get(server: &FakeApiServer, path: &str, headers: &str) -> (u16, String, Vec<u8>) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect");
+    s.write_all(format!("GET {path} HTTP/1.0\r\n{headers}\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.expect("read");
+    let split = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a head");
+    let head = String::from_utf8_lossy(&out[..split]).to_lowercase();
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status");
+    (code, head, out[split + 4..].to_vec())
+}
+
+fn web() -> serde_json::Value {
+    Population::new(1, 1).service(0)
+}
+
+#[tokio::test]
+async fn a_410_storm_answers_every_watch_gone_until_cleared() {
+    let server = FakeApiServer::start().await;
+    server.apply(Kind::Services, web());
+    let watch = "/api/v1/services?watch=true&resourceVersion=101&timeoutSeconds=1";
+    server.gone_storm(true);
+    for _ in 0..2 {
+        let (code, _, body) = raw_get(&server, watch, "").await;
+        let body = String::from_utf8_lossy(&body).into_owned();
+        assert_eq!(code, 200);
+        assert!(
+            body.contains("\"type\":\"ERROR\"") && body.contains("\"code\":410"),
+            "{body}"
+        );
+    }
+    server.clear_faults();
+    let (_, _, body) = raw_get(&server, watch, "").await;
+    assert!(!String::from_utf8_lossy(&body).contains("ERROR"));
+    let codes: Vec<u16> = server.served("services").iter().map(|s| s.code).collect();
+    assert_eq!(codes, [200, 200, 200], "an ERROR event is a 200 answer");
+}
+
+/// After a restore the old resourceVersions are answered as the API server answers them,
+/// and a list from "" serves the backup.
+#[tokio::test]
+async fn a_restore_answers_old_resource_versions_too_large_or_gone() {
+    for old in [OldVersions::TooLarge, OldVersions::Gone] {
+        let server = FakeApiServer::start().await;
+        server.apply(Kind::Services, web());
+        let api: Api<Service> = Api::all(server.client());
+        let rv = api
+            .list(&ListParams::default())
+            .await
+            .expect("list")
+            .metadata
+            .resource_version
+            .expect("rv");
+        let mut other = Population::new(2, 1).service(1);
+        other["metadata"]["resourceVersion"] = json!("1");
+        server.restore([(Kind::Services, other)], old);
+        let (code, _, body) = raw_get(
+            &server,
+            &format!("/api/v1/services?watch=true&resourceVersion={rv}"),
+            "",
+        )
+        .await;
+        let status: serde_json::Value = serde_json::from_slice(&body).expect("a Status");
+        match old {
+            OldVersions::TooLarge => {
+                assert_eq!(code, 504, "{status}");
+                assert_eq!(status["reason"], "Timeout");
+                assert_eq!(
+                    status["details"]["causes"][0]["reason"],
+                    "ResourceVersionTooLarge"
+                );
+                assert!(
+                    status["message"]
+                        .as_str()
+                        .is_some_and(|m| m.starts_with("Too large resource version")),
+                    "{status}"
+                );
+            }
+            OldVersions::Gone => {
+                assert_eq!(code, 410, "{status}");
+                assert_eq!(status["reason"], "Expired");
+            }
+        }
+        let listed = api.list(&ListParams::default()).await.expect("list");
+        let names: Vec<_> = listed
+            .items
+            .iter()
+            .filter_map(|s| s.metadata.name.clone())
+            .collect();
+        assert_eq!(names, ["s1"], "{old:?}");
+        // A watch from the new list's version is served.
+        let new_rv = listed.metadata.resource_version.expect("rv");
+        let (code, _, _) = raw_get(
+            &server,
+            &format!("/api/v1/services?watch=true&resourceVersion={new_rv}&timeoutSeconds=1"),
+            "",
+        )
+        .await;
+        assert_eq!(code, 200, "{old:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_huge_event_is_one_line_of_the_asked_length_then_the_watch_goes_on() {
+    let server = FakeApiServer::start().await;
+    server.apply(Kind::Services, web());
+    let len = 5 * 1024 * 1024 + 7;
+    server.huge_event(Kind::Services, len);
+    let (code, _, body) = raw_get(
+        &server,
+        "/api/v1/services?watch=true&resourceVersion=101&timeoutSeconds=1",
+        "",
+    )
+    .await;
+    assert_eq!(code, 200);
+    let first = body.split(|b| *b == b'\n').next().expect("a line");
+    assert_eq!(first.len() + 1, len, "the line and its newline");
+    let event: serde_json::Value = serde_json::from_slice(first).expect("JSON");
+    assert_eq!(event["type"], "MODIFIED");
+    assert_eq!(event["object"]["kind"], "Service");
+    assert_eq!(event["object"]["metadata"]["name"], "huge");
+    // Once: the next watch has none.
+    let (_, _, body) = raw_get(
+        &server,
+        "/api/v1/services?watch=true&resourceVersion=101&timeoutSeconds=1",
+        "",
+    )
+    .await;
+    assert!(body.len() < 1024, "{} bytes", body.len());
+}
+
+#[tokio::test]
+async fn throttled_requests_get_the_code_and_retry_after_then_are_served() {
+    let server = FakeApiServer::start().await;
+    server.throttle(
+        Kind::Services,
+        Throttle {
+            code: 429,
+            retry_after: Some(Duration::from_millis(1500)),
+            times: 2,
+        },
+    );
+    for _ in 0..2 {
+        let (code, head, _) = raw_get(&server, "/api/v1/services", "").await;
+        assert_eq!(code, 429);
+        assert!(head.contains("retry-after: 2"), "rounded up: {head}");
+    }
+    let (code, _, _) = raw_get(&server, "/api/v1/services", "").await;
+    assert_eq!(code, 200);
+    let codes: Vec<u16> = server.served("services").iter().map(|s| s.code).collect();
+    assert_eq!(codes, [429, 429, 200]);
+}
+
+#[tokio::test]
+async fn a_required_token_refuses_requests_without_it() {
+    let server = FakeApiServer::start().await;
+    server.require_token(Some("s3cret"));
+    assert_eq!(raw_get(&server, "/version", "").await.0, 401);
+    let wrong = "Authorization: Bearer nope\r\n";
+    assert_eq!(raw_get(&server, "/api/v1/services", wrong).await.0, 401);
+    let right = "Authorization: Bearer s3cret\r\n";
+    assert_eq!(raw_get(&server, "/version", right).await.0, 200);
+    assert_eq!(server.unauthorized(), 2);
+    server.require_token(None);
+    assert_eq!(raw_get(&server, "/version", "").await.0, 200);
+}
+
+#[tokio::test]
+async fn https_is_served_with_the_servers_own_ca_and_other_cas_fail() {
+    let server = FakeApiServer::try_start_tls(Options::default())
+        .await
+        .expect("https");
+    assert!(server.url().starts_with("https://127.0.0.1:"));
+    assert!(
+        server
+            .ca_pem()
+            .is_some_and(|p| p.starts_with("-----BEGIN CERTIFICATE-----"))
+    );
+    server.apply(Kind::Services, web());
+    let api: Api<Service> = Api::all(server.client());
+    assert_eq!(
+        api.list(&ListParams::default())
+            .await
+            .expect("list")
+            .items
+            .len(),
+        1
+    );
+    assert_eq!(server.tls_failures(), 0);
+    let other = FakeApiServer::try_start_tls(Options::default())
+        .await
+        .expect("https");
+    let mut config = server.config();
+    config.root_cert = other.config().root_cert;
+    let client = kube::Client::try_from(config).expect("client");
+    assert!(client.apiserver_version().await.is_err());
+    // Counted by the server's side of the handshake, which may end just after the client's.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while server.tls_failures() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no failed handshake counted"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

@@ -264,8 +264,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
             };
             let config = source::api_server::client_config(&api).await?;
             let url = config.cluster_url.to_string();
-            let client = kube::Client::try_from(config).context("building the API client")?;
-            let selector = source::kube::label_selector(cfg.service_proxy_name.as_deref());
+            let counters = status.api_counters();
+            let client = source::api_server::client(config, &counters)?;
+            let opts = source::kube::KubeOptions {
+                node_name: node.name.clone(),
+                label_selector: source::kube::label_selector(cfg.service_proxy_name.as_deref()),
+                counters,
+                ..Default::default()
+            };
             let status = status.clone();
             tokio::spawn(async move {
                 source::api_server::wait_reachable(&client, &url).await;
@@ -278,7 +284,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                         status.count_event_failure();
                     }
                 });
-                source::kube::run(client, node.name, selector, tx).await
+                source::kube::run(client, opts, tx).await
             });
         }
     }

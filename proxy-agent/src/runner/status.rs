@@ -12,7 +12,10 @@ use tokio::sync::broadcast;
 use crate::{
     dataplane::{ApplyReport, bpf::AttachFailures},
     model::{NodeView, diff_lines},
-    source::{ChangeCounts, SharedSnapshot},
+    source::{
+        ChangeCounts, SharedSnapshot,
+        api_server::{ApiCounters, ApiCounts},
+    },
 };
 
 /// Counters and the latest state, as the debug endpoint shows them.
@@ -42,6 +45,8 @@ pub struct Counters {
     pub conntrack: ConntrackFill,
     /// The service-side maps, as of the last apply.
     pub maps: crate::dataplane::MapFill,
+    /// API errors by kind and status, and relists, as the source counted them.
+    pub api: ApiCounts,
 }
 
 /// How full the connection-tracking tables are (entries, two per flow) and how many
@@ -87,6 +92,7 @@ struct Inner {
     diffs: broadcast::Sender<String>,
     histograms: Histograms,
     attach_failures: AttachFailures,
+    api: ApiCounters,
 }
 
 /// Latency distributions, as kube-proxy exports them.
@@ -124,6 +130,7 @@ impl Default for Status {
             diffs,
             histograms: Histograms::default(),
             attach_failures: AttachFailures::default(),
+            api: ApiCounters::default(),
         }))
     }
 }
@@ -279,7 +286,13 @@ impl Status {
     pub fn counters(&self) -> Counters {
         let mut c = self.with(|s| s.counters.clone());
         c.interface_attach_failures = self.0.attach_failures.get();
+        c.api = self.0.api.get();
         c
+    }
+
+    /// The API source's counts of errors and relists (clones share them).
+    pub fn api_counters(&self) -> ApiCounters {
+        self.0.api.clone()
     }
 
     /// The dataplane's count of failed classifier attachments (clones share it).

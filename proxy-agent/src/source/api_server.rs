@@ -4,10 +4,179 @@
 //! (`clientConnection.kubeconfig`) and Cilium (`k8sServiceHost`) do, the address comes from
 //! a kubeconfig or is given (`--api-server`, `ebpf.apiServer`); the in-cluster credentials
 //! (the ServiceAccount's token and CA) are used with it.
+//!
+//! The client is kube's, with what client-go has and kube lacks layered on: a token file
+//! read trimmed and again when it rotates (`token`), Retry-After honoured (`retry_after`),
+//! a cap on one watch event (`event_cap`); and `ApiCounters`, what went wrong, by kind.
 
-use std::{path::Path, time::Duration};
+mod event_cap;
+mod retry_after;
+mod token;
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result};
+
+pub use event_cap::{EventTooLarge, MAX_EVENT_BYTES};
+pub use retry_after::{MAX_RETRIES, MAX_WAIT};
+
+/// What went wrong talking to the API server, as a metric label: a bounded set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+pub enum ApiErrorKind {
+    /// A list failed (its page, or the connection).
+    List,
+    /// A watch could not be opened (the connection).
+    WatchStart,
+    /// A watch was answered with an error: its request's status, or an ERROR event.
+    Watch,
+    /// An open watch broke (the connection, a line that does not decode).
+    WatchStream,
+    /// A watch event over `MAX_EVENT_BYTES`.
+    EventTooLarge,
+    /// A list without a resourceVersion.
+    NoResourceVersion,
+    /// A 429 or 5xx with Retry-After, sent again after the wait.
+    RetryAfter,
+}
+
+impl ApiErrorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::List => "list",
+            Self::WatchStart => "watch_start",
+            Self::Watch => "watch",
+            Self::WatchStream => "watch_stream",
+            Self::EventTooLarge => "event_too_large",
+            Self::NoResourceVersion => "no_resource_version",
+            Self::RetryAfter => "retry_after",
+        }
+    }
+}
+
+/// API errors and relists since start, for `/metrics`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ApiCounts {
+    /// By resource (`services`, `endpointslices`, `nodes`, `version`, `events`, `other`),
+    /// kind and HTTP status (0: there was none, e.g. the connection failed).
+    pub errors: BTreeMap<(&'static str, ApiErrorKind, u16), u64>,
+    /// Lists after the first, by resource (`services`, `endpointslices`, `nodes`).
+    pub relists: BTreeMap<&'static str, u64>,
+}
+
+/// A cheap handle on `ApiCounts`; clones share them. The runner's status holds one, the
+/// client and the watchers count into it.
+#[derive(Clone, Debug, Default)]
+pub struct ApiCounters(Arc<Mutex<ApiCounts>>);
+
+impl ApiCounters {
+    fn with<R>(&self, f: impl FnOnce(&mut ApiCounts) -> R) -> R {
+        f(&mut self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn error(&self, resource: &'static str, kind: ApiErrorKind, code: u16) {
+        self.with(|c| *c.errors.entry((resource, kind, code)).or_insert(0) += 1);
+    }
+
+    /// A resource is watched: its relists show from 0.
+    pub fn watching(&self, resource: &'static str) {
+        self.with(|c| {
+            c.relists.entry(resource).or_insert(0);
+        });
+    }
+
+    pub fn relist(&self, resource: &'static str) {
+        self.with(|c| *c.relists.entry(resource).or_insert(0) += 1);
+    }
+
+    pub fn get(&self) -> ApiCounts {
+        self.with(|c| c.clone())
+    }
+}
+
+/// The resource a request path names, as a metric label (a bounded set).
+pub fn resource_of(path: &str) -> &'static str {
+    match path
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+    {
+        "services" => "services",
+        "endpointslices" => "endpointslices",
+        "nodes" => "nodes",
+        "version" => "version",
+        "events" => "events",
+        _ => "other",
+    }
+}
+
+/// An error and every source under it, `outer: inner: cause`, each said once (kube's and
+/// kube-runtime's messages often repeat their source's). "client error (Connect)" alone
+/// hid that the CA did not match.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = error.to_string();
+    let mut next = error.source();
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = e.source();
+    }
+    out
+}
+
+/// The first error of type `T` in `error`'s chain, looking inside I/O errors too (an
+/// `io::Error`'s `source` skips the error it wraps).
+pub fn find_in_chain<'a, T: std::error::Error + 'static>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a T> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(found) = e.downcast_ref::<T>() {
+            return Some(found);
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && let Some(inner) = io.get_ref()
+            && let Some(found) = find_in_chain::<T>(inner)
+        {
+            return Some(found);
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// The API client for `config`: kube's, with a token file read as client-go reads it, and
+/// Retry-After and the watch-event cap layered on; `counters` counts what goes wrong.
+pub fn client(mut config: kube::Config, counters: &ApiCounters) -> Result<kube::Client> {
+    // kube reads a token file verbatim (a trailing newline made a header that could not
+    // be sent) and caches it a minute; ours replaces it. Only where kube would have used
+    // it: an inline token, a password or an auth provider comes first.
+    let auth = &config.auth_info;
+    let basic = auth.username.is_some() && auth.password.is_some();
+    let token_file = if auth.token.is_none() && !basic && auth.auth_provider.is_none() {
+        config.auth_info.token_file.take()
+    } else {
+        None
+    };
+    let token = token_file
+        .map(|path| token::TokenFile::open(path).map(Arc::new))
+        .transpose()?;
+    let builder =
+        kube::client::ClientBuilder::try_from(config).context("building the API client")?;
+    Ok(builder
+        .with_layer(&token::TokenLayer(token))
+        .with_layer(&event_cap::EventCapLayer(MAX_EVENT_BYTES))
+        .with_layer(&retry_after::RetryAfterLayer(counters.clone()))
+        .build())
+}
 
 /// Where the client's address and credentials come from, in the order they are tried.
 #[derive(Clone, Debug, Default)]
@@ -75,9 +244,17 @@ pub async fn wait_reachable(client: &kube::Client, url: &str) {
                 tracing::info!(%url, version = %v.git_version, "API server reachable");
                 return;
             }
+            // It answered: the address is right, the credentials are not.
+            Ok(Err(kube::Error::Api(e))) if e.code == 401 || e.code == 403 => tracing::error!(
+                %url,
+                code = e.code,
+                error = %e.message,
+                "the API server refused our credentials; retrying (check the token or \
+                 client certificate, and the ServiceAccount's RBAC)"
+            ),
             Ok(Err(e)) => tracing::error!(
                 %url,
-                error = %e,
+                error = error_chain(&e),
                 "cannot reach the API server; retrying (set --api-server, ebpf.apiServer or \
                  clientConnection.kubeconfig if this is not its address)"
             ),

@@ -1,8 +1,11 @@
 //! The API-server source: kube-rs watchers for Services, EndpointSlices and this node's
-//! Node object, folded into a `ClusterModel`. Watches restart with backoff and relist on
-//! errors (410 Gone included, by kube-runtime); a relist is buffered and swapped in whole.
-//! Nothing is published until every resource has been listed once, so a restart never
-//! programs a partial view.
+//! Node object, folded into a `ClusterModel`. Watches recover as client-go's do
+//! (`recovery`: a growing backoff, a relist from scratch when a watch is answered with an
+//! error or an event is too large); a relist is buffered and swapped in whole. Nothing is
+//! published until every resource has been listed once, so a restart never programs a
+//! partial view.
+
+mod recovery;
 
 use std::{collections::BTreeSet, net::IpAddr};
 
@@ -11,13 +14,13 @@ use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
 };
-use kube::{
-    Api, Client, ResourceExt as _,
-    runtime::{WatchStreamExt as _, watcher},
-};
+use kube::{Api, Client, ResourceExt as _, runtime::watcher};
 use tokio::sync::watch;
 
-use super::Snapshot;
+pub use recovery::Backoff;
+use recovery::Resource;
+
+use super::{Snapshot, api_server::ApiCounters};
 use crate::model::{ClusterModel, NodeInfo, ObjectRef, ServiceInfo, SliceInfo};
 
 /// Which watched resource an event is about.
@@ -335,27 +338,60 @@ pub fn label_selector(service_proxy_name: Option<&str>) -> String {
     }
 }
 
+/// What the API-server source watches and how.
+#[derive(Clone, Debug, Default)]
+pub struct KubeOptions {
+    pub node_name: String,
+    /// For Services and EndpointSlices (`label_selector`).
+    pub label_selector: String,
+    /// Where API errors and relists are counted (the runner's status holds it).
+    pub counters: ApiCounters,
+    /// Each watcher's backoff after an error.
+    pub backoff: Backoff,
+}
+
 /// Watches the API server and publishes a snapshot after the first full list of every
 /// resource, then after every change. Runs until the receiver is dropped.
 pub async fn run(
     client: Client,
-    node_name: String,
-    label_selector: String,
+    opts: KubeOptions,
     tx: watch::Sender<Option<super::SharedSnapshot>>,
 ) {
+    let KubeOptions {
+        node_name,
+        label_selector,
+        counters,
+        backoff,
+    } = opts;
     let cfg = watcher::Config::default();
     let selected = cfg.clone().labels(&label_selector);
-    let services = watcher(Api::<Service>::all(client.clone()), selected.clone())
-        .default_backoff()
-        .map(|e| e.map(|e| Update::Service(Box::new(e))));
-    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), selected)
-        .default_backoff()
-        .map(|e| e.map(|e| Update::Slice(Box::new(e))));
+    let follow = |label, name| Resource { label, name };
+    let services = recovery::recovering(
+        Api::<Service>::all(client.clone()),
+        selected.clone(),
+        follow("services", "Services"),
+        counters.clone(),
+        backoff.clone(),
+    )
+    .map(|e| Update::Service(Box::new(e)));
+    let slices = recovery::recovering(
+        Api::<EndpointSlice>::all(client.clone()),
+        selected,
+        follow("endpointslices", "EndpointSlices"),
+        counters.clone(),
+        backoff.clone(),
+    )
+    .map(|e| Update::Slice(Box::new(e)));
     let node_cfg = cfg.fields(&format!("metadata.name={node_name}"));
-    let nodes = watcher(Api::<Node>::all(client), node_cfg)
-        .default_backoff()
-        .map(|e| e.map(|e| Update::Node(Box::new(e))));
-    let streams: Vec<BoxStream<'static, Result<Update, watcher::Error>>> =
+    let nodes = recovery::recovering(
+        Api::<Node>::all(client),
+        node_cfg,
+        follow("nodes", "Nodes"),
+        counters,
+        backoff,
+    )
+    .map(|e| Update::Node(Box::new(e)));
+    let streams: Vec<BoxStream<'static, Update>> =
         vec![services.boxed(), slices.boxed(), nodes.boxed()];
     let mut updates = futures::stream::select_all(streams);
     let mut store = Store::new(&node_name);
@@ -373,21 +409,16 @@ pub async fn run(
                 continue;
             }
         };
+        // Errors are logged, counted and waited out by `recovery`.
         let Some(update) = update else { return };
-        match update {
-            Ok(update) => {
-                let changed = store.apply(update);
-                if store.ready()
-                    && (changed || tx.borrow().is_none())
-                    && tx
-                        .send(Some(std::sync::Arc::new(store.snapshot())))
-                        .is_err()
-                {
-                    return;
-                }
-            }
-            // The backoff wrapper retries; the error is worth a line, not a stop.
-            Err(e) => tracing::warn!(error = %e, "watch failed; retrying with backoff"),
+        let changed = store.apply(update);
+        if store.ready()
+            && (changed || tx.borrow().is_none())
+            && tx
+                .send(Some(std::sync::Arc::new(store.snapshot())))
+                .is_err()
+        {
+            return;
         }
     }
 }

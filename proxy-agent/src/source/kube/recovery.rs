@@ -1,0 +1,291 @@
+//! How a watcher recovers from errors, as client-go's reflector does. kube-runtime's
+//! watcher cannot be told any of this, so it is wrapped:
+//!
+//! - **Backoff** grows from 800 ms to 30 s with jitter, and resets only once no error has
+//!   come for 2 minutes (client-go's backoff manager). kube's `StreamBackoff` resets on
+//!   every good event, and a relist is one, so a 410 on every watch relisted all three
+//!   resources about once a second forever.
+//! - **Relist from scratch** when a watch is answered with an error (its request's status
+//!   or an ERROR event), 429 aside: kube relists only on a 410 event and otherwise opens
+//!   the watch again from the same resourceVersion, forever — after an etcd restore the
+//!   server answers that one 504 "Too large resource version" (or a 410 on the request),
+//!   and deleted Services stayed programmed. A fresh watcher lists from "" (a quorum read).
+//! - **A watch event over the cap** (`api_server::EventTooLarge`) also relists: the event is
+//!   lost, and watching on from before it would fetch it again.
+//!
+//! Every error is logged with its whole chain and counted by resource, kind and status;
+//! every list after the first is counted as a relist.
+
+use std::time::Duration;
+
+use futures::{StreamExt as _, stream::BoxStream};
+use kube::{Api, runtime::watcher};
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+
+use crate::source::api_server::{
+    ApiCounters, ApiErrorKind, EventTooLarge, error_chain, find_in_chain,
+};
+
+/// client-go's reflector backoff: 800 ms doubling to 30 s, reset after 2 quiet minutes.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+    /// No error for this long resets the delay to `initial`.
+    pub reset_after: Duration,
+    current: Option<Duration>,
+    last_error: Option<Instant>,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_millis(800),
+            max: Duration::from_secs(30),
+            reset_after: Duration::from_secs(120),
+            current: None,
+            last_error: None,
+        }
+    }
+}
+
+impl Backoff {
+    /// The wait after an error at `now`; `jitter` in [0, 1) takes up to half of it off, so
+    /// a thousand nodes do not come back in step.
+    pub fn next(&mut self, now: Instant, jitter: f64) -> Duration {
+        if self
+            .last_error
+            .is_some_and(|t| now.saturating_duration_since(t) >= self.reset_after)
+        {
+            self.current = None;
+        }
+        let base = match self.current {
+            None => self.initial,
+            Some(d) => (d * 2).min(self.max),
+        };
+        self.current = Some(base);
+        self.last_error = Some(now);
+        base.mul_f64(1.0 - 0.5 * jitter.clamp(0.0, 1.0))
+    }
+}
+
+/// What an error was, and whether to list again from scratch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: ApiErrorKind,
+    /// The HTTP status, 0 when there was none.
+    pub code: u16,
+    pub relist: bool,
+}
+
+fn status_of(e: &kube::Error) -> u16 {
+    match e {
+        kube::Error::Api(r) => r.code,
+        _ => 0,
+    }
+}
+
+impl Failure {
+    pub fn of(error: &watcher::Error) -> Self {
+        // An error answer to a watch means our resourceVersion (or the watch) is no good:
+        // list again, as client-go does; 429 only asks us to slow down.
+        let answered = |code: u16| Self {
+            kind: ApiErrorKind::Watch,
+            code,
+            relist: code != 429,
+        };
+        match error {
+            // kube-runtime lists again itself.
+            watcher::Error::InitialListFailed(e) => Self {
+                kind: ApiErrorKind::List,
+                code: status_of(e),
+                relist: false,
+            },
+            watcher::Error::WatchStartFailed(e) => Self {
+                kind: ApiErrorKind::WatchStart,
+                code: status_of(e),
+                relist: !matches!(status_of(e), 0 | 429),
+            },
+            watcher::Error::WatchError(r) => answered(r.code),
+            // kube reads the watch request's error answer as a line of the stream.
+            watcher::Error::WatchFailed(kube::Error::Api(r)) => answered(r.code),
+            watcher::Error::WatchFailed(e) if find_in_chain::<EventTooLarge>(e).is_some() => Self {
+                kind: ApiErrorKind::EventTooLarge,
+                code: 0,
+                relist: true,
+            },
+            // A broken connection: kube watches again from where it was, as client-go.
+            watcher::Error::WatchFailed(_) => Self {
+                kind: ApiErrorKind::WatchStream,
+                code: 0,
+                relist: false,
+            },
+            watcher::Error::NoResourceVersion => Self {
+                kind: ApiErrorKind::NoResourceVersion,
+                code: 0,
+                relist: false,
+            },
+        }
+    }
+}
+
+/// Which resource a watcher follows: the metric label and the word for the log.
+#[derive(Clone, Copy, Debug)]
+pub struct Resource {
+    pub label: &'static str,
+    pub name: &'static str,
+}
+
+struct Recovering<K: 'static> {
+    api: Api<K>,
+    config: watcher::Config,
+    inner: BoxStream<'static, watcher::Result<watcher::Event<K>>>,
+    backoff: Backoff,
+    resource: Resource,
+    counters: ApiCounters,
+    listed: bool,
+}
+
+/// kube-runtime's watcher for `api`, recovering as the module says: only its events come
+/// out; its errors are logged, counted and waited out here.
+pub fn recovering<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    resource: Resource,
+    counters: ApiCounters,
+    backoff: Backoff,
+) -> BoxStream<'static, watcher::Event<K>>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    counters.watching(resource.label);
+    let inner = watcher(api.clone(), config.clone()).boxed();
+    let state = Recovering {
+        api,
+        config,
+        inner,
+        backoff,
+        resource,
+        counters,
+        listed: false,
+    };
+    futures::stream::unfold(state, |mut st| async move {
+        loop {
+            match st.inner.next().await? {
+                Ok(event) => {
+                    if matches!(event, watcher::Event::Init) {
+                        if st.listed {
+                            st.counters.relist(st.resource.label);
+                        }
+                        st.listed = true;
+                    }
+                    return Some((event, st));
+                }
+                Err(e) => {
+                    let failure = Failure::of(&e);
+                    st.counters
+                        .error(st.resource.label, failure.kind, failure.code);
+                    let wait = st.backoff.next(Instant::now(), rand::random::<f64>());
+                    if failure.relist {
+                        st.inner = watcher(st.api.clone(), st.config.clone()).boxed();
+                    }
+                    tracing::warn!(
+                        error = error_chain(&e),
+                        kind = failure.kind.as_str(),
+                        code = failure.code,
+                        wait_ms = wait.as_millis() as u64,
+                        "{}: {} in {wait:.1?}",
+                        st.resource.name,
+                        if failure.relist {
+                            "watch failed; listing again from scratch"
+                        } else {
+                            "API request failed; retrying"
+                        }
+                    );
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_its_cap_and_resets_only_after_a_quiet_while() {
+        let mut b = Backoff::default();
+        let t0 = Instant::now();
+        let ms = |d: Duration| d.as_millis();
+        let waits: Vec<u128> = (0..8)
+            .map(|i| ms(b.next(t0 + Duration::from_secs(i), 0.0)))
+            .collect();
+        assert_eq!(
+            waits,
+            [800, 1600, 3200, 6400, 12800, 25600, 30000, 30000],
+            "errors a second apart (a relist in between counts for nothing)"
+        );
+        // Errors under two minutes apart keep it up.
+        assert_eq!(ms(b.next(t0 + Duration::from_secs(100), 0.0)), 30000);
+        // Two quiet minutes reset it.
+        assert_eq!(ms(b.next(t0 + Duration::from_secs(221), 0.0)), 800);
+        // Jitter takes up to half off, never adds.
+        assert_eq!(ms(b.next(t0 + Duration::from_secs(222), 0.999_999)), 800);
+        assert_eq!(ms(b.next(t0 + Duration::from_secs(223), 0.5)), 2400);
+    }
+
+    fn api_error(code: u16) -> kube::Error {
+        kube::Error::Api(kube::core::ErrorResponse {
+            status: "Failure".into(),
+            message: "m".into(),
+            reason: "r".into(),
+            code,
+        })
+    }
+
+    #[test]
+    fn an_error_answer_to_a_watch_relists_a_broken_connection_does_not() {
+        let f = |e: watcher::Error| {
+            let f = Failure::of(&e);
+            (f.kind, f.code, f.relist)
+        };
+        use ApiErrorKind as K;
+        // After an etcd restore: 504 ResourceVersionTooLarge, or 410 on the request.
+        assert_eq!(
+            f(watcher::Error::WatchFailed(api_error(504))),
+            (K::Watch, 504, true)
+        );
+        assert_eq!(
+            f(watcher::Error::WatchFailed(api_error(410))),
+            (K::Watch, 410, true)
+        );
+        assert_eq!(
+            f(watcher::Error::WatchFailed(api_error(429))),
+            (K::Watch, 429, false)
+        );
+        let gone = kube::core::ErrorResponse {
+            status: "Failure".into(),
+            message: "too old resource version".into(),
+            reason: "Expired".into(),
+            code: 410,
+        };
+        assert_eq!(f(watcher::Error::WatchError(gone)), (K::Watch, 410, true));
+        let io = std::io::Error::other(kube::Error::Service(Box::new(EventTooLarge { limit: 16 })));
+        assert_eq!(
+            f(watcher::Error::WatchFailed(kube::Error::ReadEvents(io))),
+            (K::EventTooLarge, 0, true)
+        );
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(
+            f(watcher::Error::WatchFailed(kube::Error::ReadEvents(reset))),
+            (K::WatchStream, 0, false)
+        );
+        assert_eq!(
+            f(watcher::Error::InitialListFailed(api_error(500))),
+            (K::List, 500, false)
+        );
+    }
+}
