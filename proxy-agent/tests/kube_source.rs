@@ -200,6 +200,27 @@ async fn watcher_drives_the_view_through_every_event_kind() {
     assert!(status.counters().syncs_ok >= 5);
 }
 
+/// A nodePort outside the default 30000-32767, which an API server with another
+/// `--service-node-port-range` accepted: its ClusterIP and NodePort are programmed, as
+/// kube-proxy programs what the API server stored. (The whole Service was refused.)
+#[tokio::test]
+async fn a_node_port_the_api_server_accepted_is_programmed_outside_the_default_range() {
+    let server = FakeApiServer::start().await;
+    let mut np = service("np", "10.96.0.30", 80);
+    np["spec"]["type"] = json!("NodePort");
+    np["spec"]["ports"][0]["nodePort"] = json!(40000);
+    server.apply(Kind::Services, np);
+    server.apply(Kind::EndpointSlices, slice("np-1", "np", &["10.244.1.5"]));
+    server.apply(Kind::Nodes, node());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    let v = until(&mut rx, "the Service programmed", |v| !v.is_empty()).await;
+    let want = vec!["10.244.1.5:8080".parse::<SocketAddr>().expect("sa")];
+    assert_eq!(backends(&v, "10.96.0.30", 80), want, "ClusterIP: {v:#?}");
+    assert_eq!(backends(&v, "192.0.2.10", 40000), want, "NodePort: {v:#?}");
+    assert_eq!(status.counters().objects_rejected, 0);
+}
+
 /// kube-proxy's server-side selector: headless Services and those of another service
 /// proxy never reach the agent (nor their slices).
 #[tokio::test]

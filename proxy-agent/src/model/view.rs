@@ -77,10 +77,6 @@ pub fn service_view(
         out.rejections.push(rejection(reason.clone()));
         return out;
     }
-    if let Err(reason) = check_node_port_range(svc, cfg.node_port_range) {
-        out.rejections.push(rejection(reason));
-        return out;
-    }
     if svc.cluster_ips.is_empty() {
         // Headless: DNS only, nothing to proxy.
         return out;
@@ -117,6 +113,18 @@ pub fn service_view(
             }
         };
         let service = format!("{sref}:{}", port.display);
+        let node_port = match port.node_port {
+            Some(n) if !cfg.api_validated && !in_node_port_range(n, cfg.node_port_range) => {
+                out.rejections.push(rejection(format!(
+                    "port {}: nodePort {n} outside the node-port range {}-{} \
+                     (ebpf.nodePortRange, the API server's --service-node-port-range); \
+                     its NodePort is not programmed",
+                    port.display, cfg.node_port_range.0, cfg.node_port_range.1
+                )));
+                None
+            }
+            other => other,
+        };
         for v4 in [true, false] {
             let family_ips = |ips: &[IpAddr]| -> Vec<IpAddr> {
                 ips.iter()
@@ -173,7 +181,7 @@ pub fn service_view(
                     wanted.push((fe, state_for(kind)));
                 }
             }
-            if let Some(node_port) = port.node_port {
+            if let Some(node_port) = node_port {
                 for ip in node_port_ips(node, cfg, v4) {
                     wanted.push((
                         Frontend {
@@ -332,20 +340,11 @@ fn is_ours(svc: &ServiceInfo, cfg: &ViewConfig) -> bool {
     }
 }
 
-/// NodePorts inside this node's node-port range (the API server's
-/// `--service-node-port-range`): a NodePort of 22 would take over the node's ssh, and
-/// through `localhostNodePorts` its loopback too.
-fn check_node_port_range(svc: &ServiceInfo, range: (u16, u16)) -> Result<(), String> {
-    for n in svc.ports.iter().filter_map(|p| p.node_port) {
-        if n < range.0 || n > range.1 {
-            return Err(format!(
-                "nodePort {n} outside the node-port range {}-{} \
-                 (ebpf.nodePortRange, the API server's --service-node-port-range)",
-                range.0, range.1
-            ));
-        }
-    }
-    Ok(())
+/// Whether a nodePort lies in this node's node-port range (the API server's
+/// `--service-node-port-range`): from a file, a NodePort of 22 would take over the node's
+/// ssh, and through `localhostNodePorts` its loopback too.
+fn in_node_port_range(n: u16, range: (u16, u16)) -> bool {
+    (range.0..=range.1).contains(&n)
 }
 
 /// Whether NodePorts answer on `ip`: `nodePortAddresses` CIDRs (`all` and `localhost`

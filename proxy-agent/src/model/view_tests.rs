@@ -675,18 +675,6 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
     let port = |p: i64, np: i64| json!({"name": format!("p{p}"), "port": p, "targetPort": 8080, "nodePort": np, "protocol": "TCP"});
     let cases: Vec<(serde_json::Value, &str)> = vec![
         (
-            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 22)]}),
-            "nodePort 22 outside the node-port range",
-        ),
-        (
-            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 70000)]}),
-            "nodePort 70000 out of range",
-        ),
-        (
-            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 30100), port(81, 30100)]}),
-            "nodePort 30100/TCP given twice",
-        ),
-        (
             json!({"clusterIP": "10.96.0.50", "ports": [port(80, 0), port(80, 0)]}),
             "port 80/TCP given twice",
         ),
@@ -744,6 +732,82 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
         rejected
             .iter()
             .any(|r| r.kind == "EndpointSlice" && r.reason.contains("port 0 out of range")),
+        "{rejected:?}"
+    );
+}
+
+/// From a file (no API server validated it), a nodePort the API server would refuse
+/// costs that port its NodePort alone: the ClusterIP, the Service's other ports and their
+/// NodePorts stay, as kube-proxy would still serve them. (They refused the whole Service.)
+#[test]
+fn a_bad_node_port_from_a_file_costs_that_node_port_alone() {
+    let port = |name: &str, p: i64, np: i64| {
+        json!({"name": name, "port": p, "targetPort": 8080, "nodePort": np, "protocol": "TCP"})
+    };
+    let spec = json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [
+        port("low", 80, 22), port("huge", 81, 70000), port("ok", 82, 30100), port("again", 83, 30100),
+    ]});
+    let (view, rejected) = view_of(&model(&[svc("np", spec)], &[]));
+    for p in [80, 81, 82, 83] {
+        assert!(
+            view.contains_key(&fe("10.96.0.50", p, Protocol::Tcp)),
+            "ClusterIP port {p} left out: {rejected:?}"
+        );
+    }
+    let node_ports: BTreeSet<(u16, String)> = view
+        .iter()
+        .filter(|(_, st)| st.kind == FrontendKind::NodePort)
+        .map(|(f, st)| (f.port, st.service.clone()))
+        .collect();
+    assert_eq!(
+        node_ports,
+        BTreeSet::from([(30100, "default/np:ok".to_string())])
+    );
+    let reasons: Vec<&str> = rejected.iter().map(|r| r.reason.as_str()).collect();
+    for needle in [
+        "port low: nodePort 22 outside the node-port range 30000-32767",
+        "port huge: nodePort 70000 out of range 1-65535",
+        "port again: nodePort 30100/TCP given twice (port ok has it)",
+    ] {
+        assert!(
+            reasons.iter().any(|r| r.contains(needle)),
+            "{needle:?} not in {reasons:?}"
+        );
+    }
+    assert_eq!(rejected.len(), 3, "{reasons:?}");
+    assert!(rejected.iter().all(|r| r.object.name == "np"));
+}
+
+/// From the API server, a nodePort outside this node's `nodePortRange` is programmed: the
+/// API server accepted it under its own `--service-node-port-range`, which clusters
+/// change, and kube-proxy programs what it stored. (The whole Service was refused, its
+/// ClusterIP too.) The same object from a file loses that NodePort alone.
+#[test]
+fn node_ports_the_api_server_stored_are_programmed_whatever_the_range() {
+    let spec = json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [
+        {"name": "http", "port": 80, "targetPort": 8080, "nodePort": 40000, "protocol": "TCP"}]});
+    let m = model(&[svc("np", spec)], &[]);
+    let cfg = ViewConfig {
+        api_validated: true,
+        ..ViewConfig::default()
+    };
+    let (view, rejected) = node_view(&m, &node_a(), &cfg);
+    assert!(rejected.is_empty(), "{rejected:?}");
+    assert!(view.contains_key(&fe("10.96.0.50", 80, Protocol::Tcp)));
+    assert_eq!(
+        view[&fe("192.0.2.10", 40000, Protocol::Tcp)].kind,
+        FrontendKind::NodePort
+    );
+    assert!(view.contains_key(&fe("127.0.0.1", 40000, Protocol::Tcp)));
+
+    let (view, rejected) = view_of(&m);
+    assert!(view.contains_key(&fe("10.96.0.50", 80, Protocol::Tcp)));
+    assert!(view.values().all(|st| st.kind != FrontendKind::NodePort));
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert!(
+        rejected[0]
+            .reason
+            .contains("port http: nodePort 40000 outside the node-port range 30000-32767"),
         "{rejected:?}"
     );
 }

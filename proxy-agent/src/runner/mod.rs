@@ -90,7 +90,7 @@ pub async fn run<D: Dataplane>(
 ) -> Result<()> {
     tokio::pin!(shutdown);
     // The dataplane's limits arrive in the view as settings.
-    let cfg = ViewConfig {
+    let mut cfg = ViewConfig {
         max_endpoints: cfg.max_endpoints.min(dataplane.max_endpoints()),
         ..cfg
     };
@@ -142,6 +142,9 @@ pub async fn run<D: Dataplane>(
         let Some(snapshot) = source.borrow_and_update().clone() else {
             continue; // the source has not seen everything yet
         };
+        // Checks that repeat the API server's validation are for sources it did not
+        // validate (a change of source rebuilds the view, as a change of settings does).
+        cfg.api_validated = snapshot.api_validated;
         let wanted = NodeSettings::new(&snapshot.node, &cfg);
         if settings.as_ref() != Some(&wanted) {
             match dataplane.configure(&wanted) {

@@ -187,6 +187,7 @@ impl Store {
             changes: self.changes,
             // The API server validated every object; kube-rs reports what fails to decode.
             unreadable: 0,
+            api_validated: true,
         }
     }
 }

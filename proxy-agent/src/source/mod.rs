@@ -23,6 +23,9 @@ pub struct Snapshot {
     /// Documents or objects the source could not read into the model (malformed YAML, an
     /// object that does not fit its kind): counted with the view's rejections.
     pub unreadable: u64,
+    /// The API server validated these objects (the API-server source): the view programs
+    /// what it stored without repeating its checks (`ViewConfig::api_validated`).
+    pub api_validated: bool,
 }
 
 /// Object changes a source has seen since it started, counted as kube-proxy counts them
