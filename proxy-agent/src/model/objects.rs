@@ -363,6 +363,51 @@ fn is_unicast_service_ip(ip: IpAddr) -> bool {
     }
 }
 
+/// Why the API server refuses `ip` as an endpoint address, if it does (Kubernetes'
+/// `ValidateEndpointIP`, formerly `ValidateNonSpecialIP`: unspecified, loopback and
+/// link-local addresses make no sense as endpoints, and link-local ones are the node's
+/// own business — 169.254.169.254 is the cloud's metadata service). IPv4-mapped IPv6
+/// addresses are judged as their IPv4 address, as Go's `net.IP` methods judge them.
+pub fn special_endpoint_ip(ip: IpAddr) -> Option<&'static str> {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    let (unspecified, loopback, link_local, link_local_multicast) = match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            (
+                v4.is_unspecified(),
+                v4.is_loopback(),
+                v4.is_link_local(),
+                o[0] == 224 && o[1] == 0 && o[2] == 0,
+            )
+        }
+        IpAddr::V6(v6) => {
+            let o = v6.octets();
+            (
+                v6.is_unspecified(),
+                v6.is_loopback(),
+                v6.is_unicast_link_local(),
+                // Go's IsLinkLocalMulticast: multicast of link-local scope (ff02::/16,
+                // and the same scope with other flags).
+                o[0] == 0xff && o[1] & 0x0f == 0x02,
+            )
+        }
+    };
+    if unspecified {
+        Some("may not be unspecified")
+    } else if loopback {
+        Some("may not be in the loopback range (127.0.0.0/8, ::1/128)")
+    } else if link_local {
+        Some("may not be in the link-local range (169.254.0.0/16, fe80::/10)")
+    } else if link_local_multicast {
+        Some("may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)")
+    } else {
+        None
+    }
+}
+
 /// Parses a Service's extra VIPs (external and load-balancer IPs); invalid ones, and
 /// those no Service may have (an external IP of 127.0.0.1 would take over the node's own
 /// loopback traffic), are left out and described.

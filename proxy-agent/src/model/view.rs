@@ -12,7 +12,7 @@ use super::{
     BackendSet, ClusterModel, Frontend, FrontendKind, FrontendState, NodeInfo, NodeView, ObjectRef,
     Protocol, SliceKey, ViewConfig, WhenEmpty,
     endpoints::{Categorized, Endpoint, Policies, categorize, dedupe},
-    objects::{PortInfo, ServiceInfo, SliceInfo, TargetPort},
+    objects::{PortInfo, ServiceInfo, SliceInfo, TargetPort, special_endpoint_ip},
 };
 
 /// An object (or part of one) left out of the view, and why.
@@ -72,7 +72,7 @@ pub fn service_view(
         return out;
     }
     let slices: Vec<(&SliceKey, &SliceInfo)> = model.slices_of(sref).collect();
-    out.health = health_check(sref, svc, &slices, node);
+    out.health = health_check(sref, svc, &slices, node, cfg);
     if let Some(reason) = &svc.invalid {
         out.rejections.push(rejection(reason.clone()));
         return out;
@@ -90,6 +90,22 @@ pub fn service_view(
                 object: key.object(),
                 reason: format!("invalid endpoint address {addr:?}"),
             });
+        }
+        // What the API server refuses, from a source it did not validate: each endpoint
+        // alone (endpoints_for leaves them out).
+        if !cfg.api_validated {
+            for ep in &slice.endpoints {
+                if let Some(why) = special_endpoint_ip(ep.ip) {
+                    out.rejections.push(Rejection {
+                        kind: "EndpointSlice",
+                        object: key.object(),
+                        reason: format!(
+                            "endpoint address {}: {why}, as the API server says; left out",
+                            ep.ip
+                        ),
+                    });
+                }
+            }
         }
     }
     let externally_accessible = !svc.external_ips.is_empty() || svc.node_port_type;
@@ -137,7 +153,7 @@ pub fn service_view(
                 // The Service is not of this family (ipFamilies).
                 continue;
             }
-            let (eps, bad) = endpoints_for(&slices, port, protocol, v4, &node.name);
+            let (eps, bad) = endpoints_for(&slices, port, protocol, v4, &node.name, cfg);
             out.rejections.extend(bad);
             let sets = categorize(&eps, policies, &node.name, node.zone());
             // Too many for one frontend's backend slots: refused alone, named and
@@ -274,6 +290,7 @@ fn health_check(
     svc: &ServiceInfo,
     slices: &[(&SliceKey, &SliceInfo)],
     node: &NodeInfo,
+    cfg: &ViewConfig,
 ) -> Option<(u16, HealthCheck)> {
     let port = svc.health_check_node_port?;
     if !svc.external_policy_local {
@@ -284,6 +301,7 @@ fn health_check(
         .iter()
         .flat_map(|(_, s)| &s.endpoints)
         .filter(|ep| ep.ready && ep.is_on(&node.name))
+        .filter(|ep| cfg.api_validated || special_endpoint_ip(ep.ip).is_none())
         .map(|ep| ep.ip)
         .collect();
     Some((
@@ -404,6 +422,7 @@ fn endpoints_for<'a>(
     protocol: Protocol,
     v4: bool,
     node: &str,
+    cfg: &ViewConfig,
 ) -> (Vec<Endpoint<'a>>, Vec<Rejection>) {
     let mut eps = Vec::new();
     let mut bad = Vec::new();
@@ -426,6 +445,9 @@ fn endpoints_for<'a>(
         for ep in &slice.endpoints {
             if ep.ip.is_ipv4() != v4 {
                 continue;
+            }
+            if !cfg.api_validated && special_endpoint_ip(ep.ip).is_some() {
+                continue; // named above, in service_view
             }
             eps.push(Endpoint {
                 addr: SocketAddr::new(ep.ip, target_port),

@@ -812,6 +812,73 @@ fn node_ports_the_api_server_stored_are_programmed_whatever_the_range() {
     );
 }
 
+/// Endpoint addresses the API server refuses (Kubernetes' `ValidateEndpointIP`:
+/// unspecified, loopback, link-local, link-local multicast; IPv4-mapped ones judged as
+/// IPv4) are refused from a file, each endpoint alone and named; the Service's other
+/// endpoints stay. (They were programmed: a backend of 127.0.0.1 or 169.254.169.254 sent
+/// the Service's traffic to the node itself or to the cloud's metadata service.) From the
+/// API server, which validated them, what it stored is programmed.
+#[test]
+fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
+    let dual = json!({"clusterIPs": ["10.96.0.10", "fd00::10"], "ipFamilies": ["IPv4", "IPv6"],
+                      "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]});
+    let v4_special = ["0.0.0.0", "127.0.0.1", "127.8.0.1", "169.254.169.254", "224.0.0.251"];
+    let v6_special = ["::", "::1", "fe80::1", "ff02::fb", "ff12::1", "::ffff:127.0.0.1"];
+    let eps = |good: &str, special: &[&str]| {
+        let mut all = vec![ep(good, true, true, false)];
+        all.extend(special.iter().map(|a| ep(a, true, true, false)));
+        serde_json::Value::Array(all)
+    };
+    let m = model(
+        &[svc("web", dual)],
+        &[
+            slice("web-v4", "web", "IPv4", http_ports(), eps("10.244.1.5", &v4_special)),
+            slice("web-v6", "web", "IPv6", http_ports(), eps("fd00:244::5", &v6_special)),
+        ],
+    );
+    let (view, rejected) = view_of(&m);
+    assert_eq!(
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends.endpoints,
+        set(&["10.244.1.5:8080"])
+    );
+    assert_eq!(
+        view[&fe("fd00::10", 80, Protocol::Tcp)].backends.endpoints,
+        set(&["[fd00:244::5]:8080"])
+    );
+    for (slice_name, addrs) in [("web-v4", &v4_special[..]), ("web-v6", &v6_special[..])] {
+        for addr in addrs {
+            let shown = addr.parse::<std::net::IpAddr>().expect("ip").to_string();
+            assert!(
+                rejected.iter().any(|r| r.kind == "EndpointSlice"
+                    && r.object.name == slice_name
+                    && r.reason.starts_with(&format!("endpoint address {shown}: may not be"))),
+                "{addr} not refused: {rejected:?}"
+            );
+        }
+    }
+    assert_eq!(rejected.len(), v4_special.len() + v6_special.len());
+    let why = |addr: &str| {
+        crate::model::objects::special_endpoint_ip(addr.parse().expect("ip")).unwrap_or("")
+    };
+    assert!(why("169.254.169.254").contains("link-local range"));
+    assert!(why("224.0.0.251").contains("link-local multicast"));
+    assert!(why("::ffff:127.0.0.1").contains("loopback"));
+    for fine in ["10.244.1.5", "224.0.1.1", "ff05::1", "fd00::1", "2001:db8::1"] {
+        assert_eq!(why(fine), "", "{fine}");
+    }
+
+    let cfg = ViewConfig {
+        api_validated: true,
+        ..ViewConfig::default()
+    };
+    let (view, rejected) = node_view(&m, &node_a(), &cfg);
+    assert!(rejected.is_empty(), "{rejected:?}");
+    assert_eq!(
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends.endpoints.len(),
+        1 + v4_special.len()
+    );
+}
+
 /// Found by `tests/fuzz_parsers.rs`: external and load-balancer IPs were taken as they came,
 /// so `externalIPs: ["::1"]` or an ingress IP of 127.0.0.1 took over the node's own
 /// loopback traffic to that port. They are left out by name, as invalid ones are; the
