@@ -3,5 +3,6 @@
 pub mod agent_client;
 pub mod cleanup;
 pub mod dump;
+pub mod log;
 pub mod run;
 pub mod trace;

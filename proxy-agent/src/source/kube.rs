@@ -2,35 +2,68 @@
 //! Node object, folded into a `ClusterModel`. Watches restart with backoff and relist on
 //! errors (410 Gone included, by kube-runtime); a relist is buffered and swapped in whole.
 //! Nothing is published until every resource has been listed once, so a restart never
-//! programs a partial view.
+//! programs a partial view. Objects are decoded one at a time (`decoded`): one that does
+//! not decode is named and left out — its last readable version stays — and the rest of
+//! its list applies.
 
-use std::{collections::BTreeSet, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use futures::{StreamExt as _, stream::BoxStream};
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::{
-    Api, Client, ResourceExt as _,
+    Api, Client, Resource as _, ResourceExt as _,
     runtime::{WatchStreamExt as _, watcher},
 };
 use tokio::sync::watch;
 
-use super::Snapshot;
+use super::{
+    Snapshot,
+    decoded::{self, Decoded},
+};
 use crate::model::{ClusterModel, NodeInfo, ObjectRef, ServiceInfo, SliceInfo};
 
 /// Which watched resource an event is about.
 enum Update {
-    Service(Box<watcher::Event<Service>>),
-    Slice(Box<watcher::Event<EndpointSlice>>),
-    Node(Box<watcher::Event<Node>>),
+    Service(Box<watcher::Event<Decoded<Service>>>),
+    Slice(Box<watcher::Event<Decoded<EndpointSlice>>>),
+    Node(Box<watcher::Event<Decoded<Node>>>),
 }
 
 /// A relist of one kind: buffered, then swapped in whole when it is complete.
 struct Listing<T> {
-    relist: Option<Vec<(ObjectRef, T)>>,
+    relist: Option<Relist<T>>,
     listed: bool,
+}
+
+/// What one relist found.
+struct Relist<T> {
+    fresh: Vec<(ObjectRef, T)>,
+    /// Named objects that did not decode: their last readable version stays.
+    kept: Vec<ObjectRef>,
+    /// Objects that did not decode (by name, else by place in the list), with why.
+    unreadable: Vec<(String, String)>,
+    /// Items so far, readable or not.
+    items: usize,
+}
+
+impl<T> Default for Relist<T> {
+    fn default() -> Self {
+        Self {
+            fresh: Vec::new(),
+            kept: Vec::new(),
+            unreadable: Vec::new(),
+            items: 0,
+        }
+    }
 }
 
 impl<T> Default for Listing<T> {
@@ -44,18 +77,92 @@ impl<T> Default for Listing<T> {
 
 impl<T> Listing<T> {
     fn begin(&mut self) {
-        self.relist = Some(Vec::new());
+        self.relist = Some(Relist::default());
     }
 
-    fn add(&mut self, r: ObjectRef, obj: T) {
-        self.relist.get_or_insert_with(Vec::new).push((r, obj));
+    fn current(&mut self) -> &mut Relist<T> {
+        self.relist.get_or_insert_with(Relist::default)
     }
 
-    /// The complete relist; `first` is true the first time.
-    fn done(&mut self) -> (Vec<(ObjectRef, T)>, bool) {
+    /// One item of the relist: decoded, or what could be read of it and why not.
+    fn add(&mut self, item: Result<(ObjectRef, T), (&ObjectMeta, String)>) {
+        let relist = self.current();
+        relist.items += 1;
+        match item {
+            Ok(entry) => relist.fresh.push(entry),
+            Err((meta, reason)) => {
+                let place = relist.items - 1;
+                if meta.name.is_some() {
+                    relist.kept.push(ObjectRef::of(meta));
+                }
+                relist.unreadable.push((name_of(meta, Some(place)), reason));
+            }
+        }
+    }
+
+    /// The complete relist, and whether it is the first.
+    fn done(&mut self) -> (Relist<T>, bool) {
         let first = !self.listed;
         self.listed = true;
         (self.relist.take().unwrap_or_default(), first)
+    }
+}
+
+/// How an object that did not decode is named: `namespace/name`, else its place in the
+/// list it came in.
+fn name_of(meta: &ObjectMeta, place: Option<usize>) -> String {
+    match (&meta.name, place) {
+        (Some(_), _) => ObjectRef::of(meta).to_string(),
+        (None, Some(i)) => format!("item {i} of the list (its name unreadable)"),
+        (None, None) => "an object of a watch event (its name unreadable)".to_string(),
+    }
+}
+
+/// Objects that did not decode, by kind and name: each logged when it is new or its
+/// reason changes (not on every relist), and counted in the snapshot.
+#[derive(Default)]
+struct Unreadable(BTreeMap<(&'static str, String), String>);
+
+impl Unreadable {
+    /// One more (or one again); `true` if it is new or its reason is.
+    fn note(&mut self, kind: &'static str, name: String, reason: String) -> bool {
+        let key = (kind, name);
+        if self.0.get(&key) == Some(&reason) {
+            return false;
+        }
+        tracing::warn!(
+            kind,
+            object = %key.1,
+            reason = %reason,
+            "cannot decode an object; left out (its last readable version, if any, stays)"
+        );
+        self.0.insert(key, reason);
+        true
+    }
+
+    /// `kind`/`name` decoded, or went away; `true` if it was unreadable.
+    fn clear(&mut self, kind: &'static str, name: String) -> bool {
+        self.0.remove(&(kind, name)).is_some()
+    }
+
+    /// A relist of `kind` found exactly these unreadable; `true` if that changed anything.
+    fn relisted(&mut self, kind: &'static str, found: Vec<(String, String)>) -> bool {
+        let before: BTreeMap<String, String> = self
+            .0
+            .iter()
+            .filter(|((k, _), _)| *k == kind)
+            .map(|((_, n), r)| (n.clone(), r.clone()))
+            .collect();
+        self.0.retain(|(k, _), _| *k != kind);
+        for (name, reason) in found {
+            self.note(kind, name, reason);
+        }
+        let after = self.0.iter().filter(|((k, _), _)| *k == kind);
+        !before.iter().eq(after.map(|((_, n), r)| (n, r)))
+    }
+
+    fn len(&self) -> u64 {
+        self.0.len() as u64
     }
 }
 
@@ -72,6 +179,7 @@ pub struct Store {
     node: Option<NodeInfo>,
     node_name: String,
     changes: super::ChangeCounts,
+    unreadable: Unreadable,
 }
 
 impl Store {
@@ -124,51 +232,79 @@ impl Store {
         }
     }
 
-    fn apply_service(&mut self, event: watcher::Event<Service>) -> bool {
+    fn apply_service(&mut self, event: watcher::Event<Decoded<Service>>) -> bool {
         apply_to_model(
             &mut self.model,
             &mut self.services,
             &mut self.changes.services,
+            &mut self.unreadable,
             event,
         )
     }
 
-    fn apply_slice(&mut self, event: watcher::Event<EndpointSlice>) -> bool {
+    fn apply_slice(&mut self, event: watcher::Event<Decoded<EndpointSlice>>) -> bool {
         apply_to_model(
             &mut self.model,
             &mut self.slices,
             &mut self.changes.endpoint_slices,
+            &mut self.unreadable,
             event,
         )
     }
 
-    fn apply_node(&mut self, event: watcher::Event<Node>) -> bool {
-        let ours = |node: &Node| node.name_any() == self.node_name;
+    fn apply_node(&mut self, event: watcher::Event<Decoded<Node>>) -> bool {
+        let ours = |meta: &ObjectMeta| meta.name.as_deref() == Some(self.node_name.as_str());
         let next = match event {
             watcher::Event::Init => {
                 self.nodes.begin();
                 return false;
             }
             watcher::Event::InitApply(node) => {
-                if ours(&node) {
-                    let info = node_info(&self.node_name, Some(&node));
-                    self.nodes.add(ObjectRef::of(&node.metadata), info);
+                match node {
+                    Decoded::Ok(node) if ours(&node.metadata) => {
+                        let info = node_info(&self.node_name, Some(&node));
+                        self.nodes.add(Ok((ObjectRef::of(&node.metadata), info)));
+                    }
+                    Decoded::Unreadable { meta, reason } if ours(&meta) => {
+                        self.nodes.add(Err((&meta, reason)));
+                    }
+                    _ => {}
                 }
                 return false;
             }
             watcher::Event::InitDone => {
-                let (fresh, first) = self.nodes.done();
-                let next = fresh.into_iter().next().map(|(_, n)| n);
+                let (relist, first) = self.nodes.done();
+                let unreadable = self.unreadable.relisted("Node", relist.unreadable);
+                // Our Node unreadable: what we knew of it stays.
+                let next = match relist.fresh.into_iter().next() {
+                    Some((_, n)) => Some(n),
+                    None if !relist.kept.is_empty() => self.node.clone(),
+                    None => None,
+                };
                 if first {
                     self.node = next;
                     return true;
                 }
-                next
+                let changed = self.node != next;
+                self.node = next;
+                return changed || unreadable;
             }
-            watcher::Event::Apply(node) if ours(&node) => {
-                Some(node_info(&self.node_name, Some(&node)))
+            watcher::Event::Apply(node) if ours(node.meta()) => match node {
+                Decoded::Ok(node) => {
+                    let cleared = self.unreadable.clear("Node", node.name_any());
+                    let next = Some(node_info(&self.node_name, Some(&node)));
+                    let changed = self.node != next;
+                    self.node = next;
+                    return changed || cleared;
+                }
+                Decoded::Unreadable { meta, reason } => {
+                    return self.unreadable.note("Node", name_of(&meta, None), reason);
+                }
+            },
+            watcher::Event::Delete(node) if ours(node.meta()) => {
+                self.unreadable.clear("Node", name_of(node.meta(), None));
+                None
             }
-            watcher::Event::Delete(node) if ours(&node) => None,
             _ => return false,
         };
         let changed = self.node != next;
@@ -185,8 +321,7 @@ impl Store {
                 .clone()
                 .unwrap_or_else(|| node_info(&self.node_name, None)),
             changes: self.changes,
-            // The API server validated every object; kube-rs reports what fails to decode.
-            unreadable: 0,
+            unreadable: self.unreadable.len(),
             api_validated: true,
         }
     }
@@ -195,6 +330,7 @@ impl Store {
 /// A kind of object the model holds: how it is read, stored and listed.
 trait Modelled: kube::Resource {
     type Info;
+    const KIND: &'static str;
     fn info(&self) -> Self::Info;
     fn insert(model: &mut ClusterModel, r: ObjectRef, info: Self::Info) -> bool;
     fn remove(model: &mut ClusterModel, r: &ObjectRef) -> bool;
@@ -203,6 +339,7 @@ trait Modelled: kube::Resource {
 
 impl Modelled for Service {
     type Info = ServiceInfo;
+    const KIND: &'static str = "Service";
     fn info(&self) -> ServiceInfo {
         ServiceInfo::from_k8s(self)
     }
@@ -219,6 +356,7 @@ impl Modelled for Service {
 
 impl Modelled for EndpointSlice {
     type Info = SliceInfo;
+    const KIND: &'static str = "EndpointSlice";
     fn info(&self) -> SliceInfo {
         SliceInfo::from_k8s(self)
     }
@@ -233,27 +371,40 @@ impl Modelled for EndpointSlice {
     }
 }
 
-/// Applies one watch event of a modelled kind; `true` if the model changed. Counts the
-/// objects that changed into `changes`. A change that nets to nothing we use (status,
-/// annotations, bookkeeping metadata) is dropped by the model's insert.
+/// Applies one watch event of a modelled kind; `true` if the model (or what is
+/// unreadable) changed. Counts the objects that changed into `changes`. A change that
+/// nets to nothing we use (status, annotations, bookkeeping metadata) is dropped by the
+/// model's insert. An object that does not decode leaves the model as it was (its last
+/// readable version stays) and is named in `unreadable`.
 fn apply_to_model<K: Modelled>(
     model: &mut ClusterModel,
     listing: &mut Listing<K::Info>,
     changes: &mut u64,
-    event: watcher::Event<K>,
+    unreadable: &mut Unreadable,
+    event: watcher::Event<Decoded<K>>,
 ) -> bool {
-    let changed = match event {
+    match event {
         watcher::Event::Init => {
             listing.begin();
-            return false;
+            false
         }
-        watcher::Event::InitApply(obj) => {
-            listing.add(ObjectRef::of(obj.meta()), obj.info());
-            return false;
+        watcher::Event::InitApply(Decoded::Ok(obj)) => {
+            listing.add(Ok((ObjectRef::of(obj.meta()), obj.info())));
+            false
+        }
+        watcher::Event::InitApply(Decoded::Unreadable { meta, reason }) => {
+            listing.add(Err((&meta, reason)));
+            false
         }
         watcher::Event::InitDone => {
-            let (fresh, first) = listing.done();
-            let keep: BTreeSet<&ObjectRef> = fresh.iter().map(|(r, _)| r).collect();
+            let (relist, first) = listing.done();
+            let unreadable_changed = unreadable.relisted(K::KIND, relist.unreadable);
+            let keep: BTreeSet<&ObjectRef> = relist
+                .fresh
+                .iter()
+                .map(|(r, _)| r)
+                .chain(&relist.kept)
+                .collect();
             let gone: Vec<ObjectRef> = K::held(model)
                 .into_iter()
                 .filter(|r| !keep.contains(r))
@@ -262,17 +413,30 @@ fn apply_to_model<K: Modelled>(
             for r in gone {
                 changed += u64::from(K::remove(model, &r));
             }
-            for (r, info) in fresh {
+            for (r, info) in relist.fresh {
                 changed += u64::from(K::insert(model, r, info));
             }
             *changes += changed;
-            return changed > 0 || first;
+            changed > 0 || first || unreadable_changed
         }
-        watcher::Event::Apply(obj) => K::insert(model, ObjectRef::of(obj.meta()), obj.info()),
-        watcher::Event::Delete(obj) => K::remove(model, &ObjectRef::of(obj.meta())),
-    };
-    *changes += u64::from(changed);
-    changed
+        watcher::Event::Apply(Decoded::Ok(obj)) => {
+            let r = ObjectRef::of(obj.meta());
+            let cleared = unreadable.clear(K::KIND, r.to_string());
+            let changed = K::insert(model, r, obj.info());
+            *changes += u64::from(changed);
+            changed || cleared
+        }
+        watcher::Event::Apply(Decoded::Unreadable { meta, reason }) => {
+            unreadable.note(K::KIND, name_of(&meta, None), reason)
+        }
+        watcher::Event::Delete(obj) => {
+            let r = ObjectRef::of(obj.meta());
+            let cleared = unreadable.clear(K::KIND, r.to_string());
+            let changed = K::remove(model, &r);
+            *changes += u64::from(changed);
+            changed || cleared
+        }
+    }
 }
 
 /// Name, labels and addresses of this node; the name alone when its Node object is absent.
@@ -321,6 +485,9 @@ pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
     }
 }
 
+/// The longest watch error logged (the rest is cut).
+const MAX_LOGGED_ERROR: usize = 1024;
+
 /// How often a source that cannot publish yet says what it waits for.
 const WAITING_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -346,14 +513,14 @@ pub async fn run(
 ) {
     let cfg = watcher::Config::default();
     let selected = cfg.clone().labels(&label_selector);
-    let services = watcher(Api::<Service>::all(client.clone()), selected.clone())
+    let services = watcher(Api::<Decoded<Service>>::all(client.clone()), selected.clone())
         .default_backoff()
         .map(|e| e.map(|e| Update::Service(Box::new(e))));
-    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), selected)
+    let slices = watcher(Api::<Decoded<EndpointSlice>>::all(client.clone()), selected)
         .default_backoff()
         .map(|e| e.map(|e| Update::Slice(Box::new(e))));
     let node_cfg = cfg.fields(&format!("metadata.name={node_name}"));
-    let nodes = watcher(Api::<Node>::all(client), node_cfg)
+    let nodes = watcher(Api::<Decoded<Node>>::all(client), node_cfg)
         .default_backoff()
         .map(|e| e.map(|e| Update::Node(Box::new(e))));
     let streams: Vec<BoxStream<'static, Result<Update, watcher::Error>>> =
@@ -388,7 +555,11 @@ pub async fn run(
                 }
             }
             // The backoff wrapper retries; the error is worth a line, not a stop.
-            Err(e) => tracing::warn!(error = %e, "watch failed; retrying with backoff"),
+            // Capped: an error may quote a whole response body (an error page).
+            Err(e) => tracing::warn!(
+                error = %decoded::cap(&e.to_string(), MAX_LOGGED_ERROR),
+                "watch failed; retrying with backoff"
+            ),
         }
     }
 }

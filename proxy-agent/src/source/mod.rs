@@ -3,6 +3,7 @@
 //! view, so nothing is programmed from a partial one. It knows nothing of BPF.
 
 pub mod api_server;
+pub mod decoded;
 pub mod events;
 pub mod files;
 pub mod kube;
