@@ -223,6 +223,16 @@ pub async fn run<D: Dataplane>(
             t.no_local_endpoints(),
         );
         applied = Some(view);
+        if let Ok(report) = &outcome {
+            // Not retried: the dataplane can never hold them as they are. The rest of the
+            // node is programmed, and stays healthy.
+            for f in &report.refused {
+                tracing::error!(frontend = %f, "frontend refused by the dataplane; not retried");
+            }
+            for f in &report.adjusted {
+                tracing::warn!(frontend = %f, "frontend programmed otherwise than its Service says");
+            }
+        }
         match outcome {
             Ok(report) if report.failed.is_empty() => {
                 programming.done(&status);
