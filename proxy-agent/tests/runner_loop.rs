@@ -234,7 +234,10 @@ async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
     // Once, then once per resync (every 200 ms): never retried with backoff (20 ms).
     assert!((1..=6).contains(&c.frontends_refused), "{c:?}");
     assert_eq!((c.syncs_failed, c.frontends_failed), (0, 0), "{c:?}");
-    assert!(!log.lines_with("10.96.0.2:80/TCP (ns/svc-1:80): too big").is_empty());
+    assert!(
+        !log.lines_with("10.96.0.2:80/TCP (ns/svc-1:80): too big")
+            .is_empty()
+    );
     drop(tx);
 }
 
@@ -315,6 +318,10 @@ async fn wrr_weights_past_a_frontends_slots_are_scaled_and_the_node_stays_health
     assert_eq!(counts, [1000]);
     let named = log.lines_with("10.96.0.2:80/TCP (ns/svc-1:80): wrr weights scaled down");
     assert!(!named.is_empty(), "{}", log.text());
-    assert!(named[0].contains("255500 slots wanted, 1000 written"), "{}", named[0]);
+    assert!(
+        named[0].contains("255500 slots wanted, 1000 written"),
+        "{}",
+        named[0]
+    );
     drop(tx);
 }

@@ -64,6 +64,10 @@ mod tests {
         assert_eq!(lines.len(), 2, "{}", text.len());
         assert_eq!(lines[0], "short");
         assert!(lines[1].len() <= MAX_RECORD + 40, "{}", lines[1].len());
-        assert!(lines[1].ends_with(" bytes cut)"), "{}", &lines[1][MAX_RECORD - 20..]);
+        assert!(
+            lines[1].ends_with(" bytes cut)"),
+            "{}",
+            &lines[1][MAX_RECORD - 20..]
+        );
     }
 }

@@ -741,9 +741,7 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
 /// NodePorts stay, as kube-proxy would still serve them. (They refused the whole Service.)
 #[test]
 fn a_bad_node_port_from_a_file_costs_that_node_port_alone() {
-    let port = |name: &str, p: i64, np: i64| {
-        json!({"name": name, "port": p, "targetPort": 8080, "nodePort": np, "protocol": "TCP"})
-    };
+    let port = |name: &str, p: i64, np: i64| json!({"name": name, "port": p, "targetPort": 8080, "nodePort": np, "protocol": "TCP"});
     let spec = json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [
         port("low", 80, 22), port("huge", 81, 70000), port("ok", 82, 30100), port("again", 83, 30100),
     ]});
@@ -822,8 +820,21 @@ fn node_ports_the_api_server_stored_are_programmed_whatever_the_range() {
 fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
     let dual = json!({"clusterIPs": ["10.96.0.10", "fd00::10"], "ipFamilies": ["IPv4", "IPv6"],
                       "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]});
-    let v4_special = ["0.0.0.0", "127.0.0.1", "127.8.0.1", "169.254.169.254", "224.0.0.251"];
-    let v6_special = ["::", "::1", "fe80::1", "ff02::fb", "ff12::1", "::ffff:127.0.0.1"];
+    let v4_special = [
+        "0.0.0.0",
+        "127.0.0.1",
+        "127.8.0.1",
+        "169.254.169.254",
+        "224.0.0.251",
+    ];
+    let v6_special = [
+        "::",
+        "::1",
+        "fe80::1",
+        "ff02::fb",
+        "ff12::1",
+        "::ffff:127.0.0.1",
+    ];
     let eps = |good: &str, special: &[&str]| {
         let mut all = vec![ep(good, true, true, false)];
         all.extend(special.iter().map(|a| ep(a, true, true, false)));
@@ -832,13 +843,27 @@ fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
     let m = model(
         &[svc("web", dual)],
         &[
-            slice("web-v4", "web", "IPv4", http_ports(), eps("10.244.1.5", &v4_special)),
-            slice("web-v6", "web", "IPv6", http_ports(), eps("fd00:244::5", &v6_special)),
+            slice(
+                "web-v4",
+                "web",
+                "IPv4",
+                http_ports(),
+                eps("10.244.1.5", &v4_special),
+            ),
+            slice(
+                "web-v6",
+                "web",
+                "IPv6",
+                http_ports(),
+                eps("fd00:244::5", &v6_special),
+            ),
         ],
     );
     let (view, rejected) = view_of(&m);
     assert_eq!(
-        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends.endpoints,
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints,
         set(&["10.244.1.5:8080"])
     );
     assert_eq!(
@@ -851,7 +876,8 @@ fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
             assert!(
                 rejected.iter().any(|r| r.kind == "EndpointSlice"
                     && r.object.name == slice_name
-                    && r.reason.starts_with(&format!("endpoint address {shown}: may not be"))),
+                    && r.reason
+                        .starts_with(&format!("endpoint address {shown}: may not be"))),
                 "{addr} not refused: {rejected:?}"
             );
         }
@@ -863,7 +889,13 @@ fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
     assert!(why("169.254.169.254").contains("link-local range"));
     assert!(why("224.0.0.251").contains("link-local multicast"));
     assert!(why("::ffff:127.0.0.1").contains("loopback"));
-    for fine in ["10.244.1.5", "224.0.1.1", "ff05::1", "fd00::1", "2001:db8::1"] {
+    for fine in [
+        "10.244.1.5",
+        "224.0.1.1",
+        "ff05::1",
+        "fd00::1",
+        "2001:db8::1",
+    ] {
         assert_eq!(why(fine), "", "{fine}");
     }
 
@@ -874,7 +906,10 @@ fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
     let (view, rejected) = node_view(&m, &node_a(), &cfg);
     assert!(rejected.is_empty(), "{rejected:?}");
     assert_eq!(
-        view[&fe("10.96.0.10", 80, Protocol::Tcp)].backends.endpoints.len(),
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints
+            .len(),
         1 + v4_special.len()
     );
 }

@@ -20,8 +20,9 @@ pub enum Decoded<K> {
     Ok(K),
     Unreadable {
         /// What could be read of its metadata (name, namespace and resourceVersion, when
-        /// they are strings): to name it, and for the watcher's resourceVersion.
-        meta: ObjectMeta,
+        /// they are strings): to name it, and for the watcher's resourceVersion. Boxed:
+        /// rare, and an `ObjectMeta` is large.
+        meta: Box<ObjectMeta>,
         /// The decoding error, with the field's path, cut to `MAX_REASON`.
         reason: String,
     },
@@ -34,7 +35,7 @@ impl<'de, K: DeserializeOwned> Deserialize<'de> for Decoded<K> {
         match serde_path_to_error::deserialize::<_, K>(&value) {
             Ok(k) => Ok(Self::Ok(k)),
             Err(e) => Ok(Self::Unreadable {
-                meta: readable_meta(&value),
+                meta: Box::new(readable_meta(&value)),
                 reason: cap(&e.to_string(), MAX_REASON),
             }),
         }
@@ -136,7 +137,9 @@ mod tests {
         assert!(serde_json::from_str::<ObjectList<Service>>(&body).is_err());
         let list: ObjectList<Decoded<Service>> = serde_json::from_str(&body).expect("list");
         assert_eq!(list.metadata.resource_version.as_deref(), Some("7"));
-        assert!(matches!(&list.items[0], Decoded::Ok(s) if s.meta().name.as_deref() == Some("good")));
+        assert!(
+            matches!(&list.items[0], Decoded::Ok(s) if s.meta().name.as_deref() == Some("good"))
+        );
         let Decoded::Unreadable { meta, reason } = &list.items[1] else {
             panic!("{:?}", list.items[1]);
         };

@@ -266,7 +266,7 @@ impl Store {
                         self.nodes.add(Ok((ObjectRef::of(&node.metadata), info)));
                     }
                     Decoded::Unreadable { meta, reason } if ours(&meta) => {
-                        self.nodes.add(Err((&meta, reason)));
+                        self.nodes.add(Err((&*meta, reason)));
                     }
                     _ => {}
                 }
@@ -393,7 +393,7 @@ fn apply_to_model<K: Modelled>(
             false
         }
         watcher::Event::InitApply(Decoded::Unreadable { meta, reason }) => {
-            listing.add(Err((&meta, reason)));
+            listing.add(Err((&*meta, reason)));
             false
         }
         watcher::Event::InitDone => {
@@ -513,9 +513,12 @@ pub async fn run(
 ) {
     let cfg = watcher::Config::default();
     let selected = cfg.clone().labels(&label_selector);
-    let services = watcher(Api::<Decoded<Service>>::all(client.clone()), selected.clone())
-        .default_backoff()
-        .map(|e| e.map(|e| Update::Service(Box::new(e))));
+    let services = watcher(
+        Api::<Decoded<Service>>::all(client.clone()),
+        selected.clone(),
+    )
+    .default_backoff()
+    .map(|e| e.map(|e| Update::Service(Box::new(e))));
     let slices = watcher(Api::<Decoded<EndpointSlice>>::all(client.clone()), selected)
         .default_backoff()
         .map(|e| e.map(|e| Update::Slice(Box::new(e))));

@@ -174,7 +174,10 @@ mod tests {
         let l = layout(&s, &endpoints, fe);
         assert_eq!(l.scaled_from, Some(255_500));
         assert!(l.slots.len() <= MAX_SLOTS, "{}", l.slots.len());
-        assert!(l.slots.len() >= endpoints.len(), "every endpoint keeps a slot");
+        assert!(
+            l.slots.len() >= endpoints.len(),
+            "every endpoint keeps a slot"
+        );
         // Weights that fit are laid out as they are, and not said to be scaled.
         let (w, _) = parse_weights("10.1.0.1=256,10.1.0.2=255");
         let small = layout(&Schedule::new(Scheduler::Wrr, Arc::new(w), 0), &eps(2), fe);

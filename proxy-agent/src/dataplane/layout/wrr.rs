@@ -77,7 +77,10 @@ mod tests {
         assert_eq!(fit(&mut w, max), Some(255_500));
         let s = sequence(&w);
         assert!(s.len() <= max, "{}", s.len());
-        assert!((0..1000).all(|i| s.contains(&i)), "every backend keeps a slot");
+        assert!(
+            (0..1000).all(|i| s.contains(&i)),
+            "every backend keeps a slot"
+        );
 
         let mut w: Vec<u32> = (0..600).map(|i| if i < 300 { 256 } else { 1 }).collect();
         assert_eq!(fit(&mut w, max), Some(77_100));

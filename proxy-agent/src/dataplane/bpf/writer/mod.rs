@@ -44,7 +44,10 @@ enum Wrote {
     Nothing,
     Entry,
     /// Written with its `wrr` weights scaled down to fit a frontend's slots.
-    Scaled { wanted: usize, slots: usize },
+    Scaled {
+        wanted: usize,
+        slots: usize,
+    },
 }
 
 /// A frontend whose layout has more backend slots than a frontend holds: it can never be
