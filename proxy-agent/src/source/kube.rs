@@ -111,10 +111,12 @@ impl<T> Listing<T> {
 /// How an object that did not decode is named: `namespace/name`, else its place in the
 /// list it came in.
 fn name_of(meta: &ObjectMeta, place: Option<usize>) -> String {
-    match (&meta.name, place) {
-        (Some(_), _) => ObjectRef::of(meta).to_string(),
-        (None, Some(i)) => format!("item {i} of the list (its name unreadable)"),
-        (None, None) => "an object of a watch event (its name unreadable)".to_string(),
+    match (&meta.name, &meta.namespace, place) {
+        // Cluster-scoped (a Node): its name alone.
+        (Some(name), None, _) => name.clone(),
+        (Some(_), Some(_), _) => ObjectRef::of(meta).to_string(),
+        (None, _, Some(i)) => format!("item {i} of the list (its name unreadable)"),
+        (None, _, None) => "an object of a watch event (its name unreadable)".to_string(),
     }
 }
 
@@ -130,12 +132,7 @@ impl Unreadable {
         if self.0.get(&key) == Some(&reason) {
             return false;
         }
-        tracing::warn!(
-            kind,
-            object = %key.1,
-            reason = %reason,
-            "cannot decode an object; left out (its last readable version, if any, stays)"
-        );
+        log_unreadable(kind, &key.1, &reason);
         self.0.insert(key, reason);
         true
     }
@@ -155,7 +152,10 @@ impl Unreadable {
             .collect();
         self.0.retain(|(k, _), _| *k != kind);
         for (name, reason) in found {
-            self.note(kind, name, reason);
+            if before.get(&name) != Some(&reason) {
+                log_unreadable(kind, &name, &reason);
+            }
+            self.0.insert((kind, name), reason);
         }
         let after = self.0.iter().filter(|((k, _), _)| *k == kind);
         !before.iter().eq(after.map(|((_, n), r)| (n, r)))
@@ -164,6 +164,15 @@ impl Unreadable {
     fn len(&self) -> u64 {
         self.0.len() as u64
     }
+}
+
+fn log_unreadable(kind: &str, name: &str, reason: &str) {
+    tracing::warn!(
+        kind,
+        object = %name,
+        reason = %reason,
+        "cannot decode an object; left out (its last readable version, if any, stays)"
+    );
 }
 
 /// Everything the watchers have told us, in the compact model: objects are parsed once
@@ -291,7 +300,7 @@ impl Store {
             }
             watcher::Event::Apply(node) if ours(node.meta()) => match node {
                 Decoded::Ok(node) => {
-                    let cleared = self.unreadable.clear("Node", node.name_any());
+                    let cleared = self.unreadable.clear("Node", name_of(&node.metadata, None));
                     let next = Some(node_info(&self.node_name, Some(&node)));
                     let changed = self.node != next;
                     self.node = next;
@@ -420,8 +429,8 @@ fn apply_to_model<K: Modelled>(
             changed > 0 || first || unreadable_changed
         }
         watcher::Event::Apply(Decoded::Ok(obj)) => {
+            let cleared = unreadable.clear(K::KIND, name_of(obj.meta(), None));
             let r = ObjectRef::of(obj.meta());
-            let cleared = unreadable.clear(K::KIND, r.to_string());
             let changed = K::insert(model, r, obj.info());
             *changes += u64::from(changed);
             changed || cleared
@@ -430,8 +439,8 @@ fn apply_to_model<K: Modelled>(
             unreadable.note(K::KIND, name_of(&meta, None), reason)
         }
         watcher::Event::Delete(obj) => {
+            let cleared = unreadable.clear(K::KIND, name_of(obj.meta(), None));
             let r = ObjectRef::of(obj.meta());
-            let cleared = unreadable.clear(K::KIND, r.to_string());
             let changed = K::remove(model, &r);
             *changes += u64::from(changed);
             changed || cleared
@@ -570,6 +579,106 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn svc(name: &str, ports: serde_json::Value) -> Box<watcher::Event<Decoded<Service>>> {
+        let obj = serde_json::json!({"metadata": {"name": name, "namespace": "ns"},
+                                     "spec": {"clusterIP": "10.96.0.1", "ports": ports}});
+        Box::new(watcher::Event::Apply(
+            serde_json::from_value(obj).expect("any JSON decodes"),
+        ))
+    }
+
+    /// As a relist brings them: Init, one InitApply per item, InitDone.
+    fn relist(store: &mut Store, items: Vec<Box<watcher::Event<Decoded<Service>>>>) -> bool {
+        let mut changed = store.apply(Update::Service(Box::new(watcher::Event::Init)));
+        for item in items {
+            let watcher::Event::Apply(obj) = *item else {
+                unreachable!()
+            };
+            changed |= store.apply(Update::Service(Box::new(watcher::Event::InitApply(obj))));
+        }
+        changed | store.apply(Update::Service(Box::new(watcher::Event::InitDone)))
+    }
+
+    /// An object that does not decode is named once, however often it is relisted; its
+    /// last readable version stays in the model until it decodes again or goes away.
+    #[test]
+    fn unreadable_objects_are_named_once_and_keep_their_last_readable_version() {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || CaptureWriter(writer.clone()))
+            .with_ansi(false)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let named = || {
+            String::from_utf8_lossy(&log.lock().expect("lock"))
+                .matches("cannot decode")
+                .count()
+        };
+        let good = || svc("a", serde_json::json!([{"port": 80}]));
+        let bad = || svc("a", serde_json::json!(7));
+        let mut store = Store::new("node-a");
+        let a = ObjectRef {
+            namespace: "ns".into(),
+            name: "a".into(),
+        };
+        assert!(relist(
+            &mut store,
+            vec![good(), svc("b", serde_json::json!("x"))]
+        ));
+        assert_eq!(
+            (store.model.service_count(), store.unreadable.len()),
+            (1, 1)
+        );
+        assert_eq!(named(), 1);
+        // The same relist again: nothing new, nothing logged.
+        assert!(!relist(
+            &mut store,
+            vec![good(), svc("b", serde_json::json!("x"))]
+        ));
+        assert_eq!(named(), 1);
+        // `a` becomes unreadable in a relist: its last readable version stays.
+        assert!(relist(&mut store, vec![bad()]));
+        assert!(store.model.service(&a).is_some_and(|s| s.ports.len() == 1));
+        assert_eq!(store.unreadable.len(), 1, "b went away, a is unreadable");
+        assert_eq!(named(), 2);
+        // Decodable again in a watch event: applied, and no longer unreadable.
+        assert!(store.apply(Update::Service(svc("a", serde_json::json!([{"port": 81}])))));
+        assert_eq!(store.unreadable.len(), 0);
+        assert!(store.apply(Update::Service(bad())));
+        assert_eq!((store.unreadable.len(), named()), (1, 3));
+        assert!(
+            !store.apply(Update::Service(bad())),
+            "the same again changes nothing"
+        );
+        let Decoded::Ok(gone) = serde_json::from_value::<Decoded<Service>>(
+            serde_json::json!({"metadata": {"name": "a", "namespace": "ns"}}),
+        )
+        .expect("decodes") else {
+            panic!("a Service")
+        };
+        let deleted = watcher::Event::Delete(Decoded::Ok(gone));
+        assert!(store.apply(Update::Service(Box::new(deleted))));
+        assert_eq!(
+            (store.model.service_count(), store.unreadable.len()),
+            (0, 0)
+        );
+        assert_eq!(store.snapshot().unreadable, 0);
+    }
+
+    struct CaptureWriter(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for CaptureWriter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
 
     #[test]
     fn node_info_orders_internal_addresses_first_and_reads_pod_cidrs_and_draining() {
