@@ -32,23 +32,22 @@ impl<'de, K: DeserializeOwned> Deserialize<'de> for Decoded<K> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         // Any JSON is an item; only what is not JSON at all fails the list (or event).
         let value = serde_json::Value::deserialize(d)?;
-        match serde_path_to_error::deserialize::<_, K>(&value) {
+        // Read first (three short strings): decoding moves the value's strings into K.
+        let meta = readable_meta(&value);
+        match serde_path_to_error::deserialize::<_, K>(value) {
             Ok(k) => Ok(Self::Ok(k)),
             Err(e) => Ok(Self::Unreadable {
-                meta: Box::new(readable_meta(&value)),
+                meta: Box::new(meta),
                 reason: cap(&e.to_string(), MAX_REASON),
             }),
         }
     }
 }
 
-/// The metadata of an object that does not decode: whole if it decodes alone, else the
-/// name, namespace and resourceVersion that are strings.
+/// What names an object whatever else in it is broken: its name, namespace and
+/// resourceVersion, those that are strings.
 fn readable_meta(value: &serde_json::Value) -> ObjectMeta {
     let meta = &value["metadata"];
-    if let Ok(m) = ObjectMeta::deserialize(meta) {
-        return m;
-    }
     let text = |field: &str| meta[field].as_str().map(str::to_string);
     ObjectMeta {
         name: text("name"),

@@ -232,7 +232,8 @@ impl Store {
         None
     }
 
-    /// Applies one watch event; `true` if the model or this node changed.
+    /// Applies one watch event; `true` if the model, this node or what is unreadable
+    /// changed.
     fn apply(&mut self, update: Update) -> bool {
         match update {
             Update::Service(e) => self.apply_service(*e),
