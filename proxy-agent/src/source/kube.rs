@@ -581,19 +581,17 @@ pub async fn run(
 mod tests {
     use super::*;
 
-    fn svc(name: &str, ports: serde_json::Value) -> Box<watcher::Event<Decoded<Service>>> {
+    fn svc(name: &str, ports: serde_json::Value) -> watcher::Event<Decoded<Service>> {
         let obj = serde_json::json!({"metadata": {"name": name, "namespace": "ns"},
                                      "spec": {"clusterIP": "10.96.0.1", "ports": ports}});
-        Box::new(watcher::Event::Apply(
-            serde_json::from_value(obj).expect("any JSON decodes"),
-        ))
+        watcher::Event::Apply(serde_json::from_value(obj).expect("any JSON decodes"))
     }
 
     /// As a relist brings them: Init, one InitApply per item, InitDone.
-    fn relist(store: &mut Store, items: Vec<Box<watcher::Event<Decoded<Service>>>>) -> bool {
+    fn relist(store: &mut Store, items: Vec<watcher::Event<Decoded<Service>>>) -> bool {
         let mut changed = store.apply(Update::Service(Box::new(watcher::Event::Init)));
         for item in items {
-            let watcher::Event::Apply(obj) = *item else {
+            let watcher::Event::Apply(obj) = item else {
                 unreachable!()
             };
             changed |= store.apply(Update::Service(Box::new(watcher::Event::InitApply(obj))));
@@ -645,12 +643,13 @@ mod tests {
         assert_eq!(store.unreadable.len(), 1, "b went away, a is unreadable");
         assert_eq!(named(), 2);
         // Decodable again in a watch event: applied, and no longer unreadable.
-        assert!(store.apply(Update::Service(svc("a", serde_json::json!([{"port": 81}])))));
+        let fixed = svc("a", serde_json::json!([{"port": 81}]));
+        assert!(store.apply(Update::Service(Box::new(fixed))));
         assert_eq!(store.unreadable.len(), 0);
-        assert!(store.apply(Update::Service(bad())));
+        assert!(store.apply(Update::Service(Box::new(bad()))));
         assert_eq!((store.unreadable.len(), named()), (1, 3));
         assert!(
-            !store.apply(Update::Service(bad())),
+            !store.apply(Update::Service(Box::new(bad()))),
             "the same again changes nothing"
         );
         let Decoded::Ok(gone) = serde_json::from_value::<Decoded<Service>>(
