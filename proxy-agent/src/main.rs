@@ -84,7 +84,8 @@ fn main() -> Result<()> {
                 // Records from the BPF programs are already filtered by --bpf-log-level.
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,proxy_ebpf=trace")),
         )
-        .with_writer(std::io::stderr)
+        // Each record cut to cli::log::MAX_RECORD bytes: no body quoted whole.
+        .with_writer(cli::log::Capped(std::io::stderr))
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();

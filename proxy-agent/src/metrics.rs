@@ -211,6 +211,18 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             c.frontends_failed,
         ),
         (
+            "frontends_refused",
+            "Frontends the dataplane can never hold as their Service asks (more backend \
+             slots than a frontend has): left as they were, not retried",
+            c.frontends_refused,
+        ),
+        (
+            "frontends_adjusted",
+            "Frontends programmed otherwise than their Service asks (wrr weights scaled \
+             down to fit a frontend's backend slots)",
+            c.frontends_adjusted,
+        ),
+        (
             "objects_rejected",
             "Invalid objects left out of the view",
             c.objects_rejected,

@@ -209,6 +209,89 @@ async fn watcher_drives_the_view_through_every_event_kind() {
     assert!(status.counters().syncs_ok >= 5);
 }
 
+/// A nodePort outside the default 30000-32767, which an API server with another
+/// `--service-node-port-range` accepted: its ClusterIP and NodePort are programmed, as
+/// kube-proxy programs what the API server stored. (The whole Service was refused.)
+#[tokio::test]
+async fn a_node_port_the_api_server_accepted_is_programmed_outside_the_default_range() {
+    let server = FakeApiServer::start().await;
+    let mut np = service("np", "10.96.0.30", 80);
+    np["spec"]["type"] = json!("NodePort");
+    np["spec"]["ports"][0]["nodePort"] = json!(40000);
+    server.apply(Kind::Services, np);
+    server.apply(Kind::EndpointSlices, slice("np-1", "np", &["10.244.1.5"]));
+    server.apply(Kind::Nodes, node());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    let v = until(&mut rx, "the Service programmed", |v| !v.is_empty()).await;
+    let want = vec!["10.244.1.5:8080".parse::<SocketAddr>().expect("sa")];
+    assert_eq!(backends(&v, "10.96.0.30", 80), want, "ClusterIP: {v:#?}");
+    assert_eq!(backends(&v, "192.0.2.10", 40000), want, "NodePort: {v:#?}");
+    assert_eq!(status.counters().objects_rejected, 0);
+}
+
+/// One Service the agent cannot decode (a field of another type) among 300 good ones in
+/// one list: the good ones are programmed, the bad one is named once (with the field) and
+/// counted, the list is not retried, and the log stays small. The same in a watch event:
+/// named, its last readable version stays. (The list failed whole and was retried
+/// forever — a fresh node programmed nothing — and kube-client logged the whole body, 300
+/// KB here, at WARN on every retry.)
+#[tokio::test]
+async fn an_undecodable_service_costs_itself_alone_and_a_short_log_line() {
+    // The test's runtime is single-threaded: every task logs here.
+    let (log, _guard) = support::logs::Captured::start();
+    let server = FakeApiServer::start().await;
+    let padding = "x".repeat(1000);
+    for i in 0..300 {
+        let ip = format!("10.96.{}.{}", i / 250, i % 250 + 1);
+        let mut svc = service(&format!("svc-{i}"), &ip, 80);
+        svc["metadata"]["annotations"] = json!({"padding": padding});
+        server.apply(Kind::Services, svc);
+    }
+    let mut bad = service("bad", "10.96.9.9", 80);
+    bad["spec"]["ports"] = json!(7);
+    server.apply(Kind::Services, bad);
+    server.apply(Kind::Nodes, node());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start(&server, Recording(tx));
+    let v = until(&mut rx, "the 300 good Services", |v| v.len() == 300).await;
+    assert!(!v.contains_key(&fe("10.96.9.9", 80)));
+    // A retry would have come by now (the watcher's backoff starts under a second).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(server.lists_served("services"), 1, "the list was retried");
+    assert_eq!(status.counters().objects_rejected, 1);
+    let lines = log.lines_with("default/bad");
+    assert_eq!(lines.len(), 1, "{}", log.text());
+    assert!(
+        lines[0].contains("kind=\"Service\"") && lines[0].contains("spec.ports: invalid type"),
+        "{}",
+        lines[0]
+    );
+
+    let mut broken = service("svc-0", "10.96.0.1", 80);
+    broken["spec"]["ports"] = json!("eighty");
+    server.apply(Kind::Services, broken);
+    server.apply(Kind::Services, service("late", "10.96.8.8", 80));
+    let v = until(&mut rx, "a later change", |v| {
+        v.contains_key(&fe("10.96.8.8", 80))
+    })
+    .await;
+    assert!(
+        v.contains_key(&fe("10.96.0.1", 80)),
+        "svc-0's last readable version stays"
+    );
+    let lines = log.lines_with("default/svc-0");
+    assert_eq!(lines.len(), 1, "{}", log.text());
+    assert!(lines[0].contains("spec.ports"), "{}", lines[0]);
+    let text = log.text();
+    assert!(
+        text.len() < 4096,
+        "{} bytes of log:\n{}",
+        text.len(),
+        &text[..text.len().min(3000)]
+    );
+}
+
 /// kube-proxy's server-side selector: headless Services and those of another service
 /// proxy never reach the agent (nor their slices).
 #[tokio::test]

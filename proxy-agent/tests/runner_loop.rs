@@ -1,5 +1,9 @@
 //! The sync loop's own promises: a shutdown never waits for the coalescing interval
-//! (`minSyncPeriod: 60s` once kept SIGTERM waiting for up to two minutes).
+//! (`minSyncPeriod: 60s` once kept SIGTERM waiting for up to two minutes); only the
+//! frontends that changed reach the dataplane; a frontend the dataplane can never hold
+//! never makes the node unhealthy (`wrr` weights past a frontend's slots once did).
+
+mod support;
 
 use std::{
     sync::Arc,
@@ -7,11 +11,12 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::{ApplyReport, Dataplane},
+    dataplane::{ApplyReport, Dataplane, bpf},
     model::{NodeView, ViewConfig},
     runner::{self, Status, Timing},
     source::Snapshot,
 };
+use test_support::needs_root;
 
 struct Counting(Arc<std::sync::atomic::AtomicUsize>);
 
@@ -180,4 +185,143 @@ async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
     );
     stop_tx.send(()).expect("stop");
     task.await.expect("join").expect("run");
+}
+
+/// Refuses one frontend on every apply, as a dataplane refuses one it can never hold.
+struct Refusing;
+
+impl Dataplane for Refusing {
+    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+        Ok(ApplyReport {
+            refused: view
+                .iter()
+                .take(1)
+                .map(|(fe, st)| format!("{fe} ({}): too big", st.service))
+                .collect(),
+            ..ApplyReport::default()
+        })
+    }
+}
+
+/// A frontend the dataplane refuses is named and counted, not retried, and the node stays
+/// healthy past two sync periods (a failed frontend fails `/healthz` by then).
+#[tokio::test]
+async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
+    let (log, _guard) = support::logs::Captured::start();
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let mut snapshot = Snapshot::default();
+    snapshot.model.add_service(&service(1));
+    tx.send(Some(Arc::new(snapshot))).expect("send");
+    let status = Status::default();
+    let timing = Timing {
+        min_interval: Duration::from_millis(10),
+        resync: Duration::from_millis(200),
+        retry: Duration::from_millis(20),
+    };
+    runner::run(
+        rx,
+        ViewConfig::default(),
+        &mut Refusing,
+        timing,
+        status.clone(),
+        tokio::time::sleep(Duration::from_secs(1)),
+    )
+    .await
+    .expect("run");
+    let health = status.health(Instant::now());
+    assert!(health.healthy, "{health:?}");
+    let c = status.counters();
+    // Once, then once per resync (every 200 ms): never retried with backoff (20 ms).
+    assert!((1..=6).contains(&c.frontends_refused), "{c:?}");
+    assert_eq!((c.syncs_failed, c.frontends_failed), (0, 0), "{c:?}");
+    assert!(
+        !log.lines_with("10.96.0.2:80/TCP (ns/svc-1:80): too big")
+            .is_empty()
+    );
+    drop(tx);
+}
+
+/// `wrr` weights of 255 and 256 over 1,000 endpoints (legal objects) wanted 255,500
+/// backend slots, past a frontend's 65,535: the writer refused the frontend, the runner
+/// retried it forever, and `/healthz` and `/livez` went 503 after two sync periods. Now
+/// its weights are scaled to fit: it is programmed (1,000 slots), named in the log,
+/// counted in `proxy_agent_frontends_adjusted_total`, and the node stays healthy.
+#[needs_root]
+#[tokio::test]
+async fn wrr_weights_past_a_frontends_slots_are_scaled_and_the_node_stays_healthy() {
+    let (log, _guard) = support::logs::Captured::start();
+    let (_ebpf, mut maps) = bpf::load_private(&[]).expect("load");
+    let mut state = bpf::MapState::adopt(&maps).expect("adopt");
+    let addrs: Vec<String> = (0..1000)
+        .map(|i| format!("10.1.{}.{}", i / 250, i % 250 + 1))
+        .collect();
+    let weights: Vec<String> = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{a}={}", 255 + i % 2))
+        .collect();
+    let mut svc = service(1);
+    svc.metadata.annotations = Some(
+        [
+            ("ebpf.proxy.k8s.io/scheduler".to_string(), "wrr".to_string()),
+            ("ebpf.proxy.k8s.io/weights".to_string(), weights.join(",")),
+        ]
+        .into(),
+    );
+    let endpoints: Vec<serde_json::Value> = addrs
+        .iter()
+        .map(|a| serde_json::json!({"addresses": [a]}))
+        .collect();
+    let mut slice = slice(1, "10.1.0.1");
+    slice.endpoints = serde_json::from_value(serde_json::Value::Array(endpoints)).expect("eps");
+    let mut snapshot = Snapshot::default();
+    snapshot.model.add_service(&svc);
+    snapshot.model.add_slice(&slice);
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    tx.send(Some(Arc::new(snapshot))).expect("send");
+    let status = Status::default();
+    let timing = Timing {
+        min_interval: Duration::from_millis(10),
+        resync: Duration::from_millis(300),
+        retry: Duration::from_millis(50),
+    };
+    let mut dataplane = bpf::MapsDataplane::new(&mut maps, &mut state);
+    runner::run(
+        rx,
+        ViewConfig::default(),
+        &mut dataplane,
+        timing,
+        status.clone(),
+        tokio::time::sleep(Duration::from_secs(2)),
+    )
+    .await
+    .expect("run");
+    let health = status.health(Instant::now());
+    assert!(health.healthy, "two sync periods have passed: {health:?}");
+    let c = status.counters();
+    assert_eq!((c.frontends_failed, c.frontends_refused), (0, 0), "{c:?}");
+    assert!(c.frontends_adjusted >= 1, "{c:?}");
+    let metrics = proxy_agent::metrics::render(&status, None).expect("metrics");
+    assert!(
+        metrics.contains(&format!(
+            "proxy_agent_frontends_adjusted_total {}",
+            c.frontends_adjusted
+        )),
+        "{metrics}"
+    );
+    // 64 slots each, reduced by their gcd: one each.
+    let counts: Vec<u16> = maps
+        .services
+        .iter()
+        .map(|e| e.expect("entry").1.count)
+        .collect();
+    assert_eq!(counts, [1000]);
+    let named = log.lines_with("10.96.0.2:80/TCP (ns/svc-1:80): wrr weights scaled down");
+    assert!(!named.is_empty(), "{}", log.text());
+    assert!(
+        named[0].contains("255500 slots wanted, 1000 written"),
+        "{}",
+        named[0]
+    );
+    drop(tx);
 }

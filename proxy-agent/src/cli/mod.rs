@@ -24,5 +24,6 @@ pub mod output;
 pub mod agent_client;
 pub mod cleanup;
 pub mod dump;
+pub mod log;
 pub mod run;
 pub mod trace;

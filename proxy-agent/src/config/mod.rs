@@ -121,7 +121,8 @@ pub struct Config {
     pub node_port_addresses: Vec<ipnet::IpNet>,
     /// `nodePortAddresses` holds `primary`.
     pub node_port_primary: bool,
-    /// The API server's `--service-node-port-range` (`ebpf.nodePortRange`).
+    /// The API server's `--service-node-port-range` (`ebpf.nodePortRange`): NodePorts
+    /// from files outside it are refused; the API server's own are programmed as stored.
     pub node_port_range: (u16, u16),
     pub min_sync_period: Duration,
     pub sync_period: Duration,

@@ -17,8 +17,16 @@ pub struct ApplyReport {
     pub backends_removed: usize,
     /// Connected UDP sockets destroyed because their backend went away.
     pub udp_sockets_destroyed: usize,
-    /// Frontends left as they were because writing them failed (full map, ...).
+    /// Frontends left as they were because writing them failed (full map, ...): the
+    /// runner retries them, and `/healthz` fails while they wait.
     pub failed: Vec<String>,
+    /// Frontends this dataplane can never hold as the view gives them (more backend slots
+    /// than a frontend has), each `frontend (service): why`: left as they were and not
+    /// retried — one Service never makes the node unhealthy.
+    pub refused: Vec<String>,
+    /// Frontends programmed otherwise than the view says, each `frontend (service): how`
+    /// (`wrr` weights scaled down to fit a frontend's slots).
+    pub adjusted: Vec<String>,
     /// How full the service-side maps are after the apply (dataplanes with maps).
     pub fill: Option<MapFill>,
 }

@@ -336,8 +336,15 @@ pub struct ViewConfig {
     /// `nodePortAddresses: [primary]`: this node's primary addresses get NodePorts too.
     pub node_port_primary: bool,
     /// NodePorts outside this range (the API server's `--service-node-port-range`) are
-    /// refused, as the API server refuses them.
+    /// refused, as the API server refuses them — from sources it did not validate
+    /// (`api_validated` false): each such nodePort alone, the rest of its Service stays.
     pub node_port_range: (u16, u16),
+    /// The objects come from the API server, which validated them under its own settings
+    /// (its `--service-node-port-range` may differ from `node_port_range`): the checks
+    /// that repeat its validation (the node-port range, endpoint addresses) are skipped,
+    /// and what it stored is programmed, as kube-proxy programs it. The runner sets it
+    /// from each snapshot (`Snapshot::api_validated`); false (files) checks them.
+    pub api_validated: bool,
     /// `127.0.0.1:<nodePort>` works (IPv4 only).
     pub localhost_node_ports: bool,
     /// Services labelled `service.kubernetes.io/service-proxy-name` are ours only when the
@@ -361,6 +368,7 @@ impl Default for ViewConfig {
             node_port_addresses: Vec::new(),
             node_port_primary: false,
             node_port_range: DEFAULT_NODE_PORT_RANGE,
+            api_validated: false,
             localhost_node_ports: true,
             service_proxy_name: None,
             scheduler: schedule::Scheduler::Random,

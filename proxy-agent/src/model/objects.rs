@@ -172,7 +172,7 @@ impl ServiceInfo {
                 ..Default::default()
             };
         };
-        let ports: Vec<PortInfo> = spec.ports.iter().flatten().map(port_info).collect();
+        let mut ports: Vec<PortInfo> = spec.ports.iter().flatten().map(port_info).collect();
         let mut info = Self {
             proxy_name,
             external_name: spec.type_.as_deref() == Some("ExternalName"),
@@ -186,7 +186,7 @@ impl ServiceInfo {
                 .filter(|p| *p != 0),
             ..Default::default()
         };
-        let whole = check_ports(&ports, spec.ports.iter().flatten())
+        let whole = check_ports(&mut ports, spec.ports.iter().flatten(), &mut info.problems)
             .and_then(|()| cluster_ips(spec.cluster_ips.as_ref(), spec.cluster_ip.as_ref()));
         match whole {
             Ok(ips) => info.cluster_ips = ips,
@@ -259,16 +259,19 @@ fn port_and_protocol(port: &ServicePort) -> Result<(u16, Protocol), String> {
     Ok((number, protocol))
 }
 
-/// The API server's checks of a Service's ports that kube-proxy relies on: no port or
-/// nodePort given twice (per protocol), nodePorts within 1-65535. (The node-port range
-/// is this node's setting: the view checks it.)
+/// The API server's checks of a Service's ports that kube-proxy relies on. A port given
+/// twice (per protocol) refuses the Service as a whole; a nodePort out of 1-65535, or
+/// given twice (per protocol), costs that port its NodePort alone (left out of `parsed`,
+/// described in `problems`), as it would cost kube-proxy only that rule. (The node-port
+/// range is this node's setting: the view checks it.)
 fn check_ports<'a>(
-    parsed: &[PortInfo],
+    parsed: &mut [PortInfo],
     raw: impl Iterator<Item = &'a ServicePort>,
+    problems: &mut Vec<String>,
 ) -> Result<(), String> {
     let mut seen = std::collections::BTreeSet::new();
-    let mut node_ports = std::collections::BTreeSet::new();
-    for (port, raw) in parsed.iter().zip(raw) {
+    let mut node_ports = std::collections::BTreeMap::new();
+    for (port, raw) in parsed.iter_mut().zip(raw) {
         // A bad number or protocol leaves out that port alone (reported where ports are
         // read); the checks here are of the Service as a whole.
         let Ok((number, protocol)) = port.port else {
@@ -281,11 +284,23 @@ fn check_ports<'a>(
             None | Some(0) => {}
             Some(n) => {
                 let Some(n) = u16::try_from(n).ok().filter(|n| *n != 0) else {
-                    return Err(format!("nodePort {n} out of range 1-65535"));
+                    problems.push(format!(
+                        "port {}: nodePort {n} out of range 1-65535; its NodePort is not \
+                         programmed",
+                        port.display
+                    ));
+                    continue;
                 };
-                if !node_ports.insert((n, protocol)) {
-                    return Err(format!("nodePort {n}/{protocol} given twice"));
+                if let Some(first) = node_ports.get(&(n, protocol)) {
+                    problems.push(format!(
+                        "port {}: nodePort {n}/{protocol} given twice (port {first} has it); \
+                         its NodePort is not programmed",
+                        port.display
+                    ));
+                    port.node_port = None;
+                    continue;
                 }
+                node_ports.insert((n, protocol), port.display.clone());
             }
         }
     }
@@ -345,6 +360,51 @@ fn is_unicast_service_ip(ip: IpAddr) -> bool {
                 || v6.is_multicast()
                 || v6.is_unicast_link_local())
         }
+    }
+}
+
+/// Why the API server refuses `ip` as an endpoint address, if it does (Kubernetes'
+/// `ValidateEndpointIP`, formerly `ValidateNonSpecialIP`: unspecified, loopback and
+/// link-local addresses make no sense as endpoints, and link-local ones are the node's
+/// own business — 169.254.169.254 is the cloud's metadata service). IPv4-mapped IPv6
+/// addresses are judged as their IPv4 address, as Go's `net.IP` methods judge them.
+pub fn special_endpoint_ip(ip: IpAddr) -> Option<&'static str> {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    let (unspecified, loopback, link_local, link_local_multicast) = match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            (
+                v4.is_unspecified(),
+                v4.is_loopback(),
+                v4.is_link_local(),
+                o[0] == 224 && o[1] == 0 && o[2] == 0,
+            )
+        }
+        IpAddr::V6(v6) => {
+            let o = v6.octets();
+            (
+                v6.is_unspecified(),
+                v6.is_loopback(),
+                v6.is_unicast_link_local(),
+                // Go's IsLinkLocalMulticast: multicast of link-local scope (ff02::/16,
+                // and the same scope with other flags).
+                o[0] == 0xff && o[1] & 0x0f == 0x02,
+            )
+        }
+    };
+    if unspecified {
+        Some("may not be unspecified")
+    } else if loopback {
+        Some("may not be in the loopback range (127.0.0.0/8, ::1/128)")
+    } else if link_local {
+        Some("may not be in the link-local range (169.254.0.0/16, fe80::/10)")
+    } else if link_local_multicast {
+        Some("may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)")
+    } else {
+        None
     }
 }
 

@@ -12,7 +12,7 @@ use super::{
     BackendSet, ClusterModel, Frontend, FrontendKind, FrontendState, NodeInfo, NodeView, ObjectRef,
     Protocol, SliceKey, ViewConfig, WhenEmpty,
     endpoints::{Categorized, Endpoint, Policies, categorize, dedupe},
-    objects::{PortInfo, ServiceInfo, SliceInfo, TargetPort},
+    objects::{PortInfo, ServiceInfo, SliceInfo, TargetPort, special_endpoint_ip},
 };
 
 /// An object (or part of one) left out of the view, and why.
@@ -72,13 +72,9 @@ pub fn service_view(
         return out;
     }
     let slices: Vec<(&SliceKey, &SliceInfo)> = model.slices_of(sref).collect();
-    out.health = health_check(sref, svc, &slices, node);
+    out.health = health_check(sref, svc, &slices, node, cfg);
     if let Some(reason) = &svc.invalid {
         out.rejections.push(rejection(reason.clone()));
-        return out;
-    }
-    if let Err(reason) = check_node_port_range(svc, cfg.node_port_range) {
-        out.rejections.push(rejection(reason));
         return out;
     }
     if svc.cluster_ips.is_empty() {
@@ -94,6 +90,22 @@ pub fn service_view(
                 object: key.object(),
                 reason: format!("invalid endpoint address {addr:?}"),
             });
+        }
+        // What the API server refuses, from a source it did not validate: each endpoint
+        // alone (endpoints_for leaves them out).
+        if !cfg.api_validated {
+            for ep in &slice.endpoints {
+                if let Some(why) = special_endpoint_ip(ep.ip) {
+                    out.rejections.push(Rejection {
+                        kind: "EndpointSlice",
+                        object: key.object(),
+                        reason: format!(
+                            "endpoint address {}: {why}, as the API server says; left out",
+                            ep.ip
+                        ),
+                    });
+                }
+            }
         }
     }
     let externally_accessible = !svc.external_ips.is_empty() || svc.node_port_type;
@@ -117,6 +129,18 @@ pub fn service_view(
             }
         };
         let service = format!("{sref}:{}", port.display);
+        let node_port = match port.node_port {
+            Some(n) if !cfg.api_validated && !in_node_port_range(n, cfg.node_port_range) => {
+                out.rejections.push(rejection(format!(
+                    "port {}: nodePort {n} outside the node-port range {}-{} \
+                     (ebpf.nodePortRange, the API server's --service-node-port-range); \
+                     its NodePort is not programmed",
+                    port.display, cfg.node_port_range.0, cfg.node_port_range.1
+                )));
+                None
+            }
+            other => other,
+        };
         for v4 in [true, false] {
             let family_ips = |ips: &[IpAddr]| -> Vec<IpAddr> {
                 ips.iter()
@@ -129,7 +153,7 @@ pub fn service_view(
                 // The Service is not of this family (ipFamilies).
                 continue;
             }
-            let (eps, bad) = endpoints_for(&slices, port, protocol, v4, &node.name);
+            let (eps, bad) = endpoints_for(&slices, port, protocol, v4, &node.name, cfg);
             out.rejections.extend(bad);
             let sets = categorize(&eps, policies, &node.name, node.zone());
             // Too many for one frontend's backend slots: refused alone, named and
@@ -173,7 +197,7 @@ pub fn service_view(
                     wanted.push((fe, state_for(kind)));
                 }
             }
-            if let Some(node_port) = port.node_port {
+            if let Some(node_port) = node_port {
                 for ip in node_port_ips(node, cfg, v4) {
                     wanted.push((
                         Frontend {
@@ -266,6 +290,7 @@ fn health_check(
     svc: &ServiceInfo,
     slices: &[(&SliceKey, &SliceInfo)],
     node: &NodeInfo,
+    cfg: &ViewConfig,
 ) -> Option<(u16, HealthCheck)> {
     let port = svc.health_check_node_port?;
     if !svc.external_policy_local {
@@ -276,6 +301,7 @@ fn health_check(
         .iter()
         .flat_map(|(_, s)| &s.endpoints)
         .filter(|ep| ep.ready && ep.is_on(&node.name))
+        .filter(|ep| cfg.api_validated || special_endpoint_ip(ep.ip).is_none())
         .map(|ep| ep.ip)
         .collect();
     Some((
@@ -332,20 +358,11 @@ fn is_ours(svc: &ServiceInfo, cfg: &ViewConfig) -> bool {
     }
 }
 
-/// NodePorts inside this node's node-port range (the API server's
-/// `--service-node-port-range`): a NodePort of 22 would take over the node's ssh, and
-/// through `localhostNodePorts` its loopback too.
-fn check_node_port_range(svc: &ServiceInfo, range: (u16, u16)) -> Result<(), String> {
-    for n in svc.ports.iter().filter_map(|p| p.node_port) {
-        if n < range.0 || n > range.1 {
-            return Err(format!(
-                "nodePort {n} outside the node-port range {}-{} \
-                 (ebpf.nodePortRange, the API server's --service-node-port-range)",
-                range.0, range.1
-            ));
-        }
-    }
-    Ok(())
+/// Whether a nodePort lies in this node's node-port range (the API server's
+/// `--service-node-port-range`): from a file, a NodePort of 22 would take over the node's
+/// ssh, and through `localhostNodePorts` its loopback too.
+fn in_node_port_range(n: u16, range: (u16, u16)) -> bool {
+    (range.0..=range.1).contains(&n)
 }
 
 /// Whether NodePorts answer on `ip`: `nodePortAddresses` CIDRs (`all` and `localhost`
@@ -405,6 +422,7 @@ fn endpoints_for<'a>(
     protocol: Protocol,
     v4: bool,
     node: &str,
+    cfg: &ViewConfig,
 ) -> (Vec<Endpoint<'a>>, Vec<Rejection>) {
     let mut eps = Vec::new();
     let mut bad = Vec::new();
@@ -427,6 +445,9 @@ fn endpoints_for<'a>(
         for ep in &slice.endpoints {
             if ep.ip.is_ipv4() != v4 {
                 continue;
+            }
+            if !cfg.api_validated && special_endpoint_ip(ep.ip).is_some() {
+                continue; // named above, in service_view
             }
             eps.push(Endpoint {
                 addr: SocketAddr::new(ep.ip, target_port),

@@ -675,18 +675,6 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
     let port = |p: i64, np: i64| json!({"name": format!("p{p}"), "port": p, "targetPort": 8080, "nodePort": np, "protocol": "TCP"});
     let cases: Vec<(serde_json::Value, &str)> = vec![
         (
-            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 22)]}),
-            "nodePort 22 outside the node-port range",
-        ),
-        (
-            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 70000)]}),
-            "nodePort 70000 out of range",
-        ),
-        (
-            json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [port(80, 30100), port(81, 30100)]}),
-            "nodePort 30100/TCP given twice",
-        ),
-        (
             json!({"clusterIP": "10.96.0.50", "ports": [port(80, 0), port(80, 0)]}),
             "port 80/TCP given twice",
         ),
@@ -745,6 +733,184 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
             .iter()
             .any(|r| r.kind == "EndpointSlice" && r.reason.contains("port 0 out of range")),
         "{rejected:?}"
+    );
+}
+
+/// From a file (no API server validated it), a nodePort the API server would refuse
+/// costs that port its NodePort alone: the ClusterIP, the Service's other ports and their
+/// NodePorts stay, as kube-proxy would still serve them. (They refused the whole Service.)
+#[test]
+fn a_bad_node_port_from_a_file_costs_that_node_port_alone() {
+    let port = |name: &str, p: i64, np: i64| json!({"name": name, "port": p, "targetPort": 8080, "nodePort": np, "protocol": "TCP"});
+    let spec = json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [
+        port("low", 80, 22), port("huge", 81, 70000), port("ok", 82, 30100), port("again", 83, 30100),
+    ]});
+    let (view, rejected) = view_of(&model(&[svc("np", spec)], &[]));
+    for p in [80, 81, 82, 83] {
+        assert!(
+            view.contains_key(&fe("10.96.0.50", p, Protocol::Tcp)),
+            "ClusterIP port {p} left out: {rejected:?}"
+        );
+    }
+    let node_ports: BTreeSet<(u16, String)> = view
+        .iter()
+        .filter(|(_, st)| st.kind == FrontendKind::NodePort)
+        .map(|(f, st)| (f.port, st.service.clone()))
+        .collect();
+    assert_eq!(
+        node_ports,
+        BTreeSet::from([(30100, "default/np:ok".to_string())])
+    );
+    let reasons: Vec<&str> = rejected.iter().map(|r| r.reason.as_str()).collect();
+    for needle in [
+        "port low: nodePort 22 outside the node-port range 30000-32767",
+        "port huge: nodePort 70000 out of range 1-65535",
+        "port again: nodePort 30100/TCP given twice (port ok has it)",
+    ] {
+        assert!(
+            reasons.iter().any(|r| r.contains(needle)),
+            "{needle:?} not in {reasons:?}"
+        );
+    }
+    assert_eq!(rejected.len(), 3, "{reasons:?}");
+    assert!(rejected.iter().all(|r| r.object.name == "np"));
+}
+
+/// From the API server, a nodePort outside this node's `nodePortRange` is programmed: the
+/// API server accepted it under its own `--service-node-port-range`, which clusters
+/// change, and kube-proxy programs what it stored. (The whole Service was refused, its
+/// ClusterIP too.) The same object from a file loses that NodePort alone.
+#[test]
+fn node_ports_the_api_server_stored_are_programmed_whatever_the_range() {
+    let spec = json!({"type": "NodePort", "clusterIP": "10.96.0.50", "ports": [
+        {"name": "http", "port": 80, "targetPort": 8080, "nodePort": 40000, "protocol": "TCP"}]});
+    let m = model(&[svc("np", spec)], &[]);
+    let cfg = ViewConfig {
+        api_validated: true,
+        ..ViewConfig::default()
+    };
+    let (view, rejected) = node_view(&m, &node_a(), &cfg);
+    assert!(rejected.is_empty(), "{rejected:?}");
+    assert!(view.contains_key(&fe("10.96.0.50", 80, Protocol::Tcp)));
+    assert_eq!(
+        view[&fe("192.0.2.10", 40000, Protocol::Tcp)].kind,
+        FrontendKind::NodePort
+    );
+    assert!(view.contains_key(&fe("127.0.0.1", 40000, Protocol::Tcp)));
+
+    let (view, rejected) = view_of(&m);
+    assert!(view.contains_key(&fe("10.96.0.50", 80, Protocol::Tcp)));
+    assert!(view.values().all(|st| st.kind != FrontendKind::NodePort));
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert!(
+        rejected[0]
+            .reason
+            .contains("port http: nodePort 40000 outside the node-port range 30000-32767"),
+        "{rejected:?}"
+    );
+}
+
+/// Endpoint addresses the API server refuses (Kubernetes' `ValidateEndpointIP`:
+/// unspecified, loopback, link-local, link-local multicast; IPv4-mapped ones judged as
+/// IPv4) are refused from a file, each endpoint alone and named; the Service's other
+/// endpoints stay. (They were programmed: a backend of 127.0.0.1 or 169.254.169.254 sent
+/// the Service's traffic to the node itself or to the cloud's metadata service.) From the
+/// API server, which validated them, what it stored is programmed.
+#[test]
+fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
+    let dual = json!({"clusterIPs": ["10.96.0.10", "fd00::10"], "ipFamilies": ["IPv4", "IPv6"],
+                      "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]});
+    let v4_special = [
+        "0.0.0.0",
+        "127.0.0.1",
+        "127.8.0.1",
+        "169.254.169.254",
+        "224.0.0.251",
+    ];
+    let v6_special = [
+        "::",
+        "::1",
+        "fe80::1",
+        "ff02::fb",
+        "ff12::1",
+        "::ffff:127.0.0.1",
+    ];
+    let eps = |good: &str, special: &[&str]| {
+        let mut all = vec![ep(good, true, true, false)];
+        all.extend(special.iter().map(|a| ep(a, true, true, false)));
+        serde_json::Value::Array(all)
+    };
+    let m = model(
+        &[svc("web", dual)],
+        &[
+            slice(
+                "web-v4",
+                "web",
+                "IPv4",
+                http_ports(),
+                eps("10.244.1.5", &v4_special),
+            ),
+            slice(
+                "web-v6",
+                "web",
+                "IPv6",
+                http_ports(),
+                eps("fd00:244::5", &v6_special),
+            ),
+        ],
+    );
+    let (view, rejected) = view_of(&m);
+    assert_eq!(
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints,
+        set(&["10.244.1.5:8080"])
+    );
+    assert_eq!(
+        view[&fe("fd00::10", 80, Protocol::Tcp)].backends.endpoints,
+        set(&["[fd00:244::5]:8080"])
+    );
+    for (slice_name, addrs) in [("web-v4", &v4_special[..]), ("web-v6", &v6_special[..])] {
+        for addr in addrs {
+            let shown = addr.parse::<std::net::IpAddr>().expect("ip").to_string();
+            assert!(
+                rejected.iter().any(|r| r.kind == "EndpointSlice"
+                    && r.object.name == slice_name
+                    && r.reason
+                        .starts_with(&format!("endpoint address {shown}: may not be"))),
+                "{addr} not refused: {rejected:?}"
+            );
+        }
+    }
+    assert_eq!(rejected.len(), v4_special.len() + v6_special.len());
+    let why = |addr: &str| {
+        crate::model::objects::special_endpoint_ip(addr.parse().expect("ip")).unwrap_or("")
+    };
+    assert!(why("169.254.169.254").contains("link-local range"));
+    assert!(why("224.0.0.251").contains("link-local multicast"));
+    assert!(why("::ffff:127.0.0.1").contains("loopback"));
+    for fine in [
+        "10.244.1.5",
+        "224.0.1.1",
+        "ff05::1",
+        "fd00::1",
+        "2001:db8::1",
+    ] {
+        assert_eq!(why(fine), "", "{fine}");
+    }
+
+    let cfg = ViewConfig {
+        api_validated: true,
+        ..ViewConfig::default()
+    };
+    let (view, rejected) = node_view(&m, &node_a(), &cfg);
+    assert!(rejected.is_empty(), "{rejected:?}");
+    assert_eq!(
+        view[&fe("10.96.0.10", 80, Protocol::Tcp)]
+            .backends
+            .endpoints
+            .len(),
+        1 + v4_special.len()
     );
 }
 

@@ -90,7 +90,7 @@ pub async fn run<D: Dataplane>(
 ) -> Result<()> {
     tokio::pin!(shutdown);
     // The dataplane's limits arrive in the view as settings.
-    let cfg = ViewConfig {
+    let mut cfg = ViewConfig {
         max_endpoints: cfg.max_endpoints.min(dataplane.max_endpoints()),
         ..cfg
     };
@@ -142,6 +142,9 @@ pub async fn run<D: Dataplane>(
         let Some(snapshot) = source.borrow_and_update().clone() else {
             continue; // the source has not seen everything yet
         };
+        // Checks that repeat the API server's validation are for sources it did not
+        // validate (a change of source rebuilds the view, as a change of settings does).
+        cfg.api_validated = snapshot.api_validated;
         let wanted = NodeSettings::new(&snapshot.node, &cfg);
         if settings.as_ref() != Some(&wanted) {
             match dataplane.configure(&wanted) {
@@ -220,6 +223,16 @@ pub async fn run<D: Dataplane>(
             t.no_local_endpoints(),
         );
         applied = Some(view);
+        if let Ok(report) = &outcome {
+            // Not retried: the dataplane can never hold them as they are. The rest of the
+            // node is programmed, and stays healthy.
+            for f in &report.refused {
+                tracing::error!(frontend = %f, "frontend refused by the dataplane; not retried");
+            }
+            for f in &report.adjusted {
+                tracing::warn!(frontend = %f, "frontend programmed otherwise than its Service says");
+            }
+        }
         match outcome {
             Ok(report) if report.failed.is_empty() => {
                 programming.done(&status);

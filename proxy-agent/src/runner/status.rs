@@ -24,6 +24,10 @@ pub struct Counters {
     pub syncs_ok: u64,
     pub syncs_failed: u64,
     pub frontends_failed: u64,
+    /// Frontends the dataplane can never hold as the view gives them (not retried).
+    pub frontends_refused: u64,
+    /// Frontends programmed otherwise than their Service says (`wrr` weights scaled).
+    pub frontends_adjusted: u64,
     pub objects_rejected: u64,
     pub udp_sockets_destroyed: u64,
     /// Classifier attachments to interfaces that failed.
@@ -238,6 +242,10 @@ impl Status {
             s.counters.no_local_endpoints = no_local;
             s.view = view.clone();
             s.counters.last_sync_seconds = took.as_secs_f64();
+            if let Ok(r) = outcome {
+                s.counters.frontends_refused += r.refused.len() as u64;
+                s.counters.frontends_adjusted += r.adjusted.len() as u64;
+            }
             match outcome {
                 Ok(r) if r.failed.is_empty() => {
                     s.counters.maps = r.fill.unwrap_or(s.counters.maps);

@@ -3,37 +3,67 @@
 //! (`recovery`: a growing backoff, a relist from scratch when a watch is answered with an
 //! error or an event is too large); a relist is buffered and swapped in whole. Nothing is
 //! published until every resource has been listed once, so a restart never programs a
-//! partial view.
+//! partial view. Objects are decoded one at a time (`decoded`): one that does not decode
+//! is named and left out — its last readable version stays — and the rest of its list
+//! applies.
 
 mod recovery;
 
-use std::{collections::BTreeSet, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use futures::{StreamExt as _, stream::BoxStream};
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use kube::{Api, Client, ResourceExt as _, runtime::watcher};
+use kube::{Api, Client, Resource as _, ResourceExt as _, runtime::watcher};
 use tokio::sync::watch;
 
 pub use recovery::Backoff;
 use recovery::Resource;
 
-use super::{Snapshot, api_server::ApiCounters};
+use super::{Snapshot, api_server::ApiCounters, decoded::Decoded};
 use crate::model::{ClusterModel, NodeInfo, ObjectRef, ServiceInfo, SliceInfo};
 
 /// Which watched resource an event is about.
 enum Update {
-    Service(Box<watcher::Event<Service>>),
-    Slice(Box<watcher::Event<EndpointSlice>>),
-    Node(Box<watcher::Event<Node>>),
+    Service(Box<watcher::Event<Decoded<Service>>>),
+    Slice(Box<watcher::Event<Decoded<EndpointSlice>>>),
+    Node(Box<watcher::Event<Decoded<Node>>>),
 }
 
 /// A relist of one kind: buffered, then swapped in whole when it is complete.
 struct Listing<T> {
-    relist: Option<Vec<(ObjectRef, T)>>,
+    relist: Option<Relist<T>>,
     listed: bool,
+}
+
+/// What one relist found.
+struct Relist<T> {
+    fresh: Vec<(ObjectRef, T)>,
+    /// Named objects that did not decode: their last readable version stays.
+    kept: Vec<ObjectRef>,
+    /// Objects that did not decode (by name, else by place in the list), with why.
+    unreadable: Vec<(String, String)>,
+    /// Items so far, readable or not.
+    items: usize,
+}
+
+impl<T> Default for Relist<T> {
+    fn default() -> Self {
+        Self {
+            fresh: Vec::new(),
+            kept: Vec::new(),
+            unreadable: Vec::new(),
+            items: 0,
+        }
+    }
 }
 
 impl<T> Default for Listing<T> {
@@ -47,19 +77,102 @@ impl<T> Default for Listing<T> {
 
 impl<T> Listing<T> {
     fn begin(&mut self) {
-        self.relist = Some(Vec::new());
+        self.relist = Some(Relist::default());
     }
 
-    fn add(&mut self, r: ObjectRef, obj: T) {
-        self.relist.get_or_insert_with(Vec::new).push((r, obj));
+    fn current(&mut self) -> &mut Relist<T> {
+        self.relist.get_or_insert_with(Relist::default)
     }
 
-    /// The complete relist; `first` is true the first time.
-    fn done(&mut self) -> (Vec<(ObjectRef, T)>, bool) {
+    /// One item of the relist: decoded, or what could be read of it and why not.
+    fn add(&mut self, item: Result<(ObjectRef, T), (&ObjectMeta, String)>) {
+        let relist = self.current();
+        relist.items += 1;
+        match item {
+            Ok(entry) => relist.fresh.push(entry),
+            Err((meta, reason)) => {
+                let place = relist.items - 1;
+                if meta.name.is_some() {
+                    relist.kept.push(ObjectRef::of(meta));
+                }
+                relist.unreadable.push((name_of(meta, Some(place)), reason));
+            }
+        }
+    }
+
+    /// The complete relist, and whether it is the first.
+    fn done(&mut self) -> (Relist<T>, bool) {
         let first = !self.listed;
         self.listed = true;
         (self.relist.take().unwrap_or_default(), first)
     }
+}
+
+/// How an object that did not decode is named: `namespace/name`, else its place in the
+/// list it came in.
+fn name_of(meta: &ObjectMeta, place: Option<usize>) -> String {
+    match (&meta.name, &meta.namespace, place) {
+        // Cluster-scoped (a Node): its name alone.
+        (Some(name), None, _) => name.clone(),
+        (Some(_), Some(_), _) => ObjectRef::of(meta).to_string(),
+        (None, _, Some(i)) => format!("item {i} of the list (its name unreadable)"),
+        (None, _, None) => "an object of a watch event (its name unreadable)".to_string(),
+    }
+}
+
+/// Objects that did not decode, by kind and name: each logged when it is new or its
+/// reason changes (not on every relist), and counted in the snapshot.
+#[derive(Default)]
+struct Unreadable(BTreeMap<(&'static str, String), String>);
+
+impl Unreadable {
+    /// One more (or one again); `true` if it is new or its reason is.
+    fn note(&mut self, kind: &'static str, name: String, reason: String) -> bool {
+        let key = (kind, name);
+        if self.0.get(&key) == Some(&reason) {
+            return false;
+        }
+        log_unreadable(kind, &key.1, &reason);
+        self.0.insert(key, reason);
+        true
+    }
+
+    /// `kind`/`name` decoded, or went away; `true` if it was unreadable.
+    fn clear(&mut self, kind: &'static str, name: String) -> bool {
+        self.0.remove(&(kind, name)).is_some()
+    }
+
+    /// A relist of `kind` found exactly these unreadable; `true` if that changed anything.
+    fn relisted(&mut self, kind: &'static str, found: Vec<(String, String)>) -> bool {
+        let before: BTreeMap<String, String> = self
+            .0
+            .iter()
+            .filter(|((k, _), _)| *k == kind)
+            .map(|((_, n), r)| (n.clone(), r.clone()))
+            .collect();
+        self.0.retain(|(k, _), _| *k != kind);
+        for (name, reason) in found {
+            if before.get(&name) != Some(&reason) {
+                log_unreadable(kind, &name, &reason);
+            }
+            self.0.insert((kind, name), reason);
+        }
+        let after = self.0.iter().filter(|((k, _), _)| *k == kind);
+        !before.iter().eq(after.map(|((_, n), r)| (n, r)))
+    }
+
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+}
+
+fn log_unreadable(kind: &str, name: &str, reason: &str) {
+    tracing::warn!(
+        kind,
+        object = %name,
+        reason = %reason,
+        "cannot decode an object; left out (its last readable version, if any, stays)"
+    );
 }
 
 /// Everything the watchers have told us, in the compact model: objects are parsed once
@@ -75,6 +188,7 @@ pub struct Store {
     node: Option<NodeInfo>,
     node_name: String,
     changes: super::ChangeCounts,
+    unreadable: Unreadable,
 }
 
 impl Store {
@@ -118,7 +232,8 @@ impl Store {
         None
     }
 
-    /// Applies one watch event; `true` if the model or this node changed.
+    /// Applies one watch event; `true` if the model, this node or what is unreadable
+    /// changed.
     fn apply(&mut self, update: Update) -> bool {
         match update {
             Update::Service(e) => self.apply_service(*e),
@@ -127,51 +242,79 @@ impl Store {
         }
     }
 
-    fn apply_service(&mut self, event: watcher::Event<Service>) -> bool {
+    fn apply_service(&mut self, event: watcher::Event<Decoded<Service>>) -> bool {
         apply_to_model(
             &mut self.model,
             &mut self.services,
             &mut self.changes.services,
+            &mut self.unreadable,
             event,
         )
     }
 
-    fn apply_slice(&mut self, event: watcher::Event<EndpointSlice>) -> bool {
+    fn apply_slice(&mut self, event: watcher::Event<Decoded<EndpointSlice>>) -> bool {
         apply_to_model(
             &mut self.model,
             &mut self.slices,
             &mut self.changes.endpoint_slices,
+            &mut self.unreadable,
             event,
         )
     }
 
-    fn apply_node(&mut self, event: watcher::Event<Node>) -> bool {
-        let ours = |node: &Node| node.name_any() == self.node_name;
+    fn apply_node(&mut self, event: watcher::Event<Decoded<Node>>) -> bool {
+        let ours = |meta: &ObjectMeta| meta.name.as_deref() == Some(self.node_name.as_str());
         let next = match event {
             watcher::Event::Init => {
                 self.nodes.begin();
                 return false;
             }
             watcher::Event::InitApply(node) => {
-                if ours(&node) {
-                    let info = node_info(&self.node_name, Some(&node));
-                    self.nodes.add(ObjectRef::of(&node.metadata), info);
+                match node {
+                    Decoded::Ok(node) if ours(&node.metadata) => {
+                        let info = node_info(&self.node_name, Some(&node));
+                        self.nodes.add(Ok((ObjectRef::of(&node.metadata), info)));
+                    }
+                    Decoded::Unreadable { meta, reason } if ours(&meta) => {
+                        self.nodes.add(Err((&*meta, reason)));
+                    }
+                    _ => {}
                 }
                 return false;
             }
             watcher::Event::InitDone => {
-                let (fresh, first) = self.nodes.done();
-                let next = fresh.into_iter().next().map(|(_, n)| n);
+                let (relist, first) = self.nodes.done();
+                let unreadable = self.unreadable.relisted("Node", relist.unreadable);
+                // Our Node unreadable: what we knew of it stays.
+                let next = match relist.fresh.into_iter().next() {
+                    Some((_, n)) => Some(n),
+                    None if !relist.kept.is_empty() => self.node.clone(),
+                    None => None,
+                };
                 if first {
                     self.node = next;
                     return true;
                 }
-                next
+                let changed = self.node != next;
+                self.node = next;
+                return changed || unreadable;
             }
-            watcher::Event::Apply(node) if ours(&node) => {
-                Some(node_info(&self.node_name, Some(&node)))
+            watcher::Event::Apply(node) if ours(node.meta()) => match node {
+                Decoded::Ok(node) => {
+                    let cleared = self.unreadable.clear("Node", name_of(&node.metadata, None));
+                    let next = Some(node_info(&self.node_name, Some(&node)));
+                    let changed = self.node != next;
+                    self.node = next;
+                    return changed || cleared;
+                }
+                Decoded::Unreadable { meta, reason } => {
+                    return self.unreadable.note("Node", name_of(&meta, None), reason);
+                }
+            },
+            watcher::Event::Delete(node) if ours(node.meta()) => {
+                self.unreadable.clear("Node", name_of(node.meta(), None));
+                None
             }
-            watcher::Event::Delete(node) if ours(&node) => None,
             _ => return false,
         };
         let changed = self.node != next;
@@ -188,8 +331,8 @@ impl Store {
                 .clone()
                 .unwrap_or_else(|| node_info(&self.node_name, None)),
             changes: self.changes,
-            // The API server validated every object; kube-rs reports what fails to decode.
-            unreadable: 0,
+            unreadable: self.unreadable.len(),
+            api_validated: true,
         }
     }
 }
@@ -197,6 +340,7 @@ impl Store {
 /// A kind of object the model holds: how it is read, stored and listed.
 trait Modelled: kube::Resource {
     type Info;
+    const KIND: &'static str;
     fn info(&self) -> Self::Info;
     fn insert(model: &mut ClusterModel, r: ObjectRef, info: Self::Info) -> bool;
     fn remove(model: &mut ClusterModel, r: &ObjectRef) -> bool;
@@ -205,6 +349,7 @@ trait Modelled: kube::Resource {
 
 impl Modelled for Service {
     type Info = ServiceInfo;
+    const KIND: &'static str = "Service";
     fn info(&self) -> ServiceInfo {
         ServiceInfo::from_k8s(self)
     }
@@ -221,6 +366,7 @@ impl Modelled for Service {
 
 impl Modelled for EndpointSlice {
     type Info = SliceInfo;
+    const KIND: &'static str = "EndpointSlice";
     fn info(&self) -> SliceInfo {
         SliceInfo::from_k8s(self)
     }
@@ -235,27 +381,40 @@ impl Modelled for EndpointSlice {
     }
 }
 
-/// Applies one watch event of a modelled kind; `true` if the model changed. Counts the
-/// objects that changed into `changes`. A change that nets to nothing we use (status,
-/// annotations, bookkeeping metadata) is dropped by the model's insert.
+/// Applies one watch event of a modelled kind; `true` if the model (or what is
+/// unreadable) changed. Counts the objects that changed into `changes`. A change that
+/// nets to nothing we use (status, annotations, bookkeeping metadata) is dropped by the
+/// model's insert. An object that does not decode leaves the model as it was (its last
+/// readable version stays) and is named in `unreadable`.
 fn apply_to_model<K: Modelled>(
     model: &mut ClusterModel,
     listing: &mut Listing<K::Info>,
     changes: &mut u64,
-    event: watcher::Event<K>,
+    unreadable: &mut Unreadable,
+    event: watcher::Event<Decoded<K>>,
 ) -> bool {
-    let changed = match event {
+    match event {
         watcher::Event::Init => {
             listing.begin();
-            return false;
+            false
         }
-        watcher::Event::InitApply(obj) => {
-            listing.add(ObjectRef::of(obj.meta()), obj.info());
-            return false;
+        watcher::Event::InitApply(Decoded::Ok(obj)) => {
+            listing.add(Ok((ObjectRef::of(obj.meta()), obj.info())));
+            false
+        }
+        watcher::Event::InitApply(Decoded::Unreadable { meta, reason }) => {
+            listing.add(Err((&*meta, reason)));
+            false
         }
         watcher::Event::InitDone => {
-            let (fresh, first) = listing.done();
-            let keep: BTreeSet<&ObjectRef> = fresh.iter().map(|(r, _)| r).collect();
+            let (relist, first) = listing.done();
+            let unreadable_changed = unreadable.relisted(K::KIND, relist.unreadable);
+            let keep: BTreeSet<&ObjectRef> = relist
+                .fresh
+                .iter()
+                .map(|(r, _)| r)
+                .chain(&relist.kept)
+                .collect();
             let gone: Vec<ObjectRef> = K::held(model)
                 .into_iter()
                 .filter(|r| !keep.contains(r))
@@ -264,17 +423,30 @@ fn apply_to_model<K: Modelled>(
             for r in gone {
                 changed += u64::from(K::remove(model, &r));
             }
-            for (r, info) in fresh {
+            for (r, info) in relist.fresh {
                 changed += u64::from(K::insert(model, r, info));
             }
             *changes += changed;
-            return changed > 0 || first;
+            changed > 0 || first || unreadable_changed
         }
-        watcher::Event::Apply(obj) => K::insert(model, ObjectRef::of(obj.meta()), obj.info()),
-        watcher::Event::Delete(obj) => K::remove(model, &ObjectRef::of(obj.meta())),
-    };
-    *changes += u64::from(changed);
-    changed
+        watcher::Event::Apply(Decoded::Ok(obj)) => {
+            let cleared = unreadable.clear(K::KIND, name_of(obj.meta(), None));
+            let r = ObjectRef::of(obj.meta());
+            let changed = K::insert(model, r, obj.info());
+            *changes += u64::from(changed);
+            changed || cleared
+        }
+        watcher::Event::Apply(Decoded::Unreadable { meta, reason }) => {
+            unreadable.note(K::KIND, name_of(&meta, None), reason)
+        }
+        watcher::Event::Delete(obj) => {
+            let cleared = unreadable.clear(K::KIND, name_of(obj.meta(), None));
+            let r = ObjectRef::of(obj.meta());
+            let changed = K::remove(model, &r);
+            *changes += u64::from(changed);
+            changed || cleared
+        }
+    }
 }
 
 /// Name, labels and addresses of this node; the name alone when its Node object is absent.
@@ -323,6 +495,9 @@ pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
     }
 }
 
+/// The longest watch error logged (the rest is cut).
+pub(super) const MAX_LOGGED_ERROR: usize = 1024;
+
 /// How often a source that cannot publish yet says what it waits for.
 const WAITING_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -367,7 +542,7 @@ pub async fn run(
     let selected = cfg.clone().labels(&label_selector);
     let follow = |label, name| Resource { label, name };
     let services = recovery::recovering(
-        Api::<Service>::all(client.clone()),
+        Api::<Decoded<Service>>::all(client.clone()),
         selected.clone(),
         follow("services", "Services"),
         counters.clone(),
@@ -375,7 +550,7 @@ pub async fn run(
     )
     .map(|e| Update::Service(Box::new(e)));
     let slices = recovery::recovering(
-        Api::<EndpointSlice>::all(client.clone()),
+        Api::<Decoded<EndpointSlice>>::all(client.clone()),
         selected,
         follow("endpointslices", "EndpointSlices"),
         counters.clone(),
@@ -384,7 +559,7 @@ pub async fn run(
     .map(|e| Update::Slice(Box::new(e)));
     let node_cfg = cfg.fields(&format!("metadata.name={node_name}"));
     let nodes = recovery::recovering(
-        Api::<Node>::all(client),
+        Api::<Decoded<Node>>::all(client),
         node_cfg,
         follow("nodes", "Nodes"),
         counters,
@@ -426,6 +601,105 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn svc(name: &str, ports: serde_json::Value) -> watcher::Event<Decoded<Service>> {
+        let obj = serde_json::json!({"metadata": {"name": name, "namespace": "ns"},
+                                     "spec": {"clusterIP": "10.96.0.1", "ports": ports}});
+        watcher::Event::Apply(serde_json::from_value(obj).expect("any JSON decodes"))
+    }
+
+    /// As a relist brings them: Init, one InitApply per item, InitDone.
+    fn relist(store: &mut Store, items: Vec<watcher::Event<Decoded<Service>>>) -> bool {
+        let mut changed = store.apply(Update::Service(Box::new(watcher::Event::Init)));
+        for item in items {
+            let watcher::Event::Apply(obj) = item else {
+                unreachable!()
+            };
+            changed |= store.apply(Update::Service(Box::new(watcher::Event::InitApply(obj))));
+        }
+        changed | store.apply(Update::Service(Box::new(watcher::Event::InitDone)))
+    }
+
+    /// An object that does not decode is named once, however often it is relisted; its
+    /// last readable version stays in the model until it decodes again or goes away.
+    #[test]
+    fn unreadable_objects_are_named_once_and_keep_their_last_readable_version() {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || CaptureWriter(writer.clone()))
+            .with_ansi(false)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let named = || {
+            String::from_utf8_lossy(&log.lock().expect("lock"))
+                .matches("cannot decode")
+                .count()
+        };
+        let good = || svc("a", serde_json::json!([{"port": 80}]));
+        let bad = || svc("a", serde_json::json!(7));
+        let mut store = Store::new("node-a");
+        let a = ObjectRef {
+            namespace: "ns".into(),
+            name: "a".into(),
+        };
+        assert!(relist(
+            &mut store,
+            vec![good(), svc("b", serde_json::json!("x"))]
+        ));
+        assert_eq!(
+            (store.model.service_count(), store.unreadable.len()),
+            (1, 1)
+        );
+        assert_eq!(named(), 1);
+        // The same relist again: nothing new, nothing logged.
+        assert!(!relist(
+            &mut store,
+            vec![good(), svc("b", serde_json::json!("x"))]
+        ));
+        assert_eq!(named(), 1);
+        // `a` becomes unreadable in a relist: its last readable version stays.
+        assert!(relist(&mut store, vec![bad()]));
+        assert!(store.model.service(&a).is_some_and(|s| s.ports.len() == 1));
+        assert_eq!(store.unreadable.len(), 1, "b went away, a is unreadable");
+        assert_eq!(named(), 2);
+        // Decodable again in a watch event: applied, and no longer unreadable.
+        let fixed = svc("a", serde_json::json!([{"port": 81}]));
+        assert!(store.apply(Update::Service(Box::new(fixed))));
+        assert_eq!(store.unreadable.len(), 0);
+        assert!(store.apply(Update::Service(Box::new(bad()))));
+        assert_eq!((store.unreadable.len(), named()), (1, 3));
+        assert!(
+            !store.apply(Update::Service(Box::new(bad()))),
+            "the same again changes nothing"
+        );
+        let Decoded::Ok(gone) = serde_json::from_value::<Decoded<Service>>(
+            serde_json::json!({"metadata": {"name": "a", "namespace": "ns"}}),
+        )
+        .expect("decodes") else {
+            panic!("a Service")
+        };
+        let deleted = watcher::Event::Delete(Decoded::Ok(gone));
+        assert!(store.apply(Update::Service(Box::new(deleted))));
+        assert_eq!(
+            (store.model.service_count(), store.unreadable.len()),
+            (0, 0)
+        );
+        assert_eq!(store.snapshot().unreadable, 0);
+    }
+
+    struct CaptureWriter(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for CaptureWriter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
 
     #[test]
     fn node_info_orders_internal_addresses_first_and_reads_pod_cidrs_and_draining() {

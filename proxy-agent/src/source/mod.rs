@@ -3,6 +3,7 @@
 //! view, so nothing is programmed from a partial one. It knows nothing of BPF.
 
 pub mod api_server;
+pub mod decoded;
 pub mod events;
 pub mod files;
 pub mod kube;
@@ -23,6 +24,9 @@ pub struct Snapshot {
     /// Documents or objects the source could not read into the model (malformed YAML, an
     /// object that does not fit its kind): counted with the view's rejections.
     pub unreadable: u64,
+    /// The API server validated these objects (the API-server source): the view programs
+    /// what it stored without repeating its checks (`ViewConfig::api_validated`).
+    pub api_validated: bool,
 }
 
 /// Object changes a source has seen since it started, counted as kube-proxy counts them

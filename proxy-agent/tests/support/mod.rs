@@ -4,6 +4,7 @@
 /// One fake API server for these tests and proxy-e2e's churn benchmark.
 #[path = "../../../tests/src/fake_apiserver.rs"]
 pub mod fake_apiserver;
+pub mod logs;
 pub mod tc_harness;
 
 /// Cases per property: `PROXY_FUZZ_CASES` (the long run, `cargo xtask fuzz`), else

@@ -9,6 +9,9 @@ use std::net::{IpAddr, SocketAddr};
 
 use crate::model::schedule::{MAGLEV_TABLE_LENS, MAX_WEIGHT, Schedule, Scheduler};
 
+/// The most slots one frontend has (a service entry's 16-bit backend count).
+pub const MAX_SLOTS: usize = proxy_common::MAX_BACKENDS_PER_SERVICE as usize;
+
 /// A frontend's slots and, for the hashing schedulers, its Maglev table.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
@@ -16,6 +19,9 @@ pub struct Layout {
     pub slots: Vec<u32>,
     /// Indexes into `slots`; empty unless the scheduler is `sh` or `mh`.
     pub table: Vec<u16>,
+    /// Weighted round robin whose sequence would not fit `MAX_SLOTS`: the weights were
+    /// scaled down to fit (`wrr::fit`); this many slots were wanted.
+    pub scaled_from: Option<usize>,
 }
 
 /// What the agent writes: the slots, as indexes into `endpoints` — every endpoint
@@ -25,9 +31,11 @@ pub struct Layout {
 /// there) — and for `sh` and `mh` the Maglev table, as indexes into the slots.
 pub fn layout(schedule: &Schedule, endpoints: &[SocketAddr], frontend_ip: IpAddr) -> Layout {
     if !matches!(schedule.scheduler, Scheduler::Sh | Scheduler::Mh) {
+        let (slots, scaled_from) = slots_scaled(schedule, endpoints, frontend_ip);
         return Layout {
-            slots: slots(schedule, endpoints, frontend_ip),
+            slots,
             table: Vec::new(),
+            scaled_from,
         };
     }
     // The slots are the eligible endpoints, so the table's indexes into them are
@@ -37,27 +45,43 @@ pub fn layout(schedule: &Schedule, endpoints: &[SocketAddr], frontend_ip: IpAddr
         .into_iter()
         .map(|k| k as u16)
         .collect();
-    Layout { slots, table }
+    Layout {
+        slots,
+        table,
+        scaled_from: None,
+    }
 }
 
 /// The scheduler's choices as endpoints: every endpoint that takes new connections
 /// once, the weighted sequence (`wrr`), the whole Maglev table (`sh`, `mh`), or the
 /// one endpoint of `dh`; as indexes into `endpoints`.
 pub fn slots(schedule: &Schedule, endpoints: &[SocketAddr], frontend_ip: IpAddr) -> Vec<u32> {
+    slots_scaled(schedule, endpoints, frontend_ip).0
+}
+
+/// `slots`, and for weighted round robin whose sequence would not fit `MAX_SLOTS`, how
+/// many slots its weights wanted before they were scaled down to fit.
+fn slots_scaled(
+    schedule: &Schedule,
+    endpoints: &[SocketAddr],
+    frontend_ip: IpAddr,
+) -> (Vec<u32>, Option<usize>) {
     let eligible = eligible(schedule, endpoints);
     if eligible.is_empty() {
-        return eligible;
+        return (eligible, None);
     }
-    match schedule.scheduler {
+    let slots = match schedule.scheduler {
         Scheduler::Wrr => {
-            let weights: Vec<u32> = eligible
+            let mut weights: Vec<u32> = eligible
                 .iter()
                 .map(|&i| capped_weight(schedule, endpoints, i))
                 .collect();
-            wrr::sequence(&weights)
+            let scaled_from = wrr::fit(&mut weights, MAX_SLOTS);
+            let slots = wrr::sequence(&weights)
                 .into_iter()
                 .map(|k| eligible[k])
-                .collect()
+                .collect();
+            return (slots, scaled_from);
         }
         Scheduler::Sh | Scheduler::Mh | Scheduler::Dh => {
             let table: Vec<u32> = maglev_table(schedule, endpoints, &eligible)
@@ -73,7 +97,8 @@ pub fn slots(schedule: &Schedule, endpoints: &[SocketAddr], frontend_ip: IpAddr)
             }
         }
         _ => eligible,
-    }
+    };
+    (slots, None)
 }
 
 /// The endpoints that take new connections (weight above 0), as indexes.
@@ -128,6 +153,35 @@ mod tests {
         let fe: IpAddr = "10.96.0.1".parse().unwrap();
         assert_eq!(slots(&s, &eps(3), fe), vec![0, 2]);
         assert!(!s.weighted(&eps(3)), "rr ignores weights other than 0");
+    }
+
+    /// `wrr` weights of 255 and 256 over 1,000 endpoints (legal objects) expanded to
+    /// 255,500 slots, which no frontend holds: the layout scales them to fit and says so.
+    #[test]
+    fn wrr_weights_past_a_frontends_slots_are_scaled_to_fit_and_said() {
+        let endpoints: Vec<SocketAddr> = (0..1000u32)
+            .map(|i| SocketAddr::from(([10, 1, (i / 250) as u8, (i % 250) as u8 + 1], 8080)))
+            .collect();
+        let text: Vec<String> = endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, sa)| format!("{}={}", sa.ip(), 255 + i % 2))
+            .collect();
+        let (w, problems) = parse_weights(&text.join(","));
+        assert!(problems.is_empty(), "{problems:?}");
+        let s = Schedule::new(Scheduler::Wrr, Arc::new(w), 0);
+        let fe: IpAddr = "10.96.0.1".parse().unwrap();
+        let l = layout(&s, &endpoints, fe);
+        assert_eq!(l.scaled_from, Some(255_500));
+        assert!(l.slots.len() <= MAX_SLOTS, "{}", l.slots.len());
+        assert!(
+            l.slots.len() >= endpoints.len(),
+            "every endpoint keeps a slot"
+        );
+        // Weights that fit are laid out as they are, and not said to be scaled.
+        let (w, _) = parse_weights("10.1.0.1=256,10.1.0.2=255");
+        let small = layout(&Schedule::new(Scheduler::Wrr, Arc::new(w), 0), &eps(2), fe);
+        assert_eq!((small.slots.len(), small.scaled_from), (511, None));
     }
 
     #[test]

@@ -105,6 +105,8 @@ fn publish(
         node: node.clone(),
         changes: *changes,
         unreadable,
+        // No API server has seen these files: the view checks what it would.
+        api_validated: false,
     };
     tx.send_if_modified(|current| {
         let changed = current

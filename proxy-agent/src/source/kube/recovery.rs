@@ -23,6 +23,7 @@ use kube::{Api, runtime::watcher};
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
+use super::MAX_LOGGED_ERROR;
 use crate::source::api_server::{
     ApiCounters, ApiErrorKind, EventTooLarge, error_chain, find_in_chain,
 };
@@ -191,7 +192,8 @@ where
                         st.inner = watcher(st.api.clone(), st.config.clone()).boxed();
                     }
                     tracing::warn!(
-                        error = error_chain(&e),
+                        // Capped: an error may quote a whole response body (an error page).
+                        error = crate::source::decoded::cap(&error_chain(&e), MAX_LOGGED_ERROR),
                         kind = failure.kind.as_str(),
                         code = failure.code,
                         wait_ms = wait.as_millis() as u64,

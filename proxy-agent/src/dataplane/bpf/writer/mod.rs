@@ -31,11 +31,32 @@ mod node;
 pub use self::{encode::service_key, node::configure};
 use self::{encode::*, generation::*};
 use crate::{
-    dataplane::ApplyReport,
+    dataplane::{ApplyReport, layout::MAX_SLOTS},
     model::{
         BackendSet, Frontend, FrontendKind, FrontendState, NodeView, WhenEmpty, schedule::Schedule,
     },
 };
+
+/// What writing one frontend did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wrote {
+    /// It was programmed as it is.
+    Nothing,
+    Entry,
+    /// Written with its `wrr` weights scaled down to fit a frontend's slots.
+    Scaled {
+        wanted: usize,
+        slots: usize,
+    },
+}
+
+/// A frontend whose layout has more backend slots than a frontend holds: it can never be
+/// written as it is, so it is refused, not retried.
+#[derive(Debug, thiserror::Error)]
+#[error("{slots} backend slots exceed the {MAX_SLOTS} per frontend")]
+pub struct TooManySlots {
+    pub slots: usize,
+}
 
 /// One service-map entry the view asks for.
 struct Desired<'a> {
@@ -222,8 +243,20 @@ impl MapState {
                 p.seen = self.epoch;
             }
             match written {
-                Ok(true) => report.frontends_written += 1,
-                Ok(false) => {}
+                Ok(Wrote::Entry) => report.frontends_written += 1,
+                Ok(Wrote::Scaled { wanted, slots }) => {
+                    report.frontends_written += 1;
+                    report.adjusted.push(format!(
+                        "{} ({}): wrr weights scaled down to fit the {MAX_SLOTS} backend \
+                         slots of a frontend ({wanted} slots wanted, {slots} written)",
+                        d.frontend, d.state.service
+                    ));
+                }
+                Ok(Wrote::Nothing) => {}
+                Err(e) if e.downcast_ref::<TooManySlots>().is_some() => {
+                    let (fe, svc) = (d.frontend, &d.state.service);
+                    report.refused.push(format!("{fe} ({svc}): {e:#}"));
+                }
                 Err(e) => {
                     let (fe, svc) = (d.frontend, &d.state.service);
                     tracing::error!(frontend = %fe, service = %svc, error = format!("{e:#}"),
@@ -359,13 +392,14 @@ impl MapState {
         }
     }
 
-    /// Writes one frontend if it differs from what is programmed; `Ok(false)` if not.
+    /// Writes one frontend if it differs from what is programmed. A layout of more slots
+    /// than a frontend has is refused (`TooManySlots`) before anything is written.
     fn write_frontend(
         &mut self,
         maps: &mut MapSet,
         key: ServiceKey,
         d: &Desired<'_>,
-    ) -> Result<bool> {
+    ) -> Result<Wrote> {
         let timeout = d.state.affinity_timeout_s.unwrap_or(0);
         let schedule = &d.state.schedule;
         // Fast path, the common case at scale: nothing about this entry changed.
@@ -377,7 +411,7 @@ impl MapState {
             && old.schedule == *schedule
             && old.endpoints.iter().eq(&d.set.endpoints)
         {
-            return Ok(false);
+            return Ok(Wrote::Nothing);
         }
         let endpoints: Vec<SocketAddr> = d.set.endpoints.iter().copied().collect();
         let weighted = schedule.weighted(&endpoints);
@@ -386,6 +420,9 @@ impl MapState {
         // table), as backend ids; each endpoint's id is looked up once.
         let mut id_of: Vec<Option<u32>> = vec![None; endpoints.len()];
         let layout = crate::dataplane::layout::layout(schedule, &endpoints, d.frontend.ip);
+        let count = u16::try_from(layout.slots.len()).map_err(|_| TooManySlots {
+            slots: layout.slots.len(),
+        })?;
         let mut backend_ids = Vec::with_capacity(layout.slots.len());
         for &i in &layout.slots {
             let i = i as usize;
@@ -409,12 +446,6 @@ impl MapState {
         } else {
             Vec::new()
         };
-        let count = u16::try_from(backend_ids.len()).map_err(|_| {
-            anyhow::anyhow!(
-                "{} backend slots exceed the 65535 per frontend",
-                backend_ids.len()
-            )
-        })?;
         let scheduler = encode::scheduler_code(schedule.scheduler);
         let old = self.services.get(&key).cloned();
         if let Some(old) = &old
@@ -427,7 +458,7 @@ impl MapState {
             && old.ranges == d.ranges
         {
             self.remember_endpoints(key, &d.set.endpoints, schedule);
-            return Ok(false);
+            return Ok(Wrote::Nothing);
         }
         let id = match &old {
             Some(o) => o.value.id,
@@ -454,7 +485,13 @@ impl MapState {
         }
         written?;
         self.remember_endpoints(key, &d.set.endpoints, schedule);
-        Ok(true)
+        Ok(match layout.scaled_from {
+            Some(wanted) => Wrote::Scaled {
+                wanted,
+                slots: usize::from(count),
+            },
+            None => Wrote::Entry,
+        })
     }
 
     fn remember_endpoints<'e>(
