@@ -262,7 +262,7 @@ fn a_second_agents_classifier_is_reported_and_a_dead_ones_taken_off() {
         assert!(
             logged(
                 &log,
-                &["stale classifier of another pin folder", iface, &first_pins]
+                &["no agent holds it", "taken off", iface, &first_pins, "detached"]
             ),
             "{iface}:\n{log}"
         );
@@ -323,12 +323,17 @@ fn clsact_a_running_agents_filter_is_refused_and_a_dead_ones_adopted() {
     let log = tb.other_log("second");
     for iface in &interfaces {
         assert!(
-            logged(&log, &["stale classifier of another pin folder", iface, &first_pins, "adopted"]),
+            logged(&log, &["no agent holds it", "taken off", iface, &first_pins, "adopted"]),
             "{iface}:\n{log}"
         );
         for hook in ["ingress", "egress"] {
             assert_eq!(our_filters(&tb, iface, hook), 1, "{iface} {hook}");
         }
     }
+    let second_metrics = format!("http://{}/metrics", tb.other_addresses("second").1);
+    assert_eq!(
+        metric(&tb, &second_metrics, "proxy_agent_stale_classifiers_removed_total"),
+        2 * interfaces.len() as u64
+    );
     assert_eq!(answering(&tb, &log), only(1));
 }

@@ -584,7 +584,7 @@ impl Classifiers {
                     .unwrap_or(TC_PROGRAM);
                 // What was done, when it is still to be logged.
                 let taken = match found.attach {
-                    "tcx" => unpin_stale(&folder, found.program_id).map(|_| Some("detached")),
+                    "tcx" => unpin_stale(&folder, found.program_id, index).map(|_| Some("detached")),
                     // Ours at that place: the program is swapped in (no gap), and
                     // `attach_one` reports it.
                     _ if self.hook == TcHook::Clsact => {
@@ -641,7 +641,7 @@ impl Classifiers {
             program,
             pin_dir = %folder.display(),
             how,
-            "a stale classifier of another pin folder (no agent holds it) shadowed ours; taken off"
+            "a stale classifier of another pin folder (no agent holds it) was on our interface; taken off"
         );
     }
 
@@ -839,9 +839,10 @@ fn lock(ebpf: &Mutex<Ebpf>) -> std::sync::MutexGuard<'_, Ebpf> {
     ebpf.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Unpins the classifier links in `folder`'s `links/` that run program `id`, holding
-/// the folder's lock meanwhile (its agent is gone: one starting now waits for us).
-fn unpin_stale(folder: &Path, id: u32) -> Result<usize> {
+/// Unpins the classifier links in `folder`'s `links/` that run program `id` on device
+/// `index`, holding the folder's lock meanwhile (its agent is gone: one starting now
+/// waits for us).
+fn unpin_stale(folder: &Path, id: u32, index: u32) -> Result<usize> {
     let Some(_lock) = pin_lock::try_lock(folder)? else {
         anyhow::bail!("its agent started meanwhile");
     };
@@ -853,14 +854,19 @@ fn unpin_stale(folder: &Path, id: u32) -> Result<usize> {
             .file_name()
             .and_then(|f| f.to_str())
             .is_some_and(|f| HOOK_PREFIXES.iter().any(|p| f.starts_with(p)));
-        if ours_by_name && link_update::pinned_field(&path, "prog_id").ok() == Some(u64::from(id))
-        {
+        let runs = |key, value: u32| {
+            link_update::pinned_field(&path, key).ok() == Some(u64::from(value))
+        };
+        if ours_by_name && runs("prog_id", id) && runs("ifindex", index) {
             remove_pin(&path)?;
             removed += 1;
         }
     }
     if removed == 0 {
-        anyhow::bail!("no link of program {id} is pinned in {}", links.display());
+        anyhow::bail!(
+            "no link of program {id} on ifindex {index} is pinned in {}",
+            links.display()
+        );
     }
     Ok(removed)
 }
