@@ -35,6 +35,9 @@ pub enum Owner {
     Live(PathBuf),
     /// No pin folder on our bpffs holds its maps (another bpffs, or unpinned).
     Unknown,
+    /// Its program cannot be read (that takes CAP_SYS_ADMIN): treated as ours, as before
+    /// there was a check.
+    Unseen,
 }
 
 /// Tells our classifiers from other agents'.
@@ -46,6 +49,8 @@ pub struct Ownership {
     root: Option<PathBuf>,
     /// The folder found for each foreign program (its maps do not change).
     folders: BTreeMap<u32, PathBuf>,
+    /// Whether an unreadable program was logged (once: the cause is the agent's).
+    said_unseen: bool,
 }
 
 impl Ownership {
@@ -56,6 +61,7 @@ impl Ownership {
             maps: pinned_map_ids(&pin_dir.join("maps")),
             root: bpffs_mount(pin_dir),
             folders: BTreeMap::new(),
+            said_unseen: false,
         }
     }
 
@@ -90,13 +96,29 @@ impl Ownership {
 
     /// [`Self::owner`] of a program known by its id alone (a clsact filter's).
     pub fn owner_of_program(&mut self, id: u32) -> Owner {
-        let maps = loaded_programs()
-            .flatten()
-            .find(|p| p.id() == id)
-            .and_then(|p| p.map_ids().ok().flatten());
-        match maps {
-            Some(maps) => self.owner(id, &maps),
-            None => Owner::Unknown,
+        let mut unreadable = None;
+        let found = loaded_programs().find_map(|p| match p {
+            Ok(p) if p.id() == id => Some(p.map_ids()),
+            Ok(_) => None,
+            Err(e) => {
+                unreadable.get_or_insert(e);
+                None
+            }
+        });
+        match (found, unreadable) {
+            (Some(Ok(Some(maps))), _) => self.owner(id, &maps),
+            (Some(Err(e)), _) | (None, Some(e)) => {
+                if !self.said_unseen {
+                    self.said_unseen = true;
+                    tracing::warn!(
+                        program_id = id,
+                        error = %e,
+                        "programs unreadable (CAP_SYS_ADMIN): other agents' classifiers cannot be told from ours"
+                    );
+                }
+                Owner::Unseen
+            }
+            _ => Owner::Unknown,
         }
     }
 

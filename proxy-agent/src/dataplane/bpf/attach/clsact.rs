@@ -200,7 +200,7 @@ pub fn attach(
     let how = match at {
         Some(f) if f.is_ours(program) => {
             let stale = match owner {
-                Owner::Ours => None,
+                Owner::Ours | Owner::Unseen => None,
                 Owner::Stale(folder) => Some(folder),
                 Owner::Live(folder) => bail!(
                     "{name}: the clsact {} hook's {program} filter (program {}) belongs to \
@@ -211,9 +211,11 @@ pub fn attach(
                 ),
                 Owner::Unknown => bail!(
                     "{name}: the clsact {} hook's {program} filter (program {}) uses no maps \
-                     of ours nor of a pin folder on our bpffs; not touched",
+                     of ours nor of a pin folder on our bpffs; not touched (if no agent uses \
+                     it: `tc filter del dev {name} {} pref {PRIORITY}`)",
                     hook_name(hook),
-                    f.id.unwrap_or_default()
+                    f.id.unwrap_or_default(),
+                    hook_name(hook)
                 ),
             };
             let link = SchedClassifierLink::attached(

@@ -106,6 +106,8 @@ pub struct Classifiers {
     /// Foreign classifiers left in place, by interface (published to `hooks`).
     foreign: BTreeMap<String, Vec<ForeignClassifier>>,
     hooks: NodeHooks,
+    /// Whether an unreadable tcx hook was logged (once: the cause is the agent's).
+    said_unreadable: bool,
 }
 
 impl Classifiers {
@@ -151,6 +153,7 @@ impl Classifiers {
             ownership,
             foreign: BTreeMap::new(),
             hooks,
+            said_unreadable: false,
         })
     }
 
@@ -331,7 +334,9 @@ impl Classifiers {
                     })
                 });
                 let removed = match leftover {
-                    Ok(Some(Owner::Ours | Owner::Stale(_))) => clsact::remove(index, hook, program),
+                    Ok(Some(Owner::Ours | Owner::Unseen | Owner::Stale(_))) => {
+                        clsact::remove(index, hook, program)
+                    }
                     Ok(_) => Ok(false),
                     Err(e) => Err(e),
                 };
@@ -503,11 +508,17 @@ impl Classifiers {
                             found.extend(self.judge(foreign, owner, index, hook));
                         }
                     }
-                    Err(e) => tracing::debug!(
-                        interface = name,
-                        error = %e,
-                        "tcx hook unreadable"
-                    ),
+                    // Reading another agent's programs takes CAP_SYS_ADMIN
+                    // (BPF_PROG_GET_FD_BY_ID): without it this check cannot see them.
+                    Err(e) if !self.said_unreadable => {
+                        self.said_unreadable = true;
+                        tracing::warn!(
+                            interface = name,
+                            error = %e,
+                            "tcx hook unreadable: other agents' classifiers cannot be found"
+                        );
+                    }
+                    Err(_) => {}
                 }
             }
             match clsact::filters(index, hook) {
@@ -569,7 +580,7 @@ impl Classifiers {
         hook: TcAttachType,
     ) -> Option<ForeignClassifier> {
         match owner {
-            Owner::Ours => None,
+            Owner::Ours | Owner::Unseen => None,
             Owner::Live(folder) => {
                 found.pin_dir = Some(folder);
                 found.agent_running = true;
