@@ -444,8 +444,15 @@ impl Testbed {
     /// The other agent `name`'s `/healthz` and `/metrics` addresses (127.0.0.1, in the node's
     /// namespace), clear of the testbed's own agent's.
     pub fn other_addresses(&self, name: &str) -> (String, String) {
-        let k = self.others.iter().position(|(n, _)| n == name).unwrap_or(self.others.len());
-        (format!("127.0.0.1:{}", 10300 + k), format!("127.0.0.1:{}", 10400 + k))
+        let k = self
+            .others
+            .iter()
+            .position(|(n, _)| n == name)
+            .unwrap_or(self.others.len());
+        (
+            format!("127.0.0.1:{}", 10300 + k),
+            format!("127.0.0.1:{}", 10400 + k),
+        )
     }
 
     /// Starts another agent in the node's namespace, as a second installation would: its
@@ -491,9 +498,9 @@ impl Testbed {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let ready = self.other_log(name).contains("BPF dataplane ready");
-            let programmed = self.dump_of(&pin_dir).is_ok_and(|d| {
-                d["services"].as_array().map(Vec::len) == Some(frontends)
-            });
+            let programmed = self
+                .dump_of(&pin_dir)
+                .is_ok_and(|d| d["services"].as_array().map(Vec::len) == Some(frontends));
             if ready && programmed {
                 return Ok(());
             }
@@ -543,7 +550,10 @@ impl Testbed {
             &script,
         ])?;
         let (code, body) = out.trim().split_once(' ').unwrap_or((out.trim(), ""));
-        Ok((code.parse().with_context(|| format!("{url}: {out}"))?, body.to_string()))
+        Ok((
+            code.parse().with_context(|| format!("{url}: {out}"))?,
+            body.to_string(),
+        ))
     }
 
     /// A pod added to the node after the fact: namespace `pxy<id>p<i>` (removed with the

@@ -103,8 +103,23 @@ fn lost_classifier_links_are_attached_again_at_the_next_resync() {
     tb.wait_for("the deleted pin back", || deleted.exists());
     tb.wait_for("both repairs logged", || {
         let log = tb.agent_log();
-        logged(&log, &["attached again", &client_if, "tc_ingress", "pinned link is gone"])
-            && logged(&log, &["attached again", &backend_if, "tc_egress", "link is detached"])
+        logged(
+            &log,
+            &[
+                "attached again",
+                &client_if,
+                "tc_ingress",
+                "pinned link is gone",
+            ],
+        ) && logged(
+            &log,
+            &[
+                "attached again",
+                &backend_if,
+                "tc_egress",
+                "link is detached",
+            ],
+        )
     });
     assert_eq!(metric(&tb, METRICS, "proxy_agent_hooks_repaired_total"), 2);
     assert_eq!(answering(&tb, &tb.agent_log()), only(0));
@@ -137,8 +152,13 @@ fn lost_connect_time_hooks_are_attached_again_at_the_next_resync() {
     tb.wait_for("the deleted pin back", || deleted.exists());
     tb.wait_for("both repairs logged", || {
         let log = tb.agent_log();
-        logged(&log, &["connect-time hook was lost; attached again", "connect4"])
-            && logged(&log, &["connect-time hook was lost; attached again", "connect6"])
+        logged(
+            &log,
+            &["connect-time hook was lost; attached again", "connect4"],
+        ) && logged(
+            &log,
+            &["connect-time hook was lost; attached again", "connect6"],
+        )
     });
     assert_eq!(metric(&tb, METRICS, "proxy_agent_hooks_repaired_total"), 2);
     for vip in [VIP4, VIP6] {
@@ -186,7 +206,10 @@ fn a_deleted_clsact_filter_is_added_again_at_the_next_resync() {
         our_filters(&tb, &client_if, "ingress") == 1
     });
     assert!(
-        logged(&tb.agent_log(), &["attached again", &client_if, "filter is gone"]),
+        logged(
+            &tb.agent_log(),
+            &["attached again", &client_if, "filter is gone"]
+        ),
         "{}",
         tb.agent_log()
     );
@@ -261,14 +284,24 @@ fn a_second_agents_classifier_is_reported_and_a_dead_ones_taken_off() {
         assert!(
             logged(
                 &log,
-                &["no agent holds it", "taken off", iface, &first_pins, "detached"]
+                &[
+                    "no agent holds it",
+                    "taken off",
+                    iface,
+                    &first_pins,
+                    "detached"
+                ]
             ),
             "{iface}:\n{log}"
         );
         assert!(!tb.classifier_pin(iface).exists() && !tb.egress_pin(iface).exists());
     }
     assert_eq!(
-        metric(&tb, &second_metrics, "proxy_agent_stale_classifiers_removed_total"),
+        metric(
+            &tb,
+            &second_metrics,
+            "proxy_agent_stale_classifiers_removed_total"
+        ),
         2 * interfaces.len() as u64
     );
     assert_eq!(
@@ -302,12 +335,21 @@ fn clsact_a_running_agents_filter_is_refused_and_a_dead_ones_adopted() {
     let foreign = body["foreignClassifiers"].as_array().expect("listed");
     assert!(
         foreign.len() == 2 * interfaces.len()
-            && foreign.iter().all(|f| f["attach"] == "clsact" && f["agentRunning"] == true),
+            && foreign
+                .iter()
+                .all(|f| f["attach"] == "clsact" && f["agentRunning"] == true),
         "{body}"
     );
     let log = tb.other_log("second");
     assert!(
-        logged(&log, &["classifier not attached", &interfaces[0], "which is running; not touched"]),
+        logged(
+            &log,
+            &[
+                "classifier not attached",
+                &interfaces[0],
+                "which is running; not touched"
+            ]
+        ),
         "{log}"
     );
     // The first agent's filters and traffic are untouched, and it sees nothing of ours.
@@ -322,7 +364,16 @@ fn clsact_a_running_agents_filter_is_refused_and_a_dead_ones_adopted() {
     let log = tb.other_log("second");
     for iface in &interfaces {
         assert!(
-            logged(&log, &["no agent holds it", "taken off", iface, &first_pins, "adopted"]),
+            logged(
+                &log,
+                &[
+                    "no agent holds it",
+                    "taken off",
+                    iface,
+                    &first_pins,
+                    "adopted"
+                ]
+            ),
             "{iface}:\n{log}"
         );
         for hook in ["ingress", "egress"] {
@@ -331,7 +382,11 @@ fn clsact_a_running_agents_filter_is_refused_and_a_dead_ones_adopted() {
     }
     let second_metrics = format!("http://{}/metrics", tb.other_addresses("second").1);
     assert_eq!(
-        metric(&tb, &second_metrics, "proxy_agent_stale_classifiers_removed_total"),
+        metric(
+            &tb,
+            &second_metrics,
+            "proxy_agent_stale_classifiers_removed_total"
+        ),
         2 * interfaces.len() as u64
     );
     assert_eq!(answering(&tb, &log), only(1));

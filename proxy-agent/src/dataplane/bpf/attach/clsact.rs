@@ -187,9 +187,9 @@ pub fn attach(
 ) -> Result<(&'static str, Option<PathBuf>)> {
     let at = at_our_place(ifindex, hook)?;
     let owner = match &at {
-        Some(f) if f.is_ours(program) => f
-            .id
-            .map_or(Owner::Unknown, |id| ownership.owner_of_program(id)),
+        Some(f) if f.is_ours(program) => {
+            f.id.map_or(Owner::Unknown, |id| ownership.owner_of_program(id))
+        }
         _ => Owner::Unknown,
     };
     let options = NlOptions {

@@ -341,11 +341,9 @@ impl Classifiers {
                     Err(e) => Err(e),
                 };
                 match removed {
-                    Ok(true) => tracing::info!(
-                        interface = name,
-                        program,
-                        "clsact filter replaced by tcx"
-                    ),
+                    Ok(true) => {
+                        tracing::info!(interface = name, program, "clsact filter replaced by tcx")
+                    }
                     Ok(false) => {}
                     Err(e) => tracing::warn!(
                         interface = name,
@@ -595,7 +593,9 @@ impl Classifiers {
                     .unwrap_or(TC_PROGRAM);
                 // What was done, when it is still to be logged.
                 let taken = match found.attach {
-                    "tcx" => unpin_stale(&folder, found.program_id, index).map(|_| Some("detached")),
+                    "tcx" => {
+                        unpin_stale(&folder, found.program_id, index).map(|_| Some("detached"))
+                    }
                     // Ours at that place: the program is swapped in (no gap), and
                     // `attach_one` reports it.
                     _ if self.hook == TcHook::Clsact => {
@@ -615,7 +615,14 @@ impl Classifiers {
                 match taken {
                     Ok(None) => None,
                     Ok(Some(how)) => {
-                        self.took_stale(&found.interface, hook, found.attach, program, &folder, how);
+                        self.took_stale(
+                            &found.interface,
+                            hook,
+                            found.attach,
+                            program,
+                            &folder,
+                            how,
+                        );
                         None
                     }
                     Err(e) => {
@@ -865,9 +872,8 @@ fn unpin_stale(folder: &Path, id: u32, index: u32) -> Result<usize> {
             .file_name()
             .and_then(|f| f.to_str())
             .is_some_and(|f| HOOK_PREFIXES.iter().any(|p| f.starts_with(p)));
-        let runs = |key, value: u32| {
-            link_update::pinned_field(&path, key).ok() == Some(u64::from(value))
-        };
+        let runs =
+            |key, value: u32| link_update::pinned_field(&path, key).ok() == Some(u64::from(value));
         if ours_by_name && runs("prog_id", id) && runs("ifindex", index) {
             remove_pin(&path)?;
             removed += 1;
