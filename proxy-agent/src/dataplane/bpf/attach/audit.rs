@@ -244,3 +244,41 @@ impl NodeHooks {
         self.with(|r| r.repaired += 1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ownership(maps: &[u32], root: Option<PathBuf>) -> Ownership {
+        Ownership {
+            pin_dir: PathBuf::from("/nonexistent/ours"),
+            maps: maps.iter().copied().collect(),
+            root,
+            folders: BTreeMap::new(),
+            said_unseen: false,
+        }
+    }
+
+    #[test]
+    fn a_program_using_one_of_our_maps_is_ours_and_one_of_no_folder_unknown() {
+        let mut o = ownership(&[10, 11], None);
+        assert_eq!(o.owner(7, &[3, 11]), Owner::Ours);
+        assert_eq!(o.owner(8, &[3, 4]), Owner::Unknown);
+        assert_eq!(o.owner(9, &[]), Owner::Unknown);
+    }
+
+    #[test]
+    fn a_folder_without_our_maps_owns_nothing() {
+        // A plain folder tree (not a bpffs): its `maps/` holds no pinned maps.
+        let root = std::env::temp_dir().join(format!("audit-{}", std::process::id()));
+        fs::create_dir_all(root.join("other/maps")).expect("mkdir");
+        let mut o = ownership(&[10], Some(root.clone()));
+        assert_eq!(o.owner(8, &[3]), Owner::Unknown);
+        fs::remove_dir_all(&root).expect("rm");
+    }
+
+    #[test]
+    fn the_bpffs_mount_of_a_folder_elsewhere_is_none() {
+        assert_eq!(bpffs_mount(Path::new("/nonexistent/pins")), None);
+    }
+}
