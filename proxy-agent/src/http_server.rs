@@ -114,7 +114,8 @@ async fn objects_not_here() -> Response {
         .into_response()
 }
 
-/// kube-proxy's `/healthz`: the proxy is healthy and the node is not draining.
+/// kube-proxy's `/healthz`: the proxy is healthy and the node is not draining (and, ours,
+/// no other agent's classifier shares our interfaces).
 async fn healthz(State(s): State<AppState>) -> Response {
     health_answer(&s.status, false)
 }
@@ -127,7 +128,7 @@ async fn livez(State(s): State<AppState>) -> Response {
 fn health_answer(status: &Status, livez: bool) -> Response {
     let c = status.counters();
     let h = status.health(std::time::Instant::now());
-    let ok = h.healthy && (livez || h.node_eligible);
+    let ok = if livez { h.healthy } else { h.serving() };
     let code = if ok {
         StatusCode::OK
     } else {
@@ -146,6 +147,9 @@ fn health_answer(status: &Status, livez: bool) -> Response {
     });
     if !livez {
         body["nodeEligible"] = json!(h.node_eligible);
+    }
+    if !h.foreign_classifiers.is_empty() {
+        body["foreignClassifiers"] = json!(h.foreign_classifiers);
     }
     (code, Json(body)).into_response()
 }

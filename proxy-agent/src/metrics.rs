@@ -243,6 +243,17 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             c.events_failed,
         ),
         (
+            "hooks_repaired",
+            "Hooks of ours found lost (pin deleted, link detached, filter deleted) and \
+             attached again",
+            c.hooks_repaired,
+        ),
+        (
+            "stale_classifiers_removed",
+            "Classifiers of other pin folders whose agent is gone, taken off our interfaces",
+            c.stale_classifiers_removed,
+        ),
+        (
             "conntrack_collected",
             "Entries the collector removed (expired flows, orphaned replies)",
             c.conntrack.collected_total,
@@ -274,6 +285,13 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
     ] {
         gauge(r, name, help, v as i64);
     }
+    gauge(
+        r,
+        "foreign_classifiers",
+        "Classifiers of other agents on the interfaces we serve, left in place (/healthz \
+         fails while there is one)",
+        c.foreign_classifiers as i64,
+    );
     gauge(
         r,
         "frontends",
@@ -405,6 +423,9 @@ mod tests {
             "process_open_fds ",
             "proxy_agent_syncs_ok_total 0",
             "proxy_agent_conntrack_answered_entries 0",
+            "proxy_agent_foreign_classifiers 0",
+            "proxy_agent_hooks_repaired_total 0",
+            "proxy_agent_stale_classifiers_removed_total 0",
         ] {
             assert!(text.contains(line), "{line} missing:\n{text}");
         }

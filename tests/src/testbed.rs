@@ -33,6 +33,8 @@ pub struct Testbed {
     echoes: Vec<Child>,
     agent: Option<Child>,
     agent_path: Option<Path_>,
+    /// Other agents beside the testbed's own, by name (`start_other_agent`).
+    others: Vec<(String, Option<Child>)>,
 }
 
 impl Testbed {
@@ -52,6 +54,7 @@ impl Testbed {
             echoes: Vec::new(),
             agent: None,
             agent_path: None,
+            others: Vec::new(),
         };
         tb.build()
             .with_context(|| format!("building testbed {}", tb.id))?;
@@ -433,6 +436,126 @@ impl Testbed {
         self.spawn(cmd, path, frontends)
     }
 
+    /// Where the other agent `name` pins (beside the testbed's own, on the same bpffs).
+    pub fn other_pin_dir(&self, name: &str) -> PathBuf {
+        self.bpffs.join(name)
+    }
+
+    /// The other agent `name`'s `/healthz` and `/metrics` addresses (127.0.0.1, in the node's
+    /// namespace), clear of the testbed's own agent's.
+    pub fn other_addresses(&self, name: &str) -> (String, String) {
+        let k = self
+            .others
+            .iter()
+            .position(|(n, _)| n == name)
+            .unwrap_or(self.others.len());
+        (
+            format!("127.0.0.1:{}", 10300 + k),
+            format!("127.0.0.1:{}", 10400 + k),
+        )
+    }
+
+    /// Starts another agent in the node's namespace, as a second installation would: its
+    /// own pin folder (`other_pin_dir`), manifests (`files`), log and ports, on the
+    /// node's interfaces (the per-packet path) with `extra` arguments; returns once it has
+    /// programmed `frontends` frontends. Killed, and its pins cleaned up, with the testbed.
+    pub fn start_other_agent(
+        &mut self,
+        name: &str,
+        files: &BTreeMap<&str, String>,
+        frontends: usize,
+        extra: &[&str],
+    ) -> Result<()> {
+        let manifests = self.root.join(format!("{name}-manifests"));
+        fs::create_dir_all(&manifests)?;
+        for (file, text) in files {
+            fs::write(manifests.join(file), text)?;
+        }
+        let (healthz, metrics) = self.other_addresses(name);
+        let config = self.write_file(
+            &format!("{name}.yaml"),
+            &format!(
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+                 healthzBindAddress: {healthz}\nmetricsBindAddress: {metrics}\n"
+            ),
+        )?;
+        let pin_dir = self.other_pin_dir(name);
+        let mut cmd = self.agent_command();
+        cmd.arg("run")
+            .arg("--manifests")
+            .arg(&manifests)
+            .arg("--bpffs")
+            .arg(&pin_dir)
+            .arg("--config")
+            .arg(&config)
+            .args(["--min-sync-ms", "20", "--bpf-log-level", "debug"])
+            .args(self.path_args(Path_::PerPacket, extra));
+        let log = fs::File::create(self.root.join(format!("{name}.log")))?;
+        cmd.stdout(log.try_clone()?).stderr(log);
+        let child = cmd.spawn().context("starting the other proxy-agent")?;
+        self.others.retain(|(n, _)| n != name);
+        self.others.push((name.to_string(), Some(child)));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready = self.other_log(name).contains("BPF dataplane ready");
+            let programmed = self
+                .dump_of(&pin_dir)
+                .is_ok_and(|d| d["services"].as_array().map(Vec::len) == Some(frontends));
+            if ready && programmed {
+                return Ok(());
+            }
+            if let Some((_, Some(child))) = self.others.iter_mut().find(|(n, _)| n == name)
+                && let Some(status) = child.try_wait()?
+            {
+                bail!("agent {name} exited ({status}):\n{}", self.other_log(name));
+            }
+            if Instant::now() > deadline {
+                bail!("agent {name} did not get ready:\n{}", self.other_log(name));
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Everything the other agent `name` logged so far.
+    pub fn other_log(&self, name: &str) -> String {
+        fs::read_to_string(self.root.join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// Kills the other agent `name` without letting it clean up (as a crash would).
+    pub fn kill_other_agent(&mut self, name: &str) -> Result<()> {
+        if let Some((_, child)) = self.others.iter_mut().find(|(n, _)| n == name)
+            && let Some(mut child) = child.take()
+        {
+            child.kill()?;
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    /// `GET url` from inside the node's namespace: the status code and the body, whatever
+    /// the code (`get_in_node` fails on anything but a success).
+    pub fn http_in_node(&self, url: &str) -> Result<(u16, String)> {
+        let script = format!(
+            "import urllib.request, urllib.error\n\
+             try:\n    r = urllib.request.urlopen('{url}'); print(r.status, r.read().decode())\n\
+             except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())"
+        );
+        let out = sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.node_ns(),
+            "python3",
+            "-c",
+            &script,
+        ])?;
+        let (code, body) = out.trim().split_once(' ').unwrap_or((out.trim(), ""));
+        Ok((
+            code.parse().with_context(|| format!("{url}: {out}"))?,
+            body.to_string(),
+        ))
+    }
+
     /// A pod added to the node after the fact: namespace `pxy<id>p<i>` (removed with the
     /// testbed) behind the node's veth `p<i><id>`, at 10.30.<i>.2 / fd30:<i>::2.
     pub fn add_pod(&mut self, i: usize) -> Result<String> {
@@ -602,12 +725,17 @@ impl Testbed {
 
     /// `proxy-agent dump --json` of this testbed's pins.
     pub fn dump(&self) -> Result<serde_json::Value> {
+        self.dump_of(&self.pin_dir())
+    }
+
+    /// `proxy-agent dump --json` of the pins in `pin_dir`.
+    fn dump_of(&self, pin_dir: &Path) -> Result<serde_json::Value> {
         let out = sh(&[
             path_str(&agent_bin())?,
             "dump",
             "--json",
             "--bpffs",
-            path_str(&self.pin_dir())?,
+            path_str(pin_dir)?,
         ])?;
         Ok(serde_json::from_str(&out)?)
     }
@@ -752,6 +880,17 @@ impl Drop for Testbed {
             let _ = agent.kill();
             let _ = agent.wait();
         }
+        let others: Vec<PathBuf> = self
+            .others
+            .iter_mut()
+            .map(|(name, child)| {
+                if let Some(mut child) = child.take() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                self.bpffs.join(name.as_str())
+            })
+            .collect();
         for echo in &mut self.echoes {
             let _ = echo.kill();
             let _ = echo.wait();
@@ -759,15 +898,17 @@ impl Drop for Testbed {
         // In the node's namespace, where clsact filters would be; outside it when it was
         // never made (the pins are all there is then).
         let node_ns = PathBuf::from(format!("/run/netns/{}", self.node_ns()));
-        let mut cleanup = Command::new(agent_bin());
-        if node_ns.exists() {
-            cleanup.arg("--netns").arg(node_ns);
+        for pin_dir in others.into_iter().chain([self.pin_dir()]) {
+            let mut cleanup = Command::new(agent_bin());
+            if node_ns.exists() {
+                cleanup.arg("--netns").arg(&node_ns);
+            }
+            let _ = cleanup
+                .args(["cleanup", "--bpffs"])
+                .arg(pin_dir)
+                .stderr(Stdio::null())
+                .status();
         }
-        let _ = cleanup
-            .args(["cleanup", "--bpffs"])
-            .arg(self.pin_dir())
-            .stderr(Stdio::null())
-            .status();
         for ns in self.namespaces.drain(..) {
             let _ = sh(&["ip", "netns", "del", &ns]);
         }

@@ -191,6 +191,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         bpf_log_level: cfg.bpf_log_level,
         conntrack: cfg.conntrack.clone(),
         attach_failures: status.attach_failures(),
+        hooks: status.hooks(),
         map_sizes: cfg.map_sizes,
     };
     bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;

@@ -10,7 +10,10 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use tokio::sync::broadcast;
 
 use crate::{
-    dataplane::{ApplyReport, bpf::AttachFailures},
+    dataplane::{
+        ApplyReport,
+        bpf::{AttachFailures, ForeignClassifier, NodeHooks},
+    },
     model::{NodeView, diff_lines},
     source::{
         ChangeCounts, SharedSnapshot,
@@ -34,6 +37,13 @@ pub struct Counters {
     pub interface_attach_failures: u64,
     /// Events (the "Starting" event) the API server did not record.
     pub events_failed: u64,
+    /// Hooks of ours found lost (pin deleted, link detached, filter deleted) and attached
+    /// again.
+    pub hooks_repaired: u64,
+    /// Stale classifiers of other pin folders (their agent gone) taken off our interfaces.
+    pub stale_classifiers_removed: u64,
+    /// Foreign classifiers on our interfaces now, left in place.
+    pub foreign_classifiers: u64,
     pub last_sync_seconds: f64,
     /// Answers of `/healthz` and `/livez` by status code (kube-proxy's
     /// `proxy_healthz_total` and `proxy_livez_total`).
@@ -79,7 +89,10 @@ struct State {
 /// What `/livez` and `/healthz` answer, by kube-proxy's rules: the proxy is healthy while
 /// starting and while synced, unhealthy once a change has waited longer than the timeout
 /// (2 × syncPeriod); `/healthz` also fails while the node is draining, so load balancers
-/// stop sending it traffic (`/livez` does not: restarting would not help).
+/// stop sending it traffic (`/livez` does not: restarting would not help). Ours besides:
+/// `/healthz` fails while a foreign classifier (another agent's) sits on an interface we
+/// serve, since what it translates is not what we were told (`/livez` does not: a
+/// restart would find it again).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Health {
     /// The proxy itself (`/livez`).
@@ -89,6 +102,17 @@ pub struct Health {
     pub last_updated: Option<std::time::SystemTime>,
     /// How long the oldest pending change has waited.
     pub pending_for: Option<Duration>,
+    /// Classifiers of other agents on the interfaces we serve (`/healthz` fails while
+    /// there is one).
+    pub foreign_classifiers: Vec<ForeignClassifier>,
+}
+
+impl Health {
+    /// What `/healthz` answers: the proxy is healthy, the node eligible, and no foreign
+    /// classifier shares our interfaces.
+    pub fn serving(&self) -> bool {
+        self.healthy && self.node_eligible && self.foreign_classifiers.is_empty()
+    }
 }
 
 struct Inner {
@@ -97,6 +121,7 @@ struct Inner {
     histograms: Histograms,
     attach_failures: AttachFailures,
     api: ApiCounters,
+    hooks: NodeHooks,
 }
 
 /// Latency distributions, as kube-proxy exports them.
@@ -135,6 +160,7 @@ impl Default for Status {
             histograms: Histograms::default(),
             attach_failures: AttachFailures::default(),
             api: ApiCounters::default(),
+            hooks: NodeHooks::default(),
         }))
     }
 }
@@ -184,6 +210,7 @@ impl Status {
     }
 
     pub fn health(&self, now: std::time::Instant) -> Health {
+        let foreign = self.0.hooks.report().foreign;
         self.with(|s| {
             let pending_for = s.pending_since.map(|t| now.saturating_duration_since(t));
             let timeout = if s.health_timeout.is_zero() {
@@ -196,6 +223,7 @@ impl Status {
                 node_eligible: s.snapshot.as_ref().is_none_or(|snap| !snap.node.draining),
                 last_updated: s.last_updated,
                 pending_for,
+                foreign_classifiers: foreign,
             }
         })
     }
@@ -295,6 +323,10 @@ impl Status {
         let mut c = self.with(|s| s.counters.clone());
         c.interface_attach_failures = self.0.attach_failures.get();
         c.api = self.0.api.get();
+        let hooks = self.0.hooks.report();
+        c.hooks_repaired = hooks.repaired;
+        c.stale_classifiers_removed = hooks.stale_removed;
+        c.foreign_classifiers = hooks.foreign.len() as u64;
         c
     }
 
@@ -306,6 +338,11 @@ impl Status {
     /// The dataplane's count of failed classifier attachments (clones share it).
     pub fn attach_failures(&self) -> AttachFailures {
         self.0.attach_failures.clone()
+    }
+
+    /// The dataplane's report of its hooks' checks (clones share it).
+    pub fn hooks(&self) -> NodeHooks {
+        self.0.hooks.clone()
     }
 
     /// View diffs (`+`/`-` lines) from now on.
@@ -344,6 +381,28 @@ mod tests {
         st.updated();
         let h = st.health(t0 + Duration::from_secs(61));
         assert!(h.healthy && h.pending_for.is_none() && h.last_updated.is_some());
+    }
+
+    #[test]
+    fn a_foreign_classifier_fails_healthz_while_it_is_there() {
+        let st = Status::default();
+        let t0 = Instant::now();
+        st.hooks().set_foreign(vec![ForeignClassifier {
+            interface: "eth0".into(),
+            hook: "ingress",
+            attach: "tcx",
+            program: "tc_ingress".into(),
+            program_id: 7,
+            pin_dir: Some("/sys/fs/bpf/other".into()),
+            agent_running: true,
+            shadows_ours: true,
+        }]);
+        let h = st.health(t0);
+        assert!(h.healthy, "/livez stays 200: {h:?}");
+        assert!(!h.serving() && h.foreign_classifiers.len() == 1, "{h:?}");
+        assert_eq!(st.counters().foreign_classifiers, 1);
+        st.hooks().set_foreign(Vec::new());
+        assert!(st.health(t0).serving());
     }
 
     #[test]

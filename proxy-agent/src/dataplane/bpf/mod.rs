@@ -5,7 +5,8 @@
 //! Pinned links keep the programs attached when the agent exits or crashes; a new agent
 //! swaps its freshly loaded programs into those links atomically (`bpf_link_update`), so
 //! traffic never sees a gap. Where the kernel has no tcx, the classifier's clsact filters
-//! stay attached the same way and are swapped in place.
+//! stay attached the same way and are swapped in place. Each resync checks the links
+//! as it re-reads the maps: what was lost is attached again.
 
 pub mod attach;
 mod ctnetlink;
@@ -38,6 +39,7 @@ use proxy_common::map_names;
 
 pub use self::{
     attach::{
+        audit::{ForeignClassifier, HooksReport, NodeHooks},
         cgroup::cgroup2_mount,
         follow::InterfaceFollower,
         interfaces::{self, InterfaceSelector},
@@ -97,6 +99,11 @@ pub struct BpfDataplane {
     cgroup: Option<PathBuf>,
     /// Follows interfaces for the classifier, until [`Self::take_interface_follower`].
     interfaces: Option<InterfaceFollower>,
+    /// The classifiers the follower keeps (checked at each resync).
+    classifiers: Option<Arc<Mutex<links::Classifiers>>>,
+    links_dir: PathBuf,
+    /// Where repairs of our hooks are counted.
+    hooks: NodeHooks,
     /// The flow tables' idle limits and masquerade ports, written with the node settings.
     conntrack: ConntrackOptions,
     /// This agent's hold on the pin folder.
@@ -214,25 +221,31 @@ impl BpfDataplane {
         let state = MapState::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
 
-        let interfaces = if let Some(hook) = kernel.tc_hook {
+        let (interfaces, classifiers) = if let Some(hook) = kernel.tc_hook {
             tracing::info!(mode = %opts.tc_attach, ?hook, "classifier hook chosen");
-            let classifiers = links::Classifiers::new(
+            let classifiers = Arc::new(Mutex::new(links::Classifiers::new(
                 Arc::clone(&ebpf),
-                &links_dir,
-                opts.interfaces.clone(),
-                hook,
-                opts.attach_failures.clone(),
-            )?;
-            let watch = InterfaceFollower::start(classifiers)?;
+                links::Setup {
+                    links_dir: links_dir.clone(),
+                    selector: opts.interfaces.clone(),
+                    hook,
+                    failures: opts.attach_failures.clone(),
+                    hooks: opts.hooks.clone(),
+                    ownership: attach::audit::Ownership::new(&opts.pin_dir),
+                },
+            )?));
+            let watch = InterfaceFollower::start(Arc::clone(&classifiers))?;
+            // What else sits on those hooks, before the agent reports ready.
+            attach::follow::lock(&classifiers).check();
             tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
-            Some(watch)
+            (Some(watch), Some(classifiers))
         } else {
             // Links and filters of interfaces no longer configured: unpinning detaches.
             links::prune_pins(&links_dir, |_| false);
             if let Err(e) = attach::remove_filters(&links_dir) {
                 tracing::warn!(error = format!("{e:#}"), "clsact filters left");
             }
-            None
+            (None, None)
         };
         tracing::info!(
             pin_dir = %opts.pin_dir.display(),
@@ -245,9 +258,25 @@ impl BpfDataplane {
             state,
             cgroup: opts.cgroup.clone(),
             interfaces,
+            classifiers,
+            links_dir,
+            hooks: opts.hooks.clone(),
             conntrack: opts.conntrack.clone(),
             _lock: lock,
         })
+    }
+
+    /// Every hook of ours still attached: the connect-time hooks' pins and links, and the
+    /// classifier on every served interface (with what else sits there); what was lost is
+    /// attached again, logged and counted.
+    fn check_hooks(&mut self) {
+        if let Some(cgroup) = &self.cgroup {
+            let mut ebpf = self.ebpf.lock().unwrap_or_else(|p| p.into_inner());
+            attach::cgroup::repair(&mut ebpf, cgroup, &self.links_dir, &self.hooks);
+        }
+        if let Some(classifiers) = &self.classifiers {
+            attach::follow::lock(classifiers).check();
+        }
     }
 
     /// The watch that attaches the classifier to interfaces as they appear (run it with
@@ -367,6 +396,7 @@ impl Dataplane for BpfDataplane {
     }
 
     fn resync(&mut self) -> Result<()> {
+        self.check_hooks();
         self.state = MapState::adopt(&self.maps)?;
         Ok(())
     }

@@ -6,7 +6,7 @@ use std::{fs, path::PathBuf, str::FromStr, time::Duration};
 use anyhow::{Context as _, Result, bail};
 use proxy_common::map_names;
 
-use super::{AttachFailures, InterfaceSelector, TcAttachMode};
+use super::{AttachFailures, InterfaceSelector, NodeHooks, TcAttachMode};
 
 /// Where the agent pins its maps and links unless told otherwise.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/proxy-agent";
@@ -29,6 +29,8 @@ pub struct Options {
     pub conntrack: ConntrackOptions,
     /// Counts classifier attachments that failed.
     pub attach_failures: AttachFailures,
+    /// Where the checks of the hooks report foreign classifiers and repairs.
+    pub hooks: NodeHooks,
     /// Capacities of the service-side maps.
     pub map_sizes: MapSizes,
 }

@@ -47,6 +47,20 @@ pub fn lock_within(pin_dir: &Path, wait: Duration) -> Result<PinLock> {
     }
 }
 
+/// The folder's lock if no agent holds it now; `None` while one does.
+pub fn try_lock(pin_dir: &Path) -> Result<Option<PinLock>> {
+    let dir = fs::File::open(pin_dir).with_context(|| format!("opening {}", pin_dir.display()))?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(Some(PinLock(dir)));
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Ok(None);
+    }
+    Err(err).with_context(|| format!("locking {}", pin_dir.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,6 +82,7 @@ mod tests {
             format!("{err:#}").contains("another agent holds"),
             "{err:#}"
         );
+        assert!(try_lock(&dir).expect("try").is_none(), "held, yet taken");
         drop(first);
         let _second = lock_within(&dir, Duration::from_millis(300)).expect("released");
         fs::remove_dir_all(&dir).expect("rm");

@@ -1,6 +1,7 @@
 //! The connect-time hooks on a cgroup v2 folder: the sock_addr programs and
 //! `sock_release`, each adopted from its pinned link (swapped in place) or attached and
-//! pinned; and where cgroup v2 is mounted.
+//! pinned; checked again at each resync (a pin deleted or a link detached: attached
+//! again); and where cgroup v2 is mounted.
 
 use std::{fs, os::fd::AsFd as _, path::Path};
 
@@ -14,7 +15,7 @@ use aya::{
     },
 };
 
-use super::link_update;
+use super::{audit::NodeHooks, link_update};
 use crate::dataplane::bpf::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
 
 /// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
@@ -49,24 +50,7 @@ pub fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) 
             prog.attach_to_link(link)
                 .with_context(|| format!("replacing the program of {}", pin.display()))?
         } else {
-            let id = prog
-                // Links are always multi-attach; the kernel rejects explicit flags for them.
-                .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
-                .with_context(|| {
-                    format!(
-                        "attaching {name} to {} (needs cgroup bpf links, Linux 5.7{})",
-                        cgroup.display(),
-                        if name.starts_with("getpeername") {
-                            ", and the getpeername hooks, Linux 5.8"
-                        } else {
-                            ""
-                        }
-                    )
-                })?;
-            let link = prog.take_link(id)?;
-            FdLink::try_from(link)?
-                .pin(&pin)
-                .with_context(|| format!("pinning {}", pin.display()))?;
+            attach_sock_addr(prog, name, &cgroup_file, cgroup, &pin)?;
             continue;
         };
         // The link is pinned already; dropping our fd keeps it attached.
@@ -74,6 +58,115 @@ pub fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) 
         drop(FdLink::try_from(link)?);
     }
     attach_sock_release(ebpf, &cgroup_file, cgroup, links_dir)
+}
+
+/// Attaches the loaded sock_addr program `name` to `cgroup` with a new link, pinned at
+/// `pin`.
+fn attach_sock_addr(
+    prog: &mut CgroupSockAddr,
+    name: &str,
+    cgroup_file: &fs::File,
+    cgroup: &Path,
+    pin: &Path,
+) -> Result<()> {
+    let id = prog
+        // Links are always multi-attach; the kernel rejects explicit flags for them.
+        .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
+        .with_context(|| {
+            format!(
+                "attaching {name} to {} (needs cgroup bpf links, Linux 5.7{})",
+                cgroup.display(),
+                if name.starts_with("getpeername") {
+                    ", and the getpeername hooks, Linux 5.8"
+                } else {
+                    ""
+                }
+            )
+        })?;
+    FdLink::try_from(prog.take_link(id)?)?
+        .pin(pin)
+        .with_context(|| format!("pinning {}", pin.display()))?;
+    Ok(())
+}
+
+/// Why the hook pinned at `pin` no longer works, if it does not: the pin is gone (which
+/// detached it), or its link is detached from the cgroup (`cgroup_id` 0: the cgroup was
+/// removed, or someone detached it).
+fn lost(pin: &Path) -> Option<&'static str> {
+    if !pin.exists() {
+        return Some("its pinned link is gone");
+    }
+    match link_update::pinned_field(pin, "cgroup_id") {
+        Ok(0) => Some("its link is detached"),
+        Ok(_) => None,
+        Err(_) => Some("its pin is not a readable link"),
+    }
+}
+
+/// The resync's check of the connect-time hooks: each one whose pin is gone or whose link
+/// is detached is attached again (the programs are loaded already), logged and counted.
+pub fn repair(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path, hooks: &NodeHooks) {
+    let names = CGROUP_PROGRAMS.iter().chain([&SOCK_RELEASE_PROGRAM]);
+    let lost: Vec<(&str, &str)> = names
+        .filter_map(|name| Some((*name, lost(&links_dir.join(format!("cgroup_{name}")))?)))
+        .collect();
+    if lost.is_empty() {
+        return;
+    }
+    let cgroup_file = match fs::File::open(cgroup) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(cgroup = %cgroup.display(), error = %e, "connect-time hooks lost; the cgroup is unreadable");
+            return;
+        }
+    };
+    for (name, why) in lost {
+        let pin = links_dir.join(format!("cgroup_{name}"));
+        let done = reattach(ebpf, name, &cgroup_file, cgroup, &pin);
+        match done {
+            Ok(()) => {
+                hooks.count_repaired();
+                tracing::warn!(
+                    program = name,
+                    cgroup = %cgroup.display(),
+                    why,
+                    "connect-time hook was lost; attached again"
+                );
+            }
+            Err(e) => tracing::warn!(
+                program = name,
+                why,
+                error = format!("{e:#}"),
+                "connect-time hook was lost and is not attached again"
+            ),
+        }
+    }
+}
+
+/// Attaches the loaded program `name` again with a new link pinned at `pin` (whatever is
+/// pinned there goes first).
+fn reattach(
+    ebpf: &mut Ebpf,
+    name: &str,
+    cgroup_file: &fs::File,
+    cgroup: &Path,
+    pin: &Path,
+) -> Result<()> {
+    if pin.exists() {
+        fs::remove_file(pin).with_context(|| format!("removing {}", pin.display()))?;
+    }
+    if name == SOCK_RELEASE_PROGRAM {
+        let prog: &mut CgroupSock = ebpf
+            .program_mut(name)
+            .with_context(|| format!("BPF object has no program {name}"))?
+            .try_into()?;
+        return attach_sock_release_link(prog, cgroup_file, cgroup, pin);
+    }
+    let prog: &mut CgroupSockAddr = ebpf
+        .program_mut(name)
+        .with_context(|| format!("BPF object has no program {name}"))?
+        .try_into()?;
+    attach_sock_addr(prog, name, cgroup_file, cgroup, pin)
 }
 
 /// Attaches `sock_release` (or swaps it into its pinned link): without it, `SOCK_LB` would
@@ -94,6 +187,16 @@ fn attach_sock_release(
     if pin.exists() {
         return link_update::replace_program(&pin, prog.fd()?.as_fd());
     }
+    attach_sock_release_link(prog, cgroup_file, cgroup, &pin)
+}
+
+/// Attaches the loaded `sock_release` to `cgroup` with a new link, pinned at `pin`.
+fn attach_sock_release_link(
+    prog: &mut CgroupSock,
+    cgroup_file: &fs::File,
+    cgroup: &Path,
+    pin: &Path,
+) -> Result<()> {
     let id = prog
         .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
         .with_context(|| {
@@ -104,7 +207,7 @@ fn attach_sock_release(
             )
         })?;
     FdLink::try_from(prog.take_link(id)?)?
-        .pin(&pin)
+        .pin(pin)
         .with_context(|| format!("pinning {}", pin.display()))?;
     Ok(())
 }

@@ -3,7 +3,8 @@
 //! filters hold a fixed priority and handle on each hook and carry the program's name.
 //! A restarted agent changes the filter on that very priority and handle, which swaps the
 //! program in place (`cls_bpf_change` replaces it under RCU: no packet sees no filter),
-//! and `cleanup` deletes exactly those. A clsact qdisc the agent added itself is
+//! and `cleanup` deletes exactly those. A filter there whose program uses another pin
+//! folder's maps is another agent's: taken over only when that agent is gone (`audit`). A clsact qdisc the agent added itself is
 //! recorded as the bpffs folder `links/clsact@<ifindex>@<name>` and deleted again only
 //! when no filter of anyone is left on it: other users of the qdisc keep it.
 
@@ -11,6 +12,8 @@ use std::{
     fs, io,
     path::{Path, PathBuf},
 };
+
+use super::audit::{Owner, Ownership};
 
 use anyhow::{Context as _, Result, bail};
 use aya::programs::{
@@ -45,14 +48,18 @@ pub struct Filter {
     pub kind: String,
     /// A `bpf` filter's program name.
     pub name: Option<String>,
+    /// A `bpf` filter's program id.
+    pub id: Option<u32>,
 }
 
 impl Filter {
-    fn is_ours(&self, program: &str) -> bool {
-        self.priority == PRIORITY
-            && self.handle == HANDLE
-            && self.kind == "bpf"
-            && self.name.as_deref() == Some(program)
+    /// At our place with our name (whose program it runs is `audit`'s question).
+    pub fn is_ours(&self, program: &str) -> bool {
+        self.at_our_place() && self.kind == "bpf" && self.name.as_deref() == Some(program)
+    }
+
+    pub fn at_our_place(&self) -> bool {
+        self.priority == PRIORITY && self.handle == HANDLE
     }
 }
 
@@ -66,7 +73,7 @@ fn parent(hook: TcAttachType) -> TcHandle {
     }
 }
 
-fn hook_name(hook: TcAttachType) -> &'static str {
+pub fn hook_name(hook: TcAttachType) -> &'static str {
     match hook {
         TcAttachType::Ingress => "ingress",
         TcAttachType::Egress => "egress",
@@ -110,15 +117,19 @@ pub fn filters(ifindex: u32, hook: TcAttachType) -> Result<Vec<Filter>> {
             handle: m.header.handle.into(),
             kind: String::new(),
             name: None,
+            id: None,
         };
         for attr in m.attributes {
             match attr {
                 TcAttribute::Kind(k) => filter.kind = k,
                 TcAttribute::Options(opts) => {
-                    filter.name = opts.into_iter().find_map(|o| match o {
-                        TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => Some(n),
-                        _ => None,
-                    })
+                    for o in opts {
+                        match o {
+                            TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => filter.name = Some(n),
+                            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => filter.id = Some(id),
+                            _ => {}
+                        }
+                    }
                 }
                 _ => {}
             }
@@ -152,10 +163,19 @@ pub fn has_clsact(ifindex: u32) -> Result<bool> {
     Ok(!found.is_empty())
 }
 
+/// The filter at our priority and handle on `ifindex`'s `hook`, if any.
+pub fn at_our_place(ifindex: u32, hook: TcAttachType) -> Result<Option<Filter>> {
+    Ok(filters(ifindex, hook)?
+        .into_iter()
+        .find(Filter::at_our_place))
+}
+
 /// Puts `prog` on `ifindex`'s clsact `hook` at our priority and handle: a filter of ours
-/// there gets the program swapped in; otherwise a new filter is added (and the qdisc
-/// with it, recorded under `links_dir`, when the device has none). Someone else's filter
-/// at our place is left alone and reported.
+/// there gets the program swapped in (also one a stale agent of another pin folder left:
+/// its folder is returned with how it went); otherwise a new filter is added (and the
+/// qdisc with it, recorded under `links_dir`, when the device has none). Someone else's
+/// filter at our place (another program, or the filter of an agent that runs) is left
+/// alone and reported.
 pub fn attach(
     prog: &mut SchedClassifier,
     program: &str,
@@ -163,10 +183,15 @@ pub fn attach(
     ifindex: u32,
     name: &str,
     links_dir: &Path,
-) -> Result<&'static str> {
-    let at = filters(ifindex, hook)?
-        .into_iter()
-        .find(|f| f.priority == PRIORITY && f.handle == HANDLE);
+    ownership: &mut Ownership,
+) -> Result<(&'static str, Option<PathBuf>)> {
+    let at = at_our_place(ifindex, hook)?;
+    let owner = match &at {
+        Some(f) if f.is_ours(program) => {
+            f.id.map_or(Owner::Unknown, |id| ownership.owner_of_program(id))
+        }
+        _ => Owner::Unknown,
+    };
     let options = NlOptions {
         priority: PRIORITY,
         handle: tc::TcHandle::from(HANDLE),
@@ -174,6 +199,25 @@ pub fn attach(
     };
     let how = match at {
         Some(f) if f.is_ours(program) => {
+            let stale = match owner {
+                Owner::Ours | Owner::Unseen => None,
+                Owner::Stale(folder) => Some(folder),
+                Owner::Live(folder) => bail!(
+                    "{name}: the clsact {} hook's {program} filter (program {}) belongs to \
+                     the agent of {}, which is running; not touched (one agent per interface)",
+                    hook_name(hook),
+                    f.id.unwrap_or_default(),
+                    folder.display()
+                ),
+                Owner::Unknown => bail!(
+                    "{name}: the clsact {} hook's {program} filter (program {}) uses no maps \
+                     of ours nor of a pin folder on our bpffs; not touched (if no agent uses \
+                     it: `tc filter del dev {name} {} pref {PRIORITY}`)",
+                    hook_name(hook),
+                    f.id.unwrap_or_default(),
+                    hook_name(hook)
+                ),
+            };
             let link = SchedClassifierLink::attached(
                 ifindex,
                 hook.into(),
@@ -186,7 +230,10 @@ pub fn attach(
                 .with_context(|| format!("replacing {program}'s filter on {name}"))?;
             // The filter outlives us: aya would delete it when its link value drops.
             std::mem::forget(prog.take_link(id)?);
-            "adopted filter"
+            return Ok(match stale {
+                None => ("adopted filter", None),
+                Some(folder) => ("adopted a stale agent's filter", Some(folder)),
+            });
         }
         Some(f) => bail!(
             "{name}: the clsact {} hook has a foreign filter at priority {PRIORITY} \
@@ -220,7 +267,7 @@ pub fn attach(
             "new filter"
         }
     };
-    Ok(how)
+    Ok((how, None))
 }
 
 /// Deletes our filter for `program` from `ifindex`'s `hook`, if there is one; reports

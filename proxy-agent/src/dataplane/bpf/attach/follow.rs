@@ -1,5 +1,8 @@
 //! Follows the node's interfaces: the classifier goes onto every wanted interface that
 //! exists at start and every one that appears later, and its pin goes with the device.
+//! The classifiers are shared with the dataplane, whose resync checks them.
+
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{Context as _, Result};
 use tokio::io::{Interest, unix::AsyncFd};
@@ -12,13 +15,19 @@ use super::{
 /// The rtnetlink subscription and the links it drives.
 pub struct InterfaceFollower {
     events: LinkEvents,
-    classifiers: Classifiers,
+    classifiers: Arc<Mutex<Classifiers>>,
+}
+
+/// The classifiers, whoever panicked while holding them (their maps stay consistent:
+/// each change is applied whole or logged as failed).
+pub fn lock(classifiers: &Mutex<Classifiers>) -> MutexGuard<'_, Classifiers> {
+    classifiers.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl InterfaceFollower {
     /// Subscribes, then serves every interface present now (blocking until the dump
     /// ends), so the agent reports ready only with its classifiers in place.
-    pub fn start(classifiers: Classifiers) -> Result<Self> {
+    pub fn start(classifiers: Arc<Mutex<Classifiers>>) -> Result<Self> {
         let mut follower = Self {
             events: LinkEvents::open()?,
             classifiers,
@@ -30,12 +39,15 @@ impl InterfaceFollower {
 
     /// Names of the interfaces served now.
     pub fn attached(&self) -> Vec<String> {
-        self.classifiers.attached().map(str::to_string).collect()
+        lock(&self.classifiers)
+            .attached()
+            .map(str::to_string)
+            .collect()
     }
 
     fn dump_blocking(&mut self) -> Result<()> {
         loop {
-            self.classifiers.begin_dump();
+            lock(&self.classifiers).begin_dump();
             self.events.request_dump()?;
             let interrupted = loop {
                 let changes = self.events.read().context("reading the link dump")?;
@@ -53,11 +65,12 @@ impl InterfaceFollower {
     /// Applies changes in order; `Some(interrupted)` once a dump has ended.
     fn apply(&mut self, changes: Vec<LinkChange>) -> Option<bool> {
         let mut done = None;
+        let mut classifiers = lock(&self.classifiers);
         for change in changes {
             if let LinkChange::DumpDone { interrupted } = change {
                 done = Some(interrupted);
             }
-            self.classifiers.handle(change);
+            classifiers.handle(change);
         }
         done
     }
@@ -67,7 +80,7 @@ impl InterfaceFollower {
     pub async fn run(self) -> Result<()> {
         let Self {
             events,
-            mut classifiers,
+            classifiers,
         } = self;
         // SAFETY: `LinkEvents` owns its socket for its whole life and always reports
         // that same descriptor.
@@ -79,11 +92,14 @@ impl InterfaceFollower {
             let read = guard.try_io(|inner| inner.get_mut().read());
             let dump_again = match read {
                 Err(_would_block) => continue,
-                Ok(Ok(changes)) => changes.into_iter().any(|change| {
-                    let again = change == LinkChange::DumpDone { interrupted: true };
-                    classifiers.handle(change);
-                    again
-                }),
+                Ok(Ok(changes)) => {
+                    let mut classifiers = lock(&classifiers);
+                    changes.into_iter().any(|change| {
+                        let again = change == LinkChange::DumpDone { interrupted: true };
+                        classifiers.handle(change);
+                        again
+                    })
+                }
                 Ok(Err(e)) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                     tracing::warn!(
                         "link notifications lost (socket buffer overrun); re-reading every link"
@@ -93,7 +109,7 @@ impl InterfaceFollower {
                 Ok(Err(e)) => return Err(e).context("reading link notifications"),
             };
             if dump_again {
-                classifiers.begin_dump();
+                lock(&classifiers).begin_dump();
                 guard.get_inner_mut().request_dump()?;
             }
         }

@@ -1,5 +1,6 @@
-//! Swapping a new program into a pinned link (`BPF_LINK_UPDATE`), for link types whose
-//! aya wrapper has no `attach_to_link` (cgroup sock programs).
+//! Pinned links: swapping a new program in (`BPF_LINK_UPDATE`, for link types whose aya
+//! wrapper has no `attach_to_link`: cgroup sock programs), and what the kernel says of
+//! one (its fdinfo: the program it runs, the device or cgroup it is attached to).
 
 use std::{
     ffi::CString,
@@ -34,19 +35,41 @@ fn bpf(cmd: libc::c_long, attr: &[u32]) -> std::io::Result<libc::c_long> {
     Ok(r)
 }
 
-/// Makes the link pinned at `pin` run `prog` from now on; the link (and its attachment)
-/// stays, so there is no moment without a program.
-pub fn replace_program(pin: &Path, prog: BorrowedFd<'_>) -> Result<()> {
+/// BPF_OBJ_GET: a file descriptor for the object pinned at `pin` (aya keeps its own
+/// private).
+fn open_pinned(pin: &Path) -> Result<OwnedFd> {
     let path = CString::new(pin.as_os_str().as_encoded_bytes())?;
     let ptr = path.as_ptr() as u64;
-    // bpf_attr for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags.
+    // bpf_attr for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags (0: links are only
+    // handed out read-write).
     let fd = bpf(BPF_OBJ_GET, &[ptr as u32, (ptr >> 32) as u32, 0, 0])
-        .with_context(|| format!("opening pinned link {}", pin.display()))?;
+        .with_context(|| format!("opening pinned object {}", pin.display()))?;
     let Ok(raw) = i32::try_from(fd) else {
         bail!("bpf(BPF_OBJ_GET) returned {fd}");
     };
     // SAFETY: a fresh file descriptor the kernel just gave us; owned from here on.
-    let link = unsafe { OwnedFd::from_raw_fd(raw) };
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// One number of the fdinfo of the link pinned at `pin` (`prog_id`, `ifindex` of a tcx
+/// link, `cgroup_id` of a cgroup link: 0 once the link is detached from its device or
+/// cgroup).
+pub fn pinned_field(pin: &Path, key: &str) -> Result<u64> {
+    let fd = open_pinned(pin)?;
+    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+    let info = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    info.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .with_context(|| format!("no {key} in the fdinfo of {}", pin.display()))?
+        .trim()
+        .parse()
+        .with_context(|| format!("parsing {key} of {}", pin.display()))
+}
+
+/// Makes the link pinned at `pin` run `prog` from now on; the link (and its attachment)
+/// stays, so there is no moment without a program.
+pub fn replace_program(pin: &Path, prog: BorrowedFd<'_>) -> Result<()> {
+    let link = open_pinned(pin)?;
     // bpf_attr for BPF_LINK_UPDATE: link_fd, new_prog_fd, flags, old_prog_fd.
     bpf(
         BPF_LINK_UPDATE,

@@ -3,12 +3,17 @@
 //! sends about translated flows): attached when a wanted interface appears, unpinned when
 //! it goes, so a pin always belongs to the device that now has its name. Without tcx the
 //! same two programs are filters on the device's clsact qdisc instead (`clsact`).
+//!
+//! Each check (at start, and at every resync) makes sure every served interface still
+//! runs our programs on both hooks — a pin deleted by hand, a link detached, a filter
+//! deleted: attached again, logged and counted — and looks at what else sits there: a
+//! classifier named as ours from another pin folder whose agent is gone is detached (tcx)
+//! or adopted (clsact); one whose agent runs, or whose folder is not found, is left in
+//! place and reported (`audit`), and `/healthz` fails while it is there.
 
 use std::{
     collections::BTreeMap,
-    ffi::CString,
     fs, io,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
@@ -16,7 +21,7 @@ use std::{
     },
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
     programs::{
@@ -27,11 +32,13 @@ use aya::{
 };
 
 use super::{
+    audit::{CLASSIFIER_NAMES, ForeignClassifier, NodeHooks, Owner, Ownership},
     clsact,
     interfaces::{Decision, InterfaceSelector},
     link_events::{Link, LinkChange},
+    link_update,
 };
-use crate::dataplane::bpf::{TC_EGRESS_PROGRAM, TC_PROGRAM, kernel::TcHook};
+use crate::dataplane::bpf::{TC_EGRESS_PROGRAM, TC_PROGRAM, kernel, kernel::TcHook, pin_lock};
 
 /// The programs attached to each served interface: name, hook, pin prefix.
 const HOOKS: [(&str, TcAttachType, &str); 2] = [
@@ -62,6 +69,19 @@ impl AttachFailures {
     }
 }
 
+/// What the classifiers are given at start.
+pub struct Setup {
+    pub links_dir: PathBuf,
+    pub selector: InterfaceSelector,
+    pub hook: TcHook,
+    /// Counts failed attachments.
+    pub failures: AttachFailures,
+    /// Where foreign classifiers and repairs are reported.
+    pub hooks: NodeHooks,
+    /// Tells our classifiers from other agents'.
+    pub ownership: Ownership,
+}
+
 /// The classifier's links, kept in step with the interfaces rtnetlink reports.
 pub struct Classifiers {
     /// Holds the loaded classifier (shared with the dataplane, which owns the object).
@@ -76,17 +96,24 @@ pub struct Classifiers {
     /// Devices seen by the dump under way, if one is: name → ifindex.
     dumping: Option<BTreeMap<String, u32>>,
     failures: AttachFailures,
+    /// Wanted interfaces whose attachment failed: tried again at each check.
+    failed: BTreeMap<String, Link>,
+    /// Our programs' ids, by name.
+    ids: BTreeMap<&'static str, u32>,
+    /// Whether the kernel has tcx (its hooks are looked at in clsact mode too).
+    tcx: bool,
+    ownership: Ownership,
+    /// Foreign classifiers left in place, by interface (published to `hooks`).
+    foreign: BTreeMap<String, Vec<ForeignClassifier>>,
+    hooks: NodeHooks,
+    /// Whether an unreadable tcx hook was logged (once: the cause is the agent's).
+    said_unreadable: bool,
 }
 
 impl Classifiers {
     /// Loads the classifier into `ebpf` (once; later attachments reuse it).
-    pub fn new(
-        ebpf: Arc<Mutex<Ebpf>>,
-        links_dir: &Path,
-        selector: InterfaceSelector,
-        hook: TcHook,
-        failures: AttachFailures,
-    ) -> Result<Self> {
+    pub fn new(ebpf: Arc<Mutex<Ebpf>>, setup: Setup) -> Result<Self> {
+        let mut ids = BTreeMap::new();
         {
             let mut ebpf = lock(&ebpf);
             for (name, _, _) in HOOKS {
@@ -95,17 +122,38 @@ impl Classifiers {
                     .with_context(|| format!("BPF object has no {name}"))?
                     .try_into()?;
                 prog.load().with_context(|| format!("loading {name}"))?;
+                ids.insert(
+                    name,
+                    prog.info()
+                        .with_context(|| format!("reading {name}'s id"))?
+                        .id(),
+                );
             }
         }
+        let Setup {
+            links_dir,
+            selector,
+            hook,
+            failures,
+            hooks,
+            ownership,
+        } = setup;
         Ok(Self {
             ebpf,
-            links_dir: links_dir.to_path_buf(),
+            links_dir,
             selector,
             hook,
             attached: BTreeMap::new(),
             skipped: BTreeMap::new(),
             dumping: None,
             failures,
+            failed: BTreeMap::new(),
+            ids,
+            tcx: hook == TcHook::Tcx || kernel::tcx_supported().unwrap_or(false),
+            ownership,
+            foreign: BTreeMap::new(),
+            hooks,
+            said_unreadable: false,
         })
     }
 
@@ -147,10 +195,12 @@ impl Classifiers {
             // A filter of ours left on a device no longer wanted (the configuration changed
             // while the agent was down): looked for at dumps, not on every link change.
             Decision::Ignore if self.hook == TcHook::Clsact && self.dumping.is_some() => {
+                self.forget_failed(&link.name);
                 self.remove_filters(link.index, &link.name, "interface not wanted");
             }
-            Decision::Ignore => {}
+            Decision::Ignore => self.forget_failed(&link.name),
             Decision::SkipNotEthernet => {
+                self.forget_failed(&link.name);
                 if self.skipped.insert(link.name.clone(), link.index) != Some(link.index) {
                     tracing::info!(
                         interface = link.name,
@@ -163,31 +213,47 @@ impl Classifiers {
                 }
             }
             Decision::Attach if self.attached.get(&link.name) == Some(&link.index) => {}
-            Decision::Attach => match self.attach(link) {
-                Ok(how) => {
-                    tracing::info!(
-                        interface = link.name,
-                        ifindex = link.index,
-                        how,
-                        "classifier attached"
-                    );
-                    self.attached.insert(link.name.clone(), link.index);
-                }
-                Err(e) => {
-                    // Retried when the device next changes (or at the next dump).
-                    self.failures.count();
-                    tracing::warn!(
-                        interface = link.name,
-                        error = format!("{e:#}"),
-                        "classifier not attached"
-                    );
-                }
-            },
+            Decision::Attach => {
+                self.attach_logged(link);
+                self.audit(&link.name, link.index);
+            }
         }
+    }
+
+    /// Attaches both programs to `link`, logging how (or why not: then it is tried again
+    /// at the next check, or when the device next changes).
+    fn attach_logged(&mut self, link: &Link) {
+        match self.attach(link) {
+            Ok(how) => {
+                tracing::info!(
+                    interface = link.name,
+                    ifindex = link.index,
+                    how,
+                    "classifier attached"
+                );
+                self.attached.insert(link.name.clone(), link.index);
+                self.failed.remove(&link.name);
+            }
+            Err(e) => {
+                self.failures.count();
+                tracing::warn!(
+                    interface = link.name,
+                    error = format!("{e:#}"),
+                    "classifier not attached"
+                );
+                self.failed.insert(link.name.clone(), link.clone());
+            }
+        }
+    }
+
+    fn forget_failed(&mut self, name: &str) {
+        self.failed.remove(name);
+        self.set_foreign(name, Vec::new());
     }
 
     fn gone(&mut self, link: &Link) {
         self.skipped.remove(&link.name);
+        self.forget_failed(&link.name);
         // Its qdisc went with it.
         clsact::prune_records(&self.links_dir, |index| index != link.index);
         // The kernel detached the link with the device; its pin would only be stale.
@@ -212,6 +278,15 @@ impl Classifiers {
             self.detach(&name, "interface gone");
         }
         self.skipped.retain(|n, _| seen.contains_key(n));
+        let unseen: Vec<String> = self
+            .failed
+            .keys()
+            .filter(|n| !seen.contains_key(*n))
+            .cloned()
+            .collect();
+        for name in unseen {
+            self.forget_failed(&name);
+        }
         prune_pins(&self.links_dir, |name| self.attached.contains_key(name));
         clsact::prune_records(&self.links_dir, |index| seen.values().any(|i| *i == index));
     }
@@ -220,7 +295,7 @@ impl Classifiers {
     fn attach(&mut self, link: &Link) -> Result<&'static str> {
         let mut how = "";
         for (program, hook, prefix) in HOOKS {
-            let done = self.attach_one(link, program, hook, prefix)?;
+            let done = self.attach_one(&link.name, link.index, program, hook, prefix)?;
             if how.is_empty() {
                 how = done;
             }
@@ -228,17 +303,19 @@ impl Classifiers {
         Ok(how)
     }
 
-    /// Attaches `program` to `link`'s `hook` the chosen way, then removes what the other
-    /// way left there (the mode changed across a restart): both run for that moment, so
-    /// there is no gap, and the first one's verdict stands for what it translates.
+    /// Attaches `program` to the `hook` of interface `name` (`index`) the chosen way, then
+    /// removes what the other way left there (the mode changed across a restart): both
+    /// run for that moment, so there is no gap, and the first one's verdict stands for
+    /// what it translates.
     fn attach_one(
         &mut self,
-        link: &Link,
-        program: &str,
+        name: &str,
+        index: u32,
+        program: &'static str,
         hook: TcAttachType,
         prefix: &str,
     ) -> Result<&'static str> {
-        let pin = pin_path(&self.links_dir, prefix, &link.name);
+        let pin = pin_path(&self.links_dir, prefix, name);
         let mut ebpf = lock(&self.ebpf);
         let prog: &mut SchedClassifier = ebpf
             .program_mut(program)
@@ -246,17 +323,30 @@ impl Classifiers {
             .try_into()?;
         match self.hook {
             TcHook::Tcx => {
-                let how = attach_tcx(prog, program, hook, link, &pin)?;
-                // The tcx link serves already: a filter left over only costs a second look.
-                match clsact::remove(link.index, hook, program) {
-                    Ok(true) => tracing::info!(
-                        interface = link.name,
-                        program,
-                        "clsact filter replaced by tcx"
-                    ),
+                let how = attach_tcx(prog, program, hook, name, index, &pin)?;
+                drop(ebpf);
+                // The tcx link serves already: a filter left over only costs a second
+                // look. Only ours, or a gone agent's, goes; a running agent's stays
+                // (the audit reports it).
+                let leftover = clsact::at_our_place(index, hook).map(|f| {
+                    f.filter(|f| f.is_ours(program)).map(|f| {
+                        f.id.map_or(Owner::Unknown, |id| self.ownership.owner_of_program(id))
+                    })
+                });
+                let removed = match leftover {
+                    Ok(Some(Owner::Ours | Owner::Unseen | Owner::Stale(_))) => {
+                        clsact::remove(index, hook, program)
+                    }
+                    Ok(_) => Ok(false),
+                    Err(e) => Err(e),
+                };
+                match removed {
+                    Ok(true) => {
+                        tracing::info!(interface = name, program, "clsact filter replaced by tcx")
+                    }
                     Ok(false) => {}
                     Err(e) => tracing::warn!(
-                        interface = link.name,
+                        interface = name,
                         error = format!("{e:#}"),
                         "clsact filter left beside the tcx link"
                     ),
@@ -264,22 +354,366 @@ impl Classifiers {
                 Ok(how)
             }
             TcHook::Clsact => {
-                let how =
-                    clsact::attach(prog, program, hook, link.index, &link.name, &self.links_dir)?;
+                let (how, stale) = clsact::attach(
+                    prog,
+                    program,
+                    hook,
+                    index,
+                    name,
+                    &self.links_dir,
+                    &mut self.ownership,
+                )?;
+                drop(ebpf);
+                if let Some(folder) = stale {
+                    self.took_stale(name, hook, "clsact", program, &folder, "adopted");
+                }
                 if pin.exists() {
                     remove_pin(&pin)?;
-                    tracing::info!(
-                        interface = link.name,
-                        program,
-                        "tcx link replaced by clsact"
-                    );
+                    tracing::info!(interface = name, program, "tcx link replaced by clsact");
                 }
                 Ok(how)
             }
         }
     }
 
+    /// The periodic check of every interface served, and of those whose attachment
+    /// failed: our programs run on both hooks (re-attached where they do not), and what
+    /// else is there is looked at.
+    pub fn check(&mut self) {
+        let served: Vec<(String, u32)> = self
+            .attached
+            .iter()
+            .map(|(name, index)| (name.clone(), *index))
+            .collect();
+        for (name, index) in &served {
+            self.repair(name, *index);
+        }
+        let failed: Vec<Link> = self.failed.values().cloned().collect();
+        for link in &failed {
+            self.attach_logged(link);
+        }
+        let all = served
+            .into_iter()
+            .chain(failed.into_iter().map(|l| (l.name, l.index)));
+        for (name, index) in all.collect::<Vec<_>>() {
+            self.audit(&name, index);
+        }
+    }
+
+    /// Attaches again whichever of our programs no longer runs on `name`'s hooks.
+    fn repair(&mut self, name: &str, index: u32) {
+        for (program, hook, prefix) in HOOKS {
+            let Some(why) = self.lost(name, index, program, hook, prefix) else {
+                continue;
+            };
+            match self.attach_one(name, index, program, hook, prefix) {
+                Ok(how) => {
+                    self.hooks.count_repaired();
+                    tracing::warn!(
+                        interface = name,
+                        program,
+                        why,
+                        how,
+                        "classifier hook was lost; attached again"
+                    );
+                }
+                Err(e) => {
+                    self.failures.count();
+                    tracing::warn!(
+                        interface = name,
+                        program,
+                        why,
+                        error = format!("{e:#}"),
+                        "classifier hook was lost and is not attached again"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Why `program` no longer runs on `name`'s `hook`, if it does not.
+    fn lost(
+        &self,
+        name: &str,
+        index: u32,
+        program: &str,
+        hook: TcAttachType,
+        prefix: &str,
+    ) -> Option<&'static str> {
+        let id = self.ids.get(program).copied();
+        match self.hook {
+            TcHook::Tcx => {
+                let pin = pin_path(&self.links_dir, prefix, name);
+                if !pin.exists() {
+                    return Some("its pinned link is gone");
+                }
+                match link_update::pinned_field(&pin, "ifindex") {
+                    Ok(i) if i == u64::from(index) => {}
+                    Ok(0) => return Some("its link is detached"),
+                    Ok(_) => return Some("its link is on another device"),
+                    Err(_) => return Some("its pin is not a readable link"),
+                }
+                match SchedClassifier::query_tcx(index, hook) {
+                    Ok((_, progs)) if !progs.iter().any(|p| Some(p.id()) == id) => {
+                        Some("the hook runs another program")
+                    }
+                    _ => None,
+                }
+            }
+            TcHook::Clsact => match clsact::at_our_place(index, hook) {
+                Ok(Some(f)) if f.id.is_some() && f.id == id => None,
+                Ok(Some(_)) => Some("our place on the hook holds another filter"),
+                Ok(None) => Some("its filter is gone"),
+                // The device went meanwhile: its link change says so.
+                Err(_) => None,
+            },
+        }
+    }
+
+    /// Looks at every classifier named as ours on `name`'s hooks that is not ours:
+    /// takes off those of gone agents, reports the others.
+    fn audit(&mut self, name: &str, index: u32) {
+        let mut found = Vec::new();
+        for (program, hook, _) in HOOKS {
+            let ours = self.ids.get(program).copied();
+            if self.tcx {
+                match SchedClassifier::query_tcx(index, hook) {
+                    Ok((_, progs)) => {
+                        let our_place = progs.iter().position(|p| Some(p.id()) == ours);
+                        for (place, p) in progs.iter().enumerate() {
+                            let Some(pname) = p
+                                .name_as_str()
+                                .and_then(|n| CLASSIFIER_NAMES.iter().find(|c| **c == n))
+                            else {
+                                continue;
+                            };
+                            if self.ids.values().any(|id| *id == p.id()) {
+                                continue;
+                            }
+                            let maps = p.map_ids().ok().flatten().unwrap_or_default();
+                            let owner = self.ownership.owner(p.id(), &maps);
+                            let shadows = our_place.is_none_or(|o| place < o);
+                            let foreign = ForeignClassifier {
+                                interface: name.to_string(),
+                                hook: clsact::hook_name(hook),
+                                attach: "tcx",
+                                program: (*pname).to_string(),
+                                program_id: p.id(),
+                                pin_dir: None,
+                                agent_running: false,
+                                shadows_ours: shadows,
+                            };
+                            found.extend(self.judge(foreign, owner, index, hook));
+                        }
+                    }
+                    // Reading another agent's programs takes CAP_SYS_ADMIN
+                    // (BPF_PROG_GET_FD_BY_ID): without it this check cannot see them.
+                    Err(e) if !self.said_unreadable => {
+                        self.said_unreadable = true;
+                        tracing::warn!(
+                            interface = name,
+                            error = %e,
+                            "tcx hook unreadable: other agents' classifiers cannot be found"
+                        );
+                    }
+                    Err(_) => {}
+                }
+            }
+            match clsact::filters(index, hook) {
+                Ok(filters) => {
+                    let ours_there = filters
+                        .iter()
+                        .any(|f| f.at_our_place() && f.id.is_some() && f.id == ours);
+                    for f in filters {
+                        let (Some(id), Some(pname)) = (f.id, f.name.as_deref()) else {
+                            continue;
+                        };
+                        let Some(pname) = CLASSIFIER_NAMES.iter().find(|c| **c == pname) else {
+                            continue;
+                        };
+                        if f.kind != "bpf" || self.ids.values().any(|i| *i == id) {
+                            continue;
+                        }
+                        let owner = self.ownership.owner_of_program(id);
+                        // tcx runs before any filter; among filters, the lower place first.
+                        let shadows = self.hook == TcHook::Clsact
+                            && (!ours_there
+                                || (f.priority, f.handle) < (clsact::PRIORITY, clsact::HANDLE));
+                        let foreign = ForeignClassifier {
+                            interface: name.to_string(),
+                            hook: clsact::hook_name(hook),
+                            attach: "clsact",
+                            program: (*pname).to_string(),
+                            program_id: id,
+                            pin_dir: None,
+                            agent_running: false,
+                            shadows_ours: shadows,
+                        };
+                        // Only a filter at our place can be taken over (the audit knows
+                        // no other place of ours).
+                        let owner = match owner {
+                            Owner::Stale(folder) if !f.at_our_place() => Owner::Live(folder),
+                            owner => owner,
+                        };
+                        found.extend(self.judge(foreign, owner, index, hook));
+                    }
+                }
+                Err(e) => tracing::debug!(
+                    interface = name,
+                    error = format!("{e:#}"),
+                    "clsact filters unreadable"
+                ),
+            }
+        }
+        self.set_foreign(name, found);
+    }
+
+    /// Takes `found` off its hook if its agent is gone; otherwise it is returned, to be
+    /// reported (also when taking it off failed).
+    fn judge(
+        &mut self,
+        mut found: ForeignClassifier,
+        owner: Owner,
+        index: u32,
+        hook: TcAttachType,
+    ) -> Option<ForeignClassifier> {
+        match owner {
+            Owner::Ours | Owner::Unseen => None,
+            Owner::Live(folder) => {
+                found.pin_dir = Some(folder);
+                found.agent_running = true;
+                Some(found)
+            }
+            Owner::Unknown => Some(found),
+            Owner::Stale(folder) => {
+                let program = HOOKS
+                    .iter()
+                    .map(|(p, _, _)| *p)
+                    .find(|p| *p == found.program)
+                    .unwrap_or(TC_PROGRAM);
+                // What was done, when it is still to be logged.
+                let taken = match found.attach {
+                    "tcx" => {
+                        unpin_stale(&folder, found.program_id, index).map(|_| Some("detached"))
+                    }
+                    // Ours at that place: the program is swapped in (no gap), and
+                    // `attach_one` reports it.
+                    _ if self.hook == TcHook::Clsact => {
+                        let prefix = HOOKS
+                            .iter()
+                            .find(|(p, _, _)| *p == program)
+                            .map_or("", |h| h.2);
+                        let name = found.interface.clone();
+                        self.attach_one(&name, index, program, hook, prefix)
+                            .map(|_| None)
+                    }
+                    _ => clsact::remove(index, hook, program).and_then(|gone| {
+                        anyhow::ensure!(gone, "the filter went meanwhile");
+                        Ok(Some("deleted"))
+                    }),
+                };
+                match taken {
+                    Ok(None) => None,
+                    Ok(Some(how)) => {
+                        self.took_stale(
+                            &found.interface,
+                            hook,
+                            found.attach,
+                            program,
+                            &folder,
+                            how,
+                        );
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            interface = found.interface,
+                            program_id = found.program_id,
+                            pin_dir = %folder.display(),
+                            error = format!("{e:#}"),
+                            "a stale classifier of another pin folder could not be taken off"
+                        );
+                        found.pin_dir = Some(folder);
+                        Some(found)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Logs and counts a stale classifier taken off (or over).
+    fn took_stale(
+        &self,
+        interface: &str,
+        hook: TcAttachType,
+        attach: &str,
+        program: &str,
+        folder: &Path,
+        how: &str,
+    ) {
+        self.hooks.count_stale_removed();
+        tracing::warn!(
+            interface,
+            hook = clsact::hook_name(hook),
+            attach,
+            program,
+            pin_dir = %folder.display(),
+            how,
+            "a stale classifier of another pin folder (no agent holds it) was on our interface; taken off"
+        );
+    }
+
+    /// Records the foreign classifiers now on `name`'s hooks: each new one is logged as an
+    /// error (naming its program and where it is pinned), each one gone as an info.
+    fn set_foreign(&mut self, name: &str, now: Vec<ForeignClassifier>) {
+        let before = self.foreign.remove(name).unwrap_or_default();
+        if before.is_empty() && now.is_empty() {
+            return;
+        }
+        for f in &now {
+            if before.iter().any(|b| b.key() == f.key()) {
+                continue;
+            }
+            let advice = match (&f.pin_dir, f.agent_running) {
+                (Some(_), true) => {
+                    "another agent serves this interface: stop one, or give them disjoint --interfaces"
+                }
+                (Some(_), false) => "its agent is gone but it could not be taken off",
+                (None, _) => "no pin folder on our bpffs holds its maps: remove it by hand",
+            };
+            tracing::error!(
+                interface = f.interface,
+                hook = f.hook,
+                attach = f.attach,
+                program = f.program,
+                program_id = f.program_id,
+                pin_dir = f.pin_dir.as_deref().map(|p| p.display().to_string()),
+                agent_running = f.agent_running,
+                shadows_ours = f.shadows_ours,
+                advice,
+                "a foreign classifier is on an interface we serve; /healthz fails while it is there"
+            );
+        }
+        for b in &before {
+            if !now.iter().any(|f| f.key() == b.key()) {
+                tracing::info!(
+                    interface = b.interface,
+                    hook = b.hook,
+                    attach = b.attach,
+                    program_id = b.program_id,
+                    "foreign classifier gone"
+                );
+            }
+        }
+        if !now.is_empty() {
+            self.foreign.insert(name.to_string(), now);
+        }
+        self.hooks
+            .set_foreign(self.foreign.values().flatten().cloned().collect());
+    }
+
     fn detach(&mut self, name: &str, why: &str) {
+        self.set_foreign(name, Vec::new());
         let index = self.attached.remove(name);
         for (_, _, prefix) in HOOKS {
             match remove_pin(&pin_path(&self.links_dir, prefix, name)) {
@@ -335,30 +769,31 @@ fn attach_tcx(
     prog: &mut SchedClassifier,
     program: &str,
     hook: TcAttachType,
-    link: &Link,
+    name: &str,
+    index: u32,
     pin: &Path,
 ) -> Result<&'static str> {
     if pin.exists() {
-        match pinned_ifindex(pin) {
-            Ok(index) if index == link.index => {
+        match link_update::pinned_field(pin, "ifindex") {
+            Ok(pinned) if pinned == u64::from(index) => {
                 let fd_link: FdLink = PinnedLink::from_pin(pin)
                     .with_context(|| format!("opening pinned link {}", pin.display()))?
                     .into();
                 let id = prog
                     .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
-                    .with_context(|| format!("replacing {program} on {}", link.name))?;
+                    .with_context(|| format!("replacing {program} on {name}"))?;
                 // Pinned already: dropping our fd keeps it attached.
                 drop(FdLink::try_from(prog.take_link(id)?)?);
                 return Ok("adopted pinned link");
             }
-            Ok(index) => tracing::info!(
-                interface = link.name,
-                pinned_ifindex = index,
-                ifindex = link.index,
+            Ok(pinned) => tracing::info!(
+                interface = name,
+                pinned_ifindex = pinned,
+                ifindex = index,
                 "pinned link belongs to an earlier device of this name; replacing it"
             ),
             Err(e) => tracing::warn!(
-                interface = link.name,
+                interface = name,
                 error = format!("{e:#}"),
                 "pinned link unreadable; replacing it"
             ),
@@ -367,18 +802,13 @@ fn attach_tcx(
     }
     let id = prog
         .attach(
-            link.index,
+            index,
             TcAttach::Tcx {
                 attach_type: hook,
                 order: Default::default(),
             },
         )
-        .with_context(|| {
-            format!(
-                "attaching {program} to {} (ifindex {}) (tcx)",
-                link.name, link.index
-            )
-        })?;
+        .with_context(|| format!("attaching {program} to {name} (ifindex {index}) (tcx)"))?;
     FdLink::try_from(prog.take_link(id)?)?
         .pin(pin)
         .with_context(|| format!("pinning {}", pin.display()))?;
@@ -427,57 +857,33 @@ fn lock(ebpf: &Mutex<Ebpf>) -> std::sync::MutexGuard<'_, Ebpf> {
     ebpf.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The device a pinned tcx link is attached to, from the kernel's fdinfo for the link
-/// (`ifindex:`): 0 once its device is gone, however the name is used now.
-fn pinned_ifindex(pin: &Path) -> Result<u32> {
-    let fd = bpf_obj_get(pin)?;
-    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
-    let info = fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("ifindex:"))
-        .context("no ifindex in the link's fdinfo (not a tcx link?)")?
-        .trim()
-        .parse()
-        .context("parsing the link's ifindex")
-}
-
-/// BPF_OBJ_GET: a file descriptor for a pinned object (aya keeps its own private).
-fn bpf_obj_get(pin: &Path) -> Result<OwnedFd> {
-    #[repr(C)]
-    struct ObjGetAttr {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        path_fd: i32,
-        _pad: u32,
+/// Unpins the classifier links in `folder`'s `links/` that run program `id` on device
+/// `index`, holding the folder's lock meanwhile (its agent is gone: one starting now
+/// waits for us).
+fn unpin_stale(folder: &Path, id: u32, index: u32) -> Result<usize> {
+    let Some(_lock) = pin_lock::try_lock(folder)? else {
+        anyhow::bail!("its agent started meanwhile");
+    };
+    let links = folder.join("links");
+    let mut removed = 0;
+    for entry in fs::read_dir(&links).with_context(|| format!("reading {}", links.display()))? {
+        let path = entry?.path();
+        let ours_by_name = path
+            .file_name()
+            .and_then(|f| f.to_str())
+            .is_some_and(|f| HOOK_PREFIXES.iter().any(|p| f.starts_with(p)));
+        let runs =
+            |key, value: u32| link_update::pinned_field(&path, key).ok() == Some(u64::from(value));
+        if ours_by_name && runs("prog_id", id) && runs("ifindex", index) {
+            remove_pin(&path)?;
+            removed += 1;
+        }
     }
-    const BPF_OBJ_GET: libc::c_long = 7;
-    let path = CString::new(pin.as_os_str().as_encoded_bytes())?;
-    let attr = ObjGetAttr {
-        pathname: path.as_ptr() as u64,
-        bpf_fd: 0,
-        // Links are only handed out read-write (flags 0).
-        file_flags: 0,
-        path_fd: 0,
-        _pad: 0,
-    };
-    // SAFETY: `attr` is a valid bpf_attr prefix for BPF_OBJ_GET and outlives the call;
-    // `path` is NUL-terminated and alive.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &attr as *const ObjGetAttr,
-            std::mem::size_of::<ObjGetAttr>(),
-        )
-    };
-    if fd < 0 {
-        bail!(
-            "BPF_OBJ_GET {}: {}",
-            pin.display(),
-            io::Error::last_os_error()
+    if removed == 0 {
+        anyhow::bail!(
+            "no link of program {id} on ifindex {index} is pinned in {}",
+            links.display()
         );
     }
-    // SAFETY: the kernel just gave us this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(removed)
 }

@@ -1,7 +1,9 @@
 //! Hooking the programs to the kernel: the connect-time hooks on a cgroup, the
 //! classifier on interfaces (tcx links or clsact filters) now and as they appear, each
-//! adopted from its pin so an agent restart swaps programs without a gap.
+//! adopted from its pin so an agent restart swaps programs without a gap; checked again
+//! at each resync, with whatever else sits on those hooks (`audit`).
 
+pub mod audit;
 pub mod cgroup;
 mod clsact;
 pub mod follow;
