@@ -223,7 +223,17 @@ fn per_packet_100k_short_connections_through_a_masqueraded_nodeport() {
         .expect("conntrack fill");
     eprintln!("conntrack after the run: {}", dump["conntrack"]);
     assert!(answered <= 2 * 10_000, "{answered} entries left");
-    assert!(tb.counter("snat") >= u64::from(CONNECTIONS));
+    // Every new flow was masqueraded. The client's 100k connects cycle through its ~28k
+    // ephemeral ports, and a connect that reuses a port whose previous flow is still
+    // closing continues that flow (its backend and masquerade port) instead of opening a
+    // new one: seen once in 100k, in one of three full runs (2026-12-02). Tolerated as
+    // the port shortages are, and printed.
+    let snat = tb.counter("snat");
+    eprintln!("masqueraded new flows: {snat} of {CONNECTIONS} connections");
+    assert!(
+        snat >= u64::from(CONNECTIONS) - u64::from(CONNECTIONS) / 10_000,
+        "{snat} of {CONNECTIONS} connections were masqueraded as new flows"
+    );
     assert!(
         tb.counter("ct_reused") > 0,
         "100k flows on 10k ports: closed flows' ports were reused"
