@@ -217,10 +217,7 @@ mod tests {
         let port = squatter.local_addr().expect("addr").port();
         let status = Status::default();
         // The probe the runner gives the listeners: its own health.
-        let probe = status.clone();
-        let mut servers = HealthServers::new(Arc::new(move || {
-            probe.health(std::time::Instant::now()).healthy
-        }));
+        let mut servers = HealthServers::new(status.health_probe());
         servers.update(&on(port, check(1)), None);
         tokio::time::sleep(Duration::from_millis(300)).await;
         drop(squatter);

@@ -658,19 +658,11 @@ impl Testbed {
 
     /// Runs the client in namespace `ns` (no cgroup: the per-packet path).
     pub fn client_in(&self, ns: &str, args: &[&str]) -> Result<Vec<Attempt>> {
-        let out = Command::new(helper_bin("e2e-client"))
-            .arg("--netns")
+        let mut cmd = Command::new(helper_bin("e2e-client"));
+        cmd.arg("--netns")
             .arg(format!("/run/netns/{ns}"))
-            .args(args)
-            .output()
-            .context("running e2e-client")?;
-        if !out.status.success() {
-            bail!(
-                "e2e-client {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
+            .args(args);
+        attempts_of(cmd, args)
     }
 
     /// Starts the client in the background in namespace `ns`, outside the testbed's
@@ -790,17 +782,7 @@ impl Testbed {
     }
 
     fn client_raw(&self, args: &[&str]) -> Result<Vec<Attempt>> {
-        let out = self
-            .client_command(args)
-            .output()
-            .context("running e2e-client")?;
-        if !out.status.success() {
-            bail!(
-                "e2e-client {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
+        attempts_of(self.client_command(args), args)
     }
 
     /// Starts the client in the background (for "while a client loops" tests).
@@ -926,4 +908,16 @@ impl Drop for Testbed {
 
 fn path_str(p: &Path) -> Result<&str> {
     p.to_str().context("non-UTF-8 path")
+}
+
+/// Runs an `e2e-client` command to its end: its attempts, or its stderr as the error.
+fn attempts_of(mut cmd: Command, args: &[&str]) -> Result<Vec<Attempt>> {
+    let out = cmd.output().context("running e2e-client")?;
+    if !out.status.success() {
+        bail!(
+            "e2e-client {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
 }

@@ -50,6 +50,8 @@ pub struct Timing {
 impl Default for Timing {
     fn default() -> Self {
         Self {
+            // kube-proxy's minSyncPeriod is 1 s because each iptables sync is costly; a
+            // map update is not, so bursts are coalesced over a much shorter window.
             min_interval: Duration::from_millis(100),
             resync: Duration::from_secs(30),
             retry: Duration::from_secs(1),
@@ -101,10 +103,7 @@ pub async fn run<D: Dataplane>(
     let mut retry_delay = timing.retry;
     let mut last_unreadable = 0;
     let mut settings: Option<NodeSettings> = None;
-    let probe = status.clone();
-    let mut health = HealthServers::new(std::sync::Arc::new(move || {
-        probe.health(std::time::Instant::now()).healthy
-    }));
+    let mut health = HealthServers::new(status.health_probe());
     let mut programming = Programming::default();
     let mut tracker: Option<ViewTracker> = None;
     // The model the tracker's view was built from.

@@ -209,6 +209,12 @@ impl Status {
         });
     }
 
+    /// Whether the proxy is healthy now, as the healthCheckNodePort listeners ask it.
+    pub fn health_probe(&self) -> crate::health_check::ProxyHealthy {
+        let status = self.clone();
+        Arc::new(move || status.health(std::time::Instant::now()).healthy)
+    }
+
     pub fn health(&self, now: std::time::Instant) -> Health {
         let foreign = self.0.hooks.report().foreign;
         self.with(|s| {

@@ -105,7 +105,7 @@ impl Bench {
         )?;
         // The programs' own limit, as the runner gives it to the agent's view.
         let view_cfg = crate::model::ViewConfig {
-            max_endpoints: proxy_common::MAX_BACKENDS_PER_SERVICE as usize,
+            max_endpoints: bpf::MAX_ENDPOINTS,
             ..case.node.view.clone()
         };
         let (view, rejected) = node_view(&case.model, &case.node.info, &view_cfg);

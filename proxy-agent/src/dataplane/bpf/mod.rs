@@ -56,6 +56,10 @@ pub use self::{
 use super::{ApplyReport, Dataplane};
 use crate::model::NodeView;
 
+/// The most endpoints one frontend can have in the maps: each takes at least one of its
+/// backend slots (`Dataplane::max_endpoints` of both BPF dataplanes, and `trace`'s view).
+pub const MAX_ENDPOINTS: usize = super::layout::MAX_SLOTS;
+
 /// The BPF object built from `proxy-ebpf`, embedded so one binary is all a node needs.
 pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
@@ -380,7 +384,7 @@ fn prepare_sctp(ebpf: &mut Ebpf) -> Result<()> {
 
 impl Dataplane for BpfDataplane {
     fn max_endpoints(&self) -> usize {
-        proxy_common::MAX_BACKENDS_PER_SERVICE as usize
+        MAX_ENDPOINTS
     }
 
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
@@ -468,7 +472,7 @@ impl<'a> MapsDataplane<'a> {
 
 impl Dataplane for MapsDataplane<'_> {
     fn max_endpoints(&self) -> usize {
-        proxy_common::MAX_BACKENDS_PER_SERVICE as usize
+        MAX_ENDPOINTS
     }
 
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
