@@ -3,6 +3,7 @@
 //! under test. Everything lives in namespaces, a cgroup and a bpffs mount the testbed
 //! creates, with unique names, and is removed on drop — also when a test fails.
 
+mod background;
 pub mod bench;
 pub mod churn;
 pub mod client;
@@ -19,11 +20,12 @@ use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
     path::PathBuf,
-    process::{Child, Command},
+    process::Command,
 };
 
 use anyhow::{Context as _, Result, bail};
 
+pub use background::Background;
 pub use client::Attempt;
 pub use testbed::Testbed;
 
@@ -105,47 +107,6 @@ pub fn helper_bin(name: &str) -> PathBuf {
         p.pop();
     }
     p.join(name)
-}
-
-/// Waits for a background client's first attempt (reading byte by byte, so
-/// `finish_client` still gets every later line): lets a test change things only once the
-/// client is surely under way, however slowly it started.
-pub fn first_attempt(child: &mut Child) -> Result<Attempt> {
-    use std::io::Read as _;
-    let out = child
-        .stdout
-        .as_mut()
-        .context("the client's output is not piped")?;
-    let mut line = Vec::new();
-    // Unbuffered on purpose: a buffer would swallow lines meant for `finish_client`.
-    #[allow(clippy::unbuffered_bytes)]
-    for byte in out.bytes() {
-        let byte = byte?;
-        if byte == b'\n' {
-            break;
-        }
-        line.push(byte);
-    }
-    let mut attempts = client::parse_attempts(&String::from_utf8_lossy(&line))?;
-    attempts
-        .pop()
-        .context("the client ended before its first attempt")
-}
-
-/// Stops a background client that would run on, and collects the attempts it finished (a
-/// line cut short by the kill is left out).
-pub fn stop_client(mut child: Child) -> Result<Vec<Attempt>> {
-    child.kill()?;
-    let out = child.wait_with_output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
-    client::parse_attempts(complete)
-}
-
-/// Collects a background client's attempts, once it ends.
-pub fn finish_client(child: Child) -> Result<Vec<Attempt>> {
-    let out = child.wait_with_output()?;
-    client::parse_attempts(&String::from_utf8_lossy(&out.stdout))
 }
 
 /// The web manifests plus a NodePort Service (eTP Cluster: masqueraded) on 10.96.0.30,

@@ -21,7 +21,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{Attempt, add_namespace, agent_bin, client, helper_bin, ip, sh};
+use crate::{Attempt, Background, add_namespace, agent_bin, client, helper_bin, ip, sh};
 
 pub const NODE_A: &str = "192.168.50.10";
 pub const NODE_B: &str = "192.168.50.11";
@@ -300,14 +300,12 @@ impl MultiNode {
     }
 
     /// The external client, in the background.
-    pub fn spawn_client(&self, args: &[&str]) -> Result<Child> {
-        Command::new(helper_bin("e2e-client"))
-            .arg("--netns")
+    pub fn spawn_client(&self, args: &[&str]) -> Result<Background> {
+        let mut cmd = Command::new(helper_bin("e2e-client"));
+        cmd.arg("--netns")
             .arg(format!("/run/netns/{}", self.ns("cl")))
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting e2e-client")
+            .args(args);
+        Background::spawn(cmd)
     }
 
     /// The external client.

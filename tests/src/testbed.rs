@@ -15,7 +15,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 use crate::{
-    Attempt, Path_, TCP_TARGET, UDP_TARGET, add_namespace, agent_bin, cgroup_root, client,
+    Attempt, Background, Path_, TCP_TARGET, UDP_TARGET, add_namespace, agent_bin, cgroup_root, client,
     helper_bin, ip, sh,
 };
 
@@ -601,7 +601,7 @@ impl Testbed {
 
     /// One TCP connection asking `count` times, 20 ms apart, in the background (a live
     /// connection for restarts and backend changes to keep).
-    pub fn spawn_session(&self, target: &str, count: u32) -> Result<Child> {
+    pub fn spawn_session(&self, target: &str, count: u32) -> Result<Background> {
         self.spawn_client(&[
             "--target",
             target,
@@ -667,14 +667,10 @@ impl Testbed {
 
     /// Starts the client in the background in namespace `ns`, outside the testbed's
     /// cgroup (so only the per-packet path sees its traffic, whatever the agent runs).
-    pub fn spawn_client_in(&self, ns: &str, args: &[&str]) -> Result<Child> {
-        Command::new(helper_bin("e2e-client"))
-            .arg("--netns")
-            .arg(format!("/run/netns/{ns}"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting e2e-client")
+    pub fn spawn_client_in(&self, ns: &str, args: &[&str]) -> Result<Background> {
+        let mut cmd = Command::new(helper_bin("e2e-client"));
+        cmd.arg("--netns").arg(format!("/run/netns/{ns}")).args(args);
+        Background::spawn(cmd)
     }
 
     /// The running agent's process id.
@@ -786,11 +782,8 @@ impl Testbed {
     }
 
     /// Starts the client in the background (for "while a client loops" tests).
-    pub fn spawn_client(&self, args: &[&str]) -> Result<Child> {
-        self.client_command(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting e2e-client")
+    pub fn spawn_client(&self, args: &[&str]) -> Result<Background> {
+        Background::spawn(self.client_command(args))
     }
 
     /// `GET url` from inside the node's namespace (the agent's endpoints listen there):

@@ -8,8 +8,7 @@
 use std::{collections::BTreeMap, thread, time::Duration};
 
 use proxy_e2e::{
-    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, first_attempt,
-    nodeport_manifests, sh, target, web_manifests,
+    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, nodeport_manifests, sh, target, web_manifests,
 };
 use test_support::needs_root;
 
@@ -125,13 +124,13 @@ fn clsact_restart_keeps_a_live_connection_and_one_filter() {
     let mut tb = clsact_testbed(2, &web_manifests(&[0, 1], None), FRONTENDS, &[]);
     let t = target(VIP4, TCP_PORT);
     let mut session = tb.spawn_session(&t, 150).expect("client");
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     thread::sleep(Duration::from_millis(500));
     tb.kill_agent().expect("kill");
     thread::sleep(Duration::from_millis(500));
     tb.start_agent_with(Path_::PerPacket, FRONTENDS, &CLSACT)
         .expect("restart");
-    let mut attempts = finish_client(session).expect("client output");
+    let mut attempts = session.finish().expect("client output");
     attempts.insert(0, first.clone());
     let broken: Vec<_> = attempts
         .iter()
@@ -274,11 +273,11 @@ fn auto_chooses_tcx_here_and_takes_over_from_clsact() {
     one_filter_each(&tb, &tb.node_interfaces());
     let t = target(VIP4, TCP_PORT);
     let mut session = tb.spawn_session(&t, 100).expect("client");
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     tb.kill_agent().expect("kill");
     tb.start_agent(Path_::PerPacket, FRONTENDS)
         .expect("restart");
-    let attempts = finish_client(session).expect("client output");
+    let attempts = session.finish().expect("client output");
     assert!(
         first.ok && attempts.iter().all(|a| a.ok),
         "failed across the switch: {attempts:?}\n{}",

@@ -385,7 +385,7 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
     // A Pod terminating (deleted with a grace period; no kubelet ends it): its open
     // connection finishes on it, new connections avoid it.
     let mut session = tb.spawn_session(&target(VIP, TCP_PORT), 200)?;
-    let first = proxy_e2e::first_attempt(&mut session)?;
+    let first = session.first_attempt()?;
     let held = first.backend.clone().context("first answer")?;
     let held_pod = (0..2)
         .find(|i| Testbed::backend_name(*i) == held)
@@ -404,7 +404,7 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
     })
     .await
     .with_context(|| tb.agent_log())?;
-    let attempts = proxy_e2e::finish_client(session)?;
+    let attempts = session.finish()?;
     assert!(
         attempts
             .iter()

@@ -9,7 +9,7 @@ use std::{
 
 use proxy_e2e::{
     Attempt, EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP4_MAPPED, VIP6,
-    chi_square_uniform, finish_client, first_attempt, sh, spread, stop_client, target,
+    chi_square_uniform, sh, spread, target,
     web_manifests,
 };
 use test_support::needs_root;
@@ -187,7 +187,7 @@ fn backend_removal_is_hitless(path: Path_) {
     thread::sleep(Duration::from_millis(1000));
     tb.write_manifests(&web_manifests(&[0, 1], None))
         .expect("manifests");
-    let attempts = finish_client(client).expect("client output");
+    let attempts = client.finish().expect("client output");
     let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
     assert!(
         failed.is_empty(),
@@ -230,11 +230,11 @@ fn established_tcp_outlives_backend_removal(path: Path_) {
     let tb = testbed(path, &[0], None);
     let t = target(VIP4, TCP_PORT);
     let mut session = tb.spawn_session(&t, 150).expect("client");
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     thread::sleep(Duration::from_millis(300));
     tb.write_manifests(&web_manifests(&[1, 2], None))
         .expect("manifests");
-    let mut attempts = finish_client(session).expect("client output");
+    let mut attempts = session.finish().expect("client output");
     attempts.insert(0, first);
     let other: Vec<_> = attempts
         .iter()
@@ -356,7 +356,7 @@ fn connect_time_unconnected_udp_moves_off_a_removed_backend() {
             "500",
         ])
         .expect("client");
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     let kept = first.backend.clone().expect("a backend answered");
     thread::sleep(Duration::from_millis(300));
     let moved_at = first.at_ms + 300.0;
@@ -365,7 +365,7 @@ fn connect_time_unconnected_udp_moves_off_a_removed_backend() {
         .collect();
     tb.write_manifests(&web_manifests(&others, None))
         .expect("manifests");
-    let mut attempts = finish_client(session).expect("client output");
+    let mut attempts = session.finish().expect("client output");
     attempts.insert(0, first);
     // The removed backend still runs, so not one datagram is lost on the way.
     assert_all_from(&attempts, &t);
@@ -412,7 +412,7 @@ fn connect_time_short_connections_leave_socket_state_bounded() {
         ])
         .expect("client");
     // Slow enough that its output (unread until the end) never fills the pipe.
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     let since_first = Instant::now();
     let churn = tb
         .client(&[
@@ -454,7 +454,7 @@ fn connect_time_short_connections_leave_socket_state_bounded() {
         thread::sleep(Duration::from_millis(50));
     }
     thread::sleep(Duration::from_millis(2500));
-    let attempts = stop_client(session).expect("client output");
+    let attempts = session.stop().expect("client output");
     let log = tb.agent_log();
     assert!(
         log.contains("udp_sockets_destroyed=1"),
@@ -527,7 +527,7 @@ fn connected_udp_moves_off_a_removed_backend(path: Path_, vip: &str) {
             "500",
         ])
         .expect("client");
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     thread::sleep(Duration::from_millis(300));
     let moved_at = first.at_ms + 300.0;
     if path == Path_::PerPacket {
@@ -538,7 +538,7 @@ fn connected_udp_moves_off_a_removed_backend(path: Path_, vip: &str) {
     }
     tb.write_manifests(&web_manifests(&[1, 2], None))
         .expect("manifests");
-    let mut attempts = finish_client(session).expect("client output");
+    let mut attempts = session.finish().expect("client output");
     attempts.insert(0, first);
     let log = tb.agent_log();
     assert!(
@@ -745,7 +745,7 @@ fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
     let mut tb = testbed(Path_::PerPacket, &[0, 1], None);
     let t = target(VIP4, TCP_PORT);
     let mut session = tb.spawn_session(&t, 150).expect("client");
-    let first = proxy_e2e::first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     tb.kill_agent().expect("kill");
     // The older release's counters: a map of another shape under the name.
     let maps = tb.pin_dir().join("maps");
@@ -755,7 +755,7 @@ fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
     drop(other);
     tb.start_agent(Path_::PerPacket, FRONTENDS)
         .expect("the upgraded agent starts over the old counters");
-    let attempts = proxy_e2e::finish_client(session).expect("client output");
+    let attempts = session.finish().expect("client output");
     assert!(
         first.ok && attempts.iter().all(|a| a.ok && a.backend == first.backend),
         "the live connection broke across the upgrade: {attempts:?}\n{}",
@@ -824,7 +824,7 @@ fn restart_is_hitless(path: Path_) {
     tb.kill_agent().expect("kill");
     thread::sleep(Duration::from_millis(700));
     tb.start_agent(path, FRONTENDS).expect("restart");
-    let attempts = finish_client(client).expect("client output");
+    let attempts = client.finish().expect("client output");
     let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
     assert!(
         failed.is_empty(),

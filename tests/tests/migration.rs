@@ -13,9 +13,8 @@ use std::{
 };
 
 use proxy_e2e::{
-    Attempt, Path_, TCP_PORT, Testbed, VIP4, VIP6, agent_bin, finish_client, first_attempt,
-    kube_proxy::{self, NodeChains},
-    sh, stop_client, target, web_manifests,
+    Attempt, Path_, TCP_PORT, Testbed, VIP4, VIP6, agent_bin, kube_proxy::{self, NodeChains},
+    sh, target, web_manifests,
 };
 use test_support::needs_root;
 
@@ -298,7 +297,7 @@ fn migration_keeps_connections_kube_proxy_opened() {
     // 20 ms apart for ~8 s: across the agent's start and the cleanup.
     let t = target(VIP4, TCP_PORT);
     let mut session = tb.spawn_session(&t, 400).expect("client");
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     assert_eq!(first.backend.as_deref(), Some("backend-2"));
 
     tb.start_agent(Path_::PerPacket, FRONTENDS).expect("agent");
@@ -313,7 +312,7 @@ fn migration_keeps_connections_kube_proxy_opened() {
     let after = new_connections(&tb, 20);
     assert!(only(&["backend-0", "backend-1"], 20, &after), "{after:?}");
 
-    let session = finish_client(session).expect("session");
+    let session = session.finish().expect("session");
     let got = answered(&session);
     // (`first_attempt` took the first answer.)
     assert_eq!(
@@ -400,7 +399,7 @@ fn roll_back(ours: &[usize], kube_proxys: &[usize]) -> (Vec<Attempt>, String, f6
             "500",
         ])
         .expect("client");
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     let ours_names: Vec<String> = ours.iter().map(|&i| Testbed::backend_name(i)).collect();
     let ours_names: Vec<&str> = ours_names.iter().map(String::as_str).collect();
     let theirs: Vec<String> = kube_proxys
@@ -426,7 +425,7 @@ fn roll_back(ours: &[usize], kube_proxys: &[usize]) -> (Vec<Attempt>, String, f6
         assert!(only(&theirs, 10, &after), "kube-proxy serves: {after:?}");
     }
     thread::sleep(Duration::from_millis(1000));
-    let attempts = stop_client(session).expect("session");
+    let attempts = session.stop().expect("session");
     eprintln!(
         "live connection: {:?}; cleanup at {cleanup_at:.0} ms",
         answered(&attempts)

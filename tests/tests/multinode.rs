@@ -211,7 +211,7 @@ fn udp_flow_recovers_when_its_backend_goes_away() {
     // Which backend is the flow pinned to? Ask the node's map dump... simpler: remove
     // pod-a; a flow on pod-b must stay there, a flow on pod-a must move.
     tb.write_manifests(&manifests(&[POD_B])).expect("manifests");
-    let attempts = proxy_e2e::finish_client(client).expect("client output");
+    let attempts = client.finish().expect("client output");
     let first = attempts[0].backend.clone();
     let failed: Vec<_> = attempts.iter().filter(|a| !a.ok).collect();
     assert!(

@@ -13,13 +13,13 @@
 //! namespaces, cgroup and bpffs.
 
 use std::{
-    process::{Child, Command, Stdio},
+    process::Command,
     thread,
     time::Duration,
 };
 
 use proxy_e2e::{
-    Attempt, Path_, Testbed, UDP_PORT, VIP4, finish_client, first_attempt, helper_bin,
+    Attempt, Background, Path_, Testbed, UDP_PORT, VIP4, helper_bin,
     nodeport_manifests, target, web_manifests,
 };
 use test_support::needs_root;
@@ -213,12 +213,12 @@ fn stale_udp_moves(tb: &mut Testbed) -> bool {
             "300",
         ],
     );
-    let first = first_attempt(&mut session).expect("first answer");
+    let first = session.first_attempt().expect("first answer");
     assert_eq!(first.backend.as_deref(), Some("backend-0"), "{first:?}");
     thread::sleep(Duration::from_millis(300));
     tb.write_manifests(&web_manifests(&[1, 2], None))
         .expect("manifests");
-    let attempts = finish_client(session).expect("client output");
+    let attempts = session.finish().expect("client output");
     let late: Vec<_> = attempts
         .iter()
         .filter(|a| a.at_ms > first.at_ms + 1800.0)
@@ -231,7 +231,7 @@ fn stale_udp_moves(tb: &mut Testbed) -> bool {
 
 /// `e2e-client ARGS` as a pod's process would run: in the client's namespace and the
 /// testbed's cgroup, as `POD_UID` without capabilities.
-fn spawn_pod_client(tb: &Testbed, args: &[&str]) -> Child {
+fn spawn_pod_client(tb: &Testbed, args: &[&str]) -> Background {
     let procs = tb.cgroup_path().join("cgroup.procs");
     let script = format!(
         "echo $$ > {} && exec nsenter --net=/run/netns/{} setpriv --reuid={POD_UID} \
@@ -240,12 +240,9 @@ fn spawn_pod_client(tb: &Testbed, args: &[&str]) -> Child {
         tb.client_ns(),
         helper_bin("e2e-client").display(),
     );
-    Command::new("sh")
-        .args(["-c", &script, "pod-client"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting the pod's client")
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", &script, "pod-client"]).args(args);
+    Background::spawn(cmd).expect("starting the pod's client")
 }
 
 /// The DaemonSet's capabilities, when this test can run (util-linux's tools; root is

@@ -12,7 +12,7 @@ use std::{
 };
 
 use proxy_e2e::{
-    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, finish_client, nodeport_manifests, sh, target,
+    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, nodeport_manifests, sh, target,
     web_manifests,
 };
 use test_support::needs_root;
@@ -95,7 +95,7 @@ fn idle_flows_outlive_the_unanswered_timeouts(masquerade: bool) {
     assert!(gauge("proxy_agent_conntrack_answered_capacity ") >= 131_072);
     assert!(gauge("proxy_agent_conntrack_new_capacity ") >= 1_024);
     for (t, proto, child) in clients {
-        let attempts = finish_client(child).expect("client output");
+        let attempts = child.finish().expect("client output");
         assert_eq!(attempts.len(), 2, "{proto} {t}: {attempts:?}");
         assert!(
             attempts.iter().all(|a| a.ok),
@@ -275,7 +275,7 @@ fn per_packet_syn_flood_keeps_established_flows() {
     let dump = tb.dump().expect("dump");
     let mut failed = 0;
     for child in clients {
-        let attempts = finish_client(child).expect("client output");
+        let attempts = child.finish().expect("client output");
         assert_eq!(attempts.len(), 100);
         failed += attempts.iter().filter(|a| !a.ok).count();
     }

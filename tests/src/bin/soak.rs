@@ -10,10 +10,9 @@
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead as _, BufReader, Read as _, Write as _},
+    io::{Read as _, Write as _},
     net::TcpStream,
     path::PathBuf,
-    process::Child,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -25,7 +24,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use proxy_e2e::{
-    Attempt, Path_, TCP_PORT, TCP_TARGET, Testbed, UDP_PORT, UDP_TARGET, VIP4, VIP6, target,
+    Attempt, Background, Path_, TCP_PORT, TCP_TARGET, Testbed, UDP_PORT, UDP_TARGET, VIP4, VIP6, target,
     web_manifests,
 };
 
@@ -176,13 +175,9 @@ impl Worker {
 }
 
 /// Follows one client's attempts as they come and judges each.
-fn follow(child: &mut Child, worker: &Mutex<Worker>, membership: &Mutex<Membership>) {
-    let Some(out) = child.stdout.take() else {
-        return;
-    };
+fn follow(client: &Background, worker: &Mutex<Worker>, membership: &Mutex<Membership>) {
     let mut last: Option<Flow> = None;
-    for line in BufReader::new(out).lines() {
-        let Ok(line) = line else { break };
+    for line in client.lines() {
         // The client prints each attempt as it ends: reading it dates its end (the
         // client's own clock starts when its process does, some time after the spawn).
         let end = Instant::now();
@@ -630,7 +625,7 @@ fn main() -> Result<()> {
         (Kind::ConnectedUdp, "web", &u6, connected.to_vec()),
         (Kind::ConnectedUdp, "busy", &bu, own(&connected_busy)),
     ];
-    let mut workers: Vec<(Arc<Mutex<Worker>>, thread::JoinHandle<Child>)> = Vec::new();
+    let mut workers: Vec<(Arc<Mutex<Worker>>, thread::JoinHandle<Background>)> = Vec::new();
     let client_ns = soak.tb.client_ns();
     BEGAN.get_or_init(Instant::now);
     let mut kill = Kill(Vec::new());
@@ -639,7 +634,7 @@ fn main() -> Result<()> {
             let mut argv = vec!["--target", t.as_str(), "--count", forever];
             argv.extend(["--timeout-ms", "3000"]);
             argv.extend(opts.iter().map(String::as_str));
-            let mut child = match path {
+            let child = match path {
                 Path_::ConnectTime => soak.tb.spawn_client(&argv)?,
                 Path_::PerPacket => soak.tb.spawn_client_in(&client_ns, &argv)?,
             };
@@ -657,7 +652,7 @@ fn main() -> Result<()> {
             kill.0.push(pid);
             let (w, m) = (worker.clone(), soak.membership.clone());
             let reader = thread::spawn(move || {
-                follow(&mut child, &w, &m);
+                follow(&child, &w, &m);
                 child
             });
             workers.push((worker, reader));
@@ -731,10 +726,10 @@ fn main() -> Result<()> {
     drop(kill);
     let mut results = Vec::new();
     for (worker, reader) in workers {
-        let mut child = reader
+        let child = reader
             .join()
             .map_err(|_| anyhow::anyhow!("a reader panicked"))?;
-        let _ = child.wait();
+        let _ = child.finish();
         results.push(
             Arc::try_unwrap(worker)
                 .ok()
