@@ -85,10 +85,11 @@ pub struct Reconcile {
 impl Reconcile {
     /// Compares `programmed` with the map.
     pub fn plan(maps: &MapSet, programmed: &HashSet<MemberKey>) -> Result<Self> {
-        let mut present = HashSet::new();
-        for key in maps.members.keys() {
-            present.insert(key.context("reading MEMBERS")?);
-        }
+        let present: HashSet<MemberKey> = super::batch::read_all(&maps.members)
+            .context("reading MEMBERS")?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
         Ok(Self {
             add: programmed.difference(&present).copied().collect(),
             remove: present.difference(programmed).copied().collect(),

@@ -9,6 +9,7 @@
 //! as it re-reads the maps: what was lost is attached again.
 
 pub mod attach;
+mod batch;
 mod ctnetlink;
 pub use ctnetlink::refresh_netfilter_flows;
 pub mod conntrack_gc;

@@ -4,13 +4,16 @@
 use std::{collections::HashMap, net::SocketAddr};
 
 use anyhow::Result;
-use proxy_common::{BackendSlotKey, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, MemberKey, ServiceValue};
+use proxy_common::{
+    BackendSlotKey, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, MaglevChunk, MemberKey, SVC_F_WEIGHTED,
+    ServiceValue,
+};
 
 use super::{
     MapState, Programmed, encode,
     generation::{chunk_key, chunks},
 };
-use crate::dataplane::bpf::{maps::MapSet, members};
+use crate::dataplane::bpf::{batch, maps::MapSet, members};
 use crate::model::schedule::Schedule;
 
 impl MapState {
@@ -21,8 +24,21 @@ impl MapState {
             next_backend_id: 1,
             ..Default::default()
         };
-        for entry in maps.backends.iter() {
-            let (id, be) = entry?;
+        // Whole maps in a few batch reads, then joined in memory.
+        let slots: HashMap<BackendSlotKey, u32> = batch::read_all(&maps.slots)?
+            .into_iter()
+            .map(|(k, s)| (k, s.backend_id))
+            .collect();
+        let maglev: HashMap<BackendSlotKey, MaglevChunk> =
+            batch::read_all(&maps.maglev)?.into_iter().collect();
+        let mut weights: HashMap<u32, Vec<(u32, u32)>> = HashMap::new();
+        for (k, w) in batch::read_all(&maps.weights)? {
+            weights
+                .entry(k.service_id)
+                .or_default()
+                .push((k.backend_id, w));
+        }
+        for (id, be) in batch::read_all(&maps.backends)? {
             state.backend_ids.insert(be, id);
             state.backends_by_id.insert(id, be);
             // Swept at the next apply unless a frontend turns out to use it.
@@ -46,8 +62,7 @@ impl MapState {
                 ranges_by_id.entry(data.tag).or_default().push(net);
             }
         }
-        for entry in maps.services.iter() {
-            let (key, value) = entry?;
+        for (key, value) in batch::read_all(&maps.services)? {
             let mut backend_ids = Vec::with_capacity(usize::from(value.count));
             for slot in 0..u32::from(value.count) {
                 let slot_key = BackendSlotKey {
@@ -55,17 +70,26 @@ impl MapState {
                     rev: value.rev,
                     slot,
                 };
-                match maps.slots.get(&slot_key, 0) {
-                    Ok(s) => backend_ids.push(s.backend_id),
+                match slots.get(&slot_key) {
+                    Some(&id) => backend_ids.push(id),
                     // A torn set (agent died mid-write) is rewritten on the next apply.
-                    Err(_) => backend_ids.clear(),
+                    None => {
+                        backend_ids.clear();
+                        break;
+                    }
                 }
             }
-            let table = adopt_table(maps, &value);
+            let table = adopt_table(|k| maglev.get(k).copied(), &value);
             state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
             state.used_service_ids.insert(value.id);
             state.hold(&backend_ids);
             let ranges = ranges_by_id.remove(&value.id).unwrap_or_default();
+            let mut weights = if value.flags & SVC_F_WEIGHTED != 0 {
+                weights.remove(&value.id).unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            weights.sort_unstable();
             let endpoints: Vec<SocketAddr> = backend_ids
                 .iter()
                 .filter_map(|id| state.backends_by_id.get(id))
@@ -83,6 +107,7 @@ impl MapState {
                         ..Default::default()
                     },
                     table,
+                    weights,
                     ranges,
                     seen: 0,
                 },
@@ -105,12 +130,15 @@ impl MapState {
 
 /// Reads an adopted entry's Maglev table; empty when it has none or a chunk is missing
 /// (a torn write: rewritten on the next apply).
-pub(super) fn adopt_table(maps: &MapSet, value: &ServiceValue) -> Vec<u16> {
+pub(super) fn adopt_table(
+    chunk_of: impl Fn(&BackendSlotKey) -> Option<MaglevChunk>,
+    value: &ServiceValue,
+) -> Vec<u16> {
     let mut table = Vec::with_capacity(usize::from(value.table_len));
     for chunk in 0..chunks(value.table_len) {
-        match maps.maglev.get(&chunk_key(value, chunk), 0) {
-            Ok(c) => table.extend_from_slice(&c.slots),
-            Err(_) => return Vec::new(),
+        match chunk_of(&chunk_key(value, chunk)) {
+            Some(c) => table.extend_from_slice(&c.slots),
+            None => return Vec::new(),
         }
     }
     table.truncate(usize::from(value.table_len));

@@ -26,8 +26,8 @@ impl MapState {
     ) -> Result<()> {
         let id = generation.id;
         let backend_ids = generation.backend_ids;
-        let weights = generation.weights;
         let table = generation.table;
+        let weights = generation.weights;
         let table_len = u16::try_from(table.len())
             .map_err(|_| anyhow::anyhow!("a Maglev table of {} entries", table.len()))?;
         let rev = old.map_or(1, |o| o.value.rev.wrapping_add(1));
@@ -71,7 +71,8 @@ impl MapState {
             )?;
         }
         if let Some(old) = old {
-            remove_generation(maps, &old.value, old.backend_ids.len())?;
+            // The entry's own count: a torn adopted set lost some of its ids, not its slots.
+            remove_generation(maps, &old.value, usize::from(old.value.count))?;
             for net in old.ranges.iter().filter(|n| !ranges.contains(n)) {
                 remove_ignoring_absent(maps.source_ranges.remove(&range_key(id, net)))?;
             }
@@ -88,6 +89,7 @@ impl MapState {
                 value,
                 table,
                 backend_ids,
+                weights,
                 endpoints: Vec::new(), // filled by the caller, which has them
                 complete: false,
                 schedule: Schedule::default(),

@@ -164,6 +164,9 @@ struct Programmed {
     schedule: Schedule,
     /// `sh`/`mh`: the Maglev table (indexes into `backend_ids`) in `MAGLEV`.
     table: Vec<u16>,
+    /// (backend id, weight) in `WEIGHTS`, by id, for `SVC_F_WEIGHTED` entries: what the
+    /// maps hold, so an adopted entry compares as a written one does.
+    weights: Vec<(u32, u32)>,
     ranges: Vec<ipnet::IpNet>,
     /// The last sync whose view held this frontend (`MapState::epoch`).
     seen: u64,
@@ -356,7 +359,8 @@ impl MapState {
         self.note_left(key, &old, &[]);
         self.release(&old.backend_ids);
         remove_ignoring_absent(maps.services.remove(&key))?;
-        remove_generation(maps, &old.value, old.backend_ids.len())?;
+        // The entry's own count: a torn adopted set lost some of its ids, not its slots.
+        remove_generation(maps, &old.value, usize::from(old.value.count))?;
         remove_ignoring_absent(maps.rev_nat.remove(&old.value.rev_nat_id))?;
         members::leave(maps, old.value.id, &old.backend_ids, &[])?;
         if old.value.flags & SVC_F_WEIGHTED != 0 {
@@ -437,7 +441,7 @@ impl MapState {
             };
             backend_ids.push(id);
         }
-        let weights: Vec<(u32, u32)> = if weighted {
+        let mut weights: Vec<(u32, u32)> = if weighted {
             endpoints
                 .iter()
                 .zip(&id_of)
@@ -446,6 +450,7 @@ impl MapState {
         } else {
             Vec::new()
         };
+        weights.sort_unstable();
         let scheduler = encode::scheduler_code(schedule.scheduler);
         let old = self.services.get(&key).cloned();
         if let Some(old) = &old
@@ -453,7 +458,7 @@ impl MapState {
             && old.value.flags == flags
             && old.value.affinity_timeout_s == timeout
             && old.value.scheduler == scheduler
-            && (!weighted || old.schedule.weights == schedule.weights)
+            && old.weights == weights
             && old.table == layout.table
             && old.ranges == d.ranges
         {
