@@ -233,6 +233,21 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             c.udp_sockets_destroyed,
         ),
         (
+            "audit_passes",
+            "Passes of the audit that compares the dataplane with what was programmed",
+            c.audit_passes,
+        ),
+        (
+            "audit_frontends_repaired",
+            "Frontends the audit found lost or changed in the dataplane, written again",
+            c.audit_repaired,
+        ),
+        (
+            "audit_entries_removed",
+            "Dataplane entries the audit found no programmed frontend owns, removed",
+            c.audit_removed,
+        ),
+        (
             "interface_attach_failures",
             "Classifier attachments to interfaces that failed",
             c.interface_attach_failures,

@@ -259,3 +259,128 @@ fn adopting_the_maps_rewrites_only_a_torn_set() {
     let after = contents(&maps);
     assert_eq!(after, before, "the torn set is whole again");
 }
+
+/// The audit puts the maps back as programmed, a step at a time: a deleted service
+/// entry, an overwritten slot and a deleted backend get their frontends written again;
+/// a service entry, slots and a backend nobody programmed are removed; one pass ends
+/// within about 1/fraction steps, and a second pass finds nothing.
+#[needs_root]
+#[test]
+fn the_audit_repairs_lost_entries_and_removes_strays() {
+    use proxy_common::{Backend, BackendSlot, ServiceKey};
+    let (_obj, mut maps) = bpf::load_private(&[]).expect("load");
+    let mut state = MapState::adopt(&maps).expect("adopt");
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut view = NodeView::new();
+    for _ in 0..200 {
+        view.insert(random_frontend(&mut rng), random_state(&mut rng));
+    }
+    state.apply(&mut maps, &view).expect("apply");
+    let before = contents(&maps);
+    let entries: Vec<(ServiceKey, proxy_common::ServiceValue)> =
+        maps.services.iter().filter_map(Result::ok).collect();
+    let with_slots: Vec<_> = entries.iter().filter(|(_, v)| v.count > 0).collect();
+    assert!(with_slots.len() >= 3, "enough frontends with backends");
+    // Lost: a service entry; changed: a slot pointing elsewhere; lost: a backend.
+    maps.services
+        .remove(&with_slots[0].0)
+        .expect("remove entry");
+    let slot_key = BackendSlotKey {
+        service_id: with_slots[1].1.id,
+        rev: with_slots[1].1.rev,
+        slot: 0,
+    };
+    maps.slots
+        .insert(
+            &slot_key,
+            &BackendSlot {
+                backend_id: 999_999,
+            },
+            0,
+        )
+        .expect("overwrite slot");
+    let lost_backend = maps
+        .slots
+        .get(
+            &BackendSlotKey {
+                service_id: with_slots[2].1.id,
+                rev: with_slots[2].1.rev,
+                slot: 0,
+            },
+            0,
+        )
+        .expect("slot")
+        .backend_id;
+    maps.backends.remove(&lost_backend).expect("remove backend");
+    // Strays: an entry, its slots, a backend.
+    let stray = ServiceKey {
+        addr: [u32::from_be_bytes([10, 99, 99, 99]).to_be(), 0, 0, 0],
+        ..with_slots[0].0
+    };
+    maps.services
+        .insert(
+            &stray,
+            &proxy_common::ServiceValue {
+                id: 777_777,
+                rev: 1,
+                count: 2,
+                ..with_slots[0].1
+            },
+            0,
+        )
+        .expect("stray entry");
+    for slot in 0..2 {
+        maps.slots
+            .insert(
+                &BackendSlotKey {
+                    service_id: 777_777,
+                    rev: 1,
+                    slot,
+                },
+                &BackendSlot {
+                    backend_id: 888_888,
+                },
+                0,
+            )
+            .expect("stray slot");
+    }
+    maps.backends
+        .insert(&888_888, &Backend::default(), 0)
+        .expect("stray backend");
+
+    let (mut repaired, mut removed, mut steps) = (0, 0, 0);
+    loop {
+        let r = state.audit_step(&mut maps, 0.05).expect("audit step");
+        repaired += r.repaired;
+        removed += r.removed;
+        steps += 1;
+        if r.pass_done {
+            break;
+        }
+        assert!(steps < 100, "a pass at 5% a step ends within 100 steps");
+    }
+    assert!(repaired >= 3, "three frontends written again: {repaired}");
+    // The stray entry, its two slots, its backend; the rewritten frontends' old
+    // generations are the writer's own to remove.
+    assert_eq!(removed, 4, "strays removed");
+    let after = contents(&maps);
+    assert_eq!(
+        after.services, before.services,
+        "every frontend as programmed"
+    );
+    assert_eq!(after.backends, before.backends);
+    assert_eq!(after.slots, before.slots, "no slot left behind");
+    assert_eq!(after.maglev_chunks, before.maglev_chunks);
+    // Nothing further to find.
+    loop {
+        let r = state.audit_step(&mut maps, 0.5).expect("audit step");
+        assert_eq!((r.repaired, r.removed), (0, 0), "a clean pass");
+        if r.pass_done {
+            break;
+        }
+    }
+    // And the writer still agrees with a fresh adoption.
+    let mut adopted = MapState::adopt(&maps).expect("adopt");
+    let report = adopted.apply(&mut maps, &view).expect("apply");
+    assert_eq!((report.frontends_written, report.frontends_removed), (0, 0));
+}

@@ -391,3 +391,53 @@ fn clsact_a_running_agents_filter_is_refused_and_a_dead_ones_adopted() {
     );
     assert_eq!(answering(&tb, &log), only(1));
 }
+
+/// Service map entries deleted by hand while the agent runs (what an operator's stray
+/// `bpftool map delete` or another tool does): the audit finds them within one resync
+/// period and writes their frontends again, logged and counted; a stray entry written by
+/// hand is removed; the ClusterIP is translated again.
+#[needs_root]
+#[test]
+fn map_entries_lost_or_added_by_hand_are_repaired_by_the_audit() {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{ServiceKey, ServiceValue, map_names::SERVICES};
+    let mut tb = Testbed::new(1).expect("testbed");
+    tb.write_manifests(&web_manifests(&[0], None))
+        .expect("manifests");
+    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &RESYNC)
+        .expect("agent");
+    assert_eq!(answering(&tb, &tb.agent_log()), only(0));
+
+    let pinned = MapData::from_pin(tb.pin_dir().join("maps").join(SERVICES)).expect("pin");
+    let mut services: HashMap<MapData, ServiceKey, ServiceValue> =
+        HashMap::try_from(Map::HashMap(pinned)).expect("the service map");
+    let entries: Vec<(ServiceKey, ServiceValue)> = services.iter().filter_map(Result::ok).collect();
+    assert_eq!(entries.len(), FRONTENDS, "{entries:?}");
+    for (k, _) in &entries {
+        services.remove(k).expect("delete an entry");
+    }
+    let stray = ServiceKey {
+        port: 9999u16.to_be(),
+        ..entries[0].0
+    };
+    services
+        .insert(&stray, &entries[0].1, 0)
+        .expect("a stray entry");
+
+    tb.wait_for("every frontend back", || {
+        services.keys().filter_map(Result::ok).count() == FRONTENDS
+            && services.get(&stray, 0).is_err()
+    });
+    let log = tb.agent_log();
+    assert!(
+        logged(&log, &["the audit found the dataplane drifted"]),
+        "{log}"
+    );
+    assert_eq!(
+        metric(&tb, METRICS, "proxy_agent_audit_frontends_repaired_total"),
+        FRONTENDS as u64
+    );
+    assert!(metric(&tb, METRICS, "proxy_agent_audit_entries_removed_total") >= 1);
+    assert!(metric(&tb, METRICS, "proxy_agent_audit_passes_total") >= 1);
+    assert_eq!(answering(&tb, &tb.agent_log()), only(0));
+}

@@ -67,9 +67,30 @@ pub trait Dataplane {
         Ok(())
     }
 
-    /// Forgets what it believes it programmed and re-reads the real state, so the next
-    /// apply repairs any drift.
+    /// The periodic check of what is not a map entry (hooks, links): re-attaches what
+    /// went missing.
     fn resync(&mut self) -> anyhow::Result<()> {
         Ok(())
     }
+
+    /// One step of the audit: compares about `fraction` of what is programmed with the
+    /// kernel and repairs what differs. Cheap by design: it runs between changes.
+    fn audit(&mut self, fraction: f64) -> anyhow::Result<AuditReport> {
+        let _ = fraction;
+        Ok(AuditReport {
+            pass_done: true,
+            ..AuditReport::default()
+        })
+    }
+}
+
+/// What one audit step found and did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AuditReport {
+    /// Frontends whose entries differed from what was programmed, written again.
+    pub repaired: usize,
+    /// Entries no programmed frontend owns, removed.
+    pub removed: usize,
+    /// This step ended a pass (everything programmed, and every entry, seen once).
+    pub pass_done: bool,
 }

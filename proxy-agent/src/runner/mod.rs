@@ -1,6 +1,7 @@
 //! The runner: turns each new snapshot from a source into the node view and hands it
-//! to the dataplane — bursts coalesced by a minimum interval, a periodic resync that
-//! repairs drift, and retries with backoff when an apply fails.
+//! to the dataplane — bursts coalesced by a minimum interval, an audit that compares the
+//! dataplane with what was programmed a little at a time between changes (one pass per
+//! resync period) and repairs drift, and retries with backoff when an apply fails.
 
 pub mod latency;
 pub mod status;
@@ -76,12 +77,19 @@ pub fn view_from_manifests(
     Ok(view)
 }
 
+/// Steps of the audit per resync period: each compares about 1/`AUDIT_STEPS` of what is
+/// programmed (at 100k Services, a thousand frontends: milliseconds, not the seconds a
+/// whole pass takes), so no change waits long behind one.
+const AUDIT_STEPS: u32 = 100;
+
 /// Runs until `shutdown` resolves or the source goes away.
 ///
 /// Each snapshot is compared with the previous one (persistent maps: in proportion to
 /// the changes), only the Services that changed are rebuilt in the view, and only the
-/// frontends that changed are handed to the dataplane. The periodic resync is the one
-/// full pass: it re-reads the dataplane and rebuilds and compares everything.
+/// frontends that changed are handed to the dataplane. Between changes the audit checks
+/// the dataplane against what was programmed, a step at a time; the periodic resync
+/// re-attaches hooks. A full rebuild and compare happens only at the first snapshot, on
+/// a new node identity or settings, and after a failed apply.
 pub async fn run<D: Dataplane>(
     mut source: watch::Receiver<Option<SharedSnapshot>>,
     cfg: ViewConfig,
@@ -99,6 +107,8 @@ pub async fn run<D: Dataplane>(
     status.set_health_timeout(timing.resync * 2);
     let mut last_sync: Option<Instant> = None;
     let mut next_resync = Instant::now() + timing.resync;
+    let audit_every = (timing.resync / AUDIT_STEPS).max(Duration::from_millis(5));
+    let mut next_audit = Instant::now() + audit_every;
     let mut retry_at: Option<Instant> = None;
     let mut retry_delay = timing.retry;
     let mut last_unreadable = 0;
@@ -114,7 +124,9 @@ pub async fn run<D: Dataplane>(
     let mut full_apply = true;
     let mut applied: Option<NodeView> = None;
     loop {
-        let wake = retry_at.map_or(next_resync, |r| r.min(next_resync));
+        let wake = retry_at
+            .map_or(next_resync, |r| r.min(next_resync))
+            .min(next_audit);
         let mut forced = false;
         tokio::select! {
             _ = &mut shutdown => return Ok(()),
@@ -129,6 +141,23 @@ pub async fn run<D: Dataplane>(
                 }
             }
             _ = tokio::time::sleep_until(wake) => forced = true,
+        }
+        // An audit step, when it is all that is due: a change, a retry or the resync
+        // goes first.
+        let now = Instant::now();
+        if forced && now >= next_audit && now < next_resync && retry_at.is_none_or(|r| now < r) {
+            next_audit = now + audit_every;
+            let settled = !full_apply && applied.is_some();
+            if settled && !source.has_changed().unwrap_or(false) {
+                // A pass takes a little more than AUDIT_STEPS steps (the share is rounded up).
+                match dataplane.audit(1.0 / f64::from(AUDIT_STEPS)) {
+                    Ok(report) => status.record_audit(&report),
+                    Err(e) => {
+                        tracing::warn!(error = format!("{e:#}"), "auditing the dataplane failed")
+                    }
+                }
+            }
+            continue;
         }
         // Coalesce: at most one sync per minimum interval — but a shutdown does not wait
         // for it (the pinned programs keep serving what is programmed).
@@ -156,14 +185,14 @@ pub async fn run<D: Dataplane>(
         }
         let resync = forced && Instant::now() >= next_resync;
         // The view: the changed Services, or everything (the first snapshot, a new node
-        // identity or settings, the periodic resync).
+        // identity or settings).
         let t = tracker.get_or_insert_with(|| ViewTracker::new(snapshot.node.clone(), cfg.clone()));
         let node_changed = t.set_node(&snapshot.node, &cfg);
         let changes = match &tracked {
             Some(prev) => {
                 let model_changes = prev.model.changes_to(&snapshot.model);
                 programming.0.extend(model_changes.triggers);
-                if node_changed || resync {
+                if node_changed {
                     t.rebuild(&snapshot.model)
                 } else {
                     t.update(&snapshot.model, &model_changes.services)
@@ -195,11 +224,14 @@ pub async fn run<D: Dataplane>(
         }
         if resync {
             next_resync = Instant::now() + timing.resync;
-            full_apply = true;
             if let Err(e) = dataplane.resync() {
-                tracing::warn!(error = format!("{e:#}"), "re-reading the dataplane failed");
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "checking the dataplane's hooks failed"
+                );
             }
-        } else if !forced && !full_apply && pending.is_empty() {
+        }
+        if !full_apply && pending.is_empty() {
             // Nothing this node does changed: the change is in effect as it is.
             status.record_unchanged(&snapshot);
             programming.done(&status);

@@ -33,6 +33,10 @@ pub struct Counters {
     pub frontends_adjusted: u64,
     pub objects_rejected: u64,
     pub udp_sockets_destroyed: u64,
+    /// Audit passes ended, frontends it wrote again, entries it removed.
+    pub audit_passes: u64,
+    pub audit_repaired: u64,
+    pub audit_removed: u64,
     /// Classifier attachments to interfaces that failed.
     pub interface_attach_failures: u64,
     /// Events (the "Starting" event) the API server did not record.
@@ -292,6 +296,29 @@ impl Status {
                     s.counters.frontends_failed += r.failed.len() as u64;
                 }
                 Err(_) => s.counters.syncs_failed += 1,
+            }
+        });
+    }
+
+    /// One audit step: what it repaired is logged and counted; a pass that ends with
+    /// nothing pending confirms the programmed state (as kube-proxy's periodic sync
+    /// moves `sync_proxy_rules_last_timestamp_seconds`).
+    pub(crate) fn record_audit(&self, report: &crate::dataplane::AuditReport) {
+        if report.repaired + report.removed > 0 {
+            tracing::warn!(
+                frontends_repaired = report.repaired,
+                entries_removed = report.removed,
+                "the audit found the dataplane drifted from what was programmed; repaired"
+            );
+        }
+        self.with(|s| {
+            s.counters.audit_repaired += report.repaired as u64;
+            s.counters.audit_removed += report.removed as u64;
+            if report.pass_done {
+                s.counters.audit_passes += 1;
+                if s.pending_since.is_none() {
+                    s.last_updated = Some(std::time::SystemTime::now());
+                }
             }
         });
     }

@@ -56,7 +56,7 @@ fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
 }
 
 /// The kernel has no batch command for this map (or at all): use the per-entry calls.
-fn unsupported(e: &io::Error) -> bool {
+pub fn unsupported(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
         // ENOTSUPP (524) is the kernel's own, not in libc.
@@ -80,44 +80,72 @@ pub fn read_all<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> io::Result<Vec<
 }
 
 fn read_batched<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
+    let mut walk = Walk::default();
     let mut out = Vec::new();
-    let mut chunk = READ_CHUNK as usize;
-    // The position between calls; a hash map's is a bucket number (u32), an array's a
-    // key: room for either.
-    let mut token = vec![0u8; size_of::<K>().max(8)];
-    let mut next = vec![0u8; size_of::<K>().max(8)];
-    let mut first = true;
-    loop {
-        // SAFETY: `Pod` types are plain bytes for which all-zero is a valid value.
-        let mut keys: Vec<K> = vec![unsafe { zeroed() }; chunk];
-        let mut values: Vec<V> = vec![unsafe { zeroed() }; chunk];
-        let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { token.as_ptr() as u64 },
-            out_batch: next.as_mut_ptr() as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: chunk as u32,
-            map_fd: raw_fd(map),
-            ..Default::default()
-        };
-        let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
-        let n = attr.count as usize;
-        match r.as_ref().map_err(io::Error::raw_os_error) {
-            Ok(()) => out.extend(keys.into_iter().zip(values).take(n)),
-            // The walk is over; this call's entries are the last.
-            Err(Some(libc::ENOENT)) => {
-                out.extend(keys.into_iter().zip(values).take(n));
-                return Ok(out);
-            }
-            // One bucket holds more entries than the buffer: a larger one, same place.
-            Err(Some(libc::ENOSPC)) if n == 0 => {
-                chunk *= 2;
-                continue;
-            }
-            Err(_) => return r.map(|()| out),
+    while !walk.done {
+        out.extend(walk.next::<K, V>(map, READ_CHUNK)?);
+    }
+    Ok(out)
+}
+
+/// A walk over a map in batches that resumes where it stopped, so a long read can be
+/// spread over time (the audit reads a little between applies). Entries written or
+/// removed meanwhile may be seen or missed, as with any walk of a live hash map.
+#[derive(Debug, Default)]
+pub struct Walk {
+    /// The kernel's position after the last batch (a hash map's bucket number).
+    token: Vec<u8>,
+    started: bool,
+    pub done: bool,
+}
+
+impl Walk {
+    /// Up to `max` (at least one bucket's worth of) further entries; `done` once none
+    /// are left.
+    pub fn next<K: Pod, V: Pod>(&mut self, map: &MapData, max: u32) -> io::Result<Vec<(K, V)>> {
+        let size = size_of::<K>().max(8);
+        if self.token.len() != size {
+            self.token = vec![0u8; size];
         }
-        std::mem::swap(&mut token, &mut next);
-        first = false;
+        let mut next = vec![0u8; size];
+        let mut chunk = max.max(1) as usize;
+        loop {
+            if self.done {
+                return Ok(Vec::new());
+            }
+            // SAFETY: `Pod` types are plain bytes for which all-zero is a valid value.
+            let mut keys: Vec<K> = vec![unsafe { zeroed() }; chunk];
+            let mut values: Vec<V> = vec![unsafe { zeroed() }; chunk];
+            let mut attr = BatchAttr {
+                in_batch: if self.started {
+                    self.token.as_ptr() as u64
+                } else {
+                    0
+                },
+                out_batch: next.as_mut_ptr() as u64,
+                keys: keys.as_mut_ptr() as u64,
+                values: values.as_mut_ptr() as u64,
+                count: chunk as u32,
+                map_fd: raw_fd(map),
+                ..Default::default()
+            };
+            let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
+            let n = attr.count as usize;
+            match r.as_ref().map_err(io::Error::raw_os_error) {
+                Ok(()) => {}
+                // The walk is over; this call's entries are the last.
+                Err(Some(libc::ENOENT)) => self.done = true,
+                // One bucket holds more entries than the buffer: a larger one, same place.
+                Err(Some(libc::ENOSPC)) if n == 0 => {
+                    chunk *= 2;
+                    continue;
+                }
+                Err(_) => return r.map(|()| Vec::new()),
+            }
+            std::mem::swap(&mut self.token, &mut next);
+            self.started = true;
+            return Ok(keys.into_iter().zip(values).take(n).collect());
+        }
     }
 }
 

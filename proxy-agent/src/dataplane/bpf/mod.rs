@@ -402,8 +402,11 @@ impl Dataplane for BpfDataplane {
 
     fn resync(&mut self) -> Result<()> {
         self.check_hooks();
-        self.state = MapState::adopt(&self.maps)?;
         Ok(())
+    }
+
+    fn audit(&mut self, fraction: f64) -> Result<crate::dataplane::AuditReport> {
+        self.state.audit_step(&mut self.maps, fraction)
     }
 
     fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
@@ -488,9 +491,8 @@ impl Dataplane for MapsDataplane<'_> {
         self.state.apply_changes(self.maps, view, Some(changed))
     }
 
-    fn resync(&mut self) -> Result<()> {
-        *self.state = MapState::adopt(self.maps)?;
-        Ok(())
+    fn audit(&mut self, fraction: f64) -> Result<crate::dataplane::AuditReport> {
+        self.state.audit_step(self.maps, fraction)
     }
 
     fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {

@@ -5,11 +5,21 @@ use std::net::SocketAddr;
 
 use aya::maps::lpm_trie::Key as LpmKey;
 use proxy_common::{
-    BACKEND_ACTIVE, Backend, LPM_TAG_BITS, LpmData, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    BACKEND_ACTIVE, Backend, LPM_TAG_BITS, LpmData, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RevNatValue,
     SCOPE_EXTERNAL, ServiceKey, addr::to_words, sched,
 };
 
 use crate::model::{Frontend, Protocol, schedule::Scheduler};
+
+/// The reverse-NAT entry of frontend `key`: the address replies are given back.
+pub fn rev_nat_of(key: &ServiceKey) -> RevNatValue {
+    RevNatValue {
+        addr: key.addr,
+        port: key.port,
+        family: key.family,
+        proto: key.proto,
+    }
+}
 
 /// The `ServiceValue::scheduler` code of a scheduler.
 pub fn scheduler_code(s: Scheduler) -> u8 {

@@ -6,8 +6,8 @@ use std::collections::HashSet;
 
 use anyhow::{Context as _, Result};
 use proxy_common::{
-    BackendSlot, BackendSlotKey, MAGLEV_CHUNK, MaglevChunk, MemberKey, RevNatValue, SVC_F_WEIGHTED,
-    ServiceKey, ServiceValue,
+    BackendSlot, BackendSlotKey, MAGLEV_CHUNK, MaglevChunk, MemberKey, SVC_F_WEIGHTED, ServiceKey,
+    ServiceValue,
 };
 
 use super::{MapState, Programmed, encode::range_key, remove_ignoring_absent};
@@ -225,14 +225,8 @@ pub(super) fn flip(
         let _ = remove_generation(maps, value, backend_ids.len());
         return Err(e);
     }
-    let rev_nat = RevNatValue {
-        addr: key.addr,
-        port: key.port,
-        family: key.family,
-        proto: key.proto,
-    };
     maps.rev_nat
-        .insert(&id, &rev_nat, 0)
+        .insert(&id, &super::encode::rev_nat_of(&key), 0)
         .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
     let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges.as_slice());
     for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {

@@ -23,6 +23,7 @@ use rustc_hash::FxHashMap;
 use super::{maps::MapSet, members};
 
 mod adopt;
+mod audit;
 pub mod encode;
 mod generation;
 mod ids;
@@ -196,6 +197,8 @@ pub struct MapState {
     members_fix: members::Reconcile,
     next_service_id: u32,
     next_backend_id: u32,
+    /// Where the audit's current pass is.
+    audit: audit::Audit,
 }
 
 impl MapState {
