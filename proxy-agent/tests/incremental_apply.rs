@@ -299,18 +299,29 @@ fn the_audit_repairs_lost_entries_and_removes_strays() {
             0,
         )
         .expect("overwrite slot");
-    let lost_backend = maps
-        .slots
-        .get(
-            &BackendSlotKey {
-                service_id: with_slots[2].1.id,
-                rev: with_slots[2].1.rev,
-                slot: 0,
-            },
-            0,
-        )
-        .expect("slot")
-        .backend_id;
+    // A backend of a third frontend that the first two do not use (else repairing them
+    // would bring it back first).
+    let ids_of = |v: &proxy_common::ServiceValue| -> Vec<u32> {
+        (0..u32::from(v.count))
+            .filter_map(|slot| {
+                let k = BackendSlotKey {
+                    service_id: v.id,
+                    rev: v.rev,
+                    slot,
+                };
+                maps.slots.get(&k, 0).ok().map(|s| s.backend_id)
+            })
+            .collect()
+    };
+    let taken: Vec<u32> = ids_of(&with_slots[0].1)
+        .into_iter()
+        .chain(ids_of(&with_slots[1].1))
+        .collect();
+    let lost_backend = with_slots[2..]
+        .iter()
+        .flat_map(|(_, v)| ids_of(v))
+        .find(|id| !taken.contains(id))
+        .expect("a backend only later frontends use");
     maps.backends.remove(&lost_backend).expect("remove backend");
     // Strays: an entry, its slots, a backend.
     let stray = ServiceKey {
