@@ -395,3 +395,102 @@ fn the_audit_repairs_lost_entries_and_removes_strays() {
     let report = adopted.apply(&mut maps, &view).expect("apply");
     assert_eq!((report.frontends_written, report.frontends_removed), (0, 0));
 }
+
+/// 300 frontends, each with `n` endpoints of its own.
+fn many_frontends(n: u8) -> NodeView {
+    let mut view = NodeView::new();
+    for i in 0..300u32 {
+        let fe = Frontend {
+            ip: IpAddr::from([10, 96, (i >> 8) as u8, i as u8]),
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        let endpoints = (0..n)
+            .map(|j| {
+                SocketAddr::new(
+                    IpAddr::from([10, 244, (i >> 4) as u8, (i as u8) << 4 | j]),
+                    8080,
+                )
+            })
+            .collect();
+        let st = FrontendState::builder(format!("ns/s{i}:http"), FrontendKind::ClusterIp)
+            .backend_set(BackendSet {
+                endpoints,
+                when_empty: WhenEmpty::Reject,
+            })
+            .schedule(if i % 3 == 0 {
+                Schedule::new(Scheduler::Mh, Arc::default(), 251)
+            } else {
+                Schedule::default()
+            })
+            .build();
+        view.insert(fe, st);
+    }
+    view
+}
+
+/// The first programming of an empty node goes in batches and leaves the maps as
+/// entry-by-entry writes do.
+#[needs_root]
+#[test]
+fn a_first_programming_in_batches_writes_what_one_by_one_writes() {
+    let view = many_frontends(5);
+    let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
+    let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
+    let mut a = MapState::adopt(&a_maps).expect("adopt");
+    let mut b = MapState::adopt(&b_maps).expect("adopt");
+    let ra = a.apply(&mut a_maps, &view).expect("in batches");
+    // Naming the changed frontends: entry by entry.
+    let all: BTreeSet<Frontend> = view.keys().copied().collect();
+    let rb = b
+        .apply_changes(&mut b_maps, &view, Some(&all))
+        .expect("one by one");
+    assert_eq!(ra.frontends_written, 300);
+    assert_eq!(rb.frontends_written, 300);
+    assert_eq!(contents(&a_maps), contents(&b_maps));
+    // And the batch-written maps adopt exactly.
+    let mut adopted = MapState::adopt(&a_maps).expect("adopt");
+    let r = adopted.apply(&mut a_maps, &view).expect("again");
+    assert_eq!((r.frontends_written, r.frontends_removed), (0, 0));
+}
+
+/// A first programming larger than the slot map: the batch stops, the mirror is read
+/// back, and the next apply writes what fits one by one and names what does not; no
+/// service entry points at slots that are not there.
+#[needs_root]
+#[test]
+fn a_first_programming_that_does_not_fit_fails_whole_frontends_only() {
+    let view = many_frontends(5);
+    let (_obj, mut maps) =
+        bpf::load_private(&[(proxy_common::map_names::BACKEND_SLOTS, 1_000)]).expect("load");
+    let mut state = MapState::adopt(&maps).expect("adopt");
+    let err = state
+        .apply(&mut maps, &view)
+        .expect_err("1,500 slots do not fit in 1,000");
+    assert!(format!("{err:#}").contains("in batches"), "{err:#}");
+    let left = contents(&maps);
+    assert_eq!(
+        (left.slots, left.backends.len(), left.services.len()),
+        (0, 0, 0),
+        "taken back"
+    );
+    let report = state.apply(&mut maps, &view).expect("one by one");
+    assert!(
+        !report.failed.is_empty(),
+        "the frontends that do not fit are named"
+    );
+    assert!(report.failed.len() < 300, "{}", report.failed.len());
+    for (_, v) in maps.services.iter().filter_map(Result::ok) {
+        for slot in 0..u32::from(v.count) {
+            let k = BackendSlotKey {
+                service_id: v.id,
+                rev: v.rev,
+                slot,
+            };
+            assert!(
+                maps.slots.get(&k, 0).is_ok(),
+                "entry {v:?} lacks slot {slot}"
+            );
+        }
+    }
+}

@@ -182,6 +182,21 @@ pub fn write_all<K: Pod, V: Pod>(
     Ok(())
 }
 
+/// Writes held back to be made in batches (the first programming of an empty node:
+/// 100k Services are millions of entries, one syscall each otherwise). Flushed in the
+/// writer's order: backends, slots, Maglev chunks, weights, members, reverse NAT, and
+/// the service entries last, so no entry is visible before what it points to.
+#[derive(Debug, Default)]
+pub struct Staged {
+    pub backends: Vec<(u32, proxy_common::Backend)>,
+    pub slots: Vec<(proxy_common::BackendSlotKey, proxy_common::BackendSlot)>,
+    pub maglev: Vec<(proxy_common::BackendSlotKey, proxy_common::MaglevChunk)>,
+    pub weights: Vec<(proxy_common::MemberKey, u32)>,
+    pub members: Vec<(proxy_common::MemberKey, u64)>,
+    pub rev_nat: Vec<(u32, proxy_common::RevNatValue)>,
+    pub services: Vec<(proxy_common::ServiceKey, proxy_common::ServiceValue)>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

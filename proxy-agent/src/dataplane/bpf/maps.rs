@@ -54,6 +54,84 @@ pub struct MapSet {
     /// Per frontend (`rev_nat_id`) and per backend id: connections, packets, bytes.
     pub lb_stats: PerCpuHashMap<MapData, u32, LbStats>,
     pub backend_stats: PerCpuHashMap<MapData, u32, LbStats>,
+    /// While set, the writer's inserts (`put_*`) are held here and made in batches by
+    /// `flush_staged`.
+    pub staged: Option<super::batch::Staged>,
+}
+
+/// The writer's inserts: made now, or staged for a batch.
+macro_rules! put {
+    ($name:ident, $map:ident, $k:ty, $v:ty) => {
+        pub fn $name(&mut self, key: &$k, value: &$v) -> Result<(), MapError> {
+            match &mut self.staged {
+                Some(s) => {
+                    s.$map.push((*key, *value));
+                    Ok(())
+                }
+                None => self.$map.insert(key, value, 0),
+            }
+        }
+    };
+}
+
+impl MapSet {
+    put!(put_backend, backends, u32, Backend);
+    put!(put_slot, slots, BackendSlotKey, BackendSlot);
+    put!(put_chunk, maglev, BackendSlotKey, MaglevChunk);
+    put!(put_weight, weights, MemberKey, u32);
+    put!(put_member, members, MemberKey, u64);
+    put!(put_rev_nat, rev_nat, u32, RevNatValue);
+    put!(put_service, services, ServiceKey, ServiceValue);
+
+    /// Makes the staged writes, in batches, in their order; stops staging. When a batch
+    /// fails (a full map), what was written is removed again, so the maps are as before.
+    pub fn flush_staged(&mut self) -> Result<()> {
+        use super::batch::write_all;
+        let Some(s) = self.staged.take() else {
+            return Ok(());
+        };
+        // How far each map got, in flush order, for the roll-back.
+        let mut written = [0usize; 7];
+        let result = (|| -> Result<(), (&'static str, usize, usize, std::io::Error)> {
+            macro_rules! flush {
+                ($i:expr, $map:ident, $what:expr) => {
+                    write_all(&mut self.$map, &s.$map).map_err(|(n, e)| {
+                        written[$i] = n;
+                        ($what, n, s.$map.len(), e)
+                    })?;
+                    written[$i] = s.$map.len();
+                };
+            }
+            flush!(0, backends, "backends");
+            flush!(1, slots, "backend slots");
+            flush!(2, maglev, "Maglev tables");
+            flush!(3, weights, "weights");
+            flush!(4, members, "memberships");
+            flush!(5, rev_nat, "reverse-NAT entries");
+            flush!(6, services, "service entries");
+            Ok(())
+        })();
+        let Err((what, n, all, e)) = result else {
+            return Ok(());
+        };
+        macro_rules! undo {
+            ($i:expr, $map:ident) => {
+                for (k, _) in &s.$map[..written[$i]] {
+                    let _ = self.$map.remove(k);
+                }
+            };
+        }
+        undo!(6, services);
+        undo!(5, rev_nat);
+        undo!(4, members);
+        undo!(3, weights);
+        undo!(2, maglev);
+        undo!(1, slots);
+        undo!(0, backends);
+        Err(anyhow::Error::new(e).context(format!(
+            "writing {what} in batches ({n} of {all} written, all taken back)"
+        )))
+    }
 }
 
 impl MapSet {
@@ -189,6 +267,7 @@ impl MapSet {
             weights: typed!(map_names::WEIGHTS),
             lb_stats: typed!(map_names::LB_STATS),
             backend_stats: typed!(map_names::BACKEND_STATS),
+            staged: None,
         })
     }
 

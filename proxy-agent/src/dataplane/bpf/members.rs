@@ -37,7 +37,7 @@ pub fn join(maps: &mut MapSet, service_id: u32, ids: &[u32], old_ids: &[u32]) ->
             service_id,
             backend_id,
         };
-        if let Err(e) = maps.members.insert(&key, &now, 0) {
+        if let Err(e) = maps.put_member(&key, &now) {
             undo(maps, service_id, &added);
             return Err(anyhow::Error::new(e).context("writing a service membership"));
         }

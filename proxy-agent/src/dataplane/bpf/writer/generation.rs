@@ -49,8 +49,7 @@ impl MapState {
                 service_id: id,
                 backend_id: *backend_id,
             };
-            maps.weights
-                .insert(&key, weight, 0)
+            maps.put_weight(&key, weight)
                 .context("writing a backend weight")?;
         }
         let old_ids: &[u32] = old.map_or(&[], |o| o.backend_ids.as_slice());
@@ -136,8 +135,7 @@ pub(super) fn write_table(maps: &mut MapSet, value: &ServiceValue, table: &[u16]
     for (i, entries) in table.chunks(MAGLEV_CHUNK as usize).enumerate() {
         let mut chunk = MaglevChunk::default();
         chunk.slots[..entries.len()].copy_from_slice(entries);
-        maps.maglev
-            .insert(&chunk_key(value, i as u32), &chunk, 0)
+        maps.put_chunk(&chunk_key(value, i as u32), &chunk)
             .map_err(|e| anyhow::Error::new(e).context("writing a Maglev table"))?;
     }
     Ok(())
@@ -210,12 +208,11 @@ pub(super) fn flip(
             rev,
             slot: slot as u32,
         };
-        if let Err(e) = maps.slots.insert(
+        if let Err(e) = maps.put_slot(
             &slot_key,
             &BackendSlot {
                 backend_id: *backend_id,
             },
-            0,
         ) {
             let _ = remove_slots(maps, value, slot);
             return Err(anyhow::Error::new(e).context("writing backend slots"));
@@ -225,8 +222,7 @@ pub(super) fn flip(
         let _ = remove_generation(maps, value, backend_ids.len());
         return Err(e);
     }
-    maps.rev_nat
-        .insert(&id, &super::encode::rev_nat_of(&key), 0)
+    maps.put_rev_nat(&id, &super::encode::rev_nat_of(&key))
         .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
     let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges.as_slice());
     for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {
@@ -235,8 +231,7 @@ pub(super) fn flip(
             .map_err(|e| anyhow::Error::new(e).context("writing a source range"))?;
     }
     // The flip: one update makes the new set visible.
-    maps.services
-        .insert(&key, value, 0)
+    maps.put_service(&key, value)
         .map_err(|e| anyhow::Error::new(e).context("writing service entry"))?;
     Ok(())
 }

@@ -14,8 +14,7 @@ impl MapState {
             return Ok(*id);
         }
         let id = next_free_key(&mut self.next_backend_id, &self.backends_by_id);
-        maps.backends
-            .insert(&id, &be, 0)
+        maps.put_backend(&id, &be)
             .map_err(|e| anyhow::Error::new(e).context("writing backend"))?;
         self.backend_ids.insert(be, id);
         self.backends_by_id.insert(id, be);

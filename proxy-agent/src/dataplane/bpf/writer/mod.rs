@@ -38,6 +38,10 @@ use crate::{
     },
 };
 
+/// Frontends from which a first programming is written in batches (below, one syscall
+/// per entry costs little).
+const BULK_MIN: usize = 256;
+
 /// What writing one frontend did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Wrote {
@@ -199,6 +203,9 @@ pub struct MapState {
     next_backend_id: u32,
     /// Where the audit's current pass is.
     audit: audit::Audit,
+    /// A first programming in batches failed: the retry goes one by one (and says which
+    /// frontends do not fit).
+    bulk_failed: bool,
 }
 
 impl MapState {
@@ -239,6 +246,14 @@ impl MapState {
             }
         };
         self.members_fix.apply(maps)?;
+        // The first programming of an empty node is written in batches.
+        let bulk = changed.is_none()
+            && self.services.is_empty()
+            && !self.bulk_failed
+            && desired.len() >= BULK_MIN;
+        if bulk {
+            maps.staged = Some(Default::default());
+        }
 
         self.epoch += 1;
         // 1. Entries that are new or changed.
@@ -270,6 +285,16 @@ impl MapState {
                     report.failed.push(format!("{fe} ({svc}): {e:#}"));
                 }
             }
+        }
+        if bulk && let Err(e) = maps.flush_staged() {
+            // What the kernel took is unknown here: read it back, and let the next
+            // apply write the rest one by one (naming what does not fit).
+            maps.staged = None;
+            *self = MapState {
+                bulk_failed: true,
+                ..MapState::adopt(maps)?
+            };
+            return Err(e.context("the first programming, in batches, stopped"));
         }
         // 2. Frontends (or scopes of them) no longer wanted.
         let stale: Vec<ServiceKey> = match changed {
