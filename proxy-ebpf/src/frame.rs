@@ -127,37 +127,58 @@ impl Frame for TcContext {
 impl Frame for XdpContext {
     const XDP: bool = true;
 
+    // Direct packet access for the small fields (a bounds check the verifier follows,
+    // then the bytes: a helper call per field costs more than the field's own work); the
+    // helpers for larger ones (IPv6 addresses, MACs), whose byte-wise copies would crowd
+    // the 512-byte stack the call chain shares.
     #[inline(always)]
     fn load<T>(&self, off: usize) -> Result<T, i64> {
-        let mut v = MaybeUninit::<T>::uninit();
-        // SAFETY: the helper writes exactly size_of::<T>() bytes into `v` or fails.
-        let rc = unsafe {
-            bpf_xdp_load_bytes(
-                self.ctx,
-                off as u32,
-                v.as_mut_ptr() as *mut c_void,
-                core::mem::size_of::<T>() as u32,
-            )
-        };
-        if rc < 0 {
-            return Err(rc);
+        if core::mem::size_of::<T>() > 4 {
+            let mut v = MaybeUninit::<T>::uninit();
+            // SAFETY: the helper writes exactly size_of::<T>() bytes into `v` or fails.
+            let rc = unsafe {
+                bpf_xdp_load_bytes(
+                    self.ctx,
+                    off as u32,
+                    v.as_mut_ptr() as *mut c_void,
+                    core::mem::size_of::<T>() as u32,
+                )
+            };
+            if rc < 0 {
+                return Err(rc);
+            }
+            // SAFETY: initialised by the helper (rc == 0); T is plain data.
+            return Ok(unsafe { v.assume_init() });
         }
-        // SAFETY: initialised by the helper (rc == 0); T is plain data.
-        Ok(unsafe { v.assume_init() })
+        let p = self.data() + off;
+        if p + core::mem::size_of::<T>() > self.data_end() {
+            return Err(-1);
+        }
+        // SAFETY: inside the packet (checked above); T is plain data.
+        Ok(unsafe { (p as *const T).read_unaligned() })
     }
 
     #[inline(always)]
     fn store<T>(&self, off: usize, v: &T) -> Result<(), i64> {
-        // SAFETY: the helper reads size_of::<T>() bytes from `v`.
-        let rc = unsafe {
-            bpf_xdp_store_bytes(
-                self.ctx,
-                off as u32,
-                v as *const T as *mut c_void,
-                core::mem::size_of::<T>() as u32,
-            )
-        };
-        if rc < 0 { Err(rc) } else { Ok(()) }
+        if core::mem::size_of::<T>() > 4 {
+            // SAFETY: the helper reads size_of::<T>() bytes from `v`.
+            let rc = unsafe {
+                bpf_xdp_store_bytes(
+                    self.ctx,
+                    off as u32,
+                    v as *const T as *mut c_void,
+                    core::mem::size_of::<T>() as u32,
+                )
+            };
+            return if rc < 0 { Err(rc) } else { Ok(()) };
+        }
+        let p = self.data() + off;
+        if p + core::mem::size_of::<T>() > self.data_end() {
+            return Err(-1);
+        }
+        // SAFETY: inside the packet (checked above), which XDP may write.
+        unsafe { (p as *mut T).write_unaligned(core::ptr::read(v)) };
+        Ok(())
     }
 
     #[inline(always)]
