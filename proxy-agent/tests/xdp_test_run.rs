@@ -345,3 +345,31 @@ fn refresh_ipv4_checksum(pkt: &mut [u8]) {
     let c = fold(sum16(&pkt[14..34], 0));
     pkt[24..26].copy_from_slice(&c.to_be_bytes());
 }
+
+/// A reply of a masqueraded flow arriving on the uplink (a backend on another node) is
+/// reverse-translated at XDP and sent back out to the client.
+#[needs_root]
+#[test]
+fn reply_from_a_remote_backend_is_reverse_translated_at_xdp() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port(&["10.244.2.7:8080"], &["[fd00:244:2::7]:8080"]);
+        for (client, frontend) in [
+            ("192.0.2.99:40000", "192.0.2.10:30080"),
+            ("[2001:db8:a::99]:40000", "[2001:db8:a::10]:30080"),
+        ] {
+            let (client, frontend) = (sa(client), sa(frontend));
+            let syn = tcp_with_flags(client, frontend, 0x02);
+            let (verdict, out) = h.run_xdp(&syn, uplink);
+            assert_eq!(verdict, XDP_TX);
+            let sent = inspect(&out);
+            let syn_ack = tcp_with_flags(sent.dst, sent.src, 0x12);
+            let (verdict, out) = h.run_xdp(&syn_ack, uplink);
+            assert_eq!(verdict, XDP_TX, "the reply goes back out of the uplink");
+            assert_eq!(out[0..6], CLIENT_MAC, "to the client's MAC");
+            let seen = inspect(&out);
+            assert_eq!((seen.src, seen.dst), (frontend, client), "{client}");
+            assert_eq!(seen.tcp_flags, 0x12);
+        }
+        assert_eq!(h.counter("ct_reply_nat"), 2);
+    });
+}

@@ -215,6 +215,55 @@ impl MultiNode {
 
     /// Starts both agents; returns once each has programmed `frontends` frontends.
     pub fn start_agents(&mut self, frontends: usize) -> Result<()> {
+        self.start_agents_with(frontends, &[])
+    }
+
+    /// Every veth end of the testbed with GRO on (NAPI, which native XDP needs on the
+    /// end that receives what a program redirects or sends back) and checksum offload
+    /// off (packets with full checksums, which XDP's rewrites keep right).
+    pub fn prepare_for_xdp(&self) -> Result<()> {
+        let mut ends: Vec<(String, String)> = vec![(self.ns("cl"), "eth0".into())];
+        for name in ["c", "a", "b"] {
+            ends.push((self.ns("lan"), format!("b{name}{}", self.id)));
+        }
+        for node in self.nodes.values() {
+            for i in &node.interfaces {
+                ends.push((node.ns.clone(), i.clone()));
+            }
+        }
+        for pod in ["pa", "pb"] {
+            ends.push((self.ns(pod), "eth0".into()));
+        }
+        for (ns, dev) in ends {
+            sh(&[
+                "ip", "netns", "exec", &ns, "ethtool", "-K", &dev, "tx", "off", "gro", "on",
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// `proxy-agent dump --json` of `node`'s pins.
+    pub fn dump(&self, node: &str) -> Result<serde_json::Value> {
+        let pins = self.bpffs.join(node);
+        let out = sh(&[
+            agent_bin().to_str().context("utf-8")?,
+            "dump",
+            "--json",
+            "--bpffs",
+            pins.to_str().context("utf-8")?,
+        ])?;
+        Ok(serde_json::from_str(&out)?)
+    }
+
+    /// One of `node`'s BPF counters, summed over CPUs.
+    pub fn counter(&self, node: &str, name: &str) -> u64 {
+        self.dump(node).expect("dump")["counters"][name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("counter {name}"))
+    }
+
+    /// `start_agents` with more arguments for `proxy-agent run` (both agents).
+    pub fn start_agents_with(&mut self, frontends: usize, extra: &[&str]) -> Result<()> {
         let config = self.root.join("config.yaml");
         fs::write(
             &config,
@@ -244,6 +293,7 @@ impl MultiNode {
                     "--node-ip",
                     addr,
                 ])
+                .args(extra)
                 .stdout(log.try_clone()?)
                 .stderr(log)
                 .spawn()
