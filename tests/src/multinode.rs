@@ -242,6 +242,33 @@ impl MultiNode {
         Ok(())
     }
 
+    /// An XDP program that only passes (`xdp_pass`, native) on the LAN bridge's ports,
+    /// the veth peers of the nodes' uplinks: frames a node's native XDP sends back out
+    /// (`XDP_TX`) into a veth whose peer has only GRO's NAPI arrive late or not at all
+    /// (seen on 6.18: the client's connections time out), with an XDP program there
+    /// they are received at once. Attached while the returned object lives.
+    pub fn pass_on_lan_ports(&self) -> Result<aya::Ebpf> {
+        let lan = format!("/run/netns/{}", self.ns("lan"));
+        let id = self.id.clone();
+        std::thread::spawn(move || -> Result<aya::Ebpf> {
+            let f = std::fs::File::open(&lan)?;
+            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            let (mut ebpf, _maps) = proxy_agent::dataplane::bpf::load_private(&[])?;
+            let prog: &mut aya::programs::Xdp = ebpf
+                .program_mut("xdp_pass")
+                .context("the object has no xdp_pass")?
+                .try_into()?;
+            prog.load()?;
+            for name in ["c", "a", "b"] {
+                let idx = nix::net::if_::if_nametoindex(format!("b{name}{id}").as_str())?;
+                prog.attach(idx, aya::programs::XdpMode::Driver)?;
+            }
+            Ok(ebpf)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("attaching xdp_pass panicked"))?
+    }
+
     /// `proxy-agent dump --json` of `node`'s pins.
     pub fn dump(&self, node: &str) -> Result<serde_json::Value> {
         let pins = self.bpffs.join(node);
