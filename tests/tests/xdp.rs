@@ -226,3 +226,39 @@ fn an_interface_that_appears_after_start_runs_xdp() {
         sent_at_xdp(&tb)
     );
 }
+
+/// The XDP links are pinned: with the agent killed the program goes on translating at
+/// XDP; `proxy-agent cleanup` takes it off (no XDP program left on the interface).
+#[needs_root]
+#[test]
+fn xdp_outlives_the_agent_and_cleanup_takes_it_off() {
+    let mut tb = testbed("", None);
+    start(&mut tb, "native");
+    let client_if = tb.node_interfaces()[0].clone();
+    let xdp_on = |tb: &Testbed| {
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &tb.node_ns(),
+                "ip",
+                "-d",
+                "link",
+                "show",
+                &client_if,
+            ])
+            .output()
+            .expect("ip");
+        String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+    };
+    assert!(xdp_on(&tb), "native XDP on {client_if}");
+    tb.kill_agent().expect("kill");
+    let before = sent_at_xdp(&tb);
+    reach_all(&tb, 5);
+    assert!(
+        sent_at_xdp(&tb) > before,
+        "still translated at XDP with the agent gone"
+    );
+    tb.cleanup_agent().expect("cleanup");
+    assert!(!xdp_on(&tb), "cleanup took our XDP program off {client_if}");
+}
