@@ -307,6 +307,28 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
          fails while there is one)",
         c.foreign_classifiers as i64,
     );
+    let xdp = status.xdp();
+    let attached = Family::<Labels, Gauge>::default();
+    for (interface, how) in xdp.running() {
+        // One series per served interface: bounded by the node's devices.
+        attached
+            .get_or_create(&vec![
+                ("interface".into(), interface),
+                ("mode".into(), how.as_str().to_string()),
+            ])
+            .set(1);
+    }
+    r.register(
+        "xdp_attached",
+        "Interfaces running the XDP program, by mode (native: in the driver; generic:          after the skb is made)",
+        attached,
+    );
+    counter(
+        r,
+        "xdp_generic_fallbacks",
+        "Interfaces where ebpf.xdp: best-effort found no native XDP and ran generic",
+        xdp.fallbacks(),
+    );
     gauge(
         r,
         "frontends",

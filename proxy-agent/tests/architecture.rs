@@ -28,6 +28,7 @@ const AGENT_LAYERS: &[(&str, u32)] = &[
 const EBPF_LAYERS: &[(&str, u32)] = &[
     ("verdict", 0),
     ("maps", 0),
+    ("frame", 0),
     ("packet", 1),
     ("stats", 1),
     ("node", 2),
@@ -37,7 +38,7 @@ const EBPF_LAYERS: &[(&str, u32)] = &[
     ("route", 3),
     ("nat", 4),
     ("icmp", 4),
-    ("tc", 5),
+    ("pipeline", 5),
     ("sock", 5),
     ("main", 6),
 ];
@@ -169,7 +170,11 @@ fn the_checker_catches_upward_imports() {
     let bpf =
         |path: &str, text: &str| violations(path, &[path.to_string()], &code_of(text), EBPF_LAYERS);
     assert_eq!(
-        bpf("conntrack", "use crate::{verdict::DROP, tc::is_local};").len(),
+        bpf(
+            "conntrack",
+            "use crate::{verdict::DROP, pipeline::is_local};"
+        )
+        .len(),
         1
     );
     assert_eq!(
@@ -177,7 +182,7 @@ fn the_checker_catches_upward_imports() {
         1,
         "same layer"
     );
-    assert!(bpf("tc", "use crate::{conntrack, nat, verdict::PASS_ON};").is_empty());
+    assert!(bpf("pipeline", "use crate::{conntrack, nat, verdict::PASS_ON};").is_empty());
     let foreign: Vec<&str> = foreign_crates(&code_of(
         "use aya::maps::HashMap; fn f() { proxy_common::addr::to_words(x); }",
     ))

@@ -1,5 +1,5 @@
 //! A packet fuzzer: random and mutated packets through the real classifiers (ingress and
-//! egress) with `BPF_PROG_TEST_RUN`, against a small fixed set of frontends. Each case is a
+//! egress, each ingress packet through the XDP program first) with `BPF_PROG_TEST_RUN`, against a small fixed set of frontends. Each case is a
 //! few flows (a client's packets, the backend's replies, ICMP errors about them, unrelated
 //! traffic), each packet then mutated: bytes flipped, cut short or extended, lengths,
 //! header lengths, fragment fields and checksums broken, IPv4 options and IPv6 extension
@@ -7,7 +7,8 @@
 //!
 //! - traffic that matches no frontend and no flow (no address of a frontend, node or
 //!   backend anywhere in its bytes) is handed on (`TC_ACT_UNSPEC`) byte for byte unchanged,
-//!   and anything handed on is unchanged;
+//!   and anything handed on is unchanged; at XDP (no next hop without an interface)
+//!   every packet is dropped or passed to TC unchanged;
 //! - a translated packet whose checksums were valid has valid IPv4, TCP, UDP, SCTP, ICMP
 //!   and ICMPv6 checksums;
 //! - no packet is translated to an address no map holds: a new destination is a backend
@@ -719,6 +720,24 @@ fn run_case(
         }
         runnable(&mut pkt);
         let (held_ips, held_socks) = flow_table_addresses(h);
+        if !step.egress {
+            // XDP first, as on the wire: with no interface (no FIB answer) it sends
+            // nothing, so each packet is dropped (as TC drops it) or passed to TC byte
+            // for byte unchanged.
+            let (action, out) = h.run_xdp(&pkt, 0);
+            let what = || format!("step {n} (xdp): {pkt:02x?} -> {action} {out:02x?}");
+            prop_assert!(
+                matches!(action, XDP_PASS | XDP_DROP),
+                "XDP sent a packet it had no next hop for, {}",
+                what()
+            );
+            if action == XDP_PASS {
+                prop_assert_eq!(&out, &pkt, "passed to TC, but changed: {}", what());
+            }
+            if !mentions(&pkt, related) {
+                prop_assert_eq!(action, XDP_PASS, "not ours, but kept at XDP: {}", what());
+            }
+        }
         // A refused test run panics, which proptest reports with the minimized case.
         let (verdict, out) = if step.egress {
             h.run_egress(&pkt)

@@ -53,8 +53,18 @@ pub mod counter {
     /// A packet for a frontend with no flow of ours, of a flow netfilter translated
     /// before the classifier was attached (`NETFILTER_FLOWS`): left to netfilter.
     pub const NETFILTER_PASS: u32 = 19;
+    /// XDP translated a packet and sent it back out of the interface it came in on.
+    pub const XDP_TX: u32 = 20;
+    /// XDP translated a packet and redirected it to another interface.
+    pub const XDP_REDIRECT: u32 = 21;
+    /// A packet for a frontend (or a flow of ours) that XDP left to TC unchanged (a
+    /// fragment, SCTP, a refusal to send, no neighbour or route the FIB could give).
+    pub const XDP_TO_TC: u32 = 22;
+    /// XDP dropped a packet (source ranges, a mid-stream segment of no flow, no backend
+    /// with a drop policy): counted by its reason too.
+    pub const XDP_DROP: u32 = 23;
     /// Length of the array.
-    pub const COUNT: u32 = 20;
+    pub const COUNT: u32 = 24;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -77,6 +87,10 @@ pub mod counter {
         "icmp_error_nat",
         "too_big_sent",
         "netfilter_pass",
+        "xdp_tx",
+        "xdp_redirect",
+        "xdp_to_tc",
+        "xdp_drop",
     ];
 }
 

@@ -20,6 +20,7 @@ use proxy_common::{
 
 use crate::{
     conntrack,
+    frame::csum::{delta, delta16, fixed},
     maps::count,
     node::is_node_address,
     packet::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
@@ -256,34 +257,6 @@ fn plan(q: &Quote, e: &mut Edit) -> bool {
         e.dport = f.nat_port;
     }
     true
-}
-
-/// One's-complement arithmetic on values loaded as they lie in the packet (any byte
-/// order works, as long as all are loaded alike and sit at even offsets).
-#[inline(always)]
-fn fold(mut s: u64) -> u16 {
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    s as u16
-}
-
-/// What replacing `old` by `new` adds to a sum (RFC 1624: `~m + m'`).
-#[inline(always)]
-fn delta(old: u32, new: u32) -> u64 {
-    u64::from(!old) + u64::from(new)
-}
-
-#[inline(always)]
-fn delta16(old: u16, new: u16) -> u64 {
-    u64::from(!old) + u64::from(new)
-}
-
-/// A checksum field after its data changed by `d` (RFC 1624, eqn. 3).
-#[inline(always)]
-fn fixed(csum: u16, d: u64) -> u16 {
-    !fold(u64::from(!csum) + d)
 }
 
 /// Writes `e` into the error: quoted addresses and ports, the quote's IPv4 header and L4

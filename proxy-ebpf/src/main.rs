@@ -1,19 +1,22 @@
 //! BPF programs of the service proxy. Entry points are thin: the work lives in `lb`
-//! (service lookup, backend choice), `sock` (connect-time path) and `tc` (per-packet
-//! path, with `packet`, `conntrack`, `nat`, `icmp`, `reject` and `route`).
+//! (service lookup, backend choice), `sock` (connect-time path) and `pipeline` (the
+//! per-packet path of both TC and XDP, with `frame`, `packet`, `conntrack`, `nat`, `icmp`,
+//! `reject` and `route`).
 //!
 //! The modules are layered by concept, as Cilium's `bpf/lib`: a module may import
 //! (`use crate::x`, or a `crate::x::` path) only modules of a lower layer, never one of
 //! its own layer or above, so no module imports one that calls it.
 //!
-//! - layer 0: `verdict` (verdict codes), `maps` (the pinned maps, `count`);
+//! - layer 0: `verdict` (verdict codes), `maps` (the pinned maps, `count`), `frame` (the
+//!   packet at either hook, TC or XDP, and checksum arithmetic);
 //! - layer 1: `packet` (parsing, fragments), `stats` (per-frontend and per-backend
 //!   statistics);
 //! - layer 2: `node` (the node's addresses, the local-traffic detector);
 //! - layer 3: `conntrack` (flows, tuple claims, masquerade ports), `lb` (services,
 //!   backends), `reject` (refusals), `route` (FIB lookup, redirect);
 //! - layer 4: `nat` (rewrites, masquerade decision, SCTP checksum), `icmp` (ICMP errors);
-//! - layer 5: `tc` (per-packet pipeline), `sock` (connect-time pipeline);
+//! - layer 5: `pipeline` (per-packet pipeline, TC and XDP), `sock` (connect-time
+//!   pipeline);
 //! - layer 6: `main` (the programs, entry points only).
 //!
 //! A map each load makes afresh (not pinned) is declared beside the one module that uses
@@ -26,22 +29,23 @@
 #![allow(internal_features)]
 
 mod conntrack;
+mod frame;
 mod icmp;
 mod lb;
 mod maps;
 mod nat;
 mod node;
 mod packet;
+mod pipeline;
 mod reject;
 mod route;
 mod sock;
 mod stats;
-mod tc;
 mod verdict;
 
 use aya_ebpf::{
-    macros::{cgroup_sock, cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, SockContext, TcContext},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, SockContext, TcContext, XdpContext},
 };
 use proxy_common::{FAMILY_V4, FAMILY_V6};
 
@@ -93,14 +97,14 @@ pub fn sock_release(ctx: SockContext) -> i32 {
 
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    tc::ingress(&ctx)
+    pipeline::ingress(&ctx)
 }
 
 /// The same interfaces' egress: replies and ICMP errors the node itself sends about
 /// translated flows (endpoints on the node's own addresses).
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
-    tc::egress(&ctx)
+    pipeline::egress(&ctx)
 }
 
 /// Tail call of `tc_ingress` for SCTP packets whose ports it rewrote: their CRC32c.
@@ -114,6 +118,21 @@ pub fn tc_sctp_crc(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_pass(_ctx: TcContext) -> i32 {
     aya_ebpf::bindings::TC_ACT_OK as i32
+}
+
+/// The node's external interfaces, at the driver: NodePorts, externalIPs, load-balancer
+/// IPs (and ClusterIPs from outside) translated and forwarded before an skb exists;
+/// everything else passes to the stack and `tc_ingress` unchanged.
+#[xdp]
+pub fn xdp_ingress(ctx: XdpContext) -> u32 {
+    pipeline::xdp(&ctx)
+}
+
+/// Does nothing but pass the packet on: the baseline `cargo xtask bench` measures the XDP
+/// program against.
+#[xdp]
+pub fn xdp_pass(_ctx: XdpContext) -> u32 {
+    aya_ebpf::bindings::xdp_action::XDP_PASS
 }
 
 #[cfg(not(test))]

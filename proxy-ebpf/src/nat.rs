@@ -8,16 +8,14 @@
 //! layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `node`, `conntrack`, `lb`, `reject`,
 //! `route`).
 
-use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    programs::TcContext,
-};
+use aya_ebpf::programs::TcContext;
 use proxy_common::{
     Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, FAMILY_V4, NodeConfig, PROTO_SCTP, PROTO_TCP,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
 };
 
 use crate::{
+    frame::{CsumKind, Frame},
     maps::{SCTP_PENDING, SCTP_ZEROS, TC_TAIL, count},
     node::Origin,
     packet::{
@@ -54,10 +52,11 @@ pub enum Side {
 }
 
 /// Rewrites one side's address and port, keeping the IPv4 header checksum and the L4
-/// checksum (whose pseudo-header covers the addresses) valid.
+/// checksum (whose pseudo-header covers the addresses) valid. (Checksums the way the hook
+/// can: `Frame`.)
 #[inline(never)]
-pub fn rewrite(
-    ctx: &TcContext,
+pub fn rewrite<F: Frame>(
+    ctx: &F,
     pkt: &Packet,
     side: Side,
     addr: &[u32; 4],
@@ -73,46 +72,47 @@ pub fn rewrite(
     if pkt.proto == PROTO_SCTP {
         return rewrite_sctp(ctx, pkt, side, addr, port);
     }
-    let (csum_off, zero_flag) = if pkt.proto == PROTO_TCP {
-        (pkt.l4_off + 16, 0)
+    let (csum_off, kind) = if pkt.proto == PROTO_TCP {
+        (pkt.l4_off + 16, CsumKind::Always)
     } else {
         // A zero UDP checksum (IPv4) means "none" and must stay zero.
-        (pkt.l4_off + 6, u64::from(BPF_F_MARK_MANGLED_0))
+        (pkt.l4_off + 6, CsumKind::ZeroIsNone)
     };
     let fail = |_| {
         count(counter::REWRITE_FAILED);
         DROP
     };
-    let pseudo = u64::from(BPF_F_PSEUDO_HDR) | zero_flag | 4;
     if pkt.family == FAMILY_V4 {
         let addr_off = match side {
             Side::Source => IPV4_SADDR_OFF,
             Side::Destination => IPV4_DADDR_OFF,
         };
-        ctx.l4_csum_replace(csum_off, u64::from(old_addr[0]), u64::from(addr[0]), pseudo)
+        ctx.l4_csum_replace(csum_off, old_addr[0], addr[0], 4, true, kind)
             .map_err(fail)?;
-        ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old_addr[0]), u64::from(addr[0]), 4)
+        ctx.l3_csum_replace(IPV4_CSUM_OFF, old_addr[0], addr[0])
             .map_err(fail)?;
-        ctx.store(addr_off, &addr[0], 0).map_err(fail)?;
+        ctx.store(addr_off, &addr[0]).map_err(fail)?;
     } else {
         let addr_off = match side {
             Side::Source => IPV6_SADDR_OFF,
             Side::Destination => IPV6_DADDR_OFF,
         };
         for i in 0..4 {
-            ctx.l4_csum_replace(csum_off, u64::from(old_addr[i]), u64::from(addr[i]), pseudo)
+            ctx.l4_csum_replace(csum_off, old_addr[i], addr[i], 4, true, kind)
                 .map_err(fail)?;
         }
-        ctx.store(addr_off, addr, 0).map_err(fail)?;
+        ctx.store(addr_off, addr).map_err(fail)?;
     }
     ctx.l4_csum_replace(
         csum_off,
-        u64::from(old_port),
-        u64::from(port),
-        zero_flag | 2,
+        u32::from(old_port),
+        u32::from(port),
+        2,
+        false,
+        kind,
     )
     .map_err(fail)?;
-    ctx.store(port_off, &port, 0).map_err(fail)?;
+    ctx.store(port_off, &port).map_err(fail)?;
     Ok(())
 }
 
@@ -120,8 +120,8 @@ pub fn rewrite(
 /// (the L4 checksum, covering the whole datagram, was adjusted in the first fragment)
 /// and what SCTP needs (its checksum covers no addresses).
 #[inline(never)]
-fn rewrite_ipv4_address(
-    ctx: &TcContext,
+fn rewrite_ipv4_address<F: Frame>(
+    ctx: &F,
     pkt: &Packet,
     side: Side,
     addr: &[u32; 4],
@@ -134,16 +134,16 @@ fn rewrite_ipv4_address(
         Side::Source => (pkt.saddr[0], IPV4_SADDR_OFF),
         Side::Destination => (pkt.daddr[0], IPV4_DADDR_OFF),
     };
-    ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old_addr), u64::from(addr[0]), 4)
+    ctx.l3_csum_replace(IPV4_CSUM_OFF, old_addr, addr[0])
         .map_err(fail)?;
-    ctx.store(addr_off, &addr[0], 0).map_err(fail)
+    ctx.store(addr_off, &addr[0]).map_err(fail)
 }
 
 /// SCTP's checksum (CRC32c) covers no addresses, only the packet: addresses change with
 /// the IPv4 header checksum alone, ports with an in-place CRC update.
 #[inline(never)]
-fn rewrite_sctp(
-    ctx: &TcContext,
+fn rewrite_sctp<F: Frame>(
+    ctx: &F,
     pkt: &Packet,
     side: Side,
     addr: &[u32; 4],
@@ -166,13 +166,13 @@ fn rewrite_sctp(
             Side::Source => IPV6_SADDR_OFF,
             Side::Destination => IPV6_DADDR_OFF,
         };
-        ctx.store(addr_off, addr, 0).map_err(fail)?;
+        ctx.store(addr_off, addr).map_err(fail)?;
         u32::from(u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).map_err(fail)?))
     };
     if port == old_port {
         return Ok(());
     }
-    ctx.store(port_off, &port, 0).map_err(fail)?;
+    ctx.store(port_off, &port).map_err(fail)?;
     // The checksum is finished once per packet, by the tail call `finish` makes.
     let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
         return Err(DROP); // unreachable: index 0 of a one-entry array

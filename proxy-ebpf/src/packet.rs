@@ -1,16 +1,16 @@
 //! Reading a packet: the 5-tuple (and TCP flags) of TCP/UDP/SCTP over IPv4 or IPv6, with
 //! IPv4 fragments taking their ports from the datagram's first fragment.
 //!
-//! Layer 1. Owns: `Packet` and its parsing, the header offsets and TCP flag bits, the
-//! interface indexes of the skb, and the `FRAGMENTS` bookkeeping. May import: `maps`,
-//! `verdict`.
+//! Layer 1. Owns: `Packet` and its parsing (at either hook), the header offsets and TCP
+//! flag bits, the skb's input interface, and the `FRAGMENTS` bookkeeping. May import:
+//! `maps`, `verdict`, `frame`.
 
 use aya_ebpf::{EbpfContext as _, bindings::__sk_buff, programs::TcContext};
 use proxy_common::{
     CtKey, FAMILY_V4, FAMILY_V6, FragKey, FragPorts, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
 };
 
-use crate::maps::FRAGMENTS;
+use crate::{frame::Frame, maps::FRAGMENTS};
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
@@ -64,12 +64,6 @@ impl Packet {
     }
 }
 
-/// The interface a packet arrived on.
-pub fn ifindex(ctx: &TcContext) -> u32 {
-    // SAFETY: the context is a valid __sk_buff; ifindex is a plain readable field.
-    unsafe { (*(ctx.as_ptr() as *const __sk_buff)).ifindex }
-}
-
 /// The interface a packet first came in on (`skb_iif`): 0 for one the node made itself.
 pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
     // SAFETY: the context is a valid __sk_buff; ingress_ifindex is a plain readable field.
@@ -77,9 +71,10 @@ pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
 }
 
 /// Reads the 5-tuple; `None` for anything that is not TCP/UDP/SCTP over IP (and for
-/// IPv4 fragments we cannot place).
+/// IPv4 fragments we cannot place; at XDP for every fragment: TC places them, so all of a
+/// datagram's fragments take one path).
 #[inline(always)]
-pub fn parse(ctx: &TcContext, pass: i32) -> Result<Option<Packet>, i32> {
+pub fn parse<F: Frame>(ctx: &F, pass: i32) -> Result<Option<Packet>, i32> {
     let ether_type = u16::from_be(ctx.load::<u16>(12).map_err(|_| pass)?);
     let (family, proto, saddr, daddr, l4_off, frag) = match ether_type {
         ETH_P_IP => {
@@ -118,6 +113,9 @@ pub fn parse(ctx: &TcContext, pass: i32) -> Result<Option<Packet>, i32> {
         _ => return Ok(None),
     };
     if proto != PROTO_TCP && proto != PROTO_UDP && proto != PROTO_SCTP {
+        return Ok(None);
+    }
+    if frag && F::XDP {
         return Ok(None);
     }
     let (sport, dport, tail) = if frag {
@@ -159,7 +157,7 @@ const FRAG_FOUND: u64 = 1 << 33;
 /// parsed as usual and leaves its ports for the others; a later one borrows them, or —
 /// ahead of its first fragment, or not ours — passes untouched.
 #[inline(never)]
-fn fragment(ctx: &TcContext, l4_off: usize) -> u64 {
+fn fragment<F: Frame>(ctx: &F, l4_off: usize) -> u64 {
     let (Ok(saddr), Ok(daddr), Ok(id), Ok(proto), Ok(frag)) = (
         ctx.load::<u32>(IPV4_SADDR_OFF),
         ctx.load::<u32>(IPV4_DADDR_OFF),

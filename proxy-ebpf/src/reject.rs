@@ -18,8 +18,9 @@ use aya_ebpf::{
 use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
 
 use crate::{
+    frame::{Frame, csum},
     maps::count,
-    packet::{ETH_HLEN, Packet, ifindex},
+    packet::{ETH_HLEN, Packet},
     verdict::DROP,
 };
 
@@ -178,7 +179,7 @@ fn swap_macs(ctx: &TcContext) -> Result<(), i32> {
 /// Sends the rewritten packet back out of the interface it came in on.
 fn send_back(ctx: &TcContext) -> Result<i32, i32> {
     // SAFETY: helper with no memory arguments.
-    let verdict = unsafe { bpf_redirect(ifindex(ctx), 0) };
+    let verdict = unsafe { bpf_redirect(Frame::ifindex(ctx), 0) };
     if verdict == i64::from(TC_ACT_REDIRECT) {
         Ok(TC_ACT_REDIRECT as i32)
     } else {
@@ -314,9 +315,5 @@ fn csum_diff<const N: usize>(words: &[u32; N]) -> Result<u32, i32> {
 
 /// Folds a 32-bit one's-complement sum to the 16-bit checksum field value.
 fn fold(sum: impl Into<u64>) -> u16 {
-    let mut s: u64 = sum.into();
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    !(s as u16)
+    !csum::fold(sum.into())
 }

@@ -1,28 +1,35 @@
-//! Forwarding of translated packets whose source is one of the node's own addresses
-//! (masqueraded flows, and replies from NodePorts): the stack would drop them as martians
-//! (a forwarded packet claiming a local source), so they go straight out of the
-//! interface the FIB picks, with the neighbour resolved by the kernel. Since they skip
-//! the stack's forwarding, they also skip its MTU check: `lookup` makes it (the FIB
-//! knows the egress MTU), and a packet too big is answered with "fragmentation needed"
-//! or "packet too big" instead of vanishing (no PMTU black hole).
+//! Forwarding of translated packets by the FIB. At TC: packets whose source is one of the
+//! node's own addresses (masqueraded flows, and replies from NodePorts) — the stack would
+//! drop them as martians (a forwarded packet claiming a local source) — go straight out
+//! of the interface the FIB picks, with the neighbour resolved by the kernel. At XDP:
+//! every translated packet, with the neighbour's address from the FIB (`XDP_TX` out of
+//! the interface it came in on, `XDP_REDIRECT` to another); without one (no neighbour
+//! entry yet, no route, too big) the packet goes to TC unchanged, which resolves or
+//! answers. Since these packets skip the stack's forwarding, they also skip its MTU
+//! check: `lookup` makes it (the FIB knows the egress MTU), and at TC a packet too big is
+//! answered with "fragmentation needed" or "packet too big" instead of vanishing (no PMTU
+//! black hole).
 //!
-//! Layer 3. Owns: the FIB lookup with its MTU check, and the redirect out of an interface.
-//! May import: layers 0-2 (`maps`, `verdict`, `packet`, `stats`, `node`).
+//! Layer 3. Owns: the FIB lookup with its MTU check, the redirect out of an interface, and
+//! XDP's next hop (`XDP_HOP`: MAC addresses, TTL). May import: layers 0-2 (`maps`,
+//! `verdict`, `frame`, `packet`, `stats`, `node`).
 
 use aya_ebpf::{
-    EbpfContext as _,
     bindings::{
         __sk_buff, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH,
         BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, bpf_fib_lookup,
     },
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
-    programs::TcContext,
+    btf_maps::PerCpuArray,
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    macros::btf_map,
 };
-use proxy_common::{FAMILY_V4, PROTO_TCP};
+use proxy_common::{FAMILY_V4, PROTO_TCP, counter};
 
 use crate::{
-    packet::{ETH_HLEN, Packet, ifindex},
-    verdict::Verdict,
+    frame::{Frame, csum},
+    maps::count,
+    packet::{ETH_HLEN, Packet},
+    verdict::{Verdict, XDP_REDIRECTED, XDP_SENT_BACK},
 };
 
 const AF_INET: u8 = 2;
@@ -32,21 +39,38 @@ const AF_INET6: u8 = 10;
 const LOOPBACK_IFINDEX: u32 = 1;
 /// IPv4's don't-fragment bit (in the flags/offset word, host order).
 const IP_DF: u16 = 0x4000;
+const IPV4_TTL_OFF: usize = ETH_HLEN + 8;
+const IPV6_HOP_LIMIT_OFF: usize = ETH_HLEN + 7;
+
+/// Where an XDP packet goes once translated: the FIB's answer, kept per CPU between the
+/// lookup (before the rewrite) and the send (after it).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NextHop {
+    /// Destination MAC then source MAC: the Ethernet header's first 12 bytes.
+    macs: [u8; 12],
+    ifindex: u32,
+}
+
+/// (Not pinned: each load has its own.)
+#[btf_map]
+static XDP_HOP: PerCpuArray<NextHop, 1> = PerCpuArray::new();
 
 /// Sends the packet (already rewritten to `src` -> `dst`) out of its route's interface;
 /// falls back to the stack when there is no route. No MTU check: for packets that cannot
-/// be answered with an error (ICMP errors themselves).
+/// be answered with an error (ICMP errors themselves). TC only.
 #[inline(never)]
-pub fn forward(ctx: &TcContext, family: u8, src: &[u32; 4], dst: &[u32; 4]) -> Verdict {
-    redirect(fib(ctx, family, src, dst, 0))
+pub fn forward<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4]) -> Verdict {
+    redirect(ctx, fib(ctx, family, src, dst, 0))
 }
 
 /// Where the packet `pkt` goes once rewritten to `src` -> `dst`: an interface (> 0), the
-/// stack (0), or — too big for that interface, and not to be fragmented — minus the
-/// MTU. A scalar: a BPF function returns one register. Call before rewriting, so an
-/// error can quote the packet as its sender knows it.
+/// stack (0; at XDP: TC, the packet unchanged), or — too big for that interface, and not
+/// to be fragmented — minus the MTU (TC only). A scalar: a BPF function returns one
+/// register. Call before rewriting, so an error can quote the packet as its sender knows
+/// it, and so XDP can leave to TC what it cannot send.
 #[inline(never)]
-pub fn lookup(ctx: &TcContext, pkt: &Packet, src: &[u32; 4], dst: &[u32; 4]) -> i64 {
+pub fn lookup<F: Frame>(ctx: &F, pkt: &Packet, src: &[u32; 4], dst: &[u32; 4]) -> i64 {
     // The headers each segment of an offloaded (GSO) packet carries.
     let mut headers = (pkt.l4_off - ETH_HLEN) as u32;
     if pkt.proto == PROTO_TCP {
@@ -69,21 +93,71 @@ pub fn lookup(ctx: &TcContext, pkt: &Packet, src: &[u32; 4], dst: &[u32; 4]) -> 
 }
 
 /// Sends the packet out of interface `hop` (from `lookup`), or on to the stack (0).
+/// At XDP, `hop` > 0 only: the Ethernet header and TTL change here, last.
 #[inline(always)]
-pub fn redirect(hop: i64) -> Verdict {
+pub fn redirect<F: Frame>(ctx: &F, hop: i64) -> Verdict {
     if hop <= 0 {
         return Verdict::Stack;
+    }
+    if F::XDP {
+        return send(ctx);
     }
     // SAFETY: no memory arguments (the kernel resolves the neighbour itself).
     let r = unsafe { bpf_redirect_neigh(hop as u32, core::ptr::null_mut(), 0, 0) };
     Verdict::Redirected(r as i32)
 }
 
+/// XDP: the next hop's MACs, one hop less to live, and out.
+#[inline(never)]
+fn send<F: Frame>(ctx: &F) -> Verdict {
+    let Some(next) = XDP_HOP.get_ptr(0) else {
+        return Verdict::Stack; // unreachable: index 0 of a one-entry array
+    };
+    // SAFETY: this CPU's slot, written by `fib` for this packet.
+    let next = unsafe { *next };
+    if ctx.store(0, &next.macs).is_err() || decrement_ttl(ctx).is_err() {
+        count(counter::REWRITE_FAILED);
+        return Verdict::Redirected(crate::verdict::DROP);
+    }
+    if next.ifindex == ctx.ifindex() {
+        count(counter::XDP_TX);
+        return Verdict::Redirected(XDP_SENT_BACK);
+    }
+    count(counter::XDP_REDIRECT);
+    // SAFETY: no memory arguments.
+    unsafe { bpf_redirect(next.ifindex, 0) };
+    Verdict::Redirected(XDP_REDIRECTED)
+}
+
+/// A router's part: IPv4's TTL (and its header checksum), IPv6's hop limit. (`fib` made
+/// sure there was a hop left.)
+#[inline(always)]
+fn decrement_ttl<F: Frame>(ctx: &F) -> Result<(), i64> {
+    let ether_type = u16::from_be(ctx.load::<u16>(12)?);
+    if ether_type == crate::packet::ETH_P_IP {
+        // TTL and protocol share a 16-bit word of the header checksum.
+        let word: u16 = ctx.load(IPV4_TTL_OFF)?;
+        let ttl = word.to_ne_bytes()[0].wrapping_sub(1);
+        let new = u16::from_ne_bytes([ttl, word.to_ne_bytes()[1]]);
+        let old_csum: u16 = ctx.load(crate::packet::IPV4_CSUM_OFF)?;
+        ctx.store(IPV4_TTL_OFF, &new)?;
+        ctx.store(
+            crate::packet::IPV4_CSUM_OFF,
+            &csum::replaced(old_csum, u32::from(word), u32::from(new), 2),
+        )
+    } else {
+        let hops: u8 = ctx.load(IPV6_HOP_LIMIT_OFF)?;
+        ctx.store(IPV6_HOP_LIMIT_OFF, &hops.wrapping_sub(1))
+    }
+}
+
 /// The FIB's answer for `src` -> `dst` (see `lookup`); `headers` > 0 checks the MTU, with
 /// the per-segment headers of a GSO packet (the FIB helper lets every GSO packet pass).
+/// At XDP only a full answer (neighbour known, MTU fits, a hop left to live) is an
+/// interface; anything else is 0.
 #[inline(always)]
-fn fib(ctx: &TcContext, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32) -> i64 {
-    let ingress = ifindex(ctx);
+fn fib<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32) -> i64 {
+    let ingress = ctx.ifindex();
     if ingress == LOOPBACK_IFINDEX {
         return 0;
     }
@@ -99,12 +173,15 @@ fn fib(ctx: &TcContext, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32
         p.__bindgen_anon_3.ipv6_src = *src;
         p.__bindgen_anon_4.ipv6_dst = *dst;
     }
+    if F::XDP {
+        return xdp_fib(ctx, family, &mut p);
+    }
     // With `tot_len` left zero the helper checks the skb against the egress device's
     // MTU and reports that MTU in `mtu_result`.
     // SAFETY: `p` is a valid, correctly sized parameter block on our stack.
     let mut rc = unsafe {
         fib_lookup(
-            ctx.as_ptr(),
+            ctx.ptr(),
             &mut p,
             core::mem::size_of::<bpf_fib_lookup>() as i32,
             BPF_FIB_LOOKUP_SKIP_NEIGH,
@@ -116,7 +193,7 @@ fn fib(ctx: &TcContext, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32
         // SAFETY: as above.
         rc = unsafe {
             fib_lookup(
-                ctx.as_ptr(),
+                ctx.ptr(),
                 &mut p,
                 core::mem::size_of::<bpf_fib_lookup>() as i32,
                 0,
@@ -137,10 +214,55 @@ fn fib(ctx: &TcContext, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32
     }
     if headers > 0 && mtu > 0 {
         // SAFETY: the context is a valid __sk_buff; gso_size is a plain readable field.
-        let gso = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).gso_size };
+        let gso = unsafe { (*(ctx.ptr() as *const __sk_buff)).gso_size };
         if gso != 0 && gso + headers > mtu {
             return -i64::from(mtu);
         }
     }
+    i64::from(p.ifindex)
+}
+
+/// XDP's FIB lookup: with the neighbour (the MACs go into `XDP_HOP`), and the frame's
+/// length for the MTU check (no GSO at XDP: a frame is one packet).
+#[inline(never)]
+fn xdp_fib<F: Frame>(ctx: &F, family: u8, p: &mut bpf_fib_lookup) -> i64 {
+    let ttl = if family == FAMILY_V4 {
+        ctx.load::<u8>(IPV4_TTL_OFF)
+    } else {
+        ctx.load::<u8>(IPV6_HOP_LIMIT_OFF)
+    };
+    match ttl {
+        // The stack answers with "time exceeded".
+        Ok(t) if t > 1 => {}
+        _ => return 0,
+    }
+    p.__bindgen_anon_1.tot_len = (ctx.len() as usize - ETH_HLEN) as u16;
+    // SAFETY: `p` is a valid, correctly sized parameter block.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.ptr(),
+            p,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        return 0;
+    }
+    let Some(next) = XDP_HOP.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let next = unsafe { &mut *next };
+    // SAFETY: after a successful lookup the union holds the MAC addresses.
+    let (smac, dmac) = unsafe {
+        let m = &p.__bindgen_anon_6.__bindgen_anon_2;
+        (m.smac, m.dmac)
+    };
+    next.macs = [
+        dmac[0], dmac[1], dmac[2], dmac[3], dmac[4], dmac[5], smac[0], smac[1], smac[2], smac[3],
+        smac[4], smac[5],
+    ];
+    next.ifindex = p.ifindex;
     i64::from(p.ifindex)
 }

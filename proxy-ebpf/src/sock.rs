@@ -3,7 +3,7 @@
 //! replies and `getpeername` are translated back so applications only ever see the VIP.
 //!
 //! Layer 5, an entry pipeline. Owns: the connect-time hooks' bodies, `SOCK_LB`'s entries
-//! and `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `tc` and `main`).
+//! and `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `pipeline` and `main`).
 
 use aya_ebpf::{
     EbpfContext as _, Global,

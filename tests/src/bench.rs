@@ -1,10 +1,11 @@
 //! Side-by-side benchmark pieces: the Services (as manifests for our agent; the
 //! kube-proxy-shaped rules for the same Services are in `kube_proxy`), the per-packet cost
-//! of the real classifier, and parsing wrk's report. The schedulers' own figures are in
+//! of the real classifier (and of the XDP program: `xdp`), and parsing wrk's report. The schedulers' own figures are in
 //! `schedulers` (new-flow cost) and `maglev` (table rebuilds).
 
 pub mod maglev;
 pub mod schedulers;
+pub mod xdp;
 
 use std::{
     collections::BTreeSet,

@@ -215,6 +215,82 @@ impl MultiNode {
 
     /// Starts both agents; returns once each has programmed `frontends` frontends.
     pub fn start_agents(&mut self, frontends: usize) -> Result<()> {
+        self.start_agents_with(frontends, &[])
+    }
+
+    /// Every veth end of the testbed with GRO on (NAPI, which native XDP needs on the
+    /// end that receives what a program redirects or sends back) and checksum offload
+    /// off (packets with full checksums, which XDP's rewrites keep right).
+    pub fn prepare_for_xdp(&self) -> Result<()> {
+        let mut ends: Vec<(String, String)> = vec![(self.ns("cl"), "eth0".into())];
+        for name in ["c", "a", "b"] {
+            ends.push((self.ns("lan"), format!("b{name}{}", self.id)));
+        }
+        for node in self.nodes.values() {
+            for i in &node.interfaces {
+                ends.push((node.ns.clone(), i.clone()));
+            }
+        }
+        for pod in ["pa", "pb"] {
+            ends.push((self.ns(pod), "eth0".into()));
+        }
+        for (ns, dev) in ends {
+            sh(&[
+                "ip", "netns", "exec", &ns, "ethtool", "-K", &dev, "tx", "off", "gro", "on",
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// An XDP program that only passes (`xdp_pass`, native) on the LAN bridge's ports,
+    /// the veth peers of the nodes' uplinks: frames a node's native XDP sends back out
+    /// (`XDP_TX`) into a veth whose peer has only GRO's NAPI arrive late or not at all
+    /// (seen on 6.18: the client's connections time out), with an XDP program there
+    /// they are received at once. Attached while the returned object lives.
+    pub fn pass_on_lan_ports(&self) -> Result<aya::Ebpf> {
+        let lan = format!("/run/netns/{}", self.ns("lan"));
+        let id = self.id.clone();
+        std::thread::spawn(move || -> Result<aya::Ebpf> {
+            let f = std::fs::File::open(&lan)?;
+            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            let (mut ebpf, _maps) = proxy_agent::dataplane::bpf::load_private(&[])?;
+            let prog: &mut aya::programs::Xdp = ebpf
+                .program_mut("xdp_pass")
+                .context("the object has no xdp_pass")?
+                .try_into()?;
+            prog.load()?;
+            for name in ["c", "a", "b"] {
+                let idx = nix::net::if_::if_nametoindex(format!("b{name}{id}").as_str())?;
+                prog.attach(idx, aya::programs::XdpMode::Driver)?;
+            }
+            Ok(ebpf)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("attaching xdp_pass panicked"))?
+    }
+
+    /// `proxy-agent dump --json` of `node`'s pins.
+    pub fn dump(&self, node: &str) -> Result<serde_json::Value> {
+        let pins = self.bpffs.join(node);
+        let out = sh(&[
+            agent_bin().to_str().context("utf-8")?,
+            "dump",
+            "--json",
+            "--bpffs",
+            pins.to_str().context("utf-8")?,
+        ])?;
+        Ok(serde_json::from_str(&out)?)
+    }
+
+    /// One of `node`'s BPF counters, summed over CPUs.
+    pub fn counter(&self, node: &str, name: &str) -> u64 {
+        self.dump(node).expect("dump")["counters"][name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("counter {name}"))
+    }
+
+    /// `start_agents` with more arguments for `proxy-agent run` (both agents).
+    pub fn start_agents_with(&mut self, frontends: usize, extra: &[&str]) -> Result<()> {
         let config = self.root.join("config.yaml");
         fs::write(
             &config,
@@ -244,6 +320,7 @@ impl MultiNode {
                     "--node-ip",
                     addr,
                 ])
+                .args(extra)
                 .stdout(log.try_clone()?)
                 .stderr(log)
                 .spawn()

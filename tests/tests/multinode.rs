@@ -226,3 +226,85 @@ fn udp_flow_recovers_when_its_backend_goes_away() {
         "first {first:?}, then {late:?}"
     );
 }
+
+/// The same Services with the XDP program on both nodes: a NodePort, an LB IP and an
+/// external IP on node A whose backend is on node B are translated at node A's XDP and
+/// sent back out of the LAN interface they came in on (`XDP_TX`), and the replies from
+/// node B come back through XDP too; an LB IP's source-range deny is dropped at XDP.
+///
+/// Native XDP. The LAN bridge's ports (the uplinks' veth peers) get an XDP program that
+/// only passes: without one, frames sent back out with `XDP_TX` into a veth whose peer
+/// has only GRO's NAPI arrive too late (the client resets the SYN-ACKs of connections
+/// it gave up on), a property of veth, not of the program (generic XDP, or an XDP
+/// program on the peer, and every connection completes).
+#[needs_root]
+#[test]
+fn xdp_sends_remote_backends_traffic_back_out_of_the_uplink() {
+    let mut tb = MultiNode::new().expect("testbed");
+    tb.write_manifests(&manifests(&[POD_A, POD_B]))
+        .expect("manifests");
+    tb.prepare_for_xdp().expect("veths ready for XDP");
+    let _lan_xdp = tb.pass_on_lan_ports().expect("xdp_pass on the LAN ports");
+    tb.start_agents_with(FRONTENDS, &["--xdp", "native"])
+        .expect("agents");
+    let tx = |tb: &MultiNode| tb.counter("node-a", "xdp_tx");
+    let before = tx(&tb);
+    let all = tb
+        .client(&["--target", &format!("{NODE_A}:30080"), "--count", "5"])
+        .expect("client");
+    assert!(all.iter().all(|a| a.ok), "{all:?}\n{}", tb.log("node-a"));
+    let a = all[0].clone();
+    assert!(
+        a.ok,
+        "{a:?}\nnode-a: {}\nnode-b: {}",
+        tb.dump("node-a").expect("dump")["counters"],
+        tb.dump("node-b").expect("dump")["counters"]
+    );
+    assert_eq!(
+        (a.backend.as_deref(), a.seen_as.as_deref()),
+        (Some("pod-b"), Some(NODE_A)),
+        "masqueraded to node A"
+    );
+    let after_np = tx(&tb);
+    assert!(
+        after_np > before,
+        "the NodePort's packets went back out at XDP: {before} -> {after_np}"
+    );
+    let e = one(&tb, &["--target", "203.0.113.7:80", "--count", "3"]);
+    assert!(e.ok && e.backend.as_deref() == Some("pod-b"), "{e:?}");
+    let l = one(&tb, &["--target", "203.0.113.50:80", "--count", "3"]);
+    assert!(l.ok && l.seen_as.as_deref() == Some(NODE_A), "{l:?}");
+    let u = tb
+        .client(&[
+            "--target",
+            &format!("{NODE_A}:30053"),
+            "--proto",
+            "udp",
+            "--count",
+            "10",
+        ])
+        .expect("client");
+    assert!(u.iter().all(|a| a.ok), "UDP NodePort: {u:?}");
+    assert!(tx(&tb) > after_np, "external IP, LB IP and UDP at XDP too");
+    let drops = tb.counter("node-a", "xdp_drop");
+    let d = one(
+        &tb,
+        &[
+            "--target",
+            "203.0.113.51:80",
+            "--count",
+            "1",
+            "--timeout-ms",
+            "700",
+        ],
+    );
+    assert!(!d.ok, "outside the source ranges: {d:?}");
+    assert!(
+        tb.counter("node-a", "xdp_drop") > drops,
+        "the deny dropped at XDP"
+    );
+    assert_eq!(
+        tb.dump("node-a").expect("dump")["xdp"][&format!("la{}", tb.id)],
+        "native"
+    );
+}

@@ -114,6 +114,8 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
     let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
     // Flows netfilter translated before the classifier was attached (kube-proxy's).
     let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
+    // Which interfaces run the XDP program, and in which mode (by their pinned links).
+    let xdp = bpf::attach::xdp::pinned(&bpffs.join("links"));
     if json {
         let counters: serde_json::Map<String, serde_json::Value> = counters
             .iter()
@@ -127,6 +129,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 "sockets": sockets,
                 "conntrack": {"answered": answered, "new": new},
                 "netfilter_flows": netfilter,
+                "xdp": xdp,
             }))?
         );
     } else {
@@ -156,7 +159,14 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
         }
         outln!("\nsockets tracked: {sockets}");
         outln!("conntrack entries: {answered} answered, {new} new (two per flow)");
-        outln!("flows left to netfilter (translated before the classifier): {netfilter}\n");
+        outln!("flows left to netfilter (translated before the classifier): {netfilter}");
+        if xdp.is_empty() {
+            outln!("XDP: off");
+        }
+        for (interface, how) in &xdp {
+            outln!("XDP on {interface}: {}", how.as_str());
+        }
+        outln!("");
         for (name, value) in counters {
             outln!("{name:<24} {value}");
         }

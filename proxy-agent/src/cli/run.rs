@@ -6,7 +6,7 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result};
 use clap::Args;
 use proxy_agent::{
-    config::{BpfLogLevel, CgroupChoice, Config, LocalDetector, TcAttachMode},
+    config::{BpfLogLevel, CgroupChoice, Config, LocalDetector, TcAttachMode, XdpMode},
     dataplane::bpf::{self, BpfDataplane, InterfaceSelector},
     runner::{self, Timing, status::ConntrackFill},
     source,
@@ -51,6 +51,11 @@ pub struct RunArgs {
     /// has it [default: auto].
     #[arg(long)]
     tc_attach: Option<TcAttachMode>,
+    /// The XDP program on the served interfaces (`ebpf.xdp`): `native` (in the driver;
+    /// refuses to start where a driver has none), `best-effort` (native, else generic per
+    /// interface), `generic`, `off` [default: off].
+    #[arg(long)]
+    xdp: Option<XdpMode>,
     /// Level of log messages from the BPF programs: off, error, warn, info, debug, trace
     /// [default: warn].
     #[arg(long)]
@@ -98,6 +103,9 @@ impl RunArgs {
         }
         if let Some(v) = self.tc_attach {
             cfg.tc_attach = v;
+        }
+        if let Some(v) = self.xdp {
+            cfg.xdp = v;
         }
         if let Some(v) = self.bpf_log_level {
             cfg.bpf_log_level = v;
@@ -188,6 +196,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         interfaces: InterfaceSelector::parse(&cfg.interfaces)
             .context("--interfaces (ebpf.interfaces)")?,
         tc_attach: cfg.tc_attach,
+        xdp: cfg.xdp,
+        xdp_status: status.xdp(),
         bpf_log_level: cfg.bpf_log_level,
         conntrack: cfg.conntrack.clone(),
         attach_failures: status.attach_failures(),

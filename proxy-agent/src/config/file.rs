@@ -83,6 +83,7 @@ pub(super) struct EbpfSection {
     pub(super) cgroup: Option<String>,
     pub(super) interfaces: Option<Vec<String>>,
     pub(super) tc_attach: Option<String>,
+    pub(super) xdp: Option<String>,
     pub(super) bpf_log_level: Option<String>,
     pub(super) service_proxy_name: Option<String>,
     pub(super) debug_bind_address: Option<String>,

@@ -29,7 +29,7 @@ pub enum ConfigError {
 
 pub use self::duration::parse_duration;
 use self::file::KubeProxyConfiguration;
-pub use crate::dataplane::bpf::{BpfLogLevel, ConntrackOptions, MapSizes, TcAttachMode};
+pub use crate::dataplane::bpf::{BpfLogLevel, ConntrackOptions, MapSizes, TcAttachMode, XdpMode};
 use crate::{
     dataplane::bpf::DEFAULT_PIN_DIR,
     model::{ViewConfig, schedule::Scheduler},
@@ -139,6 +139,8 @@ pub struct Config {
     pub interfaces: Vec<String>,
     /// How the classifier is hooked (`ebpf.tcAttach`).
     pub tc_attach: TcAttachMode,
+    /// Whether and how the XDP program runs on the served interfaces (`ebpf.xdp`).
+    pub xdp: XdpMode,
     /// Capacities of the service-side maps (`ebpf.mapSizes`).
     pub map_sizes: MapSizes,
     /// The node's scheduler: `ipvs.scheduler` (default `rr`) when `mode: ipvs`, else
@@ -177,6 +179,7 @@ impl Default for Config {
             cgroup: CgroupChoice::Auto,
             interfaces: Vec::new(),
             tc_attach: TcAttachMode::default(),
+            xdp: XdpMode::default(),
             map_sizes: MapSizes::default(),
             scheduler: view.scheduler,
             maglev_table_len: view.maglev_table_len,
@@ -421,6 +424,9 @@ impl Config {
             if let Some(v) = e.tc_attach {
                 cfg.tc_attach = v.parse().map_err(|e| format!("ebpf.tcAttach: {e}"))?;
             }
+            if let Some(v) = e.xdp {
+                cfg.xdp = v.parse().map_err(|e| format!("ebpf.xdp: {e}"))?;
+            }
             if let Some(v) = e.bpf_log_level {
                 cfg.bpf_log_level = v.parse().map_err(|e| format!("ebpf.bpfLogLevel: {e}"))?;
             }
@@ -562,6 +568,7 @@ someFutureField: true
 ebpf:
   interfaces: [eth0]
   tcAttach: clsact
+  xdp: best-effort
   serviceProxyName: ebpf-proxy
   mapSizes: {backendSlots: 8388608}
 ";
@@ -596,6 +603,8 @@ ebpf:
             "a size given, the others kept"
         );
         assert_eq!(Config::default().tc_attach, TcAttachMode::Auto);
+        assert_eq!(cfg.xdp, XdpMode::BestEffort);
+        assert_eq!(Config::default().xdp, XdpMode::Off, "off unless asked");
         assert_eq!(cfg.service_proxy_name.as_deref(), Some("ebpf-proxy"));
         for needle in [
             "mode \"nftables\": not applicable",

@@ -12,7 +12,7 @@ use tokio::sync::broadcast;
 use crate::{
     dataplane::{
         ApplyReport,
-        bpf::{AttachFailures, ForeignClassifier, NodeHooks},
+        bpf::{AttachFailures, ForeignClassifier, NodeHooks, XdpStatus},
     },
     model::{NodeView, diff_lines},
     source::{
@@ -124,6 +124,7 @@ struct Inner {
     diffs: broadcast::Sender<String>,
     histograms: Histograms,
     attach_failures: AttachFailures,
+    xdp: XdpStatus,
     api: ApiCounters,
     hooks: NodeHooks,
 }
@@ -163,6 +164,7 @@ impl Default for Status {
             diffs,
             histograms: Histograms::default(),
             attach_failures: AttachFailures::default(),
+            xdp: XdpStatus::default(),
             api: ApiCounters::default(),
             hooks: NodeHooks::default(),
         }))
@@ -371,6 +373,11 @@ impl Status {
     /// The dataplane's count of failed classifier attachments (clones share it).
     pub fn attach_failures(&self) -> AttachFailures {
         self.0.attach_failures.clone()
+    }
+
+    /// Which interfaces run the XDP program, and how (clones share it).
+    pub fn xdp(&self) -> XdpStatus {
+        self.0.xdp.clone()
     }
 
     /// The dataplane's report of its hooks' checks (clones share it).

@@ -3,7 +3,10 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
+use aya::{
+    Ebpf, TestRun as _, TestRunOptions,
+    programs::{SchedClassifier, Xdp},
+};
 use proxy_agent::{
     dataplane::bpf::{self, MapSet, MapState, load_private},
     model::{Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol},
@@ -17,6 +20,11 @@ pub const TC_ACT_OK: u32 = 0;
 pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_UNSPEC: u32 = u32::MAX; // -1
 pub const TC_ACT_REDIRECT: u32 = 7;
+
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = 4;
 
 pub struct Harness {
     pub ebpf: Ebpf,
@@ -88,6 +96,36 @@ impl Harness {
                 data_in: Some(packet),
                 data_out: Some(&mut out),
                 ctx_in: Some(&skb),
+                ..Default::default()
+            })
+            .expect("test_run");
+        out.truncate(res.data_size_out as usize);
+        (res.return_value, out)
+    }
+
+    /// Runs one packet through the XDP program (`xdp_ingress`, loaded on first use) as if
+    /// it arrived on interface `ifindex` (of the calling thread's network namespace; 0:
+    /// none given, loopback).
+    pub fn run_xdp(&mut self, packet: &[u8], ifindex: u32) -> (u32, Vec<u8>) {
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut("xdp_ingress")
+            .expect("program")
+            .try_into()
+            .expect("type");
+        if prog.fd().is_err() {
+            prog.load().expect("verifier accepts xdp_ingress");
+        }
+        let mut out = vec![0u8; packet.len() + 256];
+        // A `struct xdp_md`: data 0, data_end = the packet's length, ingress_ifindex.
+        let mut md = [0u8; 24];
+        md[4..8].copy_from_slice(&(packet.len() as u32).to_ne_bytes());
+        md[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let res = prog
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ctx_in: (ifindex != 0).then_some(&md[..]),
                 ..Default::default()
             })
             .expect("test_run");

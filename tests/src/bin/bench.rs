@@ -35,6 +35,10 @@ struct Args {
     /// Only the schedulers' figures (no testbeds, no Service scales).
     #[arg(long)]
     schedulers_only: bool,
+    /// Only the per-packet figures (BPF_PROG_TEST_RUN: TC and XDP) at each scale, no
+    /// testbeds.
+    #[arg(long)]
+    per_packet_only: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -55,6 +59,8 @@ const NFT_MAX: usize = 5_000;
 struct Scale {
     services: usize,
     per_packet: PerPacket,
+    /// The XDP program per packet, beside a pass-through XDP program and our TC path.
+    xdp: bench::xdp::XdpPerPacket,
     /// Connection rate, latency, per contender (means over rounds).
     wrk: BTreeMap<String, WrkResult>,
     /// Connection rate as a ratio to direct.
@@ -276,6 +282,9 @@ fn main() -> Result<()> {
         (vec![1, 1_000, 10_000, 100_000], 5, 2, 200_000)
     };
     std::fs::create_dir_all(&args.out)?;
+    if args.per_packet_only {
+        return per_packet_figures(&scales, runs, args.quick);
+    }
     scheduler_figures(args.quick, &args.out)?;
     if args.schedulers_only {
         return Ok(());
@@ -290,6 +299,7 @@ fn main() -> Result<()> {
             ..Default::default()
         };
         scale.per_packet = bench::per_packet(n, runs)?;
+        scale.xdp = bench::xdp::per_packet(n, runs, if args.quick { 3 } else { 5 })?;
         let (all, one) = bench::our_control_plane(n)?;
         scale.program_all_ms.insert("ours (maps)".into(), all);
         scale.one_change_ms.insert("ours (maps)".into(), one);
@@ -451,14 +461,7 @@ fn print_scale(s: &Scale) {
             r.p99_ms
         );
     }
-    let pp = &s.per_packet;
-    println!(
-        "  per packet (BPF_PROG_TEST_RUN): established {:.0} ns, new flow {:.0} ns, pass-through {:.0} ns ({:.2}x)",
-        pp.established_ns,
-        pp.new_flow_ns,
-        pp.pass_through_ns,
-        pp.established_ns / pp.pass_through_ns.max(1.0)
-    );
+    print_per_packet(s);
     for (k, v) in &s.program_all_ms {
         println!("  program all    {k:<32} {v:>10.1} ms");
     }
@@ -469,6 +472,48 @@ fn print_scale(s: &Scale) {
         "  agent RSS {:.1} MiB, BPF maps {:.1} MiB",
         s.agent_rss_mib, s.bpf_map_mib
     );
+}
+
+fn print_per_packet(s: &Scale) {
+    let pp = &s.per_packet;
+    println!(
+        "  per packet (BPF_PROG_TEST_RUN): established {:.0} ns, new flow {:.0} ns, pass-through {:.0} ns ({:.2}x)",
+        pp.established_ns,
+        pp.new_flow_ns,
+        pp.pass_through_ns,
+        pp.established_ns / pp.pass_through_ns.max(1.0)
+    );
+    let x = &s.xdp;
+    println!(
+        "  XDP per packet (medians of {} rounds, spread): established {:.0} ns (±{:.0}), new flow {:.0} ns (±{:.0}), XDP pass-through {:.0} ns (±{:.0}), TC established {:.0} ns (±{:.0}); XDP/pass {:.2}x, TC/XDP {:.2}x",
+        x.rounds,
+        x.xdp_established_ns,
+        x.xdp_established_spread_ns,
+        x.xdp_new_flow_ns,
+        x.xdp_new_flow_spread_ns,
+        x.xdp_pass_ns,
+        x.xdp_pass_spread_ns,
+        x.tc_established_ns,
+        x.tc_established_spread_ns,
+        x.established_vs_pass(),
+        x.tc_vs_xdp()
+    );
+}
+
+/// The per-packet figures alone (`--per-packet-only`), printed as the full run prints
+/// them.
+fn per_packet_figures(scales: &[usize], runs: u32, quick: bool) -> Result<()> {
+    for &n in scales {
+        let s = Scale {
+            services: n,
+            per_packet: bench::per_packet(n, runs)?,
+            xdp: bench::xdp::per_packet(n, runs, if quick { 3 } else { 5 })?,
+            ..Default::default()
+        };
+        println!("\n{n} Services");
+        print_per_packet(&s);
+    }
+    Ok(())
 }
 
 /// Connection rate (ratio to direct) against the number of Services, one line per

@@ -45,6 +45,7 @@ pub use self::{
         follow::InterfaceFollower,
         interfaces::{self, InterfaceSelector},
         links::{self, AttachFailures},
+        xdp::{XdpMode, XdpSetup, XdpStatus},
     },
     kernel::{TcAttachMode, TcHook},
     maps::MapSet,
@@ -237,11 +238,19 @@ impl BpfDataplane {
                     failures: opts.attach_failures.clone(),
                     hooks: opts.hooks.clone(),
                     ownership: attach::audit::Ownership::new(&opts.pin_dir),
+                    xdp: XdpSetup {
+                        mode: opts.xdp,
+                        status: opts.xdp_status.clone(),
+                    },
                 },
             )?));
             let watch = InterfaceFollower::start(Arc::clone(&classifiers))?;
             // What else sits on those hooks, before the agent reports ready.
             attach::follow::lock(&classifiers).check();
+            if let Some((interface, why)) = attach::follow::lock(&classifiers).xdp_refused() {
+                anyhow::bail!("ebpf.xdp is native, and {interface} cannot run it: {why}");
+            }
+            tracing::info!(mode = %opts.xdp, running = ?opts.xdp_status.running(), "XDP");
             tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
             (Some(watch), Some(classifiers))
         } else {

@@ -6,7 +6,7 @@ use std::{fs, path::PathBuf, str::FromStr, time::Duration};
 use anyhow::{Context as _, Result, bail};
 use proxy_common::map_names;
 
-use super::{AttachFailures, InterfaceSelector, NodeHooks, TcAttachMode};
+use super::{AttachFailures, InterfaceSelector, NodeHooks, TcAttachMode, XdpMode, XdpStatus};
 
 /// Where the agent pins its maps and links unless told otherwise.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/proxy-agent";
@@ -23,6 +23,10 @@ pub struct Options {
     /// How the classifier is hooked to them: tcx, a clsact filter, or whichever the
     /// kernel has.
     pub tc_attach: TcAttachMode,
+    /// Whether and how the XDP program runs on the served interfaces.
+    pub xdp: XdpMode,
+    /// Which interfaces run XDP and how (shared with `/metrics`).
+    pub xdp_status: XdpStatus,
     /// Level of the programs' log messages.
     pub bpf_log_level: BpfLogLevel,
     /// The per-packet path's flow tables: idle limits, size, masquerade ports.

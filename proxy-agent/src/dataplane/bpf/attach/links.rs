@@ -25,7 +25,7 @@ use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
     programs::{
-        SchedClassifier, TcAttachType,
+        SchedClassifier, TcAttachType, Xdp,
         links::{FdLink, PinnedLink},
         tc::{SchedClassifierLink, TcAttach},
     },
@@ -37,6 +37,7 @@ use super::{
     interfaces::{Decision, InterfaceSelector},
     link_events::{Link, LinkChange},
     link_update,
+    xdp::{self, NativeRefused, XDP_PROGRAM, XdpMode, XdpSetup},
 };
 use crate::dataplane::bpf::{TC_EGRESS_PROGRAM, TC_PROGRAM, kernel, kernel::TcHook, pin_lock};
 
@@ -47,8 +48,14 @@ const HOOKS: [(&str, TcAttachType, &str); 2] = [
 ];
 
 /// The programs by hook, as clsact filters carry them.
-/// The pin-name prefixes of the classifier's links (`cleanup` knows its own by them).
-pub const HOOK_PREFIXES: [&str; 2] = [HOOKS[0].2, HOOKS[1].2];
+/// The pin-name prefixes of the classifier's links and the XDP program's (`cleanup`
+/// knows its own by them).
+pub const HOOK_PREFIXES: [&str; 4] = [
+    HOOKS[0].2,
+    HOOKS[1].2,
+    xdp::PREFIXES[0].0,
+    xdp::PREFIXES[1].0,
+];
 
 pub const FILTERS: [(&str, TcAttachType); 2] = [
     (TC_PROGRAM, TcAttachType::Ingress),
@@ -80,6 +87,8 @@ pub struct Setup {
     pub hooks: NodeHooks,
     /// Tells our classifiers from other agents'.
     pub ownership: Ownership,
+    /// Whether and how the XDP program runs beside the classifier.
+    pub xdp: XdpSetup,
 }
 
 /// The classifier's links, kept in step with the interfaces rtnetlink reports.
@@ -108,6 +117,10 @@ pub struct Classifiers {
     hooks: NodeHooks,
     /// Whether an unreadable tcx hook was logged (once: the cause is the agent's).
     said_unreadable: bool,
+    xdp: XdpSetup,
+    /// Interfaces where `native` XDP could not attach, with why (the agent refuses to
+    /// start on those present at start).
+    xdp_refused: BTreeMap<String, String>,
 }
 
 impl Classifiers {
@@ -130,6 +143,15 @@ impl Classifiers {
                 );
             }
         }
+        if setup.xdp.mode != XdpMode::Off {
+            let mut ebpf = lock(&ebpf);
+            let prog: &mut Xdp = ebpf
+                .program_mut(XDP_PROGRAM)
+                .with_context(|| format!("BPF object has no {XDP_PROGRAM}"))?
+                .try_into()?;
+            prog.load()
+                .with_context(|| format!("loading {XDP_PROGRAM}"))?;
+        }
         let Setup {
             links_dir,
             selector,
@@ -137,6 +159,7 @@ impl Classifiers {
             failures,
             hooks,
             ownership,
+            xdp,
         } = setup;
         Ok(Self {
             ebpf,
@@ -154,7 +177,17 @@ impl Classifiers {
             foreign: BTreeMap::new(),
             hooks,
             said_unreadable: false,
+            xdp,
+            xdp_refused: BTreeMap::new(),
         })
+    }
+
+    /// An interface where `native` XDP could not attach, and why.
+    pub fn xdp_refused(&self) -> Option<(&str, &str)> {
+        self.xdp_refused
+            .iter()
+            .next()
+            .map(|(n, why)| (n.as_str(), why.as_str()))
     }
 
     /// A dump of every link starts: what it does not list is gone when it ends.
@@ -291,7 +324,8 @@ impl Classifiers {
         clsact::prune_records(&self.links_dir, |index| seen.values().any(|i| *i == index));
     }
 
-    /// Both programs on `link` (ingress first); reports how the ingress one got there.
+    /// Both programs on `link` (ingress first), then XDP (which passes to them what it
+    /// cannot finish); reports how the ingress one got there.
     fn attach(&mut self, link: &Link) -> Result<&'static str> {
         let mut how = "";
         for (program, hook, prefix) in HOOKS {
@@ -300,7 +334,33 @@ impl Classifiers {
                 how = done;
             }
         }
+        self.attach_xdp(link)?;
         Ok(how)
+    }
+
+    fn attach_xdp(&mut self, link: &Link) -> Result<()> {
+        if self.xdp.mode == XdpMode::Off {
+            xdp::detach(&self.xdp, &self.links_dir, &link.name);
+            return Ok(());
+        }
+        let mut ebpf = lock(&self.ebpf);
+        let prog: &mut Xdp = ebpf
+            .program_mut(XDP_PROGRAM)
+            .with_context(|| format!("BPF object has no {XDP_PROGRAM}"))?
+            .try_into()?;
+        match xdp::attach(prog, &self.xdp, &self.links_dir, &link.name, link.index) {
+            Ok(_) => {
+                self.xdp_refused.remove(&link.name);
+                Ok(())
+            }
+            Err(e) => {
+                if let Some(refused) = e.downcast_ref::<NativeRefused>() {
+                    self.xdp_refused
+                        .insert(link.name.clone(), refused.to_string());
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Attaches `program` to the `hook` of interface `name` (`index`) the chosen way, then
@@ -714,6 +774,9 @@ impl Classifiers {
 
     fn detach(&mut self, name: &str, why: &str) {
         self.set_foreign(name, Vec::new());
+        self.xdp_refused.remove(name);
+        // XDP first: what it would pass on needs the classifier.
+        xdp::detach(&self.xdp, &self.links_dir, name);
         let index = self.attached.remove(name);
         for (_, _, prefix) in HOOKS {
             match remove_pin(&pin_path(&self.links_dir, prefix, name)) {
@@ -827,9 +890,9 @@ pub fn prune_pins(links_dir: &Path, keep: impl Fn(&str) -> bool) {
     };
     for entry in entries.flatten() {
         let file = entry.file_name().to_string_lossy().into_owned();
-        if let Some(name) = HOOKS
+        if let Some(name) = HOOK_PREFIXES
             .iter()
-            .find_map(|(_, _, prefix)| file.strip_prefix(prefix))
+            .find_map(|prefix| file.strip_prefix(prefix))
             && !keep(name)
         {
             match remove_pin(&entry.path()) {

@@ -1,5 +1,6 @@
 //! Hooking the programs to the kernel: the connect-time hooks on a cgroup, the
-//! classifier on interfaces (tcx links or clsact filters) now and as they appear, each
+//! classifier on interfaces (tcx links or clsact filters) and the XDP program beside it
+//! (`ebpf.xdp`), now and as they appear, each
 //! adopted from its pin so an agent restart swaps programs without a gap; checked again
 //! at each resync, with whatever else sits on those hooks (`audit`).
 
@@ -11,6 +12,7 @@ pub mod interfaces;
 pub mod link_events;
 pub mod link_update;
 pub mod links;
+pub mod xdp;
 
 use std::path::Path;
 

@@ -1,15 +1,26 @@
-//! Per-packet service NAT (TC ingress): DNAT of packets addressed to a frontend, with
-//! connection tracking so every packet of a flow keeps its backend, masquerade (SNAT to
-//! the node) where kube-proxy would masquerade, reverse NAT of the replies, source-range
-//! filtering, and TCP resets for services without endpoints. Packets that are not ours
-//! pass on untouched (`TCX_NEXT`). Parsing lives in `packet`, flow state and masquerade
-//! ports in `conntrack`, rewriting in `nat`, service lookup and backend choice in `lb`.
+//! Per-packet service NAT, one pipeline for two hooks (TC ingress, and XDP on the node's
+//! external interfaces): DNAT of packets addressed to a frontend, with connection
+//! tracking so every packet of a flow keeps its backend, masquerade (SNAT to the node)
+//! where kube-proxy would masquerade, reverse NAT of the replies, source-range filtering,
+//! and TCP resets for services without endpoints. Packets that are not ours pass on
+//! untouched (`TCX_NEXT`, `XDP_PASS`). Parsing lives in `packet`, flow state and
+//! masquerade ports in `conntrack`, rewriting in `nat`, service lookup and backend choice
+//! in `lb`, forwarding in `route`; the hook's own operations in `frame`.
 //!
-//! Layer 5, an entry pipeline. Owns: the classifiers' bodies (`ingress`, `egress`) and the
-//! order of their steps (reply, established, new flow), source ranges and netfilter's
+//! At XDP every translated packet leaves by the FIB (`XDP_TX`, `XDP_REDIRECT`); what the
+//! pipeline cannot finish there — fragments, SCTP, ICMP errors, a refusal to send, a
+//! packet the FIB cannot place (no neighbour entry yet, too big, no route) — passes to TC
+//! before anything in it changed, so TC handles it as if XDP were not there. Either hook
+//! opens and finds the same conntrack entries.
+//!
+//! Layer 5, an entry pipeline. Owns: the programs' bodies (`ingress`, `egress`, `xdp`) and
+//! the order of their steps (reply, established, new flow), source ranges and netfilter's
 //! flows. May import: layers 0-4 (every module but `sock` and `main`).
 
-use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
+use aya_ebpf::{
+    helpers::bpf_ktime_get_ns,
+    programs::{TcContext, XdpContext},
+};
 use proxy_common::{
     AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED, CT_F_SNAT,
     FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
@@ -17,6 +28,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, SCRATCH_FORWARD, ct_scratch, scratch},
+    frame::Frame,
     icmp,
     lb::{self, Client, NoBackend},
     maps::{NETFILTER_FLOWS, NODE_CONFIG, SOURCE_RANGES, count},
@@ -24,7 +36,7 @@ use crate::{
     node::{is_node_address, lpm_key, origin},
     packet::{self, Packet, parse},
     reject, route, stats,
-    verdict::{DONE, DROP, PASS_ON},
+    verdict::{DONE, DROP, PASS_ON, TO_TC, xdp_action},
 };
 
 /// The classifier: translate, then — for SCTP only — hand the checksum to the tail call.
@@ -77,8 +89,30 @@ pub fn egress(ctx: &TcContext) -> i32 {
     }
 }
 
+/// The XDP program (external interfaces): translate what can be finished here and send
+/// it by the FIB; pass everything else to the stack — and TC — unchanged.
+pub fn xdp(ctx: &XdpContext) -> u32 {
+    let pkt = match parse(ctx, PASS_ON) {
+        Ok(Some(pkt)) => pkt,
+        // ICMP errors, fragments, IPv6 extension headers, not IP: TC's.
+        Ok(None) | Err(_) => return xdp_action(PASS_ON),
+    };
+    if pkt.proto == PROTO_SCTP {
+        return xdp_action(PASS_ON); // its CRC32c is TC's tail call
+    }
+    let verdict = match translate(ctx, &pkt) {
+        Ok(v) | Err(v) => v,
+    };
+    if verdict == DROP {
+        count(counter::XDP_DROP);
+    } else if verdict == TO_TC {
+        count(counter::XDP_TO_TC);
+    }
+    xdp_action(verdict)
+}
+
 #[inline(always)]
-fn translate(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
+fn translate<F: Frame>(ctx: &F, pkt: &Packet) -> Result<i32, i32> {
     // SAFETY: no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     if let Some(verdict) = reply(ctx, pkt, now, false)? {
@@ -104,7 +138,7 @@ fn translate(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
 /// (answered, FIN, RST) and keeps it alive, whichever side speaks. `egress`: a reply the
 /// node itself sends (an endpoint on its own address), already on its way out.
 #[inline(never)]
-fn reply(ctx: &TcContext, pkt: &Packet, now: u64, egress: bool) -> Result<Option<i32>, i32> {
+fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Option<i32>, i32> {
     let key = pkt.ct_key(CT_DIR_REPLY);
     let Some(entry) = conntrack::lookup(&key) else {
         return Ok(None);
@@ -119,18 +153,9 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64, egress: bool) -> Result<Option
     if conntrack::expired(fwd, pkt.proto, now) {
         return Ok(None);
     }
-    fwd.last_seen_ns = now;
-    fwd.flags |= CT_F_REPLIED | conntrack::segment_flags(pkt, true);
-    // A TCP flow is assured by the client's ACK of this SYN-ACK (see `established`):
-    // a spoofed SYN that the backend answers must not reach the answered table.
-    let assured = pkt.proto != PROTO_TCP;
-    if assured {
-        fwd.flags |= CT_F_ASSURED;
-    }
     // SAFETY: as above; the fields are copied out before the entry can move.
     let (frontend, frontend_port, snat, client, client_port) = unsafe {
         let r = &*entry.value;
-        stats::account(r.rev_nat_id, r.backend_id, stats::OUT, ctx.len(), false);
         (
             r.xlate_addr,
             r.xlate_port,
@@ -139,18 +164,34 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64, egress: bool) -> Result<Option
             r.nat_port,
         )
     };
-    if entry.new && assured {
-        conntrack::promote(&key);
-    }
     let dst = if snat { client } else { pkt.daddr };
-    let redirect = !egress && (snat || is_node_address(pkt.family, &frontend));
+    // At XDP every reply leaves by the FIB, or goes to TC before anything changed.
+    let redirect = F::XDP || (!egress && (snat || is_node_address(pkt.family, &frontend)));
     let hop = if redirect {
         route::lookup(ctx, pkt, &frontend, &dst)
     } else {
         0
     };
+    if F::XDP && hop <= 0 {
+        return Ok(Some(TO_TC));
+    }
+    fwd.last_seen_ns = now;
+    fwd.flags |= CT_F_REPLIED | conntrack::segment_flags(pkt, true);
+    // A TCP flow is assured by the client's ACK of this SYN-ACK (see `established`):
+    // a spoofed SYN that the backend answers must not reach the answered table.
+    let assured = pkt.proto != PROTO_TCP;
+    if assured {
+        fwd.flags |= CT_F_ASSURED;
+    }
+    // SAFETY: as above.
+    let (rev_nat_id, backend_id) =
+        unsafe { ((*entry.value).rev_nat_id, (*entry.value).backend_id) };
+    stats::account(rev_nat_id, backend_id, stats::OUT, ctx.len(), false);
+    if entry.new && assured {
+        conntrack::promote(&key);
+    }
     if hop < 0 {
-        return reject::too_big(ctx, pkt, (-hop) as u32).map(Some);
+        return too_big(ctx, pkt, hop).map(Some);
     }
     rewrite(ctx, pkt, Side::Source, &frontend, frontend_port)?;
     if snat {
@@ -158,14 +199,14 @@ fn reply(ctx: &TcContext, pkt: &Packet, now: u64, egress: bool) -> Result<Option
     }
     count(counter::CT_REPLY_NAT);
     if redirect {
-        return Ok(Some(route::redirect(hop).code()));
+        return Ok(Some(route::redirect(ctx, hop).code()));
     }
     Ok(Some(DONE))
 }
 
 /// A packet of a flow we already translated keeps its backend while the flow lives.
 #[inline(never)]
-fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
+fn established<F: Frame>(ctx: &F, pkt: &Packet, now: u64) -> Result<Option<i32>, i32> {
     let key = pkt.ct_key(CT_DIR_FORWARD);
     let Some(entry) = conntrack::lookup(&key) else {
         return Ok(None);
@@ -185,13 +226,20 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
         return Ok(None); // balanced again as a new flow
     }
     let snat = ct.flags & CT_F_SNAT != 0;
-    let hop = if snat {
-        route::lookup(ctx, pkt, &ct.nat_addr, &ct.xlate_addr)
+    // At XDP every packet leaves by the FIB (from the client's address when not
+    // masqueraded), or goes to TC before anything changed.
+    let route = snat || F::XDP;
+    let hop = if route {
+        let src = if snat { &ct.nat_addr } else { &pkt.saddr };
+        route::lookup(ctx, pkt, src, &ct.xlate_addr)
     } else {
         0
     };
+    if F::XDP && hop <= 0 {
+        return Ok(Some(TO_TC));
+    }
     if hop < 0 {
-        return reject::too_big(ctx, pkt, (-hop) as u32).map(Some);
+        return too_big(ctx, pkt, hop).map(Some);
     }
     if snat {
         rewrite(ctx, pkt, Side::Source, &ct.nat_addr, ct.nat_port)?;
@@ -206,8 +254,8 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
     if assure {
         ct.flags |= CT_F_ASSURED;
     }
-    let verdict = if snat {
-        route::redirect(hop).code()
+    let verdict = if route {
+        route::redirect(ctx, hop).code()
     } else {
         DONE
     };
@@ -217,11 +265,21 @@ fn established(ctx: &TcContext, pkt: &Packet, now: u64) -> Result<Option<i32>, i
     Ok(Some(verdict))
 }
 
+/// A packet too big for its next hop (`hop` is minus the MTU): answered at TC; at XDP
+/// (whose FIB lookups never say so) left to TC.
+#[inline(always)]
+fn too_big<F: Frame>(ctx: &F, pkt: &Packet, hop: i64) -> Result<i32, i32> {
+    match ctx.tc() {
+        Some(tc) => reject::too_big(tc, pkt, (-hop) as u32),
+        None => Ok(TO_TC),
+    }
+}
+
 /// A new flow: find the service, check source ranges, choose a backend and decide on
 /// masquerade; `None` leaves the flow's forward entry in `SCRATCH_FORWARD` for
 /// `open_flow`. Only a SYN opens a TCP flow.
 #[inline(never)]
-fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<Option<i32>, i32> {
+fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
     // A reference into the map, not a copy: the BPF stack is small.
     let Some(cfg) = NODE_CONFIG.get(0) else {
         return Ok(Some(PASS_ON)); // unreachable: index 0 of a one-entry array
@@ -261,10 +319,15 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<Option<i32>, i32> {
     let slot = lb::schedule(&svc, &client);
     let (backend_id, be) = match lb::select_backend(&svc, &client, slot) {
         Ok(found) => found,
-        Err(NoBackend::Reject) => return reject::refuse(ctx, pkt).map(Some),
+        Err(NoBackend::Reject) => {
+            return match ctx.tc() {
+                Some(tc) => reject::refuse(tc, pkt).map(Some),
+                // XDP sends nothing back: TC refuses the same packet.
+                None => Ok(Some(TO_TC)),
+            };
+        }
         Err(NoBackend::Drop) => return Err(DROP),
     };
-    lb::opened(&svc, backend_id);
     let Some(entry) = ct_scratch(SCRATCH_FORWARD) else {
         return Err(DROP); // unreachable: a valid index
     };
@@ -283,14 +346,35 @@ fn new_flow(ctx: &TcContext, pkt: &Packet) -> Result<Option<i32>, i32> {
             cfg.snat_v6
         };
     }
+    // At XDP the flow opens only where its first packet can be sent: otherwise TC opens
+    // it, as if XDP had not looked (nothing counted, nothing recorded).
+    if F::XDP && xdp_hop(ctx, pkt) <= 0 {
+        return Ok(Some(TO_TC));
+    }
+    lb::opened(&svc, backend_id);
     Ok(None)
+}
+
+/// XDP: where the flow `new_flow` prepared would go (`route::lookup`), before anything is
+/// recorded. (Its own frame: the FIB's parameters would crowd `new_flow`'s.)
+#[inline(never)]
+fn xdp_hop<F: Frame>(ctx: &F, pkt: &Packet) -> i64 {
+    let Some(entry) = scratch(SCRATCH_FORWARD) else {
+        return 0;
+    };
+    let src = if entry.nat_addr == [0; 4] {
+        &pkt.saddr
+    } else {
+        &entry.nat_addr
+    };
+    route::lookup(ctx, pkt, src, &entry.xlate_addr)
 }
 
 /// Records the flow `new_flow` prepared (both directions) and translates its first
 /// packet. (Apart from `new_flow`, so their frames never stack: the BPF stack is 512
 /// bytes for the whole call chain.)
 #[inline(never)]
-fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
+fn open_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<i32, i32> {
     let Some(entry) = scratch(SCRATCH_FORWARD) else {
         return Err(DROP); // unreachable: a valid index
     };
@@ -303,14 +387,19 @@ fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         true,
     );
     let snat = entry.flags & CT_F_SNAT != 0;
-    let hop = if snat {
+    // At XDP `new_flow` found the hop (the FIB's answer waits in `route`'s per-CPU slot);
+    // a source port `record` chose changes no route.
+    let route = snat || F::XDP;
+    let hop = if F::XDP {
+        1
+    } else if snat {
         route::lookup(ctx, pkt, &entry.nat_addr, &entry.xlate_addr)
     } else {
         0
     };
     if hop < 0 {
         // The flow stays recorded: the sender retries, smaller.
-        return reject::too_big(ctx, pkt, (-hop) as u32);
+        return too_big(ctx, pkt, hop);
     }
     if snat {
         rewrite(ctx, pkt, Side::Source, &entry.nat_addr, entry.nat_port)?;
@@ -322,8 +411,8 @@ fn open_flow(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         &entry.xlate_addr,
         entry.xlate_port,
     )?;
-    if snat {
-        return Ok(route::redirect(hop).code());
+    if route {
+        return Ok(route::redirect(ctx, hop).code());
     }
     Ok(DONE)
 }

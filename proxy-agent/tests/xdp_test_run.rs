@@ -1,0 +1,375 @@
+//! The real XDP program (`xdp_ingress`) on crafted packets (`BPF_PROG_TEST_RUN`), with
+//! maps written by the agent's own sync code, in a network namespace of the test's own
+//! whose FIB and neighbour table the program consults: every branch — translate and
+//! `XDP_TX` (a backend behind the interface the packet came in on), translate and
+//! `XDP_REDIRECT` (a backend behind another interface), `XDP_PASS` unchanged to TC
+//! (fragments, IPv6 extension headers, ICMP errors, no neighbour entry, the node's own
+//! traffic, a refusal), `XDP_DROP` (source ranges, a mid-stream segment of no flow) —
+//! with bytes and checksums checked, and the flow XDP opened carried on by TC. Root only.
+
+mod support;
+
+use std::{net::SocketAddr, process::Command};
+
+use proxy_agent::{
+    model::{FrontendKind, NodeView, Protocol},
+    trace::packet::{fold, sum16},
+};
+use support::tc_harness::*;
+use test_support::needs_root;
+
+/// The packet's interface (the uplink) and the pods' (a bridge's veth).
+const UPLINK: &str = "xt0";
+const PODS: &str = "xt1";
+const CLIENT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x99];
+const OTHER_NODE_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x20];
+const POD_MAC: [u8; 6] = [2, 0, 0, 0, 1, 5];
+
+/// Runs `test` on a thread of its own in a new network namespace (gone with the thread):
+/// the uplink `xt0` with the node's addresses, the client and another node (whose pod
+/// network is routed through it) as permanent neighbours; `xt1` towards local pods.
+fn in_testbed(test: impl FnOnce(u32, u32) + Send + 'static) {
+    let t = std::thread::spawn(move || {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare");
+        let mac = |m: [u8; 6]| {
+            m.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":")
+        };
+        let (client, other, pod) = (mac(CLIENT_MAC), mac(OTHER_NODE_MAC), mac(POD_MAC));
+        let script = format!(
+            "set -e
+            ip link set lo up
+            ip link add {UPLINK} type veth peer name {PODS}
+            ip link set {UPLINK} up; ip link set {PODS} up
+            ip addr add 192.0.2.10/24 dev {UPLINK}
+            ip -6 addr add 2001:db8:a::10/64 dev {UPLINK} nodad
+            ip addr add 10.244.1.1/24 dev {PODS}
+            ip -6 addr add fd00:244:1::1/64 dev {PODS} nodad
+            ip neigh add 192.0.2.99 lladdr {client} dev {UPLINK} nud permanent
+            ip neigh add 192.0.2.20 lladdr {other} dev {UPLINK} nud permanent
+            ip neigh add 2001:db8:a::99 lladdr {client} dev {UPLINK} nud permanent
+            ip neigh add 2001:db8:a::20 lladdr {other} dev {UPLINK} nud permanent
+            ip neigh add 10.244.1.5 lladdr {pod} dev {PODS} nud permanent
+            ip neigh add fd00:244:1::5 lladdr {pod} dev {PODS} nud permanent
+            ip route add 10.244.2.0/24 via 192.0.2.20 dev {UPLINK}
+            ip -6 route add fd00:244:2::/64 via 2001:db8:a::20 dev {UPLINK}
+            sysctl -qw net.ipv4.conf.all.forwarding=1 net.ipv6.conf.all.forwarding=1"
+        );
+        let ok = Command::new("sh")
+            .args(["-c", &script])
+            .status()
+            .expect("sh");
+        assert!(ok.success(), "test namespace set up");
+        test(ifindex(UPLINK), ifindex(PODS));
+    });
+    if let Err(panic) = t.join() {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+fn ifindex(name: &str) -> u32 {
+    nix::net::if_::if_nametoindex(name).expect("interface")
+}
+
+/// The interface's MAC, as `ip` reports it in this thread's namespace (sysfs shows the
+/// namespace it was mounted in).
+fn mac_of(name: &str) -> [u8; 6] {
+    let out = Command::new("ip")
+        .args(["-o", "link", "show", "dev", name])
+        .output()
+        .expect("ip");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mac = text
+        .split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .expect("link/ether");
+    let mut out = [0u8; 6];
+    for (o, part) in out.iter_mut().zip(mac.split(':')) {
+        *o = u8::from_str_radix(part, 16).expect("hex");
+    }
+    out
+}
+
+/// A harness with the node configured and NodePort 30080 (TCP and UDP, both families)
+/// to `backends`.
+fn node_port(backends_v4: &[&str], backends_v6: &[&str]) -> Harness {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let mut view = NodeView::new();
+    for (ip, backends) in [("192.0.2.10", backends_v4), ("2001:db8:a::10", backends_v6)] {
+        for proto in [Protocol::Tcp, Protocol::Udp] {
+            let (f, mut st) = frontend(ip, 30080, proto, backends);
+            st.kind = FrontendKind::NodePort;
+            view.insert(f, st);
+        }
+    }
+    h.apply(&view);
+    h
+}
+
+fn ttl(pkt: &[u8]) -> u8 {
+    if pkt[12..14] == [0x08, 0x00] {
+        pkt[22]
+    } else {
+        pkt[21]
+    }
+}
+
+/// The frame XDP sent: next hop's MAC, our interface's MAC, one hop less, the translated
+/// addresses (checksums verified by `inspect`).
+fn assert_sent(out: &[u8], sent: &[u8], dmac: [u8; 6], via: &str, dst: SocketAddr) {
+    assert_eq!(out[0..6], dmac, "the next hop's MAC");
+    assert_eq!(out[6..12], mac_of(via), "the egress interface's MAC");
+    assert_eq!(ttl(out), ttl(sent) - 1, "one hop less to live");
+    let seen = inspect(out);
+    assert_eq!(seen.dst, dst, "destination is the backend");
+    let node = if dst.is_ipv4() {
+        "192.0.2.10"
+    } else {
+        "2001:db8:a::10"
+    };
+    assert_eq!(
+        seen.src.ip(),
+        node.parse::<std::net::IpAddr>().expect("ip"),
+        "masqueraded to the node (externalTrafficPolicy: Cluster)"
+    );
+}
+
+#[needs_root]
+#[test]
+fn remote_backend_translated_and_sent_back_out_with_xdp_tx() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port(&["10.244.2.7:8080"], &["[fd00:244:2::7]:8080"]);
+        for (client, frontend, backend) in [
+            ("192.0.2.99:40000", "192.0.2.10:30080", "10.244.2.7:8080"),
+            (
+                "[2001:db8:a::99]:40000",
+                "[2001:db8:a::10]:30080",
+                "[fd00:244:2::7]:8080",
+            ),
+        ] {
+            for tcp in [true, false] {
+                let pkt = packet(sa(client), sa(frontend), tcp);
+                let (verdict, out) = h.run_xdp(&pkt, uplink);
+                assert_eq!(verdict, XDP_TX, "{client} -> {frontend} tcp={tcp}");
+                assert_sent(&out, &pkt, OTHER_NODE_MAC, UPLINK, sa(backend));
+            }
+        }
+        assert_eq!(h.counter("xdp_tx"), 4);
+        assert_eq!(h.ct_entries().len(), 8, "two entries per flow, as at TC");
+    });
+}
+
+#[needs_root]
+#[test]
+fn local_backend_translated_and_redirected_to_its_interface() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port(&["10.244.1.5:8080"], &["[fd00:244:1::5]:8080"]);
+        for (client, frontend, backend) in [
+            ("192.0.2.99:40000", "192.0.2.10:30080", "10.244.1.5:8080"),
+            (
+                "[2001:db8:a::99]:40000",
+                "[2001:db8:a::10]:30080",
+                "[fd00:244:1::5]:8080",
+            ),
+        ] {
+            for tcp in [true, false] {
+                let pkt = packet(sa(client), sa(frontend), tcp);
+                let (verdict, out) = h.run_xdp(&pkt, uplink);
+                assert_eq!(verdict, XDP_REDIRECT, "{client} -> {frontend} tcp={tcp}");
+                assert_sent(&out, &pkt, POD_MAC, PODS, sa(backend));
+            }
+        }
+        assert_eq!(h.counter("xdp_redirect"), 4);
+    });
+}
+
+/// The flow XDP opened is the one TC knows: the backend's reply is translated back at TC
+/// (the pod side), and the client's next segment goes on at XDP with the same backend and
+/// masquerade port.
+#[needs_root]
+#[test]
+fn flow_opened_at_xdp_is_reverse_translated_by_tc_and_continues_at_xdp() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port(&["10.244.2.7:8080"], &[]);
+        let (client, frontend) = (sa("192.0.2.99:40000"), sa("192.0.2.10:30080"));
+        let syn = tcp_with_flags(client, frontend, 0x02);
+        let (verdict, out) = h.run_xdp(&syn, uplink);
+        assert_eq!(verdict, XDP_TX);
+        let masq = inspect(&out).src;
+
+        let syn_ack = tcp_with_flags(sa("10.244.2.7:8080"), masq, 0x12);
+        let (verdict, out) = h.run(&syn_ack);
+        assert!(
+            verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+            "TC translates the reply: {verdict}"
+        );
+        let seen = inspect(&out);
+        assert_eq!(seen.src, frontend, "reply from the frontend");
+        assert_eq!(seen.dst, client, "back to the client");
+
+        let ack = tcp_with_flags(client, frontend, 0x10);
+        let (verdict, out) = h.run_xdp(&ack, uplink);
+        assert_eq!(verdict, XDP_TX, "the established flow stays at XDP");
+        let seen = inspect(&out);
+        assert_eq!((seen.src, seen.dst), (masq, sa("10.244.2.7:8080")));
+        assert_eq!(h.ct_entries().len(), 2, "one flow, one pair of entries");
+        assert_eq!(h.counter("ct_reply_nat"), 1);
+    });
+}
+
+/// What XDP cannot finish reaches TC exactly as it arrived, with nothing recorded.
+#[needs_root]
+#[test]
+fn what_xdp_cannot_finish_passes_to_tc_unchanged() {
+    in_testbed(|uplink, _| {
+        // 10.244.1.6 has no neighbour entry: the FIB cannot give its MAC.
+        let mut h = node_port(&["10.244.1.6:8080"], &["[fd00:244:1::6]:8080"]);
+        let client = sa("192.0.2.99:40000");
+        let np = sa("192.0.2.10:30080");
+
+        let mut fragment = packet(client, np, false);
+        fragment[20] |= 0x20; // more fragments
+        refresh_ipv4_checksum(&mut fragment);
+
+        let mut ext = packet(
+            sa("[2001:db8:a::99]:40000"),
+            sa("[2001:db8:a::10]:30080"),
+            false,
+        );
+        let hop_by_hop = [17u8, 0, 1, 4, 0, 0, 0, 0]; // next: UDP; PadN
+        ext.splice(54..54, hop_by_hop);
+        ext[20] = 0; // next header: hop-by-hop options
+        let plen = u16::from_be_bytes([ext[18], ext[19]]) + 8;
+        ext[18..20].copy_from_slice(&plen.to_be_bytes());
+
+        let quote = &packet(sa("10.244.1.6:8080"), client, false)[14..42];
+        let icmp = icmp_error(
+            "192.0.2.99".parse().expect("ip"),
+            "192.0.2.10".parse().expect("ip"),
+            3,
+            3,
+            0,
+            quote,
+        );
+
+        let node_local = packet(client, sa("192.0.2.10:22"), true);
+        let no_neighbour = packet(client, np, true);
+        let no_neighbour_v6 = packet(
+            sa("[2001:db8:a::99]:40000"),
+            sa("[2001:db8:a::10]:30080"),
+            true,
+        );
+        let cases = [
+            ("fragment", fragment, false),
+            ("IPv6 extension header", ext, false),
+            ("ICMP error", icmp, false),
+            ("the node's own traffic", node_local, false),
+            ("no neighbour entry", no_neighbour.clone(), true),
+            ("no neighbour entry (IPv6)", no_neighbour_v6, true),
+        ];
+        let mut ours = 0;
+        for (what, pkt, counted) in cases {
+            let (verdict, out) = h.run_xdp(&pkt, uplink);
+            assert_eq!(verdict, XDP_PASS, "{what}");
+            assert_eq!(out, pkt, "{what}: bytes untouched");
+            assert!(h.ct_entries().is_empty(), "{what}: no flow recorded");
+            ours += u64::from(counted);
+            assert_eq!(h.counter("xdp_to_tc"), ours, "{what}");
+        }
+        assert_eq!(h.counter("xdp_tx") + h.counter("xdp_redirect"), 0);
+        // TC then opens the flow as it always did.
+        let (verdict, out) = h.run(&no_neighbour);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(inspect(&out).dst, sa("10.244.1.6:8080"));
+    });
+}
+
+#[needs_root]
+#[test]
+fn refusal_is_left_to_tc_and_denies_are_dropped_at_xdp() {
+    in_testbed(|uplink, _| {
+        let mut h = Harness::new(&[]);
+        configure_node(&mut h, false);
+        let (lb, mut st) = frontend("203.0.113.50", 80, Protocol::Tcp, &["10.244.2.7:8080"]);
+        st.kind = FrontendKind::LoadBalancer;
+        st.source_ranges = vec!["198.51.100.0/25".parse().expect("cidr")];
+        let (empty, mut est) = frontend("192.0.2.10", 30081, Protocol::Tcp, &[]);
+        est.kind = FrontendKind::NodePort;
+        h.apply(&NodeView::from([(lb, st), (empty, est)]));
+
+        let allowed = packet(sa("198.51.100.7:40000"), sa("203.0.113.50:80"), true);
+        let (verdict, out) = h.run_xdp(&allowed, uplink);
+        assert_eq!(verdict, XDP_TX, "inside the source ranges");
+        assert_sent(
+            &out,
+            &allowed,
+            OTHER_NODE_MAC,
+            UPLINK,
+            sa("10.244.2.7:8080"),
+        );
+
+        let denied = packet(sa("198.51.100.200:40000"), sa("203.0.113.50:80"), true);
+        let (verdict, _) = h.run_xdp(&denied, uplink);
+        assert_eq!(verdict, XDP_DROP, "outside the source ranges");
+        assert_eq!(h.counter("source_range_drop"), 1);
+
+        let syn = packet(sa("192.0.2.99:40002"), sa("192.0.2.10:30081"), true);
+        let (verdict, out) = h.run_xdp(&syn, uplink);
+        assert_eq!(verdict, XDP_PASS, "a refusal is sent by TC");
+        assert_eq!(out, syn);
+        let (verdict, _) = h.run(&syn);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "TC answers with a reset");
+        assert_eq!(h.counter("xdp_drop"), 1);
+    });
+}
+
+#[needs_root]
+#[test]
+fn mid_stream_segment_of_no_flow_is_dropped_at_xdp() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port(&["10.244.2.7:8080"], &[]);
+        let ack = tcp_with_flags(sa("192.0.2.99:40000"), sa("192.0.2.10:30080"), 0x10);
+        let (verdict, _) = h.run_xdp(&ack, uplink);
+        assert_eq!(verdict, XDP_DROP);
+        assert_eq!(h.counter("ct_invalid"), 1);
+        assert_eq!(h.counter("xdp_drop"), 1);
+    });
+}
+
+fn refresh_ipv4_checksum(pkt: &mut [u8]) {
+    pkt[24..26].fill(0);
+    let c = fold(sum16(&pkt[14..34], 0));
+    pkt[24..26].copy_from_slice(&c.to_be_bytes());
+}
+
+/// A reply of a masqueraded flow arriving on the uplink (a backend on another node) is
+/// reverse-translated at XDP and sent back out to the client.
+#[needs_root]
+#[test]
+fn reply_from_a_remote_backend_is_reverse_translated_at_xdp() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port(&["10.244.2.7:8080"], &["[fd00:244:2::7]:8080"]);
+        for (client, frontend) in [
+            ("192.0.2.99:40000", "192.0.2.10:30080"),
+            ("[2001:db8:a::99]:40000", "[2001:db8:a::10]:30080"),
+        ] {
+            let (client, frontend) = (sa(client), sa(frontend));
+            let syn = tcp_with_flags(client, frontend, 0x02);
+            let (verdict, out) = h.run_xdp(&syn, uplink);
+            assert_eq!(verdict, XDP_TX);
+            let sent = inspect(&out);
+            let syn_ack = tcp_with_flags(sent.dst, sent.src, 0x12);
+            let (verdict, out) = h.run_xdp(&syn_ack, uplink);
+            assert_eq!(verdict, XDP_TX, "the reply goes back out of the uplink");
+            assert_eq!(out[0..6], CLIENT_MAC, "to the client's MAC");
+            let seen = inspect(&out);
+            assert_eq!((seen.src, seen.dst), (frontend, client), "{client}");
+            assert_eq!(seen.tcp_flags, 0x12);
+        }
+        assert_eq!(h.counter("ct_reply_nat"), 2);
+    });
+}

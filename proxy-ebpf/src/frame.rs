@@ -1,0 +1,280 @@
+//! The packet as the per-packet pipeline sees it, whichever hook runs it: TC (an skb) or
+//! XDP (the driver's buffer, before an skb exists). One pipeline, two hooks: the code that
+//! parses, tracks, balances and rewrites is generic over `Frame`, and each hook supplies
+//! loads, stores and checksum updates.
+//!
+//! Checksums: XDP has no `l3/l4_csum_replace`, so its frames fold the difference
+//! themselves (`csum`, RFC 1624). TC keeps the kernel's helpers: an skb may be
+//! `CHECKSUM_PARTIAL` (a GSO or locally made packet whose L4 field holds only the
+//! pseudo-header sum, not inverted) or `CHECKSUM_COMPLETE` (a `skb->csum` to keep in step
+//! with the bytes), and only `bpf_l4_csum_replace` knows which and updates the right one.
+//! At XDP a frame is what the wire delivered: its checksums are complete.
+//!
+//! Layer 0 (a leaf). Owns: `Frame`, its TC and XDP implementations, `CsumKind`, and the
+//! one's-complement arithmetic (`csum`) every rewrite that folds its own checksum uses.
+//! May import: no crate module.
+
+use core::{ffi::c_void, mem::MaybeUninit};
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{__sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, xdp_md},
+    helpers::{bpf_xdp_load_bytes, bpf_xdp_store_bytes},
+    programs::{TcContext, XdpContext},
+};
+
+/// What an L4 checksum update covers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum CsumKind {
+    /// TCP's checksum (and UDP's over IPv6): a zero is a value like any other.
+    Always,
+    /// UDP: zero means "no checksum" (IPv4) and stays zero (over IPv6, where a zero is
+    /// invalid, it is left for the receiver to drop); a computed zero is sent as 0xffff.
+    ZeroIsNone,
+}
+
+/// A packet of either hook.
+pub trait Frame {
+    /// Runs at XDP: no skb, so no checksum states, no `bpf_redirect_neigh`, no resizing
+    /// helpers; whatever the pipeline cannot finish goes to TC unchanged.
+    const XDP: bool;
+
+    fn load<T>(&self, off: usize) -> Result<T, i64>;
+    fn store<T>(&self, off: usize, v: &T) -> Result<(), i64>;
+    /// The packet's length (the linear part and the rest).
+    fn len(&self) -> u32;
+    /// The interface the packet arrived on.
+    fn ifindex(&self) -> u32;
+    /// The context pointer helpers take.
+    fn ptr(&self) -> *mut c_void;
+    /// The IPv4 header checksum at `off` after a 32-bit word went from `from` to `to`.
+    fn l3_csum_replace(&self, off: usize, from: u32, to: u32) -> Result<(), i64>;
+    /// The L4 checksum at `off` after a word of `size` bytes (2 or 4) went from `from`
+    /// to `to`; `pseudo`: the word is in the pseudo-header (an address).
+    fn l4_csum_replace(
+        &self,
+        off: usize,
+        from: u32,
+        to: u32,
+        size: u8,
+        pseudo: bool,
+        kind: CsumKind,
+    ) -> Result<(), i64>;
+    /// The skb, for what only TC can do (refusals, ICMP errors, the SCTP tail call).
+    fn tc(&self) -> Option<&TcContext>;
+}
+
+impl Frame for TcContext {
+    const XDP: bool = false;
+
+    #[inline(always)]
+    fn load<T>(&self, off: usize) -> Result<T, i64> {
+        TcContext::load(self, off)
+    }
+
+    #[inline(always)]
+    fn store<T>(&self, off: usize, v: &T) -> Result<(), i64> {
+        TcContext::store(self, off, v, 0)
+    }
+
+    #[inline(always)]
+    fn len(&self) -> u32 {
+        TcContext::len(self)
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        // SAFETY: the context is a valid __sk_buff; ifindex is a plain readable field.
+        unsafe { (*(self.as_ptr() as *const __sk_buff)).ifindex }
+    }
+
+    #[inline(always)]
+    fn ptr(&self) -> *mut c_void {
+        self.as_ptr()
+    }
+
+    #[inline(always)]
+    fn l3_csum_replace(&self, off: usize, from: u32, to: u32) -> Result<(), i64> {
+        TcContext::l3_csum_replace(self, off, u64::from(from), u64::from(to), 4)
+    }
+
+    #[inline(always)]
+    fn l4_csum_replace(
+        &self,
+        off: usize,
+        from: u32,
+        to: u32,
+        size: u8,
+        pseudo: bool,
+        kind: CsumKind,
+    ) -> Result<(), i64> {
+        let mut flags = u64::from(size);
+        if pseudo {
+            flags |= u64::from(BPF_F_PSEUDO_HDR);
+        }
+        if kind == CsumKind::ZeroIsNone {
+            flags |= u64::from(BPF_F_MARK_MANGLED_0);
+        }
+        TcContext::l4_csum_replace(self, off, u64::from(from), u64::from(to), flags)
+    }
+
+    #[inline(always)]
+    fn tc(&self) -> Option<&TcContext> {
+        Some(self)
+    }
+}
+
+impl Frame for XdpContext {
+    const XDP: bool = true;
+
+    // Direct packet access for the small fields (a bounds check the verifier follows,
+    // then the bytes: a helper call per field costs more than the field's own work); the
+    // helpers for larger ones (IPv6 addresses, MACs), whose byte-wise copies would crowd
+    // the 512-byte stack the call chain shares.
+    #[inline(always)]
+    fn load<T>(&self, off: usize) -> Result<T, i64> {
+        if core::mem::size_of::<T>() > 4 {
+            let mut v = MaybeUninit::<T>::uninit();
+            // SAFETY: the helper writes exactly size_of::<T>() bytes into `v` or fails.
+            let rc = unsafe {
+                bpf_xdp_load_bytes(
+                    self.ctx,
+                    off as u32,
+                    v.as_mut_ptr() as *mut c_void,
+                    core::mem::size_of::<T>() as u32,
+                )
+            };
+            if rc < 0 {
+                return Err(rc);
+            }
+            // SAFETY: initialised by the helper (rc == 0); T is plain data.
+            return Ok(unsafe { v.assume_init() });
+        }
+        let p = self.data() + off;
+        if p + core::mem::size_of::<T>() > self.data_end() {
+            return Err(-1);
+        }
+        // SAFETY: inside the packet (checked above); T is plain data.
+        Ok(unsafe { (p as *const T).read_unaligned() })
+    }
+
+    #[inline(always)]
+    fn store<T>(&self, off: usize, v: &T) -> Result<(), i64> {
+        if core::mem::size_of::<T>() > 4 {
+            // SAFETY: the helper reads size_of::<T>() bytes from `v`.
+            let rc = unsafe {
+                bpf_xdp_store_bytes(
+                    self.ctx,
+                    off as u32,
+                    v as *const T as *mut c_void,
+                    core::mem::size_of::<T>() as u32,
+                )
+            };
+            return if rc < 0 { Err(rc) } else { Ok(()) };
+        }
+        let p = self.data() + off;
+        if p + core::mem::size_of::<T>() > self.data_end() {
+            return Err(-1);
+        }
+        // SAFETY: inside the packet (checked above), which XDP may write.
+        unsafe { (p as *mut T).write_unaligned(core::ptr::read(v)) };
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn len(&self) -> u32 {
+        (self.data_end() - self.data()) as u32
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        // SAFETY: the context is a valid xdp_md; ingress_ifindex is a plain readable field.
+        unsafe { (*(self.ctx as *const xdp_md)).ingress_ifindex }
+    }
+
+    #[inline(always)]
+    fn ptr(&self) -> *mut c_void {
+        self.as_ptr()
+    }
+
+    #[inline(always)]
+    fn l3_csum_replace(&self, off: usize, from: u32, to: u32) -> Result<(), i64> {
+        let old: u16 = self.load(off)?;
+        self.store(off, &csum::replaced(old, from, to, 4))
+    }
+
+    #[inline(always)]
+    fn l4_csum_replace(
+        &self,
+        off: usize,
+        from: u32,
+        to: u32,
+        size: u8,
+        _pseudo: bool,
+        kind: CsumKind,
+    ) -> Result<(), i64> {
+        let old: u16 = self.load(off)?;
+        if old == 0 && kind == CsumKind::ZeroIsNone {
+            return Ok(());
+        }
+        let mut new = csum::replaced(old, from, to, size);
+        if new == 0 && kind == CsumKind::ZeroIsNone {
+            new = 0xffff;
+        }
+        self.store(off, &new)
+    }
+
+    #[inline(always)]
+    fn tc(&self) -> Option<&TcContext> {
+        None
+    }
+}
+
+/// One's-complement checksum arithmetic (RFC 1071 sums, RFC 1624 incremental updates),
+/// written once for every rewrite that folds its own checksum difference: the XDP hook's
+/// (no checksum helpers there), the ICMP errors' quotes, the refusals, XDP's TTL.
+///
+/// Values are taken as they lie in the packet: any byte order works as long as the data
+/// and the checksum field are loaded alike and the data sits at even offsets.
+pub mod csum {
+    /// Folds an unfolded one's-complement sum to 16 bits (not inverted).
+    #[inline(always)]
+    pub fn fold(mut s: u64) -> u16 {
+        s = (s & 0xffff) + (s >> 16);
+        s = (s & 0xffff) + (s >> 16);
+        s = (s & 0xffff) + (s >> 16);
+        s = (s & 0xffff) + (s >> 16);
+        s as u16
+    }
+
+    /// What replacing 32-bit `old` by `new` adds to a sum (RFC 1624: `~m + m'`).
+    #[inline(always)]
+    pub fn delta(old: u32, new: u32) -> u64 {
+        u64::from(!old) + u64::from(new)
+    }
+
+    /// `delta` for a 16-bit field.
+    #[inline(always)]
+    pub fn delta16(old: u16, new: u16) -> u64 {
+        u64::from(!old) + u64::from(new)
+    }
+
+    /// A checksum field after the data it covers changed by `d` (RFC 1624, eqn. 3:
+    /// `HC' = ~(~HC + ~m + m')`).
+    #[inline(always)]
+    pub fn fixed(csum: u16, d: u64) -> u16 {
+        !fold(u64::from(!csum) + d)
+    }
+
+    /// A checksum field after one 32-bit (`size` 4) or 16-bit (`size` 2) word it covers
+    /// went from `old` to `new`.
+    #[inline(always)]
+    pub fn replaced(csum: u16, old: u32, new: u32, size: u8) -> u16 {
+        let d = if size == 2 {
+            delta16(old as u16, new as u16)
+        } else {
+            delta(old, new)
+        };
+        fixed(csum, d)
+    }
+}
