@@ -358,6 +358,17 @@ fn ours(r: &mut Registry, status: &Status, options: RenderOptions<'_>) {
             "Capacity of the service-side BPF maps (ebpf.mapSizes)",
             capacity,
         );
+        let memory = Family::<Labels, Gauge>::default();
+        for (name, bytes) in crate::dataplane::bpf::maps::memory(dir) {
+            memory
+                .get_or_create(&vec![("map".into(), name.to_string())])
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+        r.register(
+            "bpf_map_memory_bytes",
+            "Memory of each pinned BPF map as the kernel charges it (fdinfo memlock)",
+            memory,
+        );
         match crate::dataplane::bpf::stats::frontend_totals(&maps) {
             Ok(totals) if options.service_metrics => {
                 service_stats::register(r, &totals, &status.view());

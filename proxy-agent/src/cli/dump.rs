@@ -114,7 +114,13 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
     let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
     // Flows netfilter translated before the classifier was attached (kube-proxy's).
     let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
+    // Each map's memory as the kernel charges it (fdinfo memlock).
+    let memory = bpf::maps::memory(&bpffs.join("maps"));
     if json {
+        let map_memory: serde_json::Map<String, serde_json::Value> = memory
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).into()))
+            .collect();
         let counters: serde_json::Map<String, serde_json::Value> = counters
             .iter()
             .map(|(k, v)| ((*k).to_string(), (*v).into()))
@@ -127,6 +133,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 "sockets": sockets,
                 "conntrack": {"answered": answered, "new": new},
                 "netfilter_flows": netfilter,
+                "map_memory_bytes": map_memory,
             }))?
         );
     } else {
@@ -159,6 +166,11 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
         outln!("flows left to netfilter (translated before the classifier): {netfilter}\n");
         for (name, value) in counters {
             outln!("{name:<24} {value}");
+        }
+        let total: u64 = memory.iter().map(|(_, b)| b).sum();
+        outln!("\nBPF map memory (kernel's memlock), {total} bytes in all:");
+        for (name, bytes) in &memory {
+            outln!("{name:<24} {bytes}");
         }
     }
     Ok(())
