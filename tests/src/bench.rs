@@ -7,7 +7,7 @@ pub mod maglev;
 pub mod schedulers;
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     net::{IpAddr, SocketAddr},
     time::Instant,
@@ -70,6 +70,46 @@ pub fn manifests(svcs: &[(String, Vec<String>)]) -> String {
         }
     }
     y
+}
+
+/// Services per manifest file: 10,000 Services of 10 endpoints are ~5 MB, well under the
+/// file source's limit (`files::MAX_FILE_BYTES`, 16 MiB), which refused the 52 MB single
+/// file of 100k Services (issue 24).
+pub const SERVICES_PER_FILE: usize = 10_000;
+
+/// `manifests` split into files of at most `SERVICES_PER_FILE` Services each, by name.
+pub fn manifest_files(svcs: &[(String, Vec<String>)]) -> BTreeMap<String, String> {
+    svcs.chunks(SERVICES_PER_FILE)
+        .enumerate()
+        .map(|(k, chunk)| {
+            // The names stay those of one file: Service `i` is `s{i}` across the files.
+            let text = manifests(chunk);
+            let offset = k * SERVICES_PER_FILE;
+            let text = if offset == 0 {
+                text
+            } else {
+                renumber(&text, offset)
+            };
+            (format!("services-{k:03}.yaml"), text)
+        })
+        .collect()
+}
+
+/// `manifests` of a chunk names its Services from `s0`: shift them by `offset`.
+fn renumber(text: &str, offset: usize) -> String {
+    let mut out = String::with_capacity(text.len() + text.len() / 50);
+    let mut rest = text;
+    // Every object name is `s<i>` or `s<i>-1` after `name: ` (`service-name: ` too).
+    while let Some(at) = rest.find("name: s") {
+        let (head, tail) = rest.split_at(at + "name: s".len());
+        out.push_str(head);
+        let digits = tail.bytes().take_while(u8::is_ascii_digit).count();
+        let i: usize = tail[..digits].parse().unwrap_or(0);
+        let _ = write!(out, "{}", i + offset);
+        rest = &tail[digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// wrk's figures.
@@ -263,6 +303,40 @@ pub fn our_control_plane(n: usize) -> Result<(f64, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The full bench's 100k Services load from files the file source accepts, every
+    /// Service once (the single 52 MB file was refused by the 16 MiB limit).
+    #[test]
+    fn the_full_sizes_are_loadable_by_the_file_source() {
+        let svcs = services(100_000);
+        let files = manifest_files(&svcs);
+        assert_eq!(files.len(), 10);
+        let limit = proxy_agent::source::files::MAX_FILE_BYTES as usize;
+        for (name, text) in &files {
+            assert!(text.len() < limit, "{name}: {} bytes", text.len());
+        }
+        // Names continue across files: s0..s99999, each once.
+        let names: std::collections::BTreeSet<&str> = files
+            .values()
+            .flat_map(|t| t.lines())
+            .filter_map(|l| l.strip_prefix("metadata: {name: "))
+            .filter_map(|l| l.split(',').next())
+            .filter(|n| !n.ends_with("-1"))
+            .collect();
+        assert_eq!(names.len(), 100_000);
+        assert!(names.contains("s99999") && names.contains("s10000"));
+        // The last file read by the file source itself: accepted whole.
+        let dir = std::env::temp_dir().join(format!("bench-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (name, text) = files.iter().next_back().expect("a file");
+        let path = dir.join(name);
+        std::fs::write(&path, text).expect("write");
+        let parsed = proxy_agent::source::files::parse_file(&path);
+        std::fs::remove_dir_all(&dir).expect("clean up");
+        assert!(parsed.errors.is_empty(), "{:?}", parsed.errors.first());
+        assert!(parsed.complete);
+        assert_eq!(parsed.model.service_count(), SERVICES_PER_FILE);
+    }
 
     #[test]
     fn median_of_odd_and_even_counts() {
