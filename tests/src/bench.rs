@@ -112,6 +112,48 @@ fn renumber(text: &str, offset: usize) -> String {
     out
 }
 
+/// Per contender, the median of its per-round ratios to `baseline` and their range; and a
+/// warning for each round in which the baseline was slower than another contender (the
+/// machine was busy: a proxied path cannot beat the direct one).
+pub fn ratio_summary(
+    rounds: &[BTreeMap<String, f64>],
+    baseline: &str,
+) -> (BTreeMap<String, (f64, f64, f64)>, Vec<String>) {
+    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut warnings = Vec::new();
+    for (i, round) in rounds.iter().enumerate() {
+        let Some(&base) = round.get(baseline).filter(|b| **b > 0.0) else {
+            continue;
+        };
+        for (name, v) in round {
+            ratios.entry(name.clone()).or_default().push(v / base);
+            if name != baseline && *v > base {
+                warnings.push(format!(
+                    "round {}: {baseline} ({base:.0}/s) slower than {name} ({v:.0}/s): the \
+                     machine was busy",
+                    i + 1
+                ));
+            }
+        }
+    }
+    let summary = ratios
+        .into_iter()
+        .map(|(name, mut v)| {
+            let lo = v.iter().copied().fold(f64::MAX, f64::min);
+            let hi = v.iter().copied().fold(f64::MIN, f64::max);
+            (name, (median(&mut v), lo, hi))
+        })
+        .collect();
+    (summary, warnings)
+}
+
+/// The machine's load average (1, 5, 15 min), as /proc/loadavg has it.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
 /// wrk's figures.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct WrkResult {
@@ -191,7 +233,7 @@ fn cluster_ip(
 
 /// The middle value (the mean of the two middle ones for an even count; 0 for none):
 /// one disturbed repetition does not move it.
-fn median(v: &mut [f64]) -> f64 {
+pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
         0 => 0.0,
@@ -336,6 +378,19 @@ mod tests {
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors.first());
         assert!(parsed.complete);
         assert_eq!(parsed.model.service_count(), SERVICES_PER_FILE);
+    }
+
+    #[test]
+    fn ratios_are_medians_of_rounds_and_a_slower_baseline_is_flagged() {
+        let round = |d: f64, p: f64| {
+            BTreeMap::from([("Direct".to_string(), d), ("PerPacket".to_string(), p)])
+        };
+        let rounds = [round(100.0, 90.0), round(100.0, 80.0), round(50.0, 60.0)];
+        let (summary, warnings) = ratio_summary(&rounds, "Direct");
+        assert_eq!(summary["PerPacket"], (0.9, 0.8, 1.2));
+        assert_eq!(summary["Direct"], (1.0, 1.0, 1.0));
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].starts_with("round 3: Direct"), "{warnings:?}");
     }
 
     #[test]

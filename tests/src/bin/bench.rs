@@ -57,8 +57,14 @@ struct Scale {
     per_packet: PerPacket,
     /// Connection rate, latency, per contender (means over rounds).
     wrk: BTreeMap<String, WrkResult>,
-    /// Connection rate as a ratio to direct.
+    /// Connection rate as a ratio to direct: the median of the rounds' ratios.
     ratio: BTreeMap<String, f64>,
+    /// The rounds' ratios' range (min, max).
+    ratio_range: BTreeMap<String, (f64, f64)>,
+    /// The load average before each round.
+    load: Vec<String>,
+    /// Rounds where the direct path was slower than a proxied one.
+    warnings: Vec<String>,
     /// Milliseconds to program every Service / to apply one endpoint change.
     program_all_ms: BTreeMap<String, f64>,
     one_change_ms: BTreeMap<String, f64>,
@@ -270,9 +276,9 @@ fn main() -> Result<()> {
     unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
     test_support::require_root("the benchmark")?;
     let (scales, secs, rounds, runs): (Vec<usize>, u32, u32, u32) = if args.quick {
-        (vec![1, 100], 1, 1, 2_000)
+        (vec![1, 100], 1, 5, 2_000)
     } else {
-        (vec![1, 1_000, 10_000, 100_000], 5, 2, 200_000)
+        (vec![1, 1_000, 10_000, 100_000], 5, 5, 200_000)
     };
     std::fs::create_dir_all(&args.out)?;
     scheduler_figures(args.quick, &args.out)?;
@@ -308,13 +314,25 @@ fn main() -> Result<()> {
             beds.push(bed(c, n, &work, &mut scale).with_context(|| format!("{c:?} at {n}"))?);
         }
         let mut sums: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
-        for _ in 0..rounds {
-            for b in &beds {
+        let mut per_round = Vec::new();
+        // Interleaved: every contender once per round, the order reversed every other
+        // round, so a slow spell of the machine falls on all of them.
+        for round in 0..rounds {
+            scale.load.push(bench::load_average());
+            let mut this_round = BTreeMap::new();
+            let order: Vec<&Bed> = if round % 2 == 0 {
+                beds.iter().collect()
+            } else {
+                beds.iter().rev().collect()
+            };
+            for b in order {
                 let r = wrk(b, secs).with_context(|| format!("{:?} at {n}", b.contender))?;
+                this_round.insert(format!("{:?}", b.contender), r.requests_per_s);
                 sums.entry(format!("{:?}", b.contender))
                     .or_default()
                     .push(r);
             }
+            per_round.push(this_round);
         }
         for (name, rs) in sums {
             let k = rs.len() as f64;
@@ -326,12 +344,16 @@ fn main() -> Result<()> {
             };
             scale.wrk.insert(name, mean);
         }
-        let direct = scale.wrk.get("Direct").map_or(1.0, |r| r.requests_per_s);
-        scale.ratio = scale
-            .wrk
+        let (summary, warnings) = bench::ratio_summary(&per_round, "Direct");
+        scale.ratio = summary
             .iter()
-            .map(|(k, r)| (k.clone(), r.requests_per_s / direct))
+            .map(|(k, (m, _, _))| (k.clone(), *m))
             .collect();
+        scale.ratio_range = summary
+            .iter()
+            .map(|(k, (_, lo, hi))| (k.clone(), (*lo, *hi)))
+            .collect();
+        scale.warnings = warnings;
         drop(beds);
         print_scale(&scale);
         results.push(scale);
@@ -436,19 +458,28 @@ fn print_schedulers(costs: &schedulers::SchedulerCosts, rebuilds: &[maglev::Magl
 }
 
 fn print_scale(s: &Scale) {
-    println!("\n{} Services", s.services);
     println!(
-        "  {:<14} {:>10} {:>7} {:>9} {:>9}",
-        "contender", "conn/s", "ratio", "p50 ms", "p99 ms"
+        "\n{} Services (load average before each round: {})",
+        s.services,
+        s.load.join(" | ")
+    );
+    println!(
+        "  {:<14} {:>10} {:>7} {:>13} {:>9} {:>9}",
+        "contender", "conn/s", "ratio", "rounds' range", "p50 ms", "p99 ms"
     );
     for (k, r) in &s.wrk {
+        let (lo, hi) = s.ratio_range.get(k).copied().unwrap_or_default();
         println!(
-            "  {k:<14} {:>10.0} {:>7.2} {:>9.3} {:>9.3}",
+            "  {k:<14} {:>10.0} {:>7.2} {:>13} {:>9.3} {:>9.3}",
             r.requests_per_s,
             s.ratio.get(k).copied().unwrap_or(0.0),
+            format!("{lo:.2}–{hi:.2}"),
             r.p50_ms,
             r.p99_ms
         );
+    }
+    for w in &s.warnings {
+        println!("  WARNING: {w}");
     }
     let pp = &s.per_packet;
     println!(
