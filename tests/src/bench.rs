@@ -112,13 +112,21 @@ fn renumber(text: &str, offset: usize) -> String {
     out
 }
 
+/// One contender's ratios over the rounds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ratio {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
 /// Per contender, the median of its per-round ratios to `baseline` and their range; and a
 /// warning for each round in which the baseline was slower than another contender (the
 /// machine was busy: a proxied path cannot beat the direct one).
 pub fn ratio_summary(
     rounds: &[BTreeMap<String, f64>],
     baseline: &str,
-) -> (BTreeMap<String, (f64, f64, f64)>, Vec<String>) {
+) -> (BTreeMap<String, Ratio>, Vec<String>) {
     let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut warnings = Vec::new();
     for (i, round) in rounds.iter().enumerate() {
@@ -139,9 +147,10 @@ pub fn ratio_summary(
     let summary = ratios
         .into_iter()
         .map(|(name, mut v)| {
-            let lo = v.iter().copied().fold(f64::MAX, f64::min);
-            let hi = v.iter().copied().fold(f64::MIN, f64::max);
-            (name, (median(&mut v), lo, hi))
+            let min = v.iter().copied().fold(f64::MAX, f64::min);
+            let max = v.iter().copied().fold(f64::MIN, f64::max);
+            let median = median(&mut v);
+            (name, Ratio { median, min, max })
         })
         .collect();
     (summary, warnings)
@@ -387,8 +396,10 @@ mod tests {
         };
         let rounds = [round(100.0, 90.0), round(100.0, 80.0), round(50.0, 60.0)];
         let (summary, warnings) = ratio_summary(&rounds, "Direct");
-        assert_eq!(summary["PerPacket"], (0.9, 0.8, 1.2));
-        assert_eq!(summary["Direct"], (1.0, 1.0, 1.0));
+        let r = summary["PerPacket"];
+        assert_eq!((r.median, r.min, r.max), (0.9, 0.8, 1.2));
+        let d = summary["Direct"];
+        assert_eq!((d.median, d.min, d.max), (1.0, 1.0, 1.0));
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(warnings[0].starts_with("round 3: Direct"), "{warnings:?}");
     }

@@ -345,13 +345,10 @@ fn main() -> Result<()> {
             scale.wrk.insert(name, mean);
         }
         let (summary, warnings) = bench::ratio_summary(&per_round, "Direct");
-        scale.ratio = summary
-            .iter()
-            .map(|(k, (m, _, _))| (k.clone(), *m))
-            .collect();
+        scale.ratio = summary.iter().map(|(k, r)| (k.clone(), r.median)).collect();
         scale.ratio_range = summary
             .iter()
-            .map(|(k, (_, lo, hi))| (k.clone(), (*lo, *hi)))
+            .map(|(k, r)| (k.clone(), (r.min, r.max)))
             .collect();
         scale.warnings = warnings;
         drop(beds);
