@@ -1,6 +1,7 @@
 //! The agent's HTTP server (kube-proxy's healthz and metrics addresses): health, Prometheus
 //! metrics, and — in KPNG's spirit, on a loopback metrics address or the debug address —
-//! the global model, this node's view, and a live stream of view diffs.
+//! the global model, this node's view, a live stream of view diffs, and the per-Service
+//! series.
 
 use std::{convert::Infallible, net::SocketAddr, path::PathBuf};
 
@@ -22,6 +23,8 @@ struct AppState {
     status: Status,
     /// Pinned maps, read per scrape for the BPF counters.
     maps_dir: Option<PathBuf>,
+    /// Whether `/metrics` has the per-Service series.
+    service_metrics: bool,
 }
 
 /// What one listening address serves.
@@ -39,6 +42,15 @@ pub enum Endpoints {
 }
 
 impl Endpoints {
+    /// Whether `/metrics` on `addr` has the per-Service series (`proxy_agent_service_*`,
+    /// labelled by namespace, Service and port): where the object views are served, or
+    /// everywhere when the operator asks (`ebpf.serviceMetrics`). kube-proxy's metrics
+    /// name no Service: on `0.0.0.0` they would list every Service's name to anyone who
+    /// reaches the node, and their cardinality grows with the cluster.
+    pub fn serves_service_metrics(self, addr: &SocketAddr, opted_in: bool) -> bool {
+        self != Endpoints::Healthz && (opted_in || self.serves_objects(addr))
+    }
+
     /// Whether the object views — every Service and EndpointSlice of the cluster — are
     /// served on `addr`. kube-proxy serves no objects on its metrics address, and
     /// `metricsBindAddress: 0.0.0.0:10249` is common (for scraping): there they would be
@@ -73,10 +85,12 @@ pub async fn serve(
     endpoints: Endpoints,
     status: Status,
     maps_dir: Option<PathBuf>,
+    service_metrics_everywhere: bool,
 ) -> Result<()> {
     let addr: SocketAddr = addr
         .parse()
         .with_context(|| format!("listen address {addr:?} ({})", endpoints.name()))?;
+    let service_metrics = endpoints.serves_service_metrics(&addr, service_metrics_everywhere);
     let mut app = Router::new()
         .route("/healthz", get(healthz))
         .route("/livez", get(livez));
@@ -90,8 +104,10 @@ pub async fn serve(
         } else {
             tracing::info!(
                 %addr,
+                service_metrics,
                 "the metrics address is not loopback: the object views ({}) are not served \
-                 there (ebpf.debugBindAddress serves them)",
+                 there (ebpf.debugBindAddress serves them), nor the per-Service series \
+                 unless ebpf.serviceMetrics is set",
                 OBJECT_VIEWS.join(", ")
             );
             for path in OBJECT_VIEWS {
@@ -99,7 +115,11 @@ pub async fn serve(
             }
         }
     }
-    let app = app.with_state(AppState { status, maps_dir });
+    let app = app.with_state(AppState {
+        status,
+        maps_dir,
+        service_metrics,
+    });
     crate::health_check::serve_retrying(addr, app, endpoints.name()).await;
     Ok(())
 }
@@ -201,7 +221,11 @@ async fn watch(State(s): State<AppState>) -> Response {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    match crate::metrics::render(&s.status, s.maps_dir.as_deref()) {
+    let options = crate::metrics::RenderOptions {
+        maps_dir: s.maps_dir.as_deref(),
+        service_metrics: s.service_metrics,
+    };
+    match crate::metrics::render_with(&s.status, options) {
         Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response(),
     }
@@ -227,6 +251,15 @@ mod tests {
             assert_eq!(Endpoints::Metrics.serves_objects(&addr), metrics, "{addr}");
             assert!(Endpoints::Debug.serves_objects(&addr), "{addr}");
             assert!(!Endpoints::Healthz.serves_objects(&addr), "{addr}");
+            // Per-Service series where the objects are, or everywhere when asked.
+            assert_eq!(
+                Endpoints::Metrics.serves_service_metrics(&addr, false),
+                metrics,
+                "{addr}"
+            );
+            assert!(Endpoints::Metrics.serves_service_metrics(&addr, true));
+            assert!(Endpoints::Debug.serves_service_metrics(&addr, false));
+            assert!(!Endpoints::Healthz.serves_service_metrics(&addr, true));
         }
     }
 }

@@ -36,15 +36,36 @@ fn gauge_f64(registry: &mut Registry, name: &str, help: &str, v: f64) {
     registry.register(name, help, g);
 }
 
-/// Renders every metric as of now.
+/// What `render_with` reads and includes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RenderOptions<'a> {
+    /// Pinned maps, for the BPF counters.
+    pub maps_dir: Option<&'a Path>,
+    /// The per-Service series (`proxy_agent_service_*`, labelled by namespace, Service and
+    /// port): off on an address the whole network reaches (`http_server`).
+    pub service_metrics: bool,
+}
+
+/// Renders every metric as of now, the per-Service series included.
 pub fn render(status: &Status, maps_dir: Option<&Path>) -> Result<String, std::fmt::Error> {
+    render_with(
+        status,
+        RenderOptions {
+            maps_dir,
+            service_metrics: true,
+        },
+    )
+}
+
+/// Renders the metrics `options` says.
+pub fn render_with(status: &Status, options: RenderOptions<'_>) -> Result<String, std::fmt::Error> {
     let mut root = Registry::default();
     kube_proxy(root.sub_registry_with_prefix("kubeproxy"), status);
     process(&mut root);
     ours(
         root.sub_registry_with_prefix("proxy_agent"),
         status,
-        maps_dir,
+        options,
     );
     let mut out = String::new();
     encode(&mut out, &root)?;
@@ -196,7 +217,7 @@ fn process(r: &mut Registry) {
 }
 
 /// Ours: what kube-proxy has no name for.
-fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
+fn ours(r: &mut Registry, status: &Status, options: RenderOptions<'_>) {
     let c = status.counters();
     for (name, help, v) in [
         ("syncs_ok", "Successful dataplane syncs", c.syncs_ok),
@@ -348,7 +369,7 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
         "Duration of the last sync",
         (c.last_sync_seconds * 1e6) as i64,
     );
-    if let Some(dir) = maps_dir
+    if let Some(dir) = options.maps_dir
         && let Ok(maps) = MapSet::open_pinned(dir)
         && let Ok(counters) = maps.counters()
     {
@@ -374,8 +395,22 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
             "Capacity of the service-side BPF maps (ebpf.mapSizes)",
             capacity,
         );
+        let memory = Family::<Labels, Gauge>::default();
+        for (name, bytes) in crate::dataplane::bpf::maps::memory(dir) {
+            memory
+                .get_or_create(&vec![("map".into(), name.to_string())])
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+        r.register(
+            "bpf_map_memory_bytes",
+            "Memory of each pinned BPF map as the kernel charges it (fdinfo memlock)",
+            memory,
+        );
         match crate::dataplane::bpf::stats::frontend_totals(&maps) {
-            Ok(totals) => service_stats::register(r, &totals, &status.view()),
+            Ok(totals) if options.service_metrics => {
+                service_stats::register(r, &totals, &status.view());
+            }
+            Ok(_) => {}
             Err(e) => tracing::debug!(error = format!("{e:#}"), "no Service statistics"),
         }
     }
@@ -396,7 +431,7 @@ fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>) {
     r.register(
         "api_errors",
         "API requests that failed, by resource, kind (list, watch_start, watch, \
-         watch_stream, event_too_large, no_resource_version, retry_after) and HTTP status \
+         watch_stream, event_too_large, list_too_large, no_resource_version, retry_after) and HTTP status \
          (none: no answer)",
         api_errors,
     );

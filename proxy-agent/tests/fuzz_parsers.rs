@@ -1,6 +1,7 @@
 //! Fuzzing, on the stable toolchain, of everything that reads untrusted text: manifest files
-//! into the model and this node's view, the config file, scenario files and `--packet`
-//! specs. Generated objects (ports 0, negative and past 65535, addresses with leading zeros,
+//! into the model and this node's view, the API server's answers (list pages and watch
+//! lines, mutated, through the agent's own client and source against the fake API
+//! server), the config file, scenario files and `--packet` specs. Generated objects (ports 0, negative and past 65535, addresses with leading zeros,
 //! IPv6, special and broken ones, "None", random conditions and nodePorts, duplicates,
 //! values of the wrong type) and mutated real files. A bounded number of cases per run
 //! (`PROXY_FUZZ_CASES` for more: `cargo xtask fuzz`); a failure prints its minimized input.
@@ -24,7 +25,7 @@ use proxy_agent::{
     trace,
 };
 use serde_json::{Map, Value, json};
-use support::fuzz_config;
+use support::{fake_apiserver, fuzz_config, fuzz_config_scaled};
 
 /// The longest Go duration: what a duration field may hold at most.
 const GO_DURATION_MAX: Duration = Duration::from_nanos(i64::MAX as u64);
@@ -702,6 +703,246 @@ fn invalid_object() -> BoxedStrategy<Value> {
         svc
     });
     prop_oneof![4 => bad_service, 1 => slice(&BAD_NAMES)].boxed()
+}
+
+// ---- the API server's answers ---------------------------------------------------------
+
+/// One runtime for every case: the fake API server and the agent's source run on it.
+fn api_runtime() -> &'static tokio::runtime::Runtime {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    })
+}
+
+/// A list page as the API server writes it.
+fn list_body(kind: fake_apiserver::Kind, objects: &[Value]) -> Vec<u8> {
+    let (list, api) = match kind {
+        fake_apiserver::Kind::EndpointSlices => ("EndpointSliceList", "discovery.k8s.io/v1"),
+        _ => ("ServiceList", "v1"),
+    };
+    json!({"kind": list, "apiVersion": api, "metadata": {"resourceVersion": "150"},
+           "items": objects})
+    .to_string()
+    .into_bytes()
+}
+
+/// Watch lines about `objects`: added, modified, deleted in turn, a bookmark, and now
+/// and then a 410 or 429 ERROR.
+fn watch_lines(objects: &[Value]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, o) in objects.iter().enumerate() {
+        let mut o = o.clone();
+        o["metadata"]["resourceVersion"] = json!((160 + i).to_string());
+        let line = match i % 5 {
+            3 => {
+                json!({"type": "BOOKMARK", "object": {"kind": o["kind"], "apiVersion": o["apiVersion"],
+                        "metadata": {"resourceVersion": (160 + i).to_string()}}})
+            }
+            4 => json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+                        "status": "Failure", "reason": "Expired",
+                        "code": if i % 2 == 0 { 410 } else { 429 }}}),
+            n => {
+                let type_ = ["ADDED", "MODIFIED", "DELETED"][n];
+                json!({"type": type_, "object": o})
+            }
+        };
+        out.extend_from_slice(line.to_string().as_bytes());
+        out.push(b'\n');
+    }
+    out
+}
+
+/// What the source's model must come to hold of the server's objects, by the path the
+/// source takes (k8s-openapi's decoding, then the model's), and the objects it may hold
+/// any version of: named ones that do not decode keep their last readable version, which
+/// a mutated answer may have been.
+fn expected_model(
+    services: &[Value],
+    slices: &[Value],
+) -> (ClusterModel, std::collections::BTreeSet<ObjectRef>) {
+    let selected = |o: &Value| {
+        let labels = &o["metadata"]["labels"];
+        labels
+            .get("service.kubernetes.io/service-proxy-name")
+            .is_none()
+            && labels.get("service.kubernetes.io/headless").is_none()
+    };
+    let mut model = ClusterModel::default();
+    let mut any_version = std::collections::BTreeSet::new();
+    let reference = |o: &Value| ObjectRef {
+        namespace: o["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("default")
+            .to_string(),
+        name: o["metadata"]["name"]
+            .as_str()
+            .unwrap_or("<unnamed>")
+            .to_string(),
+    };
+    for o in services.iter().filter(|o| selected(o)) {
+        match serde_json::from_value::<k8s_openapi::api::core::v1::Service>(o.clone()) {
+            Ok(svc) => {
+                model.add_service(&svc);
+            }
+            Err(_) => {
+                any_version.insert(reference(o));
+            }
+        }
+    }
+    for o in slices.iter().filter(|o| selected(o)) {
+        match serde_json::from_value::<k8s_openapi::api::discovery::v1::EndpointSlice>(o.clone()) {
+            Ok(slice) => {
+                model.add_slice(&slice);
+            }
+            Err(_) => {
+                any_version.insert(reference(o));
+            }
+        }
+    }
+    (model, any_version)
+}
+
+/// The model's content, leaving out `any_version`'s objects.
+fn comparable(
+    model: &ClusterModel,
+    any_version: &std::collections::BTreeSet<ObjectRef>,
+) -> (Vec<String>, Vec<String>) {
+    let services = model
+        .services()
+        .filter(|(r, _)| !any_version.contains(*r))
+        .map(|(r, s)| format!("{r} {s:?}"))
+        .collect();
+    let slices = model
+        .slices()
+        .filter(|(k, _)| !any_version.contains(&k.object()))
+        .map(|(k, s)| format!("{k:?} {s:?}"))
+        .collect();
+    (services, slices)
+}
+
+/// The objects the server holds once stored (one per namespace/name, the last).
+fn stored(objects: Vec<Value>) -> Vec<Value> {
+    let mut by_key = std::collections::BTreeMap::new();
+    for o in objects {
+        let key = format!(
+            "{}/{}",
+            o["metadata"]["namespace"].as_str().unwrap_or(""),
+            o["metadata"]["name"].as_str().unwrap_or("")
+        );
+        by_key.insert(key, o);
+    }
+    by_key.into_values().collect()
+}
+
+/// Mutated answers — a list page and the head of a watch — reach the agent's own client
+/// and source; then a clean relist of every resource. No panic, no stall: the model comes
+/// to hold exactly what the server holds.
+fn check_api_answers(
+    objects: Vec<Value>,
+    list_edits: &[Edit],
+    watch_edits: &[Edit],
+    slices_first: bool,
+) -> Result<(), TestCaseError> {
+    use fake_apiserver::{FakeApiServer, Kind};
+    use proxy_agent::source;
+    let (slices, services): (Vec<Value>, Vec<Value>) = objects
+        .into_iter()
+        .partition(|o| o["kind"] == "EndpointSlice");
+    // Objects of other kinds go in as Services: what a broken server might serve.
+    let (services, slices) = (stored(services), stored(slices));
+    let (target, of_kind) = if slices_first {
+        (Kind::EndpointSlices, &slices)
+    } else {
+        (Kind::Services, &services)
+    };
+    let (want, any_version) = expected_model(&services, &slices);
+    let want = comparable(&want, &any_version);
+    let list = apply(list_body(target, of_kind), list_edits);
+    let lines = apply(watch_lines(of_kind), watch_edits);
+    api_runtime().block_on(async {
+        let server = FakeApiServer::start().await;
+        server.apply(
+            Kind::Nodes,
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+                   "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.10"}]}}),
+        );
+        server.preload(Kind::Services, services.clone());
+        server.preload(Kind::EndpointSlices, slices.clone());
+        server.raw_list(target, list);
+        server.raw_watch(target, lines);
+        let counters = source::api_server::ApiCounters::default();
+        let client = source::api_server::client(server.config(), &counters)
+            .map_err(|e| TestCaseError::fail(format!("client: {e:#}")))?;
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let running = tokio::spawn(source::kube::run(
+            client,
+            source::kube::KubeOptions {
+                node_name: "node-a".into(),
+                label_selector: source::kube::label_selector(None),
+                counters,
+                backoff: source::kube::Backoff::with_delays(
+                    Duration::from_millis(1),
+                    Duration::from_millis(20),
+                ),
+            },
+            tx,
+        ));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while server.raw_pending() > 0 {
+            if tokio::time::Instant::now() > deadline {
+                running.abort();
+                return Err(TestCaseError::fail("the raw answers were never asked for"));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // Whatever the mutated answers left, a clean relist of everything must replace it.
+        server.expire_history();
+        server.break_watches();
+        let lists_before =
+            server.lists_completed("services") + server.lists_completed("endpointslices");
+        let mut got = None;
+        loop {
+            let relisted = server.lists_completed("services")
+                + server.lists_completed("endpointslices")
+                >= lists_before + 2;
+            if relisted && let Some(snapshot) = rx.borrow().as_ref() {
+                let now = comparable(&snapshot.model, &any_version);
+                if now == want {
+                    break;
+                }
+                got = Some(now);
+            }
+            if tokio::time::Instant::now() > deadline {
+                running.abort();
+                return Err(TestCaseError::fail(format!(
+                    "the source never came to hold the server's objects: want {want:?}, \
+                     got {got:?} (relisted: {relisted})"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        running.abort();
+        server.shutdown();
+        Ok(())
+    })
+}
+
+proptest! {
+    // Each case starts a server and the source: a tenth as many cases as the parsers'.
+    #![proptest_config(fuzz_config_scaled(48, 10))]
+
+    /// List pages and watch lines as a broken or hostile API server sends them.
+    #[test]
+    fn api_server_answers_never_stall_the_source(objects in objects(), list_edits in edits(),
+                                                 watch_edits in edits(),
+                                                 slices_first in any::<bool>()) {
+        check_api_answers(objects, &list_edits, &watch_edits, slices_first)?;
+    }
 }
 
 // ---- properties -----------------------------------------------------------------------

@@ -74,11 +74,21 @@ fn timing() -> Timing {
 
 /// Starts the source, on the agent's own API client, and the sync loop on `dataplane`, as
 /// the agent does; returns the status handle.
-fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, mut dataplane: D) -> Status {
+fn start<D: Dataplane + Send + 'static>(server: &FakeApiServer, dataplane: D) -> Status {
+    start_with_caps(server, dataplane, Default::default())
+}
+
+/// `start` with the client's answers held to `caps`.
+fn start_with_caps<D: Dataplane + Send + 'static>(
+    server: &FakeApiServer,
+    mut dataplane: D,
+    caps: source::api_server::AnswerCaps,
+) -> Status {
     let (tx, rx) = tokio::sync::watch::channel(None);
     let status = Status::default();
-    let client = source::api_server::client(server.config(), &status.api_counters())
-        .expect("the agent's client");
+    let client =
+        source::api_server::client_with_caps(server.config(), &status.api_counters(), caps)
+            .expect("the agent's client");
     tokio::spawn(source::kube::run(
         client,
         source::kube::KubeOptions {
@@ -358,8 +368,14 @@ async fn healthz_fails_and_livez_holds_while_the_node_drains() {
     let st = status.clone();
     let a = addr.clone();
     tokio::spawn(async move {
-        proxy_agent::http_server::serve(&a, proxy_agent::http_server::Endpoints::Metrics, st, None)
-            .await
+        proxy_agent::http_server::serve(
+            &a,
+            proxy_agent::http_server::Endpoints::Metrics,
+            st,
+            None,
+            false,
+        )
+        .await
     });
     let get = |path: &'static str| {
         let addr = addr.clone();
@@ -720,6 +736,73 @@ fn memory(field: &str) -> u64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|kib| kib * 1024)
         .unwrap_or_else(|| panic!("{field} in /proc/self/status"))
+}
+
+/// A list page past its cap: kube read a page whole, however large, before parsing it.
+/// Held to a 1 MiB cap here (64 MiB in the agent), a page of 500 Services of 8 KiB (4 MB)
+/// is refused as soon as it passes the cap, named and counted (`list_too_large`), and the
+/// Services are listed again in pages a tenth the size: every one is programmed. A
+/// single object past the cap stays refused, and what was programmed stays.
+#[tokio::test]
+async fn a_list_page_past_its_cap_is_refused_and_listed_again_in_smaller_pages() {
+    const SERVICES: usize = 500;
+    let server = FakeApiServer::start().await;
+    let filler = "x".repeat(8 * 1024);
+    server.preload(
+        Kind::Services,
+        (0..SERVICES).map(|i| {
+            let mut s = service(
+                &format!("s{i:03}"),
+                &format!("10.96.{}.{}", i / 250, i % 250 + 1),
+                80,
+            );
+            s["metadata"]["annotations"] = json!({"filler": filler});
+            s
+        }),
+    );
+    server.apply(Kind::Nodes, node());
+    let caps = source::api_server::AnswerCaps {
+        list_page_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let status = start_with_caps(&server, Recording(tx), caps);
+    let view = until(&mut rx, "every Service programmed", |v| v.len() == SERVICES).await;
+    assert_eq!(view.len(), SERVICES);
+    let counts = status.counters().api;
+    assert_eq!(
+        counts.errors.get(&(
+            "services",
+            source::api_server::ApiErrorKind::ListTooLarge,
+            0
+        )),
+        Some(&1),
+        "{counts:?}"
+    );
+    // One refused page of 500, then 10 pages of 50 (each ~400 KB, under the cap).
+    assert_eq!(server.lists_served("services"), 2);
+    assert_eq!(server.pages_served("services"), 1 + SERVICES as u64 / 50);
+    // One object past the cap by itself: refused at every page size; the node keeps what
+    // it had and says why.
+    let mut huge = service("huge", "10.96.9.9", 80);
+    huge["metadata"]["annotations"] = json!({"filler": "x".repeat(2 << 20)});
+    server.preload(Kind::Services, [huge]);
+    until_counted(
+        &status,
+        "the huge object refused at one object a page",
+        |c| {
+            c.api
+                .errors
+                .get(&(
+                    "services",
+                    source::api_server::ApiErrorKind::ListTooLarge,
+                    0,
+                ))
+                .is_some_and(|n| *n >= 3)
+        },
+    )
+    .await;
+    assert_eq!(status.view().len(), SERVICES, "what was programmed stays");
 }
 
 /// A 100 MB watch event: kube buffered the whole line, then parsed it (a 400 MB line took

@@ -8,7 +8,7 @@ pub mod schedulers;
 pub mod xdp;
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     net::{IpAddr, SocketAddr},
     time::Instant,
@@ -71,6 +71,97 @@ pub fn manifests(svcs: &[(String, Vec<String>)]) -> String {
         }
     }
     y
+}
+
+/// Services per manifest file: 10,000 Services of 10 endpoints are ~5 MB, well under the
+/// file source's limit (`files::MAX_FILE_BYTES`, 16 MiB), which refused the 52 MB single
+/// file of 100k Services (issue 24).
+pub const SERVICES_PER_FILE: usize = 10_000;
+
+/// `manifests` split into files of at most `SERVICES_PER_FILE` Services each, by name.
+pub fn manifest_files(svcs: &[(String, Vec<String>)]) -> BTreeMap<String, String> {
+    svcs.chunks(SERVICES_PER_FILE)
+        .enumerate()
+        .map(|(k, chunk)| {
+            // The names stay those of one file: Service `i` is `s{i}` across the files.
+            let text = manifests(chunk);
+            let offset = k * SERVICES_PER_FILE;
+            let text = if offset == 0 {
+                text
+            } else {
+                renumber(&text, offset)
+            };
+            (format!("services-{k:03}.yaml"), text)
+        })
+        .collect()
+}
+
+/// `manifests` of a chunk names its Services from `s0`: shift them by `offset`.
+fn renumber(text: &str, offset: usize) -> String {
+    let mut out = String::with_capacity(text.len() + text.len() / 50);
+    let mut rest = text;
+    // Every object name is `s<i>` or `s<i>-1` after `name: ` (`service-name: ` too).
+    while let Some(at) = rest.find("name: s") {
+        let (head, tail) = rest.split_at(at + "name: s".len());
+        out.push_str(head);
+        let digits = tail.bytes().take_while(u8::is_ascii_digit).count();
+        let i: usize = tail[..digits].parse().unwrap_or(0);
+        let _ = write!(out, "{}", i + offset);
+        rest = &tail[digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// One contender's ratios over the rounds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ratio {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+/// Per contender, the median of its per-round ratios to `baseline` and their range; and a
+/// warning for each round in which the baseline was slower than another contender (the
+/// machine was busy: a proxied path cannot beat the direct one).
+pub fn ratio_summary(
+    rounds: &[BTreeMap<String, f64>],
+    baseline: &str,
+) -> (BTreeMap<String, Ratio>, Vec<String>) {
+    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut warnings = Vec::new();
+    for (i, round) in rounds.iter().enumerate() {
+        let Some(&base) = round.get(baseline).filter(|b| **b > 0.0) else {
+            continue;
+        };
+        for (name, v) in round {
+            ratios.entry(name.clone()).or_default().push(v / base);
+            if name != baseline && *v > base {
+                warnings.push(format!(
+                    "round {}: {baseline} ({base:.0}/s) slower than {name} ({v:.0}/s): the \
+                     machine was busy",
+                    i + 1
+                ));
+            }
+        }
+    }
+    let summary = ratios
+        .into_iter()
+        .map(|(name, mut v)| {
+            let min = v.iter().copied().fold(f64::MAX, f64::min);
+            let max = v.iter().copied().fold(f64::MIN, f64::max);
+            let median = median(&mut v);
+            (name, Ratio { median, min, max })
+        })
+        .collect();
+    (summary, warnings)
+}
+
+/// The machine's load average (1, 5, 15 min), as /proc/loadavg has it.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// wrk's figures.
@@ -152,7 +243,7 @@ fn cluster_ip(
 
 /// The middle value (the mean of the two middle ones for an even count; 0 for none):
 /// one disturbed repetition does not move it.
-fn median(v: &mut [f64]) -> f64 {
+pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
         0 => 0.0,
@@ -264,6 +355,55 @@ pub fn our_control_plane(n: usize) -> Result<(f64, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The full bench's 100k Services load from files the file source accepts, every
+    /// Service once (the single 52 MB file was refused by the 16 MiB limit).
+    #[test]
+    fn the_full_sizes_are_loadable_by_the_file_source() {
+        let svcs = services(100_000);
+        let files = manifest_files(&svcs);
+        assert_eq!(files.len(), 10);
+        let limit = proxy_agent::source::files::MAX_FILE_BYTES as usize;
+        for (name, text) in &files {
+            assert!(text.len() < limit, "{name}: {} bytes", text.len());
+        }
+        // Names continue across files: s0..s99999, each once.
+        let names: std::collections::BTreeSet<&str> = files
+            .values()
+            .flat_map(|t| t.lines())
+            .filter_map(|l| l.strip_prefix("metadata: {name: "))
+            .filter_map(|l| l.split(',').next())
+            .filter(|n| !n.ends_with("-1"))
+            .collect();
+        assert_eq!(names.len(), 100_000);
+        assert!(names.contains("s99999") && names.contains("s10000"));
+        // The last file read by the file source itself: accepted whole.
+        let dir = std::env::temp_dir().join(format!("bench-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (name, text) = files.iter().next_back().expect("a file");
+        let path = dir.join(name);
+        std::fs::write(&path, text).expect("write");
+        let parsed = proxy_agent::source::files::parse_file(&path);
+        std::fs::remove_dir_all(&dir).expect("clean up");
+        assert!(parsed.errors.is_empty(), "{:?}", parsed.errors.first());
+        assert!(parsed.complete);
+        assert_eq!(parsed.model.service_count(), SERVICES_PER_FILE);
+    }
+
+    #[test]
+    fn ratios_are_medians_of_rounds_and_a_slower_baseline_is_flagged() {
+        let round = |d: f64, p: f64| {
+            BTreeMap::from([("Direct".to_string(), d), ("PerPacket".to_string(), p)])
+        };
+        let rounds = [round(100.0, 90.0), round(100.0, 80.0), round(50.0, 60.0)];
+        let (summary, warnings) = ratio_summary(&rounds, "Direct");
+        let r = summary["PerPacket"];
+        assert_eq!((r.median, r.min, r.max), (0.9, 0.8, 1.2));
+        let d = summary["Direct"];
+        assert_eq!((d.median, d.min, d.max), (1.0, 1.0, 1.0));
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].starts_with("round 3: Direct"), "{warnings:?}");
+    }
 
     #[test]
     fn median_of_odd_and_even_counts() {

@@ -10,7 +10,9 @@
 //! itself), a huge watch event streamed in small chunks (the server never holds it),
 //! 429/5xx answers with Retry-After, a bearer token that must match (and may rotate), and
 //! HTTPS with its own CA (`try_start_tls`) so a client with the wrong one fails its
-//! handshake. Every list and watch request is logged with its time and answer (`served`).
+//! handshake, a server that hangs (`hang`), and raw answers — any bytes as a list or at
+//! the head of a watch (`raw_list`, `raw_watch`: the fuzzer's). It can listen on a socket
+//! the caller bound (`try_start_on`: loopback inside a test's network namespace). Every list and watch request is logged with its time and answer (`served`).
 //!
 //! One source file for proxy-agent's integration tests (included by path) and the
 //! proxy-e2e benchmarks. Objects are serialised once when stored, so a list of 100k
@@ -164,6 +166,13 @@ struct Faults {
     throttles: Vec<(Kind, Throttle)>,
     /// The bearer token every request must carry.
     token: Option<String>,
+    /// A server that hangs: requests are held unanswered and open watches send nothing
+    /// until `hang(false)`.
+    hung: bool,
+    /// Bodies to answer the next list (first page) of a kind with, verbatim.
+    raw_lists: Vec<(Kind, Bytes)>,
+    /// Bytes to stream first, verbatim, on the next watch of a kind.
+    raw_watches: Vec<(Kind, Bytes)>,
 }
 
 /// An error answer the server gives before serving: `times` requests (lists and watches)
@@ -256,17 +265,30 @@ impl FakeApiServer {
 
     /// Starts the server on a free loopback port.
     pub async fn try_start(options: Options) -> anyhow::Result<Self> {
-        Self::start_with(options, None).await
+        Self::start_with(options, None, None).await
+    }
+
+    /// Starts the server on `listener`, bound by the caller (a loopback socket made in a
+    /// test's network namespace, which an agent started there can reach).
+    pub async fn try_start_on(
+        options: Options,
+        listener: std::net::TcpListener,
+    ) -> anyhow::Result<Self> {
+        Self::start_with(options, None, Some(listener)).await
     }
 
     /// Starts the server on a free loopback port, serving HTTPS with a certificate of its
     /// own CA (`ca_pem`) for 127.0.0.1 and localhost: `client` trusts that CA, a client
     /// that does not fails its handshake (counted by `tls_failures`).
     pub async fn try_start_tls(options: Options) -> anyhow::Result<Self> {
-        Self::start_with(options, Some(Pki::new()?)).await
+        Self::start_with(options, Some(Pki::new()?), None).await
     }
 
-    async fn start_with(options: Options, pki: Option<Pki>) -> anyhow::Result<Self> {
+    async fn start_with(
+        options: Options,
+        pki: Option<Pki>,
+        listener: Option<std::net::TcpListener>,
+    ) -> anyhow::Result<Self> {
         use anyhow::Context as _;
         let (events, _) = broadcast::channel(WATCH_BUFFER);
         let (breaks, _) = broadcast::channel(16);
@@ -303,9 +325,15 @@ impl FakeApiServer {
                 authorize,
             ))
             .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .context("binding the fake API server on loopback")?;
+        let listener = match listener {
+            Some(l) => {
+                l.set_nonblocking(true).context("a non-blocking listener")?;
+                tokio::net::TcpListener::from_std(l).context("the given listener")?
+            }
+            None => tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .context("binding the fake API server on loopback")?,
+        };
         let addr = listener.local_addr().context("its address")?;
         let serving = match tls {
             None => tokio::spawn(async move {
@@ -618,13 +646,61 @@ impl FakeApiServer {
         self.store(|s| s.faults.token = token.map(str::to_string));
     }
 
+    /// A server that hangs (`on`) or answers again: while it hangs, every list, watch and
+    /// Event request waits unanswered and open watches send nothing (what happened
+    /// meanwhile follows once it answers again). Connections stay open, as with an API
+    /// server stuck behind a load balancer that still accepts.
+    pub fn hang(&self, on: bool) {
+        self.store(|s| s.faults.hung = on);
+        if !on {
+            self.shared.released.notify_waiters();
+        }
+    }
+
+    /// Answers the next list of `kind` (its first page) with `body` verbatim, status 200:
+    /// whatever bytes a broken or hostile server might send (the fuzzer's mutated lists).
+    pub fn raw_list(&self, kind: Kind, body: impl Into<Bytes>) {
+        self.store(|s| s.faults.raw_lists.push((kind, body.into())));
+    }
+
+    /// Streams `bytes` verbatim first on the next watch of `kind` (garbage lines, lines
+    /// cut short, events of any shape), then serves that watch as usual; open watches are
+    /// broken so that one comes.
+    pub fn raw_watch(&self, kind: Kind, bytes: impl Into<Bytes>) {
+        self.store(|s| s.faults.raw_watches.push((kind, bytes.into())));
+        self.break_watches();
+    }
+
+    /// Raw answers queued and not yet sent.
+    pub fn raw_pending(&self) -> usize {
+        self.store(|s| s.faults.raw_lists.len() + s.faults.raw_watches.len())
+    }
+
     /// Ends the storm and drops pending throttles and huge events (the token stays).
     pub fn clear_faults(&self) {
         self.store(|s| {
             s.faults.gone_storm = false;
+            s.faults.hung = false;
             s.faults.throttles.clear();
             s.faults.huge.clear();
+            s.faults.raw_lists.clear();
+            s.faults.raw_watches.clear();
         });
+        self.shared.released.notify_waiters();
+    }
+}
+
+impl Shared {
+    /// Returns once the server no longer hangs (at once when it does not).
+    async fn while_hung(&self) {
+        loop {
+            // Registered before the flag is read, so a release in between is not missed.
+            let released = self.released.notified();
+            if !self.lock().faults.hung {
+                return;
+            }
+            released.await;
+        }
     }
 }
 
@@ -653,6 +729,7 @@ async fn handle_event(
     axum::Json(event): axum::Json<Value>,
 ) -> Response {
     shared.lock().event_posts += 1;
+    shared.while_hung().await;
     loop {
         // Registered before the flag is read, so a release in between is not missed.
         let released = shared.released.notified();
@@ -753,6 +830,12 @@ async fn authorize(
     next.run(request).await
 }
 
+/// The first raw answer queued for `kind`, taken off the queue.
+fn take_raw(queue: &mut Vec<(Kind, Bytes)>, kind: Kind) -> Option<Bytes> {
+    let i = queue.iter().position(|(k, _)| *k == kind)?;
+    Some(queue.remove(i).1)
+}
+
 /// The throttle answer due for this request of `kind`, if any (logged as served).
 fn throttled(shared: &Shared, kind: Kind, resource: &str, watch: bool) -> Option<Response> {
     let mut s = shared.lock();
@@ -809,6 +892,7 @@ async fn handle(
     resource: String,
     q: BTreeMap<String, String>,
 ) -> Response {
+    shared.while_hung().await;
     let is_watch = q.get("watch").map(String::as_str) == Some("true");
     let first_page = q.get("continue").is_none_or(String::is_empty);
     if (is_watch || first_page)
@@ -818,6 +902,13 @@ async fn handle(
     }
     if is_watch {
         return watch(shared, kind, resource, q);
+    }
+    if first_page && let Some(body) = take_raw(&mut shared.lock().faults.raw_lists, kind) {
+        return (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response();
     }
     loop {
         let held = shared.lock().held.contains(&kind);
@@ -953,7 +1044,7 @@ fn watch(
         .get("timeoutSeconds")
         .and_then(|t| t.parse().ok())
         .map(Duration::from_secs);
-    let (backlog, answer, huge, events, breaks) = {
+    let (backlog, answer, huge, raw, events, breaks) = {
         let mut s = shared.lock();
         *s.watches_served.entry(resource.clone()).or_insert(0) += 1;
         let answer = if s.faults.gone_storm {
@@ -997,11 +1088,16 @@ fn watch(
             .cloned()
             .collect();
         let huge = huge.map(|len| (len, s.rv));
+        let raw = match answer {
+            WatchAnswer::Stream => take_raw(&mut s.faults.raw_watches, kind),
+            _ => None,
+        };
         // Subscribed under the lock: no event falls between the backlog and the stream.
         (
             backlog,
             answer,
             huge,
+            raw,
             shared.events.subscribe(),
             shared.breaks.subscribe(),
         )
@@ -1018,9 +1114,12 @@ fn watch(
             return Response::new(Body::from(format!("{status}\n")));
         }
     }
-    let huge = futures::StreamExt::flatten(futures::stream::iter(
-        huge.map(|(len, rv)| huge_line(kind, rv, len)),
-    ));
+    let huge = futures::StreamExt::chain(
+        futures::stream::iter(raw.map(Ok::<_, Infallible>)),
+        futures::StreamExt::flatten(futures::stream::iter(
+            huge.map(|(len, rv)| huge_line(kind, rv, len)),
+        )),
+    );
     let first: Vec<Result<Bytes, Infallible>> = backlog
         .iter()
         .filter(|e| matches_selector(&e.object, &q))
@@ -1220,6 +1319,8 @@ impl Live {
                     Err(_) => return None,
                 },
             };
+            // A hung server sends nothing; a break while it hangs is seen after.
+            self.shared.while_hung().await;
             return Some((Ok(line), self));
         }
     }

@@ -277,6 +277,56 @@ async fn a_410_storm_answers_every_watch_gone_until_cleared() {
     assert_eq!(codes, [200, 200, 200], "an ERROR event is a 200 answer");
 }
 
+/// A hung server answers no list and sends nothing on an open watch until it answers
+/// again; then the list is served and the watch delivers what happened meanwhile.
+#[tokio::test]
+async fn a_hung_server_answers_nothing_until_it_answers_again() {
+    let server = FakeApiServer::start().await;
+    server.apply(Kind::Services, web());
+    let api: Api<Service> = Api::all(server.client());
+    let rv = api
+        .list(&ListParams::default())
+        .await
+        .expect("list")
+        .metadata
+        .resource_version
+        .expect("rv");
+    let watch = format!("/api/v1/services?watch=true&resourceVersion={rv}&timeoutSeconds=2");
+    server.hang(true);
+    let (s2, w2) = (server.clone(), watch.clone());
+    let watching = tokio::spawn(async move { raw_get(&s2, &w2, "").await });
+    let api2 = api.clone();
+    let listing = tokio::spawn(async move { api2.list(&ListParams::default()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.apply(Kind::Services, Population::new(2, 1).service(1));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !listing.is_finished(),
+        "a list answered while the server hangs"
+    );
+    assert!(
+        !watching.is_finished(),
+        "a watch answered while the server hangs"
+    );
+    server.hang(false);
+    let list = tokio::time::timeout(Duration::from_secs(5), listing)
+        .await
+        .expect("the list answered once the server does")
+        .expect("join")
+        .expect("list");
+    assert_eq!(list.items.len(), 2);
+    let (code, _, body) = tokio::time::timeout(Duration::from_secs(5), watching)
+        .await
+        .expect("the watch answered once the server does")
+        .expect("join");
+    let body = String::from_utf8_lossy(&body).into_owned();
+    assert_eq!(code, 200);
+    assert!(
+        body.contains("\"type\":\"ADDED\"") && body.contains("\"s1\""),
+        "{body}"
+    );
+}
+
 /// After a restore the old resourceVersions are answered as the API server answers them,
 /// and a list from "" serves the backup.
 #[tokio::test]

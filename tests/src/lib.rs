@@ -3,6 +3,7 @@
 //! under test. Everything lives in namespaces, a cgroup and a bpffs mount the testbed
 //! creates, with unique names, and is removed on drop — also when a test fails.
 
+pub mod api_feed;
 mod background;
 pub mod bench;
 pub mod churn;

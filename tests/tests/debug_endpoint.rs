@@ -192,6 +192,35 @@ fn view_model_watch_and_metrics_from_a_running_agent() {
     ] {
         assert!(metrics.contains(m), "{m} missing:\n{metrics}");
     }
+    // Each map's memory as the kernel charges it, in /metrics and `dump` alike.
+    let memory = |name: &str| -> u64 {
+        let prefix = format!("proxy_agent_bpf_map_memory_bytes{{map=\"{name}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no memory for {name}:\n{metrics}"))
+    };
+    let dump: serde_json::Value = serde_json::from_str(&agent(
+        &tb,
+        &[
+            "dump",
+            "--json",
+            "--bpffs",
+            tb.pin_dir().to_str().expect("utf-8"),
+        ],
+    ))
+    .expect("dump --json");
+    for name in ["SERVICES", "CONNTRACK"] {
+        assert!(memory(name) > 0, "{name}");
+        assert_eq!(
+            dump["map_memory_bytes"][name].as_u64(),
+            Some(memory(name)),
+            "{name}: dump and /metrics read the same kernel figure"
+        );
+    }
+    // The answered-flow table (131,072 entries) outweighs the Service map (2,048).
+    assert!(memory("CONNTRACK") > memory("SERVICES"));
     // ... holding as many entries as the gauges say.
     {
         let set = proxy_agent::dataplane::bpf::MapSet::open_pinned(&maps).expect("pins");

@@ -447,6 +447,62 @@ fn object_views_stay_off_a_metrics_address_that_is_not_loopback() {
     let _ = tb.kill_agent();
 }
 
+/// Per-Service series name every Service to whoever scrapes them, and kube-proxy's
+/// metrics have none: on a metrics address that is not loopback they are left out unless
+/// `ebpf.serviceMetrics` asks for them; the loopback and debug addresses have them.
+#[needs_root]
+#[test]
+fn per_service_series_stay_off_a_metrics_address_that_is_not_loopback_unless_asked() {
+    let mut tb = Testbed::new(1).expect("testbed");
+    tb.write_manifests(&web_manifests(&[0], None))
+        .expect("manifests");
+    let series = "proxy_agent_service_connections_total{namespace=\"default\",service=\"web\"";
+    for opted_in in [false, true] {
+        let config = tb
+            .write_file(
+                "config.yaml",
+                &format!(
+                    "kind: KubeProxyConfiguration\nmetricsBindAddress: 0.0.0.0:10249\n\
+                     ebpf:\n  debugBindAddress: 127.0.0.1:10251\n  serviceMetrics: {opted_in}\n"
+                ),
+            )
+            .expect("config");
+        tb.start_agent_with(
+            Path_::ConnectTime,
+            FRONTENDS,
+            &["--config", config.to_str().expect("utf-8")],
+        )
+        .expect("agent");
+        // Connections through the ClusterIP: the counts the series would carry.
+        let attempts = tb
+            .client(&[
+                "--target",
+                "10.96.0.10:80",
+                "--proto",
+                "tcp",
+                "--count",
+                "3",
+            ])
+            .expect("client");
+        assert!(attempts.iter().all(|a| a.ok), "{attempts:?}");
+        let (code, open) = get_in(&tb.client_ns(), "http://10.10.0.1:10249/metrics", false);
+        assert_eq!(code, 200, "{open}");
+        assert!(open.contains("proxy_agent_frontends 5"), "{open}");
+        assert_eq!(
+            open.contains(series),
+            opted_in,
+            "serviceMetrics: {opted_in}, from another host:\n{open}"
+        );
+        if !opted_in {
+            assert!(!open.contains("service=\"web\""), "{open}");
+        }
+        let (code, debug) = get_in(&tb.node_ns(), "http://127.0.0.1:10251/metrics", false);
+        assert_eq!(code, 200, "{debug}");
+        assert!(debug.contains(series), "the debug address:\n{debug}");
+        tb.kill_agent().expect("kill");
+    }
+}
+
 /// `proxy-agent dump | head` panicked on the broken pipe (`println!`): with its reader
 /// gone before it writes, `dump` of the pins ends quietly, status 0.
 #[needs_root]

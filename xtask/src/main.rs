@@ -63,11 +63,16 @@ enum Cmd {
         quick: bool,
     },
     /// Both datapaths at once under a traffic mix (short and keep-alive TCP, DNS-like and
-    /// connected UDP) while endpoints churn and the agent restarts; fails on any failure.
+    /// connected UDP) while endpoints churn, the agent restarts and the API server
+    /// misbehaves on a schedule; fails on any failure.
     Soak {
         /// How long traffic runs (keep-alive connections idle 65 s between requests).
         #[arg(long, default_value_t = 10.0)]
         minutes: f64,
+        /// Serve the objects from a folder, without API-server faults (default: the fake
+        /// API server, with them).
+        #[arg(long)]
+        files: bool,
     },
     /// Build, make a namespace testbed, run the agent on deploy/examples, show the spread.
     Demo {
@@ -122,6 +127,12 @@ fn main() -> Result<()> {
             cmd.args(["bench", "-p", "proxy-agent", "--bench", "node_view", "--"])
                 .arg(if quick { "1000" } else { "10000" });
             run(&mut cmd)?;
+            // The API source's decoding: item by item (`Decoded<K>`) against kube's typed
+            // decode, as a ratio.
+            let mut cmd = cargo(&root, STABLE);
+            cmd.args(["bench", "-p", "proxy-agent", "--bench", "api_decode", "--"])
+                .arg(if quick { "2000" } else { "20000" });
+            run(&mut cmd)?;
             // Side by side with kube-proxy's iptables and nftables rules, with the
             // release agent.
             run(cargo(&root, STABLE).args([
@@ -154,7 +165,7 @@ fn main() -> Result<()> {
             }
             run(&mut cmd)
         }
-        Cmd::Soak { minutes } => {
+        Cmd::Soak { minutes, files } => {
             setup(&root)?;
             run(cargo(&root, STABLE).args([
                 "build",
@@ -168,7 +179,8 @@ fn main() -> Result<()> {
             cmd.arg("--agent")
                 .arg(root.join("target/debug/proxy-agent"))
                 .arg("--minutes")
-                .arg(minutes.to_string());
+                .arg(minutes.to_string())
+                .args(["--source", if files { "files" } else { "api" }]);
             run(&mut cmd)
         }
         Cmd::Demo { requests } => {

@@ -116,7 +116,13 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
     let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
     // Which interfaces run the XDP program, and in which mode (by their pinned links).
     let xdp = bpf::attach::xdp::pinned(&bpffs.join("links"));
+    // Each map's memory as the kernel charges it (fdinfo memlock).
+    let memory = bpf::maps::memory(&bpffs.join("maps"));
     if json {
+        let map_memory: serde_json::Map<String, serde_json::Value> = memory
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).into()))
+            .collect();
         let counters: serde_json::Map<String, serde_json::Value> = counters
             .iter()
             .map(|(k, v)| ((*k).to_string(), (*v).into()))
@@ -130,6 +136,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 "conntrack": {"answered": answered, "new": new},
                 "netfilter_flows": netfilter,
                 "xdp": xdp,
+                "map_memory_bytes": map_memory,
             }))?
         );
     } else {
@@ -169,6 +176,11 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
         outln!("");
         for (name, value) in counters {
             outln!("{name:<24} {value}");
+        }
+        let total: u64 = memory.iter().map(|(_, b)| b).sum();
+        outln!("\nBPF map memory (kernel's memlock), {total} bytes in all:");
+        for (name, bytes) in &memory {
+            outln!("{name:<24} {bytes}");
         }
     }
     Ok(())

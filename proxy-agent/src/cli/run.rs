@@ -309,10 +309,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
             continue;
         }
         let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
+        let service_metrics = cfg.service_metrics;
         tokio::spawn(async move {
             // A port that is taken is retried; an address that does not parse is reported.
             // Proxying goes on either way.
-            if let Err(e) = proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps)).await
+            if let Err(e) =
+                proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps), service_metrics)
+                    .await
             {
                 tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
             }

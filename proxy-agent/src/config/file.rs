@@ -87,6 +87,7 @@ pub(super) struct EbpfSection {
     pub(super) bpf_log_level: Option<String>,
     pub(super) service_proxy_name: Option<String>,
     pub(super) debug_bind_address: Option<String>,
+    pub(super) service_metrics: Option<bool>,
     pub(super) masquerade_port_range: Option<String>,
     pub(super) api_server: Option<String>,
     pub(super) node_port_range: Option<String>,

@@ -153,6 +153,9 @@ pub struct Config {
     /// An extra debug endpoint (model, view, watch); empty (the default) disables it: a
     /// loopback metrics address serves the same views (one that is not serves none).
     pub debug_bind_address: String,
+    /// Per-Service series (`proxy_agent_service_*`) on every metrics address
+    /// (`ebpf.serviceMetrics`); by default only where the object views are served.
+    pub service_metrics: bool,
 }
 
 impl Default for Config {
@@ -187,6 +190,7 @@ impl Default for Config {
             service_proxy_name: None,
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
             debug_bind_address: String::new(),
+            service_metrics: false,
         }
     }
 }
@@ -433,6 +437,9 @@ impl Config {
             cfg.service_proxy_name = e.service_proxy_name;
             if let Some(v) = e.debug_bind_address {
                 cfg.debug_bind_address = v;
+            }
+            if let Some(v) = e.service_metrics {
+                cfg.service_metrics = v;
             }
             cfg.api_server = e.api_server.filter(|s| !s.is_empty());
             if let Some(v) = e.node_port_range {

@@ -7,9 +7,10 @@
 //!
 //! The client is kube's, with what client-go has and kube lacks layered on: a token file
 //! read trimmed and again when it rotates (`token`), Retry-After honoured (`retry_after`),
-//! a cap on one watch event (`event_cap`); and `ApiCounters`, what went wrong, by kind.
+//! caps on one watch event and one list page (`answer_cap`); and `ApiCounters`, what went
+//! wrong, by kind.
 
-mod event_cap;
+mod answer_cap;
 mod retry_after;
 mod token;
 
@@ -22,7 +23,9 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-pub use event_cap::{EventTooLarge, MAX_EVENT_BYTES};
+pub use answer_cap::{
+    AnswerCaps, EventTooLarge, ListPageTooLarge, MAX_EVENT_BYTES, MAX_LIST_PAGE_BYTES,
+};
 pub use retry_after::{MAX_RETRIES, MAX_WAIT};
 
 /// What went wrong talking to the API server, as a metric label: a bounded set.
@@ -38,6 +41,8 @@ pub enum ApiErrorKind {
     WatchStream,
     /// A watch event over `MAX_EVENT_BYTES`.
     EventTooLarge,
+    /// A list page over `MAX_LIST_PAGE_BYTES`.
+    ListTooLarge,
     /// A list without a resourceVersion.
     NoResourceVersion,
     /// A 429 or 5xx with Retry-After, sent again after the wait.
@@ -52,6 +57,7 @@ impl ApiErrorKind {
             Self::Watch => "watch",
             Self::WatchStream => "watch_stream",
             Self::EventTooLarge => "event_too_large",
+            Self::ListTooLarge => "list_too_large",
             Self::NoResourceVersion => "no_resource_version",
             Self::RetryAfter => "retry_after",
         }
@@ -154,8 +160,18 @@ pub fn find_in_chain<'a, T: std::error::Error + 'static>(
 }
 
 /// The API client for `config`: kube's, with a token file read as client-go reads it, and
-/// Retry-After and the watch-event cap layered on; `counters` counts what goes wrong.
-pub fn client(mut config: kube::Config, counters: &ApiCounters) -> Result<kube::Client> {
+/// Retry-After and the caps on a watch event and a list page layered on; `counters`
+/// counts what goes wrong.
+pub fn client(config: kube::Config, counters: &ApiCounters) -> Result<kube::Client> {
+    client_with_caps(config, counters, AnswerCaps::default())
+}
+
+/// `client` with other caps (tests: a huge page without megabytes of objects).
+pub fn client_with_caps(
+    mut config: kube::Config,
+    counters: &ApiCounters,
+    caps: AnswerCaps,
+) -> Result<kube::Client> {
     // kube reads a token file verbatim (a trailing newline made a header that could not
     // be sent) and caches it a minute; ours replaces it. Only where kube would have used
     // it: an inline token, a password or an auth provider comes first.
@@ -173,7 +189,7 @@ pub fn client(mut config: kube::Config, counters: &ApiCounters) -> Result<kube::
         kube::client::ClientBuilder::try_from(config).context("building the API client")?;
     Ok(builder
         .with_layer(&token::TokenLayer(token))
-        .with_layer(&event_cap::EventCapLayer(MAX_EVENT_BYTES))
+        .with_layer(&answer_cap::AnswerCapLayer(caps))
         .with_layer(&retry_after::RetryAfterLayer(counters.clone()))
         .build())
 }

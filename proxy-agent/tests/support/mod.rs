@@ -9,6 +9,19 @@ pub mod tc_harness;
 
 /// Cases per property: `PROXY_FUZZ_CASES` (the long run, `cargo xtask fuzz`), else
 /// `default` (a few seconds, for every `cargo xtask test`). `PROPTEST_RNG_SEED` replays a run.
+/// `fuzz_config` for costlier properties: `default` cases, or the long run's divided by
+/// `divisor`.
+pub fn fuzz_config_scaled(default: u32, divisor: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROXY_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .map_or(default, |n| (n / divisor.max(1)).max(1));
+    proptest::test_runner::Config {
+        cases,
+        ..fuzz_config(default)
+    }
+}
+
 pub fn fuzz_config(default: u32) -> proptest::test_runner::Config {
     let cases = std::env::var("PROXY_FUZZ_CASES")
         .ok()

@@ -63,8 +63,14 @@ struct Scale {
     xdp: bench::xdp::XdpPerPacket,
     /// Connection rate, latency, per contender (means over rounds).
     wrk: BTreeMap<String, WrkResult>,
-    /// Connection rate as a ratio to direct.
+    /// Connection rate as a ratio to direct: the median of the rounds' ratios.
     ratio: BTreeMap<String, f64>,
+    /// The rounds' ratios' range (min, max).
+    ratio_range: BTreeMap<String, (f64, f64)>,
+    /// The load average before each round.
+    load: Vec<String>,
+    /// Rounds where the direct path was slower than a proxied one.
+    warnings: Vec<String>,
     /// Milliseconds to program every Service / to apply one endpoint change.
     program_all_ms: BTreeMap<String, f64>,
     one_change_ms: BTreeMap<String, f64>,
@@ -152,10 +158,9 @@ fn bed(contender: Contender, n: usize, work: &Path, scale: &mut Scale) -> Result
     match contender {
         Contender::Direct => {}
         Contender::ConnectTime | Contender::PerPacket => {
-            tb.write_manifests(&BTreeMap::from([(
-                "services.yaml",
-                bench::manifests(&svcs),
-            )]))?;
+            // Files of 10k Services: one file of 100k passed the file source's limit.
+            let files = bench::manifest_files(&svcs);
+            tb.write_manifests(&files.iter().map(|(k, v)| (k.as_str(), v.clone())).collect())?;
             let t = Instant::now();
             let path = if contender == Contender::ConnectTime {
                 Path_::ConnectTime
@@ -277,9 +282,9 @@ fn main() -> Result<()> {
     unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
     test_support::require_root("the benchmark")?;
     let (scales, secs, rounds, runs): (Vec<usize>, u32, u32, u32) = if args.quick {
-        (vec![1, 100], 1, 1, 2_000)
+        (vec![1, 100], 1, 5, 2_000)
     } else {
-        (vec![1, 1_000, 10_000, 100_000], 5, 2, 200_000)
+        (vec![1, 1_000, 10_000, 100_000], 5, 5, 200_000)
     };
     std::fs::create_dir_all(&args.out)?;
     if args.per_packet_only {
@@ -319,13 +324,25 @@ fn main() -> Result<()> {
             beds.push(bed(c, n, &work, &mut scale).with_context(|| format!("{c:?} at {n}"))?);
         }
         let mut sums: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
-        for _ in 0..rounds {
-            for b in &beds {
+        let mut per_round = Vec::new();
+        // Interleaved: every contender once per round, the order reversed every other
+        // round, so a slow spell of the machine falls on all of them.
+        for round in 0..rounds {
+            scale.load.push(bench::load_average());
+            let mut this_round = BTreeMap::new();
+            let order: Vec<&Bed> = if round % 2 == 0 {
+                beds.iter().collect()
+            } else {
+                beds.iter().rev().collect()
+            };
+            for b in order {
                 let r = wrk(b, secs).with_context(|| format!("{:?} at {n}", b.contender))?;
+                this_round.insert(format!("{:?}", b.contender), r.requests_per_s);
                 sums.entry(format!("{:?}", b.contender))
                     .or_default()
                     .push(r);
             }
+            per_round.push(this_round);
         }
         for (name, rs) in sums {
             let k = rs.len() as f64;
@@ -337,12 +354,13 @@ fn main() -> Result<()> {
             };
             scale.wrk.insert(name, mean);
         }
-        let direct = scale.wrk.get("Direct").map_or(1.0, |r| r.requests_per_s);
-        scale.ratio = scale
-            .wrk
+        let (summary, warnings) = bench::ratio_summary(&per_round, "Direct");
+        scale.ratio = summary.iter().map(|(k, r)| (k.clone(), r.median)).collect();
+        scale.ratio_range = summary
             .iter()
-            .map(|(k, r)| (k.clone(), r.requests_per_s / direct))
+            .map(|(k, r)| (k.clone(), (r.min, r.max)))
             .collect();
+        scale.warnings = warnings;
         drop(beds);
         print_scale(&scale);
         results.push(scale);
@@ -447,19 +465,28 @@ fn print_schedulers(costs: &schedulers::SchedulerCosts, rebuilds: &[maglev::Magl
 }
 
 fn print_scale(s: &Scale) {
-    println!("\n{} Services", s.services);
     println!(
-        "  {:<14} {:>10} {:>7} {:>9} {:>9}",
-        "contender", "conn/s", "ratio", "p50 ms", "p99 ms"
+        "\n{} Services (load average before each round: {})",
+        s.services,
+        s.load.join(" | ")
+    );
+    println!(
+        "  {:<14} {:>10} {:>7} {:>13} {:>9} {:>9}",
+        "contender", "conn/s", "ratio", "rounds' range", "p50 ms", "p99 ms"
     );
     for (k, r) in &s.wrk {
+        let (lo, hi) = s.ratio_range.get(k).copied().unwrap_or_default();
         println!(
-            "  {k:<14} {:>10.0} {:>7.2} {:>9.3} {:>9.3}",
+            "  {k:<14} {:>10.0} {:>7.2} {:>13} {:>9.3} {:>9.3}",
             r.requests_per_s,
             s.ratio.get(k).copied().unwrap_or(0.0),
+            format!("{lo:.2}–{hi:.2}"),
             r.p50_ms,
             r.p99_ms
         );
+    }
+    for w in &s.warnings {
+        println!("  WARNING: {w}");
     }
     print_per_packet(s);
     for (k, v) in &s.program_all_ms {

@@ -7,6 +7,11 @@
 //! One testbed, one agent carrying both the cgroup hooks (on the testbed's cgroup) and
 //! the classifier (on the node's interfaces): clients in the cgroup take the connect-time
 //! path, clients outside it reach the node untranslated and take the per-packet path.
+//!
+//! The objects come from the fake API server (`--source api`, the default), which
+//! meanwhile throws faults at the agent on a schedule (`proxy_e2e::api_feed`); after each,
+//! the pinned maps must come to hold exactly what the server holds. `--source files`
+//! serves them from a folder, without faults.
 
 use std::{
     collections::BTreeMap,
@@ -24,9 +29,21 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use proxy_e2e::{
-    Attempt, Background, Path_, TCP_PORT, TCP_TARGET, Testbed, UDP_PORT, UDP_TARGET, VIP4, VIP6,
+    Attempt, Background, EMPTY_VIP4, Path_, TCP_PORT, TCP_TARGET, Testbed, UDP_PORT, UDP_TARGET,
+    VIP4, VIP6,
+    api_feed::{ApiFeed, Fault},
+    fake_apiserver::OldVersions,
     target, web_manifests,
 };
+
+/// Where the agent's objects come from.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Source {
+    /// The fake API server, with faults on a schedule.
+    Api,
+    /// A folder of manifests, no faults.
+    Files,
+}
 
 #[derive(Parser)]
 struct Args {
@@ -46,12 +63,36 @@ struct Args {
     /// Also put every endpoint change on the timeline (stderr).
     #[arg(long)]
     verbose: bool,
+    /// Where the objects come from.
+    #[arg(long, value_enum, default_value_t = Source::Api)]
+    source: Source,
+    /// Seconds between API-server faults (`--source api`).
+    #[arg(long, default_value_t = 20)]
+    fault_secs: u64,
 }
 
 /// A second Service whose endpoints change at every churn step (IPv4, TCP and UDP).
 const BUSY_VIP4: &str = "10.96.0.11";
 /// web (2 families × 2 ports) + empty + busy (2 ports).
 const FRONTENDS: usize = 7;
+/// With the API server, a Service without endpoints (TCP 80) is replaced by the next of
+/// these at each fault: the change each fault must not lose, and the one it must not
+/// leave behind (never the one before, so a stale map cannot pass for a fresh one). No
+/// client uses them.
+const EXTRA_VIP4: [&str; 7] = [
+    "10.96.0.31",
+    "10.96.0.32",
+    "10.96.0.33",
+    "10.96.0.34",
+    "10.96.0.35",
+    "10.96.0.36",
+    "10.96.0.37",
+];
+/// The node the agent is, as the API server has it.
+const NODE_NAME: &str = "soak-node";
+/// How long the maps may take to hold what the server holds once a fault ended: past the
+/// watchers' 30 s backoff cap.
+const CONVERGE_WITHIN: Duration = Duration::from_secs(45);
 /// Idle gaps of the long-lived flows: past kube-proxy's unanswered TCP (60 s) and UDP
 /// (30 s) timeouts, which a flow that was answered must outlive.
 const KEEPALIVE_IDLE_MS: u64 = 65_000;
@@ -475,13 +516,187 @@ struct Soak {
     restarts: u64,
     /// The last log lines of agents already killed (the testbed keeps the current one's).
     old_logs: String,
+    /// The fake API server, with `--source api`.
+    api: Option<ApiFeed>,
+    /// Which of `EXTRA_VIP4` the objects hold.
+    extra: usize,
+    /// Faults injected and how each ended.
+    faults: FaultLog,
+}
+
+/// What the faults came to: per fault, how many, how many the maps converged after, the
+/// slowest convergence; and the differences left where they did not.
+#[derive(Default)]
+struct FaultLog {
+    by_fault: BTreeMap<Fault, (u64, u64, Duration)>,
+    stale: Vec<String>,
+    /// API errors and relists the agents killed so far counted.
+    api_errors: u64,
+    relists: u64,
+}
+
+/// Where the fault schedule is.
+enum Phase {
+    /// No fault on; the next is due at the schedule's time.
+    Quiet,
+    /// A lasting fault is on until `until`.
+    On { fault: Fault, until: Duration },
+    /// The fault is over: the maps must hold what the server holds by `deadline`.
+    Converging {
+        fault: Fault,
+        since: Instant,
+        deadline: Instant,
+        next_check: Instant,
+    },
+}
+
+/// This node as the API server has it: both families' addresses.
+fn node_manifest() -> String {
+    format!(
+        "apiVersion: v1
+kind: Node
+metadata: {{name: {NODE_NAME}, labels: {{kubernetes.io/hostname: {NODE_NAME}}}}}
+status:
+  addresses:
+  - {{type: InternalIP, address: {NODE4}}}
+  - {{type: InternalIP, address: \"{NODE6}\"}}
+"
+    )
+}
+
+/// A Service without endpoints on `vip`, TCP 80.
+fn extra_manifest(vip: &str) -> String {
+    format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: extra-{}, namespace: default}}
+spec:
+  clusterIP: {vip}
+  ports:
+  - {{name: http, protocol: TCP, port: {TCP_PORT}, targetPort: {TCP_TARGET}}}
+",
+        vip.replace('.', "-")
+    )
 }
 
 impl Soak {
-    fn write_endpoints(&mut self) -> Result<()> {
+    /// The objects as they should be now (name → YAML).
+    fn files(&self) -> BTreeMap<&'static str, String> {
         let mut files = web_manifests(&members(self.web), None);
         files.insert("busy.yaml", busy_manifest(self.busy));
-        self.tb.write_manifests(&files)?;
+        if self.api.is_some() {
+            files.insert("extra.yaml", extra_manifest(EXTRA_VIP4[self.extra]));
+            // The node's own object, which a restore must keep too.
+            files.insert("node.yaml", node_manifest());
+        }
+        files
+    }
+
+    fn frontends(&self) -> usize {
+        FRONTENDS + usize::from(self.api.is_some())
+    }
+
+    /// What the pinned service map must hold: "frontend/PROTO" → its backends, sorted.
+    fn expected_maps(&self) -> BTreeMap<String, Vec<String>> {
+        let backends = |set: u8, addr: fn(usize) -> String, port: u16| -> Vec<String> {
+            let mut v: Vec<String> = members(set)
+                .into_iter()
+                .map(|i| target(&addr(i), port))
+                .collect();
+            v.sort();
+            v
+        };
+        let mut m = BTreeMap::new();
+        for (vip, addr) in [
+            (VIP4, Testbed::backend_ip4 as fn(usize) -> String),
+            (VIP6, Testbed::backend_ip6),
+        ] {
+            m.insert(
+                format!("{}/TCP", target(vip, TCP_PORT)),
+                backends(self.web, addr, TCP_TARGET),
+            );
+            m.insert(
+                format!("{}/UDP", target(vip, UDP_PORT)),
+                backends(self.web, addr, UDP_TARGET),
+            );
+        }
+        m.insert(format!("{}/TCP", target(EMPTY_VIP4, TCP_PORT)), Vec::new());
+        for (port, to, proto) in [(TCP_PORT, TCP_TARGET, "TCP"), (UDP_PORT, UDP_TARGET, "UDP")] {
+            m.insert(
+                format!("{}/{proto}", target(BUSY_VIP4, port)),
+                backends(self.busy, Testbed::backend_ip4, to),
+            );
+        }
+        if self.api.is_some() {
+            m.insert(
+                format!("{}/TCP", target(EXTRA_VIP4[self.extra], TCP_PORT)),
+                Vec::new(),
+            );
+        }
+        m
+    }
+
+    /// How the pinned service map differs from what it must hold ("" when it does not).
+    fn maps_differ(&self) -> Result<String> {
+        let dump = self.tb.dump()?;
+        let mut held = BTreeMap::new();
+        for row in dump["services"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
+            let key = format!(
+                "{}/{}",
+                row["frontend"].as_str().unwrap_or(""),
+                row["protocol"].as_str().unwrap_or("")
+            );
+            let mut backends: Vec<String> = row["backends"]
+                .as_array()
+                .map(|b| {
+                    b.iter()
+                        .filter_map(|v| v.as_str().map(String::from))
+                        .collect()
+                })
+                .unwrap_or_default();
+            backends.sort();
+            held.insert(key, backends);
+        }
+        let expected = self.expected_maps();
+        let mut diff = Vec::new();
+        for (k, want) in &expected {
+            match held.get(k) {
+                None => diff.push(format!("{k} missing")),
+                Some(got) if got != want => diff.push(format!("{k} has {got:?}, not {want:?}")),
+                Some(_) => {}
+            }
+        }
+        for k in held.keys().filter(|k| !expected.contains_key(*k)) {
+            diff.push(format!("{k} stale"));
+        }
+        Ok(diff.join("; "))
+    }
+
+    /// Injects `fault` (each also swaps the extra Service, the change it must carry).
+    fn inject(&mut self, fault: Fault) -> Result<()> {
+        self.extra = (self.extra + 1) % EXTRA_VIP4.len();
+        let files = self.files();
+        let api = self.api.as_mut().context("faults need the API server")?;
+        api.inject(fault);
+        match fault {
+            Fault::RestoreTooLarge => api.restore(&files, OldVersions::TooLarge)?,
+            Fault::RestoreGone => api.restore(&files, OldVersions::Gone)?,
+            _ => api.publish(&files)?,
+        }
+        eprintln!("t={:.1}s API fault: {}", t(Instant::now()), fault.name());
+        Ok(())
+    }
+
+    fn write_endpoints(&mut self) -> Result<()> {
+        let files = self.files();
+        match &mut self.api {
+            Some(api) => api.publish(&files)?,
+            None => self.tb.write_manifests(&files)?,
+        }
         let now = Instant::now();
         let mut m = self.membership.lock().unwrap_or_else(|e| e.into_inner());
         for (svc, set) in [("web", self.web), ("busy", self.busy)] {
@@ -496,8 +711,9 @@ impl Soak {
 
     fn start_agent(&mut self) -> Result<()> {
         let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        let frontends = self.frontends();
         self.tb
-            .start_agent_with(Path_::ConnectTime, FRONTENDS, &args)?;
+            .start_agent_with(Path_::ConnectTime, frontends, &args)?;
         // Up means serving: the metrics listener answers.
         let deadline = Instant::now() + Duration::from_secs(20);
         while http_get(&self.tb.node_ns(), "/metrics").is_err() {
@@ -515,6 +731,8 @@ impl Soak {
     fn restart_agent(&mut self, fill: &mut Fill) -> Result<()> {
         if let Ok(text) = http_get(&self.tb.node_ns(), "/metrics") {
             fill.sample(&text);
+            self.faults.api_errors += metric_sum(&text, "api_errors_total");
+            self.faults.relists += metric_sum(&text, "api_relists_total");
         }
         fill.agent_gone();
         self.tb.kill_agent()?;
@@ -553,7 +771,14 @@ fn main() -> Result<()> {
         "kube-proxy.yaml",
         "kind: KubeProxyConfiguration\niptables:\n  masqueradeAll: true\n",
     )?;
-    let agent_args = vec![
+    let api = match args.source {
+        Source::Api => Some(ApiFeed::start_in(&PathBuf::from(format!(
+            "/run/netns/{}",
+            tb.node_ns()
+        )))?),
+        Source::Files => None,
+    };
+    let mut agent_args = vec![
         "--interfaces".to_string(),
         tb.node_interfaces().join(","),
         "--config".into(),
@@ -563,6 +788,17 @@ fn main() -> Result<()> {
         "--node-ip".into(),
         NODE6.into(),
     ];
+    if let Some(api) = &api {
+        let kubeconfig = tb.write_file("kubeconfig", &api.kubeconfig())?;
+        agent_args.extend([
+            "--source".into(),
+            "kube".into(),
+            "--kubeconfig".into(),
+            kubeconfig.to_string_lossy().into_owned(),
+            "--node-name".into(),
+            NODE_NAME.into(),
+        ]);
+    }
     let mut soak = Soak {
         tb,
         agent_args,
@@ -572,6 +808,9 @@ fn main() -> Result<()> {
         changes: 0,
         restarts: 0,
         old_logs: String::new(),
+        api,
+        extra: 0,
+        faults: FaultLog::default(),
     };
     soak.write_endpoints()?;
     soak.changes = 0;
@@ -660,14 +899,19 @@ fn main() -> Result<()> {
     }
     eprintln!(
         "soak: testbed {} (namespaces {}, {}, ...): {} clients on both paths for {:.1} min; \
-         endpoints change every {} s, the agent restarts every {} s",
+         endpoints change every {} s, the agent restarts every {} s{}",
         soak.tb.id,
         soak.tb.client_ns(),
         soak.tb.node_ns(),
         workers.len(),
         args.minutes,
         args.churn_secs,
-        args.restart_secs
+        args.restart_secs,
+        if soak.api.is_some() {
+            format!(", an API-server fault every {} s", args.fault_secs)
+        } else {
+            String::new()
+        }
     );
 
     let mut fill = Fill::default();
@@ -677,11 +921,29 @@ fn main() -> Result<()> {
     let restart = Duration::from_secs(args.restart_secs.max(1));
     let (mut next_churn, mut next_restart, mut next_sample) =
         (churn, restart, Duration::from_secs(5));
+    let fault_every = Duration::from_secs(args.fault_secs.max(1));
+    let mut next_fault = fault_every / 2;
+    let mut schedule = Fault::SCHEDULE.iter().copied().cycle();
+    let mut phase = Phase::Quiet;
     let mut step = 0u64;
     let mut error = None;
     while start.elapsed() < run_for && !STOP.load(Ordering::SeqCst) {
         let now = start.elapsed();
-        let result = if now >= next_restart {
+        // While a fault is on or its convergence is awaited, no restart and no churn: what
+        // reaches the maps then is the fault's own change, checked exactly; endpoint
+        // changes the agent learned late would make losses the timeline cannot judge.
+        let result = if soak.api.is_some() && !matches!(phase, Phase::Quiet) {
+            step_fault(&mut soak, &mut phase, now)
+        } else if soak.api.is_some() && now >= next_fault {
+            next_fault = now + fault_every;
+            let fault = schedule.next().unwrap_or(Fault::WatchDrop);
+            soak.faults.by_fault.entry(fault).or_default().0 += 1;
+            phase = Phase::On {
+                fault,
+                until: now + fault.lasts(),
+            };
+            soak.inject(fault)
+        } else if now >= next_restart {
             next_restart += restart;
             soak.restart_agent(&mut fill)
         } else if now >= next_churn {
@@ -718,10 +980,29 @@ fn main() -> Result<()> {
             break;
         }
     }
+    // A fault still on ends here, and its convergence is awaited like the others'.
+    if let Phase::On { fault, .. } = phase
+        && let Some(api) = &mut soak.api
+    {
+        api.end(fault);
+        phase = Phase::On {
+            fault,
+            until: Duration::ZERO,
+        };
+    }
+    while error.is_none() && !matches!(phase, Phase::Quiet) && !STOP.load(Ordering::SeqCst) {
+        if let Err(e) = step_fault(&mut soak, &mut phase, start.elapsed()) {
+            error = Some(e);
+        }
+    }
     let ran = start.elapsed();
+    // Nothing stale remains: the maps hold what the source holds, at the end as after
+    // every fault.
+    let final_diff = wait_converged(&soak, Instant::now() + Duration::from_secs(20));
     if let Ok(text) = http_get(&soak.tb.node_ns(), "/metrics") {
         fill.sample(&text);
     }
+    let api_metrics = http_get(&soak.tb.node_ns(), "/metrics").unwrap_or_default();
     // Stop the clients; their readers end with their output.
     drop(kill);
     let mut results = Vec::new();
@@ -745,7 +1026,8 @@ fn main() -> Result<()> {
         eprintln!("{}", soak.tb.agent_log());
         return Err(e);
     }
-    let failed = report(&soak, &results, &fill, &dump, ran);
+    let mut failed = report(&soak, &results, &fill, &dump, ran);
+    failed += report_faults(&soak, &api_metrics, final_diff);
     if STOP.load(Ordering::SeqCst) {
         bail!("interrupted after {:.0} s", ran.as_secs_f64());
     }
@@ -915,6 +1197,145 @@ fn report(
     println!("connect-time socket state (SOCK_LB) once the clients stopped: {sockets} entries");
     if sockets > 16 {
         println!("  FAILED: socket state outlives its sockets");
+        failed += 1;
+    }
+    failed
+}
+
+/// Moves the fault schedule on: ends a lasting fault when due, then checks the maps every
+/// half second until they hold what the server holds or the deadline passes.
+fn step_fault(soak: &mut Soak, phase: &mut Phase, now: Duration) -> Result<()> {
+    match *phase {
+        Phase::Quiet => {}
+        Phase::On { fault, until } => {
+            if now < until {
+                thread::sleep(Duration::from_millis(100));
+                return Ok(());
+            }
+            if let Some(api) = &mut soak.api {
+                api.end(fault);
+            }
+            let since = Instant::now();
+            *phase = Phase::Converging {
+                fault,
+                since,
+                deadline: since + CONVERGE_WITHIN,
+                next_check: since,
+            };
+        }
+        Phase::Converging {
+            fault,
+            since,
+            deadline,
+            next_check,
+        } => {
+            let at = Instant::now();
+            if at < next_check {
+                thread::sleep(next_check - at);
+                return Ok(());
+            }
+            let diff = soak.maps_differ()?;
+            let entry = soak.faults.by_fault.entry(fault).or_default();
+            if diff.is_empty() {
+                entry.1 += 1;
+                entry.2 = entry.2.max(since.elapsed());
+                eprintln!(
+                    "t={:.1}s the maps hold what the server holds, {:.1} s after the {}",
+                    t(Instant::now()),
+                    since.elapsed().as_secs_f64(),
+                    fault.name()
+                );
+                *phase = Phase::Quiet;
+            } else if at >= deadline {
+                eprintln!(
+                    "t={:.1}s FAILED stale maps {:.0} s after the {}: {diff}",
+                    t(at),
+                    CONVERGE_WITHIN.as_secs_f64(),
+                    fault.name()
+                );
+                soak.faults
+                    .stale
+                    .push(format!("after the {}: {diff}", fault.name()));
+                *phase = Phase::Quiet;
+            } else if let Phase::Converging { next_check, .. } = phase {
+                *next_check = at + Duration::from_millis(500);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Waits until the maps hold what the source holds; the difference left at `deadline`.
+fn wait_converged(soak: &Soak, deadline: Instant) -> String {
+    loop {
+        let diff = soak
+            .maps_differ()
+            .unwrap_or_else(|e| format!("dump failed: {e:#}"));
+        if diff.is_empty() || Instant::now() >= deadline {
+            return diff;
+        }
+        thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The sum of every series of `proxy_agent_<name>` (any labels).
+fn metric_sum(text: &str, name: &str) -> u64 {
+    let full = format!("proxy_agent_{name}");
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(&full)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
+/// Prints the faults and the final check; returns the failures among them.
+fn report_faults(soak: &Soak, metrics: &str, final_diff: String) -> u64 {
+    let mut failed = 0;
+    if let Some(api) = &soak.api {
+        let injected: u64 = soak.faults.by_fault.values().map(|f| f.0).sum();
+        println!("\nAPI-server faults injected: {injected}");
+        println!(
+            "  {:<30} {:>8} {:>10} {:>14}",
+            "fault", "injected", "converged", "slowest (s)"
+        );
+        for (fault, (n, ok, slowest)) in &soak.faults.by_fault {
+            println!(
+                "  {:<30} {n:>8} {ok:>10} {:>14.1}",
+                fault.name(),
+                slowest.as_secs_f64()
+            );
+        }
+        let s = &api.server;
+        let lists: u64 = ["services", "endpointslices", "nodes"]
+            .iter()
+            .map(|r| s.lists_served(r))
+            .sum();
+        let codes = |code: u16| -> usize {
+            ["services", "endpointslices", "nodes"]
+                .iter()
+                .map(|r| s.served(r).iter().filter(|x| x.code == code).count())
+                .sum()
+        };
+        println!(
+            "  the server served {lists} lists and answered {} requests 504 (RV too large) and \
+             {} 410; the agents counted {} API errors and {} relists",
+            codes(504),
+            codes(410),
+            soak.faults.api_errors + metric_sum(metrics, "api_errors_total"),
+            soak.faults.relists + metric_sum(metrics, "api_relists_total"),
+        );
+        for stale in &soak.faults.stale {
+            println!("  FAILED: stale maps {stale}");
+            failed += 1;
+        }
+    }
+    if final_diff.is_empty() {
+        println!("at the end the maps hold exactly what the source holds");
+    } else {
+        println!("  FAILED: at the end the maps differ from the source: {final_diff}");
         failed += 1;
     }
     failed

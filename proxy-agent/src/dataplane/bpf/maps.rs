@@ -15,6 +15,27 @@ use proxy_common::{
     map_names,
 };
 
+/// Each pinned map's memory as the kernel charges it (`memlock` of the map's fdinfo, in
+/// bytes), by name, for the maps of `dir` that are there.
+pub fn memory(dir: &Path) -> Vec<(&'static str, u64)> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    map_names::ALL
+        .iter()
+        .filter_map(|name| {
+            let data = MapData::from_pin(dir.join(name)).ok()?;
+            let fd = data.fd().as_fd().as_raw_fd();
+            let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+            let bytes = info
+                .lines()
+                .find_map(|l| l.strip_prefix("memlock:"))?
+                .trim()
+                .parse()
+                .ok()?;
+            Some((*name, bytes))
+        })
+        .collect()
+}
+
 /// Whether a lookup or removal failed only because the key is not there (aya reports
 /// it as `KeyNotFound`, or as the syscall's ENOENT).
 pub fn is_absent(e: &MapError) -> bool {

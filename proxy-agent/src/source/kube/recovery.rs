@@ -12,6 +12,9 @@
 //!   and deleted Services stayed programmed. A fresh watcher lists from "" (a quorum read).
 //! - **A watch event over the cap** (`api_server::EventTooLarge`) also relists: the event is
 //!   lost, and watching on from before it would fetch it again.
+//! - **A list page over the cap** (`api_server::ListPageTooLarge`) lists again in pages a
+//!   tenth the size (down to one object): legal objects can fill a page past it, and only
+//!   an object past the cap by itself stays refused.
 //!
 //! Every error is logged with its whole chain and counted by resource, kind and status;
 //! every list after the first is counted as a relist.
@@ -25,7 +28,7 @@ use tokio::time::Instant;
 
 use super::MAX_LOGGED_ERROR;
 use crate::source::api_server::{
-    ApiCounters, ApiErrorKind, EventTooLarge, error_chain, find_in_chain,
+    ApiCounters, ApiErrorKind, EventTooLarge, ListPageTooLarge, error_chain, find_in_chain,
 };
 
 /// client-go's reflector backoff: 800 ms doubling to 30 s, reset after 2 quiet minutes.
@@ -52,6 +55,16 @@ impl Default for Backoff {
 }
 
 impl Backoff {
+    /// A backoff from `initial` doubling to `max` (tests and the fuzzer: milliseconds),
+    /// reset after client-go's quiet while.
+    pub fn with_delays(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max,
+            ..Self::default()
+        }
+    }
+
     /// The wait after an error at `now`; `jitter` in [0, 1) takes up to half of it off, so
     /// a thousand nodes do not come back in step.
     pub fn next(&mut self, now: Instant, jitter: f64) -> Duration {
@@ -78,6 +91,8 @@ pub struct Failure {
     /// The HTTP status, 0 when there was none.
     pub code: u16,
     pub relist: bool,
+    /// The page was too large: list in smaller ones.
+    pub smaller_pages: bool,
 }
 
 fn status_of(e: &kube::Error) -> u16 {
@@ -95,38 +110,41 @@ impl Failure {
             kind: ApiErrorKind::Watch,
             code,
             relist: code != 429,
+            smaller_pages: false,
+        };
+        let plain = |kind, code, relist| Self {
+            kind,
+            code,
+            relist,
+            smaller_pages: false,
         };
         match error {
+            watcher::Error::InitialListFailed(e)
+                if find_in_chain::<ListPageTooLarge>(e).is_some() =>
+            {
+                Self {
+                    kind: ApiErrorKind::ListTooLarge,
+                    code: 0,
+                    relist: true,
+                    smaller_pages: true,
+                }
+            }
             // kube-runtime lists again itself.
-            watcher::Error::InitialListFailed(e) => Self {
-                kind: ApiErrorKind::List,
-                code: status_of(e),
-                relist: false,
-            },
-            watcher::Error::WatchStartFailed(e) => Self {
-                kind: ApiErrorKind::WatchStart,
-                code: status_of(e),
-                relist: !matches!(status_of(e), 0 | 429),
-            },
+            watcher::Error::InitialListFailed(e) => plain(ApiErrorKind::List, status_of(e), false),
+            watcher::Error::WatchStartFailed(e) => plain(
+                ApiErrorKind::WatchStart,
+                status_of(e),
+                !matches!(status_of(e), 0 | 429),
+            ),
             watcher::Error::WatchError(r) => answered(r.code),
             // kube reads the watch request's error answer as a line of the stream.
             watcher::Error::WatchFailed(kube::Error::Api(r)) => answered(r.code),
-            watcher::Error::WatchFailed(e) if find_in_chain::<EventTooLarge>(e).is_some() => Self {
-                kind: ApiErrorKind::EventTooLarge,
-                code: 0,
-                relist: true,
-            },
+            watcher::Error::WatchFailed(e) if find_in_chain::<EventTooLarge>(e).is_some() => {
+                plain(ApiErrorKind::EventTooLarge, 0, true)
+            }
             // A broken connection: kube watches again from where it was, as client-go.
-            watcher::Error::WatchFailed(_) => Self {
-                kind: ApiErrorKind::WatchStream,
-                code: 0,
-                relist: false,
-            },
-            watcher::Error::NoResourceVersion => Self {
-                kind: ApiErrorKind::NoResourceVersion,
-                code: 0,
-                relist: false,
-            },
+            watcher::Error::WatchFailed(_) => plain(ApiErrorKind::WatchStream, 0, false),
+            watcher::Error::NoResourceVersion => plain(ApiErrorKind::NoResourceVersion, 0, false),
         }
     }
 }
@@ -188,6 +206,17 @@ where
                     st.counters
                         .error(st.resource.label, failure.kind, failure.code);
                     let wait = st.backoff.next(Instant::now(), rand::random::<f64>());
+                    if failure.smaller_pages {
+                        let page = st.config.page_size.unwrap_or(500);
+                        let smaller = (page / 10).max(1);
+                        tracing::warn!(
+                            page,
+                            smaller,
+                            "{}: a list page passed the cap; listing in pages of {smaller}",
+                            st.resource.name
+                        );
+                        st.config.page_size = Some(smaller);
+                    }
                     if failure.relist {
                         st.inner = watcher(st.api.clone(), st.config.clone()).boxed();
                     }
@@ -289,5 +318,17 @@ mod tests {
             f(watcher::Error::InitialListFailed(api_error(500))),
             (K::List, 500, false)
         );
+        // A page past the cap: listed again from scratch, in smaller pages.
+        let big =
+            watcher::Error::InitialListFailed(kube::Error::Service(Box::new(ListPageTooLarge {
+                limit: 16,
+            })));
+        assert_eq!(f(big), (K::ListTooLarge, 0, true));
+        let big =
+            watcher::Error::InitialListFailed(kube::Error::Service(Box::new(ListPageTooLarge {
+                limit: 16,
+            })));
+        assert!(Failure::of(&big).smaller_pages);
+        assert!(!Failure::of(&watcher::Error::InitialListFailed(api_error(500))).smaller_pages);
     }
 }

@@ -1,8 +1,14 @@
-//! A cap on one watch event, as client-go's (16 MiB: its decoder's frame limit). kube reads
-//! a watch as lines with no limit, so a 400 MB line grew the agent by 442 MB. Here a watch
-//! answer's body fails, with `EventTooLarge`, as soon as a line passes the cap: kube's
-//! line reader has then buffered at most the cap and one chunk, and the watcher restarts
-//! that watch from a fresh list (`kube::recovery`).
+//! Caps on what one answer may hold. A watch event is capped as client-go caps it (16 MiB:
+//! its decoder's frame limit): kube reads a watch as lines with no limit, so a 400 MB line
+//! grew the agent by 442 MB. Here a watch answer's body fails, with `EventTooLarge`, as
+//! soon as a line passes the cap: kube's line reader has then buffered at most the cap and
+//! one chunk, and the watcher restarts that watch from a fresh list (`kube::recovery`).
+//!
+//! Any other answer (a list page) fails with `ListPageTooLarge` once its body passes 64
+//! MiB: kube reads a page whole, then parses it, with no limit. 500 objects of a legal
+//! size can pass that (EndpointSlices of 1,000 endpoints are ~250 KB), so the watcher
+//! lists again in smaller pages (`kube::recovery`); only one object past the cap stays
+//! refused.
 
 use std::{
     pin::Pin,
@@ -16,6 +22,34 @@ use tower::BoxError;
 
 /// client-go's limit on one watch event.
 pub const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
+
+/// The limit on one list page's body (any answer but a watch's).
+pub const MAX_LIST_PAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// A list page longer than the cap.
+#[derive(Debug, thiserror::Error)]
+#[error("a list page over {limit} bytes; it is not read")]
+pub struct ListPageTooLarge {
+    pub limit: usize,
+}
+
+/// The caps the client's answers are held to.
+#[derive(Clone, Copy, Debug)]
+pub struct AnswerCaps {
+    /// One watch event's line.
+    pub event_bytes: usize,
+    /// One list page's (any other answer's) body.
+    pub list_page_bytes: usize,
+}
+
+impl Default for AnswerCaps {
+    fn default() -> Self {
+        Self {
+            event_bytes: MAX_EVENT_BYTES,
+            list_page_bytes: MAX_LIST_PAGE_BYTES,
+        }
+    }
+}
 
 /// A watch event line longer than the cap.
 #[derive(Debug, thiserror::Error)]
@@ -35,25 +69,34 @@ fn is_watch<B>(request: &Request<B>) -> bool {
 }
 
 #[derive(Clone, Copy)]
-pub struct EventCapLayer(pub usize);
+pub struct AnswerCapLayer(pub AnswerCaps);
 
-impl<S> tower::Layer<S> for EventCapLayer {
-    type Service = EventCap<S>;
-    fn layer(&self, inner: S) -> EventCap<S> {
-        EventCap {
+impl<S> tower::Layer<S> for AnswerCapLayer {
+    type Service = AnswerCap<S>;
+    fn layer(&self, inner: S) -> AnswerCap<S> {
+        AnswerCap {
             inner,
-            limit: self.0,
+            caps: self.0,
         }
     }
 }
 
 #[derive(Clone)]
-pub struct EventCap<S> {
+pub struct AnswerCap<S> {
     inner: S,
-    limit: usize,
+    caps: AnswerCaps,
 }
 
-impl<S, ReqB, B> tower::Service<Request<ReqB>> for EventCap<S>
+/// What a body is held to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cap {
+    /// Each line (a watch event).
+    Line(usize),
+    /// The whole body (a list page).
+    Body(usize),
+}
+
+impl<S, ReqB, B> tower::Service<Request<ReqB>> for AnswerCap<S>
 where
     S: tower::Service<Request<ReqB>, Response = Response<B>>,
     S::Future: Send + 'static,
@@ -70,13 +113,17 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        let limit = is_watch(&request).then_some(self.limit);
+        let cap = if is_watch(&request) {
+            Cap::Line(self.caps.event_bytes)
+        } else {
+            Cap::Body(self.caps.list_page_bytes)
+        };
         let answer = self.inner.call(request);
         Box::pin(async move {
             let response = answer.await?;
             Ok(response.map(|inner| Capped {
                 inner,
-                limit,
+                cap,
                 line: 0,
                 failed: false,
             }))
@@ -84,16 +131,23 @@ where
     }
 }
 
-/// A body whose lines may not pass `limit` bytes (no limit: passed through).
+/// A body held to its cap.
 pub struct Capped<B> {
     inner: B,
-    limit: Option<usize>,
-    /// Bytes of the line under way, since the last newline.
+    cap: Cap,
+    /// Bytes of the line under way, since the last newline (`Cap::Line`), or of the body
+    /// so far (`Cap::Body`).
     line: usize,
     failed: bool,
 }
 
 impl<B> Capped<B> {
+    /// Counts `data` into the body; `false` once it passes `limit`.
+    fn body_fits(&mut self, data: &[u8], limit: usize) -> bool {
+        self.line = self.line.saturating_add(data.len());
+        self.line <= limit
+    }
+
     /// Counts `data` into the line under way; `false` once a line passes the limit.
     fn fits(&mut self, data: &[u8], limit: usize) -> bool {
         let mut rest = data;
@@ -131,11 +185,22 @@ where
             Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e.into()))),
             Poll::Ready(Some(Ok(frame))) => frame,
         };
-        if let (Some(limit), Some(data)) = (this.limit, frame.data_ref())
-            && !this.fits(data, limit)
-        {
-            this.failed = true;
-            return Poll::Ready(Some(Err(Box::new(EventTooLarge { limit }))));
+        // A cheap clone (a reference count): `fits` needs `this` mutably.
+        if let Some(data) = frame.data_ref().cloned() {
+            let cap = this.cap;
+            let error: Option<BoxError> = match cap {
+                Cap::Line(limit) if !this.fits(&data, limit) => {
+                    Some(Box::new(EventTooLarge { limit }))
+                }
+                Cap::Body(limit) if !this.body_fits(&data, limit) => {
+                    Some(Box::new(ListPageTooLarge { limit }))
+                }
+                _ => None,
+            };
+            if let Some(e) = error {
+                this.failed = true;
+                return Poll::Ready(Some(Err(e)));
+            }
         }
         Poll::Ready(Some(Ok(frame)))
     }
@@ -156,10 +221,21 @@ mod tests {
     fn capped(limit: usize) -> Capped<()> {
         Capped {
             inner: (),
-            limit: Some(limit),
+            cap: Cap::Line(limit),
             line: 0,
             failed: false,
         }
+    }
+
+    #[test]
+    fn a_list_page_may_hold_its_cap_across_chunks_and_no_more() {
+        let mut c = capped(10);
+        assert!(c.body_fits(b"0123\n", 10));
+        assert!(
+            c.body_fits(b"56789", 10),
+            "exactly the cap, newlines counted"
+        );
+        assert!(!c.body_fits(b"x", 10), "one byte past it");
     }
 
     #[test]
