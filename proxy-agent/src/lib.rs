@@ -14,6 +14,7 @@ pub mod netns;
 pub mod runner;
 pub mod source;
 pub mod trace;
+pub mod wire;
 
 // Selects rustls' crypto provider (ring) for the API client; nothing to call.
 use rustls as _;
