@@ -6,6 +6,7 @@
 pub mod config;
 pub mod dataplane;
 pub mod fanout;
+pub mod feed;
 pub mod health_check;
 pub mod http_server;
 pub mod kube_proxy_cleanup;

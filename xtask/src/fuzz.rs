@@ -1,5 +1,6 @@
 //! `cargo xtask fuzz [--cases N]`: the fuzzing property tests with many cases — the
-//! parsers (manifests into the node view, config, scenarios, `--packet`) and the packet
+//! parsers (manifests into the node view, config, scenarios, `--packet`, the feed's wire
+//! messages) and the packet
 //! fuzzer through the real classifiers (root). `cargo xtask test` runs the same tests with
 //! a few hundred cases each.
 
@@ -10,7 +11,7 @@ use anyhow::Result;
 use super::{STABLE, cargo, run};
 
 /// The fuzzing test targets of `proxy-agent`.
-const TARGETS: [&str; 2] = ["fuzz_parsers", "fuzz_packets"];
+const TARGETS: [&str; 3] = ["fuzz_parsers", "fuzz_packets", "fuzz_wire"];
 
 /// Runs every target with `cases` cases per property (`seed`: replay a run's
 /// `PROPTEST_RNG_SEED`), and prints how long each took.

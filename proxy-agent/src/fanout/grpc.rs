@@ -9,9 +9,7 @@ use tonic::{Request, Response, Status};
 use super::{Hub, mailbox::Drained, snapshot_ops};
 use crate::wire::v1::{self, node_feed_server::NodeFeed};
 
-/// How often an idle stream says it is alive (and at which revision): the agent counts
-/// its data as current while these arrive.
-pub const KEEPALIVE: Duration = Duration::from_secs(5);
+use crate::wire::KEEPALIVE;
 
 /// How the server learns who a client is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,30 +110,7 @@ async fn next_batch(hub: &Hub, mb: &super::mailbox::Mailbox, epoch: &str) -> v1:
     loop {
         let idle_at = match mb.drain() {
             Err(revision) => revision,
-            Ok(d) => {
-                let api_validated = hub.api_validated();
-                return match d {
-                    Drained::Snapshot(whole, after, revision) => {
-                        hub.count_snapshot();
-                        let mut ops = snapshot_ops(&whole);
-                        ops.extend(after.iter().map(|o| (**o).clone()));
-                        v1::Batch {
-                            snapshot: true,
-                            epoch: epoch.to_string(),
-                            revision,
-                            ops,
-                            api_validated,
-                        }
-                    }
-                    Drained::Ops(ops, revision) => v1::Batch {
-                        snapshot: false,
-                        epoch: epoch.to_string(),
-                        revision,
-                        ops: ops.iter().map(|o| (**o).clone()).collect(),
-                        api_validated,
-                    },
-                };
-            }
+            Ok(d) => return batch_of(hub, d, epoch),
         };
         tokio::select! {
             _ = mb.notify.notified() => {}
@@ -154,6 +129,32 @@ async fn next_batch(hub: &Hub, mb: &super::mailbox::Mailbox, epoch: &str) -> v1:
     }
 }
 
+/// A drained mailbox as the batch that carries it.
+pub fn batch_of(hub: &Hub, drained: Drained, epoch: &str) -> v1::Batch {
+    let api_validated = hub.api_validated();
+    match drained {
+        Drained::Snapshot(whole, after, revision) => {
+            hub.count_snapshot();
+            let mut ops = snapshot_ops(&whole);
+            ops.extend(after.iter().map(|o| (**o).clone()));
+            v1::Batch {
+                snapshot: true,
+                epoch: epoch.to_string(),
+                revision,
+                ops,
+                api_validated,
+            }
+        }
+        Drained::Ops(ops, revision) => v1::Batch {
+            snapshot: false,
+            epoch: epoch.to_string(),
+            revision,
+            ops: ops.iter().map(|o| (**o).clone()).collect(),
+            api_validated,
+        },
+    }
+}
+
 /// How long a client may take over its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -162,7 +163,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub async fn serve(
     listener: tokio::net::TcpListener,
     feed: Feed,
-    tls: Option<Arc<super::tls::Reloading>>,
+    tls: Option<Arc<crate::wire::tls::Reloading>>,
 ) -> anyhow::Result<()> {
     use anyhow::Context as _;
     let router = tonic::transport::Server::builder()

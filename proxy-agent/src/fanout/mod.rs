@@ -7,7 +7,6 @@
 
 pub mod grpc;
 pub mod mailbox;
-pub mod tls;
 
 use std::{
     collections::VecDeque,
