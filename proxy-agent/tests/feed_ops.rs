@@ -5,8 +5,6 @@
 //! resuming from a revision, a node past its bound getting a snapshot, another node's
 //! Node never reaching a node.
 
-use std::sync::Arc;
-
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;
 use prost::Message as _;
@@ -261,11 +259,10 @@ fn node_changes_reach_only_their_node_and_no_ops_reach_nobody() {
     });
     hub.publish(&world.snap);
     assert!(b.drain().is_err(), "n1 got n0's Node");
-    assert!(matches!(a.drain(), Ok(_)), "n0 did not get its Node");
+    assert!(a.drain().is_ok(), "n0 did not get its Node");
     // The same snapshot again (a heartbeat, a no-op update): nothing for anyone.
     hub.publish(&world.snap);
     assert!(a.drain().is_err() && b.drain().is_err());
-    let _ = Arc::clone(&hub);
 }
 
 /// The figures behind where the node view is computed (README, "Fan-out"): per-node

@@ -18,7 +18,8 @@ pub struct RunArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Where Services and EndpointSlices come from: `files`, `kube` (the API server), or
-    /// `server=ADDR[,ADDR…]` (`proxy-agent serve` replicas, any of which will do).
+    /// `server=ADDR[,ADDR…]` (`proxy-agent serve` replicas, any of which will do;
+    /// `server` alone: those of `ebpf.feed.servers`).
     #[arg(long, value_parser = SourceKind::parse, default_value = "files")]
     source: SourceKind,
     /// With `--source server=`: this node's client certificate (CN or SAN
@@ -153,6 +154,7 @@ impl SourceKind {
         match s {
             "files" => Ok(Self::Files),
             "kube" => Ok(Self::Kube),
+            "server" => Ok(Self::Server(Vec::new())),
             _ => {
                 let Some(list) = s.strip_prefix("server=") else {
                     return Err(format!(
@@ -289,14 +291,25 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let (tx, rx) = tokio::sync::watch::channel(None);
     match args.source.clone() {
         SourceKind::Server(servers) => {
-            let tls = args
-                .feed_cert
-                .clone()
-                .map(|cert| proxy_agent::wire::tls::TlsFiles {
+            let servers = if servers.is_empty() {
+                cfg.feed_servers.clone()
+            } else {
+                servers
+            };
+            anyhow::ensure!(
+                !servers.is_empty(),
+                "--source server names no server: give server=ADDR or ebpf.feed.servers"
+            );
+            let flags = args.feed_cert.clone().map(|cert| {
+                [
                     cert,
-                    key: args.feed_key.clone().unwrap_or_default(),
-                    ca: args.feed_ca.clone().unwrap_or_default(),
-                });
+                    args.feed_key.clone().unwrap_or_default(),
+                    args.feed_ca.clone().unwrap_or_default(),
+                ]
+            });
+            let tls = flags
+                .or_else(|| cfg.feed_tls.clone())
+                .map(|[cert, key, ca]| proxy_agent::wire::tls::TlsFiles { cert, key, ca });
             let link = status.clone();
             let opts = proxy_agent::feed::FeedOptions {
                 servers,
