@@ -1,8 +1,7 @@
 //! `cargo xtask fuzz [--cases N]`: the fuzzing property tests with many cases — the
 //! parsers (manifests into the node view, config, scenarios, `--packet`, the feed's wire
-//! messages) and the packet
-//! fuzzer through the real classifiers (root). `cargo xtask test` runs the same tests with
-//! a few hundred cases each.
+//! messages) and the packet fuzzer through the real classifiers (root). `cargo xtask
+//! test` runs the same tests with a few hundred cases each.
 
 use std::{path::Path, time::Instant};
 
