@@ -1,4 +1,6 @@
-//! Builds the BPF object with the pinned nightly (via aya-build) so the agent can embed it.
+//! Builds the BPF object with the pinned nightly (via aya-build) so the agent can embed it,
+//! and the node-view feed's gRPC code from its `.proto` (with a vendored protoc: a fresh
+//! machine needs no protobuf-compiler package).
 
 use std::{env, path::PathBuf};
 
@@ -23,6 +25,7 @@ fn main() -> anyhow::Result<()> {
     paths.extend(env::split_paths(&env::var_os("PATH").unwrap_or_default()));
     // SAFETY: build scripts are single-threaded at this point.
     unsafe { env::set_var("PATH", env::join_paths(paths)?) };
+    build_proto()?;
     println!("cargo::rerun-if-changed=../proxy-common/src");
     let ebpf_dir = root.join("proxy-ebpf");
     let ebpf_dir = ebpf_dir.to_str().context("utf-8 path")?;
@@ -34,4 +37,18 @@ fn main() -> anyhow::Result<()> {
         }],
         Toolchain::Custom(NIGHTLY),
     )
+}
+
+/// The feed's messages and service (`proxy.nodeview.v1`), into OUT_DIR.
+fn build_proto() -> anyhow::Result<()> {
+    let protoc = protoc_bin_vendored::protoc_bin_path().context("the vendored protoc")?;
+    // SAFETY: build scripts are single-threaded at this point.
+    unsafe { env::set_var("PROTOC", protoc) };
+    let proto = "proto/proxy/nodeview/v1/nodeview.proto";
+    println!("cargo::rerun-if-changed={proto}");
+    tonic_prost_build::configure()
+        // Labels in order: the same Node encodes to the same bytes.
+        .btree_map(".")
+        .compile_protos(&[proto], &["proto"])
+        .context("compiling the node-view feed's .proto")
 }

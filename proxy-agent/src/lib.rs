@@ -5,6 +5,8 @@
 
 pub mod config;
 pub mod dataplane;
+pub mod fanout;
+pub mod feed;
 pub mod health_check;
 pub mod http_server;
 pub mod kube_proxy_cleanup;
@@ -14,6 +16,7 @@ pub mod netns;
 pub mod runner;
 pub mod source;
 pub mod trace;
+pub mod wire;
 
 // Selects rustls' crypto provider (ring) for the API client; nothing to call.
 use rustls as _;

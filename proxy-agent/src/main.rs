@@ -29,6 +29,9 @@ struct Cli {
 enum Cmd {
     /// Load, attach and keep the BPF maps in step with the Services and EndpointSlices.
     Run(Box<cli::run::RunArgs>),
+    /// Watch Services, EndpointSlices and Nodes once and serve each node its part over
+    /// gRPC, for agents run with `--source server=ADDR,…` (KPNG's split).
+    Serve(Box<cli::serve::ServeArgs>),
     /// Show what the pinned maps hold (works while the agent is down) — with `--stats`,
     /// traffic per frontend and backend — or, from a running agent's debug endpoint, this
     /// node's view (`--view`) or the model (`--model`).
@@ -100,6 +103,12 @@ fn main() -> Result<()> {
             // Dropping the runtime would wait for every blocking task (a resolver's lookup
             // of the API server's name that hangs): the pinned programs serve on, nothing
             // is left to save, and SIGTERM must end the process.
+            runtime.shutdown_timeout(SHUTDOWN_GRACE);
+            result
+        }
+        Cmd::Serve(args) => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            let result = runtime.block_on(cli::serve::serve(*args));
             runtime.shutdown_timeout(SHUTDOWN_GRACE);
             result
         }

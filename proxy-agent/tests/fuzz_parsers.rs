@@ -889,6 +889,7 @@ fn check_api_answers(
                     Duration::from_millis(1),
                     Duration::from_millis(20),
                 ),
+                all_nodes: false,
             },
             tx,
         ));

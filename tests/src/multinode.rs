@@ -46,6 +46,8 @@ pub struct MultiNode {
     namespaces: Vec<String>,
     nodes: BTreeMap<&'static str, Node>,
     echoes: Vec<Child>,
+    /// `proxy-agent serve` replicas, by index (`None`: killed).
+    servers: Vec<Option<Child>>,
     manifests: PathBuf,
     bpffs: PathBuf,
 }
@@ -63,6 +65,7 @@ impl MultiNode {
             namespaces: Vec::new(),
             nodes: BTreeMap::new(),
             echoes: Vec::new(),
+            servers: Vec::new(),
         };
         tb.build()
             .with_context(|| format!("building multi-node testbed {}", tb.id))?;
@@ -242,6 +245,100 @@ impl MultiNode {
         Ok(())
     }
 
+    /// Starts a `proxy-agent serve` replica (number `idx`) on the manifests, in node
+    /// `node`'s namespace, listening on that node's address; returns the address.
+    pub fn start_server(&mut self, idx: usize, node: &str) -> Result<String> {
+        let addr = match node {
+            "node-a" => NODE_A,
+            "node-b" => NODE_B,
+            other => bail!("no node {other}"),
+        };
+        let listen = format!("{addr}:{}", 10270 + idx);
+        let ns = self.nodes.get(node).context("node")?.ns.clone();
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.root.join(format!("server{idx}.log")))?;
+        let child = Command::new(agent_bin())
+            .arg("--netns")
+            .arg(format!("/run/netns/{ns}"))
+            .args([
+                "serve",
+                "--source",
+                "files",
+                "--insecure",
+                "--listen",
+                &listen,
+            ])
+            .arg("--manifests")
+            .arg(&self.manifests)
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting a server")?;
+        if self.servers.len() <= idx {
+            self.servers.resize_with(idx + 1, || None);
+        }
+        self.servers[idx] = Some(child);
+        Ok(listen)
+    }
+
+    /// kill -9 of server `idx`.
+    pub fn kill_server(&mut self, idx: usize) {
+        if let Some(mut s) = self.servers.get_mut(idx).and_then(Option::take) {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+    }
+
+    /// Stops node `node`'s process group as SIGSTOP does (a stuck consumer) or lets it
+    /// go on (`stopped` false).
+    pub fn pause_agent(&self, node: &str, stopped: bool) -> Result<()> {
+        let agent = self
+            .nodes
+            .get(node)
+            .and_then(|n| n.agent.as_ref())
+            .context("no agent")?;
+        let sig = if stopped { "-STOP" } else { "-CONT" };
+        sh(&["kill", sig, &agent.id().to_string()])?;
+        Ok(())
+    }
+
+    pub fn server_log(&self, idx: usize) -> String {
+        fs::read_to_string(self.root.join(format!("server{idx}.log"))).unwrap_or_default()
+    }
+
+    /// The frontends in node `node`'s pinned service map.
+    pub fn frontends(&self, node: &str) -> Option<usize> {
+        let pins = self.bpffs.join(node);
+        let out = sh(&[
+            agent_bin().to_str()?,
+            "dump",
+            "--json",
+            "--bpffs",
+            pins.to_str()?,
+        ])
+        .ok()?;
+        let v = serde_json::from_str::<serde_json::Value>(&out).ok()?;
+        v["services"].as_array().map(Vec::len)
+    }
+
+    /// Waits until node `node` holds `frontends` frontends.
+    pub fn wait_frontends(&self, node: &str, frontends: usize, within: Duration) -> Result<()> {
+        let deadline = Instant::now() + within;
+        while self.frontends(node) != Some(frontends) {
+            if Instant::now() > deadline {
+                bail!(
+                    "{node} holds {:?} frontends, not {frontends}:\n{}",
+                    self.frontends(node),
+                    self.log(node)
+                );
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
     /// An XDP program that only passes (`xdp_pass`, native) on the LAN bridge's ports,
     /// the veth peers of the nodes' uplinks: frames a node's native XDP sends back out
     /// (`XDP_TX`) into a veth whose peer has only GRO's NAPI arrive late or not at all
@@ -289,8 +386,15 @@ impl MultiNode {
             .unwrap_or_else(|| panic!("counter {name}"))
     }
 
-    /// `start_agents` with more arguments for `proxy-agent run` (both agents).
+    /// `start_agents` with more arguments for `proxy-agent run` (both agents); with a
+    /// `--source` among them, the agents read no manifests.
     pub fn start_agents_with(&mut self, frontends: usize, extra: &[&str]) -> Result<()> {
+        let manifests = self.manifests.display().to_string();
+        let source: Vec<&str> = if extra.contains(&"--source") {
+            Vec::new()
+        } else {
+            vec!["--manifests", &manifests]
+        };
         let config = self.root.join("config.yaml");
         fs::write(
             &config,
@@ -306,8 +410,7 @@ impl MultiNode {
                 .arg("run")
                 .arg("--config")
                 .arg(&config)
-                .arg("--manifests")
-                .arg(&self.manifests)
+                .args(&source)
                 .arg("--bpffs")
                 .arg(&pins)
                 .args([
@@ -428,6 +531,11 @@ impl Drop for MultiNode {
         for e in &mut self.echoes {
             let _ = e.kill();
             let _ = e.wait();
+        }
+        for s in self.servers.iter_mut().filter_map(Option::take) {
+            let mut s = s;
+            let _ = s.kill();
+            let _ = s.wait();
         }
         for name in ["node-a", "node-b"] {
             let _ = Command::new(agent_bin())

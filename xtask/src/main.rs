@@ -153,6 +153,23 @@ fn main() -> Result<()> {
                 cmd.arg("--quick");
             }
             run(&mut cmd)?;
+            // Fan-out: one feed server, light clients as nodes, on loopback
+            // (target/bench/fanout.json).
+            let mut cmd = e2e_release_bin(&root, "fanout");
+            cmd.arg("--out").arg(root.join("target/bench"));
+            if quick {
+                cmd.arg("--quick");
+            } else {
+                cmd.args([
+                    "--services",
+                    "10000",
+                    "--nodes",
+                    "1000",
+                    "--changes-per-s",
+                    "100",
+                ]);
+            }
+            run(&mut cmd)?;
             // The control plane under churn: the release agent against the fake API
             // server at 1k / 10k (/ 100k) Services (target/bench/churn.json).
             let mut cmd = e2e_release_bin(&root, "churn");

@@ -26,4 +26,5 @@ pub mod cleanup;
 pub mod dump;
 pub mod log;
 pub mod run;
+pub mod serve;
 pub mod trace;

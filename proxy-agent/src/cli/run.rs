@@ -17,9 +17,20 @@ pub struct RunArgs {
     /// kube-proxy's KubeProxyConfiguration file (plus our `ebpf:` section); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Where Services and EndpointSlices come from.
-    #[arg(long, value_enum, default_value = "files")]
+    /// Where Services and EndpointSlices come from: `files`, `kube` (the API server), or
+    /// `server=ADDR[,ADDR…]` (`proxy-agent serve` replicas, any of which will do;
+    /// `server` alone: those of `ebpf.feed.servers`).
+    #[arg(long, value_parser = SourceKind::parse, default_value = "files")]
     source: SourceKind,
+    /// With `--source server=`: this node's client certificate (CN or SAN
+    /// `system:node:<name>`), its key, and the CA of the servers' certificates; without
+    /// them, plain text.
+    #[arg(long, requires_all = ["feed_key", "feed_ca"])]
+    feed_cert: Option<PathBuf>,
+    #[arg(long, requires = "feed_cert")]
+    feed_key: Option<PathBuf>,
+    #[arg(long, requires = "feed_cert")]
+    feed_ca: Option<PathBuf>,
     /// Folder of Kubernetes manifests (Services, EndpointSlices), re-read on change
     /// (`--source files`).
     #[arg(long, default_value = "deploy/examples")]
@@ -136,12 +147,41 @@ impl RunArgs {
     }
 }
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+#[derive(Clone, Debug)]
 pub enum SourceKind {
     /// A folder of YAML manifests (the embedded default; no cluster needed).
     Files,
     /// The Kubernetes API server.
     Kube,
+    /// `proxy-agent serve` replicas (`host:port` each).
+    Server(Vec<String>),
+}
+
+impl SourceKind {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "files" => Ok(Self::Files),
+            "kube" => Ok(Self::Kube),
+            "server" => Ok(Self::Server(Vec::new())),
+            _ => {
+                let Some(list) = s.strip_prefix("server=") else {
+                    return Err(format!(
+                        "{s:?}: expected files, kube or server=ADDR[,ADDR...]"
+                    ));
+                };
+                let addrs: Vec<String> = list
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|a| !a.is_empty())
+                    .map(str::to_string)
+                    .collect();
+                if addrs.is_empty() {
+                    return Err("server= names no address".into());
+                }
+                Ok(Self::Server(addrs))
+            }
+        }
+    }
 }
 
 /// Who this node is, for the file source (the API-server source reads the Node object).
@@ -259,7 +299,40 @@ pub async fn run(args: RunArgs) -> Result<()> {
         ..Default::default()
     };
     let (tx, rx) = tokio::sync::watch::channel(None);
-    match args.source {
+    match args.source.clone() {
+        SourceKind::Server(servers) => {
+            let servers = if servers.is_empty() {
+                cfg.feed_servers.clone()
+            } else {
+                servers
+            };
+            anyhow::ensure!(
+                !servers.is_empty(),
+                "--source server names no server: give server=ADDR or ebpf.feed.servers"
+            );
+            let flags = args.feed_cert.clone().map(|cert| {
+                [
+                    cert,
+                    args.feed_key.clone().unwrap_or_default(),
+                    args.feed_ca.clone().unwrap_or_default(),
+                ]
+            });
+            let tls = flags
+                .or_else(|| cfg.feed_tls.clone())
+                .map(|[cert, key, ca]| proxy_agent::wire::tls::TlsFiles { cert, key, ca });
+            let link = status.clone();
+            let opts = proxy_agent::feed::FeedOptions {
+                servers,
+                node,
+                tls,
+                on_link: std::sync::Arc::new(move |up| {
+                    link.source_link(up, std::time::Instant::now())
+                }),
+            };
+            // No server yet is a link not yet made: /healthz counts from now.
+            status.source_link(false, std::time::Instant::now());
+            tokio::spawn(proxy_agent::feed::run(opts, tx));
+        }
         SourceKind::Files => {
             let dir = args.manifests.clone();
             tokio::spawn(async move {

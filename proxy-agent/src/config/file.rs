@@ -93,6 +93,18 @@ pub(super) struct EbpfSection {
     pub(super) node_port_range: Option<String>,
     pub(super) map_sizes: Option<MapSizesSection>,
     pub(super) maglev_table_size: Option<u32>,
+    pub(super) feed: Option<FeedSection>,
+}
+
+/// `ebpf.feed`: the `proxy-agent serve` replicas `--source server` reads from, and this
+/// node's TLS files for them.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(super) struct FeedSection {
+    pub(super) servers: Option<Vec<String>>,
+    pub(super) cert: Option<String>,
+    pub(super) key: Option<String>,
+    pub(super) ca: Option<String>,
 }
 
 /// `ebpf.mapSizes`: capacities of the service-side maps.

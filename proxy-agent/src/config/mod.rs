@@ -156,6 +156,11 @@ pub struct Config {
     /// Per-Service series (`proxy_agent_service_*`) on every metrics address
     /// (`ebpf.serviceMetrics`); by default only where the object views are served.
     pub service_metrics: bool,
+    /// `proxy-agent serve` replicas for `--source server` (`ebpf.feed.servers`).
+    pub feed_servers: Vec<String>,
+    /// This node's client certificate, its key and the servers' CA (`ebpf.feed.cert`,
+    /// `.key`, `.ca`: all three or none).
+    pub feed_tls: Option<[PathBuf; 3]>,
 }
 
 impl Default for Config {
@@ -191,6 +196,8 @@ impl Default for Config {
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
             debug_bind_address: String::new(),
             service_metrics: false,
+            feed_servers: Vec::new(),
+            feed_tls: None,
         }
     }
 }
@@ -416,6 +423,14 @@ impl Config {
             }
         }
         if let Some(e) = file.ebpf {
+            if let Some(f) = e.feed {
+                cfg.feed_servers = f.servers.unwrap_or_default();
+                cfg.feed_tls = match (f.cert, f.key, f.ca) {
+                    (Some(c), Some(k), Some(a)) => Some([c.into(), k.into(), a.into()]),
+                    (None, None, None) => None,
+                    _ => return Err("ebpf.feed: cert, key and ca go together".into()),
+                };
+            }
             if let Some(v) = e.bpffs {
                 cfg.bpffs = PathBuf::from(v);
             }
@@ -520,6 +535,18 @@ pub const MAX_SYNC_PERIOD: Duration = Duration::from_secs(365 * 24 * 3600);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_feed_section_names_servers_and_tls_files_together() {
+        let (cfg, _) = Config::from_text(
+            "ebpf: {feed: {servers: [\"10.0.0.1:10270\", \"10.0.0.2:10270\"], cert: /c, key: /k, ca: /a}}\n",
+        )
+        .expect("valid");
+        assert_eq!(cfg.feed_servers, ["10.0.0.1:10270", "10.0.0.2:10270"]);
+        assert_eq!(cfg.feed_tls, Some(["/c".into(), "/k".into(), "/a".into()]));
+        let err = Config::from_text("ebpf: {feed: {servers: [a], cert: /c}}\n").expect_err("half");
+        assert!(err.contains("ebpf.feed"), "{err}");
+    }
 
     #[test]
     fn ipvs_mode_chooses_the_nodes_scheduler() {

@@ -272,6 +272,48 @@ impl ClusterModel {
     }
 }
 
+impl ClusterModel {
+    /// Each object that differs between `self` and `newer`, as the ops that turn one into
+    /// the other (the node-view feed's): removals first, and a slice moved to another
+    /// Service only set (its removal under the old owner would remove the move). In
+    /// proportion to the changes when `newer` was derived from `self`.
+    pub fn object_changes(&self, newer: &ClusterModel) -> Vec<ObjectChange> {
+        use imbl::ordmap::DiffItem;
+        let mut removed = Vec::new();
+        let mut set = Vec::new();
+        for d in self.services.diff(&newer.services) {
+            match d {
+                DiffItem::Remove(r, _) => removed.push(ObjectChange::RemoveService(r.clone())),
+                DiffItem::Add(r, s) | DiffItem::Update { new: (r, s), .. } => {
+                    set.push(ObjectChange::SetService(r.clone(), Arc::clone(s)))
+                }
+            }
+        }
+        let mut moved = BTreeSet::new();
+        for d in self.slices.diff(&newer.slices) {
+            match d {
+                DiffItem::Remove(k, _) => removed.push(ObjectChange::RemoveSlice(k.object())),
+                DiffItem::Add(k, s) | DiffItem::Update { new: (k, s), .. } => {
+                    moved.insert(k.object());
+                    set.push(ObjectChange::SetSlice(k.object(), Arc::clone(s)));
+                }
+            }
+        }
+        removed.retain(|c| !matches!(c, ObjectChange::RemoveSlice(r) if moved.contains(r)));
+        removed.extend(set);
+        removed
+    }
+}
+
+/// One object's change, as the node-view feed sends it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ObjectChange {
+    SetService(ObjectRef, Arc<ServiceInfo>),
+    RemoveService(ObjectRef),
+    SetSlice(ObjectRef, Arc<SliceInfo>),
+    RemoveSlice(ObjectRef),
+}
+
 /// What differs between two versions of the model.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ModelChanges {

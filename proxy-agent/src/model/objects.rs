@@ -133,7 +133,7 @@ pub struct Hints {
 /// Node and zone names, shared by every endpoint that names them: a cluster has few of
 /// them and a million endpoints may repeat them. Never shrinks (bounded by the cluster's
 /// node and zone names).
-fn intern(name: &str) -> Arc<str> {
+pub fn intern(name: &str) -> Arc<str> {
     static NAMES: OnceLock<Mutex<HashSet<Arc<str>>>> = OnceLock::new();
     let mut names = NAMES
         .get_or_init(Default::default)

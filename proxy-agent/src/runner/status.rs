@@ -88,6 +88,9 @@ struct State {
     last_updated: Option<std::time::SystemTime>,
     /// How long a change may wait before `/healthz` fails (2 × syncPeriod).
     health_timeout: Duration,
+    /// Since when the source has had no link to where its data comes from (the server
+    /// feed): the data may be older than that.
+    source_lost_since: Option<std::time::Instant>,
 }
 
 /// What `/livez` and `/healthz` answer, by kube-proxy's rules: the proxy is healthy while
@@ -215,6 +218,18 @@ impl Status {
         });
     }
 
+    /// The source's link to its data (the server feed): lost, the data ages, and past
+    /// the health timeout `/healthz` fails as it does for a change that waits too long.
+    pub fn source_link(&self, up: bool, now: std::time::Instant) {
+        self.with(|s| {
+            if up {
+                s.source_lost_since = None;
+            } else {
+                s.source_lost_since.get_or_insert(now);
+            }
+        });
+    }
+
     /// Whether the proxy is healthy now, as the healthCheckNodePort listeners ask it.
     pub fn health_probe(&self) -> crate::health_check::ProxyHealthy {
         let status = self.clone();
@@ -224,7 +239,13 @@ impl Status {
     pub fn health(&self, now: std::time::Instant) -> Health {
         let foreign = self.0.hooks.report().foreign;
         self.with(|s| {
-            let pending_for = s.pending_since.map(|t| now.saturating_duration_since(t));
+            // Data from a source without its link is as old as the link's loss.
+            let pending_for = s
+                .pending_since
+                .into_iter()
+                .chain(s.source_lost_since)
+                .min()
+                .map(|t| now.saturating_duration_since(t));
             let timeout = if s.health_timeout.is_zero() {
                 Duration::from_secs(60)
             } else {

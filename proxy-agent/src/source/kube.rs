@@ -189,6 +189,9 @@ pub struct Store {
     node_name: String,
     changes: super::ChangeCounts,
     unreadable: Unreadable,
+    /// Every Node (`KubeOptions::all_nodes`), and the relist under way.
+    all_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
+    relisting_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
 }
 
 impl Store {
@@ -199,13 +202,24 @@ impl Store {
         }
     }
 
+    /// A store that keeps every Node (the server's), publishing without its own.
+    pub fn with_all_nodes(node_name: &str) -> Self {
+        Self {
+            all_nodes: Some(Default::default()),
+            ..Self::new(node_name)
+        }
+    }
+
     /// Every resource has been listed at least once, and this node's Node object exists:
     /// without it there are no node addresses (no NodePorts) and no topology, so nothing
     /// is published rather than an empty node.
     pub fn ready(&self) -> bool {
         // Checked on every watch event: flags only, no words (those are for the periodic
         // log line, `waiting_for`).
-        self.services.listed && self.slices.listed && self.nodes.listed && self.node.is_some()
+        self.services.listed
+            && self.slices.listed
+            && self.nodes.listed
+            && (self.node.is_some() || self.all_nodes.is_some())
     }
 
     /// What publishing still waits for, in words for the log.
@@ -222,7 +236,7 @@ impl Store {
         if !unlisted.is_empty() {
             return Some(format!("the first list of {}", unlisted.join(", ")));
         }
-        if self.node.is_none() {
+        if self.node.is_none() && self.all_nodes.is_none() {
             return Some(format!(
                 "the Node object {:?} (NODE_NAME / --node-name / hostnameOverride, else the \
                  host name lowercased)",
@@ -238,7 +252,62 @@ impl Store {
         match update {
             Update::Service(e) => self.apply_service(*e),
             Update::Slice(e) => self.apply_slice(*e),
-            Update::Node(e) => self.apply_node(*e),
+            Update::Node(e) => {
+                let any = self.apply_any_node(&e);
+                self.apply_node(*e) || any
+            }
+        }
+    }
+
+    /// Keeps every Node when asked to (heartbeats compare equal in `NodeInfo`); `true`
+    /// if one of them changed. An unreadable Node keeps what was known of it.
+    fn apply_any_node(&mut self, event: &watcher::Event<Decoded<Node>>) -> bool {
+        let Some(all) = self.all_nodes.as_mut() else {
+            return false;
+        };
+        let named = |node: &Node| {
+            let name = node.metadata.name.clone().unwrap_or_default();
+            let info = node_info(&name, Some(node));
+            (name, info)
+        };
+        match event {
+            watcher::Event::Init => {
+                self.relisting_nodes = Some(Default::default());
+                false
+            }
+            watcher::Event::InitApply(node) => {
+                let relist = self.relisting_nodes.get_or_insert_with(Default::default);
+                match node {
+                    Decoded::Ok(node) => {
+                        let (name, info) = named(node);
+                        relist.insert(name, info);
+                    }
+                    Decoded::Unreadable { meta, .. } => {
+                        if let Some(name) = &meta.name
+                            && let Some(known) = all.get(name)
+                        {
+                            relist.insert(name.clone(), known.clone());
+                        }
+                    }
+                }
+                false
+            }
+            watcher::Event::InitDone => {
+                let fresh = self.relisting_nodes.take().unwrap_or_default();
+                let changed = *all != fresh;
+                *all = fresh;
+                changed
+            }
+            watcher::Event::Apply(Decoded::Ok(node)) => {
+                let (name, info) = named(node);
+                all.insert(name, info.clone()) != Some(info)
+            }
+            watcher::Event::Apply(Decoded::Unreadable { .. }) => false,
+            watcher::Event::Delete(node) => node
+                .meta()
+                .name
+                .as_ref()
+                .is_some_and(|n| all.remove(n).is_some()),
         }
     }
 
@@ -333,6 +402,7 @@ impl Store {
             changes: self.changes,
             unreadable: self.unreadable.len(),
             api_validated: true,
+            nodes: self.all_nodes.clone().unwrap_or_default(),
         }
     }
 }
@@ -523,6 +593,9 @@ pub struct KubeOptions {
     pub counters: ApiCounters,
     /// Each watcher's backoff after an error.
     pub backoff: Backoff,
+    /// Watch every Node, not only this one (`proxy-agent serve`), and publish without
+    /// waiting for this node's.
+    pub all_nodes: bool,
 }
 
 /// Watches the API server and publishes a snapshot after the first full list of every
@@ -537,6 +610,7 @@ pub async fn run(
         label_selector,
         counters,
         backoff,
+        all_nodes,
     } = opts;
     let cfg = watcher::Config::default();
     let selected = cfg.clone().labels(&label_selector);
@@ -557,7 +631,11 @@ pub async fn run(
         backoff.clone(),
     )
     .map(|e| Update::Slice(Box::new(e)));
-    let node_cfg = cfg.fields(&format!("metadata.name={node_name}"));
+    let node_cfg = if all_nodes {
+        cfg
+    } else {
+        cfg.fields(&format!("metadata.name={node_name}"))
+    };
     let nodes = recovery::recovering(
         Api::<Decoded<Node>>::all(client),
         node_cfg,
@@ -569,7 +647,11 @@ pub async fn run(
     let streams: Vec<BoxStream<'static, Update>> =
         vec![services.boxed(), slices.boxed(), nodes.boxed()];
     let mut updates = futures::stream::select_all(streams);
-    let mut store = Store::new(&node_name);
+    let mut store = if all_nodes {
+        Store::with_all_nodes(&node_name)
+    } else {
+        Store::new(&node_name)
+    };
     let mut waiting = tokio::time::interval_at(
         tokio::time::Instant::now() + WAITING_LOG_INTERVAL,
         WAITING_LOG_INTERVAL,

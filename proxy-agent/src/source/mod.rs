@@ -27,6 +27,9 @@ pub struct Snapshot {
     /// The API server validated these objects (the API-server source): the view programs
     /// what it stored without repeating its checks (`ViewConfig::api_validated`).
     pub api_validated: bool,
+    /// Every Node, by name, when the source watches them all (`proxy-agent serve`);
+    /// empty otherwise.
+    pub nodes: imbl::OrdMap<String, NodeInfo>,
 }
 
 /// Object changes a source has seen since it started, counted as kube-proxy counts them

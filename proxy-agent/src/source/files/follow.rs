@@ -107,6 +107,7 @@ fn publish(
         unreadable,
         // No API server has seen these files: the view checks what it would.
         api_validated: false,
+        nodes: Default::default(),
     };
     tx.send_if_modified(|current| {
         let changed = current

@@ -1,0 +1,118 @@
+//! `proxy-agent serve`: watch once, serve every node its part (KPNG's split): the
+//! source (the API server, or files for tests), the hub, and the feed's gRPC server.
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use proxy_agent::{
+    fanout::{self, Hub, HubOptions, grpc},
+    source,
+    wire::tls::{Reloading, TlsFiles},
+};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Where Services, EndpointSlices and Nodes come from: `kube` or `files`.
+    #[arg(long, default_value = "kube")]
+    source: String,
+    /// Folder of manifests (`--source files`), re-read on change.
+    #[arg(long, default_value = "deploy/examples")]
+    manifests: PathBuf,
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    #[arg(long, env = "PROXY_AGENT_API_SERVER")]
+    api_server: Option<String>,
+    /// Where the feed listens.
+    #[arg(long, default_value = "0.0.0.0:10270")]
+    listen: String,
+    /// The server's certificate and key, and the CA of the nodes' client certificates
+    /// (re-read when they change).
+    #[arg(long, requires_all = ["tls_key", "client_ca"])]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    client_ca: Option<PathBuf>,
+    /// Serve without credentials, believing the node names asked for (tests only).
+    #[arg(long, conflicts_with = "tls_cert")]
+    insecure: bool,
+    /// Ops kept to resume from.
+    #[arg(long, default_value_t = HubOptions::default().history)]
+    history: usize,
+    /// Coalesced ops one node may have pending before it gets a snapshot instead.
+    #[arg(long, default_value_t = HubOptions::default().pending_bound)]
+    pending_bound: usize,
+}
+
+pub async fn serve(args: ServeArgs) -> Result<()> {
+    let (identity, tls) = match (&args.tls_cert, args.insecure) {
+        (Some(cert), _) => {
+            let files = TlsFiles {
+                cert: cert.clone(),
+                key: args.tls_key.clone().unwrap_or_default(),
+                ca: args.client_ca.clone().unwrap_or_default(),
+            };
+            let tls = Reloading::new(files).context("the feed's TLS files")?;
+            (
+                grpc::Identity::ClientCertificate,
+                Some(std::sync::Arc::new(tls)),
+            )
+        }
+        (None, true) => (grpc::Identity::Insecure, None),
+        (None, false) => anyhow::bail!("pass --tls-cert/--tls-key/--client-ca, or --insecure"),
+    };
+    let hub = Hub::new(HubOptions {
+        history: args.history.max(1),
+        pending_bound: args.pending_bound.max(1),
+    });
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    match args.source.as_str() {
+        "files" => {
+            anyhow::ensure!(
+                args.manifests.exists(),
+                "--manifests {}: no such file or folder",
+                args.manifests.display()
+            );
+            let dir = args.manifests.clone();
+            let node = proxy_agent::model::NodeInfo {
+                name: "proxy-agent-serve".into(),
+                ..Default::default()
+            };
+            tokio::spawn(async move {
+                if let Err(e) = source::files::follow::run(dir, node, tx).await {
+                    tracing::error!(error = format!("{e:#}"), "file source stopped");
+                }
+            });
+        }
+        "kube" => {
+            let api = source::api_server::ApiServerOptions {
+                kubeconfig: args.kubeconfig.as_ref().map(|p| p.display().to_string()),
+                api_server: args.api_server.clone(),
+            };
+            let config = source::api_server::client_config(&api).await?;
+            let url = config.cluster_url.to_string();
+            let counters = source::api_server::ApiCounters::default();
+            let client = source::api_server::client(config, &counters)?;
+            let opts = source::kube::KubeOptions {
+                node_name: std::env::var("NODE_NAME")
+                    .unwrap_or_else(|_| "proxy-agent-serve".into()),
+                label_selector: source::kube::label_selector(None),
+                counters,
+                all_nodes: true,
+                ..Default::default()
+            };
+            tokio::spawn(async move {
+                source::api_server::wait_reachable(&client, &url).await;
+                source::kube::run(client, opts, tx).await
+            });
+        }
+        other => anyhow::bail!("--source {other:?}: expected kube or files"),
+    }
+    tokio::spawn(fanout::follow(std::sync::Arc::clone(&hub), rx));
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    tracing::info!(listen = %args.listen, tls = tls.is_some(), "serving node views");
+    grpc::serve(listener, grpc::Feed::new(hub, identity), tls).await
+}

@@ -1,0 +1,108 @@
+//! One node's pending changes: coalesced by object (a Service changed ten times while
+//! the node was not reading is sent once, as it is now), bounded (past the bound the
+//! node gets a fresh snapshot instead), drained whenever its stream can take more.
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use crate::model::{ClusterModel, NodeInfo, ObjectRef};
+use crate::wire::v1;
+
+/// What one op is about: a later op on the same key replaces an earlier one.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum OpKey {
+    Service(ObjectRef),
+    Slice(ObjectRef),
+    Node,
+}
+
+/// The whole state a snapshot sends.
+#[derive(Clone, Debug)]
+pub struct Whole {
+    pub model: ClusterModel,
+    pub node: Option<NodeInfo>,
+}
+
+#[derive(Debug, Default)]
+pub struct Pending {
+    /// A snapshot not yet sent; `ops` follow it.
+    pub snapshot: Option<Whole>,
+    pub ops: BTreeMap<OpKey, Arc<v1::Op>>,
+    /// The server's revision this node has been given everything up to.
+    pub revision: u64,
+    /// Snapshots sent because the node fell too far behind.
+    pub overflows: u64,
+}
+
+/// What a drain hands the stream.
+pub enum Drained {
+    Snapshot(Whole, Vec<Arc<v1::Op>>, u64),
+    Ops(Vec<Arc<v1::Op>>, u64),
+}
+
+/// A node's mailbox; the hub writes, the node's stream reads.
+pub struct Mailbox {
+    pub node: String,
+    pub pending: std::sync::Mutex<Pending>,
+    pub notify: tokio::sync::Notify,
+    /// The most coalesced ops held before the node gets a snapshot instead.
+    pub bound: usize,
+}
+
+impl Mailbox {
+    pub fn new(node: String, bound: usize, pending: Pending) -> Self {
+        Self {
+            node,
+            pending: std::sync::Mutex::new(pending),
+            notify: tokio::sync::Notify::new(),
+            bound,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds ops up to `revision`; `whole` is the state after them, taken only when the
+    /// bound is passed. Never blocks on the node.
+    pub fn push(
+        &self,
+        ops: impl IntoIterator<Item = (OpKey, Arc<v1::Op>)>,
+        revision: u64,
+        whole: impl FnOnce() -> Whole,
+    ) {
+        let mut p = self.lock();
+        p.revision = revision;
+        p.ops.extend(ops);
+        if p.ops.len() > self.bound {
+            p.ops.clear();
+            p.snapshot = Some(whole());
+            p.overflows += 1;
+        }
+        drop(p);
+        self.notify.notify_one();
+    }
+
+    /// Everything pending, unless no op is (a revision that moved on through
+    /// other nodes' changes alone is sent with the next op or keepalive).
+    /// `Err(revision)`: nothing pending, and everything up to `revision` given.
+    pub fn drain(&self) -> Result<Drained, u64> {
+        let mut p = self.lock();
+        let ops: Vec<Arc<v1::Op>> = std::mem::take(&mut p.ops).into_values().collect();
+        if let Some(whole) = p.snapshot.take() {
+            return Ok(Drained::Snapshot(whole, ops, p.revision));
+        }
+        if ops.is_empty() {
+            return Err(p.revision);
+        }
+        Ok(Drained::Ops(ops, p.revision))
+    }
+
+    /// The revision this node has been given everything up to.
+    pub fn revision(&self) -> u64 {
+        self.lock().revision
+    }
+
+    pub fn overflows(&self) -> u64 {
+        self.lock().overflows
+    }
+}
