@@ -27,7 +27,10 @@ impl Background {
             .stdout(Stdio::piped())
             .spawn()
             .context("starting e2e-client")?;
-        let out = child.stdout.take().context("the client's output is not piped")?;
+        let out = child
+            .stdout
+            .take()
+            .context("the client's output is not piped")?;
         let (tx, lines) = mpsc::channel();
         let reader = thread::spawn(move || {
             let mut out = BufReader::new(out);
@@ -36,7 +39,10 @@ impl Background {
                 if line.last() != Some(&b'\n') {
                     break;
                 }
-                if tx.send(String::from_utf8_lossy(&line).into_owned()).is_err() {
+                if tx
+                    .send(String::from_utf8_lossy(&line).into_owned())
+                    .is_err()
+                {
                     break;
                 }
                 line.clear();

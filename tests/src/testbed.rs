@@ -15,8 +15,8 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 use crate::{
-    Attempt, Background, Path_, TCP_TARGET, UDP_TARGET, add_namespace, agent_bin, cgroup_root, client,
-    helper_bin, ip, sh,
+    Attempt, Background, Path_, TCP_TARGET, UDP_TARGET, add_namespace, agent_bin, cgroup_root,
+    client, helper_bin, ip, sh,
 };
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -669,7 +669,9 @@ impl Testbed {
     /// cgroup (so only the per-packet path sees its traffic, whatever the agent runs).
     pub fn spawn_client_in(&self, ns: &str, args: &[&str]) -> Result<Background> {
         let mut cmd = Command::new(helper_bin("e2e-client"));
-        cmd.arg("--netns").arg(format!("/run/netns/{ns}")).args(args);
+        cmd.arg("--netns")
+            .arg(format!("/run/netns/{ns}"))
+            .args(args);
         Background::spawn(cmd)
     }
 

@@ -9,8 +9,7 @@ use std::{
 
 use proxy_e2e::{
     Attempt, EMPTY_VIP4, Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP4_MAPPED, VIP6,
-    chi_square_uniform, sh, spread, target,
-    web_manifests,
+    chi_square_uniform, sh, spread, target, web_manifests,
 };
 use test_support::needs_root;
 

@@ -13,7 +13,8 @@ use std::{
 };
 
 use proxy_e2e::{
-    Attempt, Path_, TCP_PORT, Testbed, VIP4, VIP6, agent_bin, kube_proxy::{self, NodeChains},
+    Attempt, Path_, TCP_PORT, Testbed, VIP4, VIP6, agent_bin,
+    kube_proxy::{self, NodeChains},
     sh, target, web_manifests,
 };
 use test_support::needs_root;

@@ -12,15 +12,11 @@
 //! running agent shows it has no other. Root only; everything happens in the testbed's
 //! namespaces, cgroup and bpffs.
 
-use std::{
-    process::Command,
-    thread,
-    time::Duration,
-};
+use std::{process::Command, thread, time::Duration};
 
 use proxy_e2e::{
-    Attempt, Background, Path_, Testbed, UDP_PORT, VIP4, helper_bin,
-    nodeport_manifests, target, web_manifests,
+    Attempt, Background, Path_, Testbed, UDP_PORT, VIP4, helper_bin, nodeport_manifests, target,
+    web_manifests,
 };
 use test_support::needs_root;
 

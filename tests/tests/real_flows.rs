@@ -12,8 +12,7 @@ use std::{
 };
 
 use proxy_e2e::{
-    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, nodeport_manifests, sh, target,
-    web_manifests,
+    Path_, TCP_PORT, Testbed, UDP_PORT, VIP4, VIP6, nodeport_manifests, sh, target, web_manifests,
 };
 use test_support::needs_root;
 

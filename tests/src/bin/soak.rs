@@ -24,8 +24,8 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use proxy_e2e::{
-    Attempt, Background, Path_, TCP_PORT, TCP_TARGET, Testbed, UDP_PORT, UDP_TARGET, VIP4, VIP6, target,
-    web_manifests,
+    Attempt, Background, Path_, TCP_PORT, TCP_TARGET, Testbed, UDP_PORT, UDP_TARGET, VIP4, VIP6,
+    target, web_manifests,
 };
 
 #[derive(Parser)]
