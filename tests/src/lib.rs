@@ -12,8 +12,10 @@ pub mod echo;
 pub mod fake_apiserver;
 #[cfg(test)]
 mod fake_apiserver_tests;
+pub mod images;
 pub mod kube_proxy;
 pub mod multinode;
+pub mod node;
 mod testbed;
 
 use std::{

@@ -81,6 +81,10 @@ enum Cmd {
         /// Only build the binaries (CI prebuilds them for the tests).
         #[arg(long)]
         build_only: bool,
+        /// Real nodes (kubelet, containerd, runc, CNI), each in its own network namespace
+        /// and cgroup subtree: 1 or 2.
+        #[arg(long, default_value_t = 0)]
+        nodes: usize,
     },
     /// The agent (release build) against the cluster in a box at N Services created through
     /// the API: time to all programmed, then programming latency under readiness churn.
@@ -195,15 +199,27 @@ fn main() -> Result<()> {
                 .args(args);
             run(&mut cmd)
         }
-        Cmd::Cluster { build_only } => {
-            let bin_dir = cluster::build(&root)?;
+        Cmd::Cluster { build_only, nodes } => {
+            let bin_dir = if nodes > 0 || build_only {
+                cluster::build_nodes(&root, false)?
+            } else {
+                cluster::build(&root)?
+            };
             if build_only {
                 eprintln!("xtask: cluster binaries in {}", bin_dir.display());
                 return Ok(());
             }
             setup(&root)?;
+            if nodes > 0 {
+                run(cargo(&root, STABLE).args(["build", "-p", "proxy-agent"]))?;
+            }
             let mut cmd = e2e_bin(&root, "cluster");
-            cmd.arg("--bin-dir").arg(bin_dir);
+            cmd.arg("--bin-dir")
+                .arg(bin_dir)
+                .arg("--nodes")
+                .arg(nodes.to_string())
+                .arg("--agent")
+                .arg(root.join("target/debug/proxy-agent"));
             run(&mut cmd)
         }
     }
@@ -412,8 +428,9 @@ fn build(root: &Path) -> Result<()> {
 }
 
 fn test(root: &Path, args: &[String]) -> Result<()> {
-    // The cluster in a box's binaries (cached under .tools/): its tests fail without them.
-    let bin_dir = cluster::build(root)?;
+    // The cluster in a box's binaries, the nodes' too (cached under .tools/): its tests
+    // fail without them. The node smoke test (tests/tests/cluster_node.rs) takes ~40 s.
+    let bin_dir = cluster::build_nodes(root, false)?;
     let mut cmd = cargo(root, STABLE);
     cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
     // Every binary runs, whichever fails first.
