@@ -116,6 +116,9 @@ impl ClusterOptions {
         ClusterOptions {
             controllers: format!("{CONTROLLERS},{NODE_CONTROLLERS}"),
             scheduler: true,
+            // As kubeadm runs it: the agent's init container (mount) and the e2e specs'
+            // host-exec Pods are privileged.
+            apiserver_args: vec!["--allow-privileged=true".into()],
             ..ClusterOptions::new(bin_dir)
         }
     }

@@ -8,6 +8,7 @@ pub mod bench;
 pub mod churn;
 pub mod client;
 pub mod cluster;
+pub mod daemonset;
 pub mod echo;
 pub mod fake_apiserver;
 #[cfg(test)]

@@ -22,7 +22,8 @@
 
 use std::{
     fs,
-    net::Ipv4Addr,
+    io::{Read as _, Write as _},
+    net::{Ipv4Addr, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command},
     sync::atomic::{AtomicU32, Ordering},
@@ -30,12 +31,13 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use k8s_openapi::api::core::v1::Node as NodeObject;
+use k8s_openapi::api::core::v1::{Node as NodeObject, Pod};
 use kube::Api;
+use serde_json::json;
 
 use crate::{
     add_namespace,
-    cluster::{Cluster, NetnsRelay},
+    cluster::{Cluster, NetnsRelay, eventually},
     images, ip, sh,
 };
 
@@ -72,6 +74,29 @@ const NODE_PROGRAMS: [&str; 6] = [
     "/bin/busybox",
     "/usr/bin/nc.openbsd",
 ];
+
+/// For tests: a box with `count` nodes, every image imported (the agent's from
+/// [`crate::agent_bin`]); fails without the binaries.
+pub async fn start_box(test: &str, count: usize) -> Result<(Nodes, Cluster)> {
+    let bin_dir = require_node_binaries(test);
+    let cluster = Cluster::start(crate::cluster::ClusterOptions::with_nodes(&bin_dir)).await?;
+    let images = images::for_box(&bin_dir, &crate::agent_bin(), &cluster.dir().join("images"))?;
+    let opts = NodesOptions {
+        count,
+        bin_dir,
+        images,
+        service_cidr: "10.96.0.0/16".into(),
+    };
+    let nodes = Nodes::start(&cluster, opts).await?;
+    Ok((nodes, cluster))
+}
+
+impl Nodes {
+    /// The Pod range of the whole box (every node's range is in it).
+    pub fn cluster_pod_cidr(&self) -> String {
+        format!("10.251.{}.0/24", self.k)
+    }
+}
 
 /// For tests: the binaries' folder, with the nodes' binaries in it and the runtime
 /// installed. Without them the test fails, saying how to get them (never a silent pass).
@@ -202,9 +227,9 @@ impl Nodes {
         &self.cgroup
     }
 
-    /// The cgroup v2 path of node `i`'s subtree (what the agent's `--cgroup` hooks).
-    pub fn cgroup_v2_path(&self, i: usize) -> PathBuf {
-        cgroup_v2_root().join(&self.cgroup).join(node_name(i))
+    /// The cgroup v2 path of node `node`'s subtree (what the agent's `--cgroup` hooks).
+    pub fn cgroup_v2_path_of(&self, node: &str) -> PathBuf {
+        cgroup_v2_root().join(&self.cgroup).join(node)
     }
 
     /// How many processes run in node `i`'s Pod cgroups (`kubepods` under its
@@ -752,3 +777,51 @@ imageGCLowThresholdPercent: 99
 evictionHard: {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%", "nodefs.inodesFree": "1%"}
 serializeImagePulls: false
 "#;
+
+/// An agnhost Pod on `node` running `args`.
+pub fn agnhost_pod(name: &str, node: &str, args: &[&str], restart: &str) -> Result<Pod> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "restartPolicy": restart,
+            "containers": [{
+                "name": "c",
+                "image": images::AGNHOST,
+                "imagePullPolicy": "Never",
+                "command": args,
+            }],
+        },
+    }))?)
+}
+
+/// Waits until Pod `name` is Ready (or, for a run-once Pod, Succeeded); returns it.
+pub async fn wait_pod(pods: &Api<Pod>, name: &str, phase: &str) -> Result<Pod> {
+    eventually(&format!("Pod {name} {phase}"), || async {
+        let pod = pods.get(name).await?;
+        let status = pod.status.clone().unwrap_or_default();
+        let ready = status
+            .conditions
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let done = status.phase.as_deref() == Some(phase);
+        Ok((done && (phase != "Running" || ready)).then_some(pod))
+    })
+    .await
+}
+
+/// `GET path` over HTTP/1.0 to `addr`; the body.
+pub fn http_get(addr: &str, path: &str) -> Result<String> {
+    let mut conn = TcpStream::connect_timeout(&addr.parse()?, Duration::from_secs(3))
+        .with_context(|| format!("connecting to {addr}"))?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(conn, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n")?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text)?;
+    Ok(text
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string())
+}

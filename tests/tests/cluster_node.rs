@@ -3,92 +3,16 @@
 //! bridge gives them addresses, and traffic flows Pod to Pod across nodes and from outside
 //! the nodes to a Pod. Needs root (namespaces, cgroups, mounts) and the nodes' binaries.
 
-use std::{
-    io::{Read as _, Write as _},
-    net::TcpStream,
-    time::Duration,
-};
-
 use anyhow::{Context as _, Result};
 use k8s_openapi::api::core::v1::Pod;
 use kube::{
     Api,
     api::{LogParams, PostParams},
 };
-use proxy_e2e::{
-    cluster::{Cluster, ClusterOptions, eventually},
-    images,
-    node::{Nodes, NodesOptions, require_node_binaries},
-};
-use serde_json::json;
+use proxy_e2e::node::{agnhost_pod, http_get, start_box, wait_pod};
 use test_support::needs_root;
 
 const NS: &str = "nodes";
-
-/// A box with `count` nodes (the test fails without the binaries).
-pub async fn start_box(test: &str, count: usize) -> Result<(Nodes, Cluster)> {
-    let bin_dir = require_node_binaries(test);
-    let cluster = Cluster::start(ClusterOptions::with_nodes(&bin_dir)).await?;
-    let images = images::for_box(
-        &bin_dir,
-        &proxy_e2e::agent_bin(),
-        &cluster.dir().join("images"),
-    )?;
-    let opts = NodesOptions {
-        count,
-        bin_dir,
-        images,
-        service_cidr: "10.96.0.0/16".into(),
-    };
-    let nodes = Nodes::start(&cluster, opts).await?;
-    Ok((nodes, cluster))
-}
-
-fn agnhost_pod(name: &str, node: &str, args: &[&str], restart: &str) -> Result<Pod> {
-    Ok(serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": {"app": name}},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "restartPolicy": restart,
-            "containers": [{
-                "name": "c",
-                "image": images::AGNHOST,
-                "imagePullPolicy": "Never",
-                "command": args,
-            }],
-        },
-    }))?)
-}
-
-/// Waits until Pod `name` is Ready (or, for a run-once Pod, Succeeded); returns it.
-async fn wait_pod(pods: &Api<Pod>, name: &str, phase: &str) -> Result<Pod> {
-    eventually(&format!("Pod {name} {phase}"), || async {
-        let pod = pods.get(name).await?;
-        let status = pod.status.clone().unwrap_or_default();
-        let ready = status
-            .conditions
-            .unwrap_or_default()
-            .iter()
-            .any(|c| c.type_ == "Ready" && c.status == "True");
-        let done = status.phase.as_deref() == Some(phase);
-        Ok((done && (phase != "Running" || ready)).then_some(pod))
-    })
-    .await
-}
-
-fn http_get(addr: &str, path: &str) -> Result<String> {
-    let mut conn = TcpStream::connect_timeout(&addr.parse()?, Duration::from_secs(3))
-        .with_context(|| format!("connecting to {addr}"))?;
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(conn, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n")?;
-    let mut text = String::new();
-    conn.read_to_string(&mut text)?;
-    Ok(text
-        .split("\r\n\r\n")
-        .nth(1)
-        .unwrap_or_default()
-        .to_string())
-}
 
 #[tokio::test]
 #[needs_root]
