@@ -9,6 +9,7 @@ pub mod churn;
 pub mod client;
 pub mod cluster;
 pub mod daemonset;
+pub mod dns;
 pub mod echo;
 pub mod fake_apiserver;
 #[cfg(test)]

@@ -136,6 +136,8 @@ pub struct Nodes {
     root_veth: String,
     cgroup: String,
     nodes: Vec<Node>,
+    /// The Pods' nameserver (`clusterDNS`), on the root namespace's end of the box network.
+    dns: Option<crate::dns::Dns>,
 }
 
 /// One node: its namespace, folder, processes.
@@ -200,9 +202,14 @@ impl Nodes {
             cgroup: format!("pxy-box-{k}-{}", std::process::id()),
             dir,
             nodes: Vec::new(),
+            dns: None,
         };
         // On error `nodes` is dropped, which removes what was made.
         nodes.build_network(&opts)?;
+        nodes.dns = Some(crate::dns::Dns::start(
+            nodes.outside_ip(),
+            cluster.client().await?,
+        )?);
         for i in 0..opts.count {
             let node = nodes.start_node(cluster, &opts, i)?;
             nodes.nodes.push(node);
@@ -230,6 +237,35 @@ impl Nodes {
     /// The cgroup v2 path of node `node`'s subtree (what the agent's `--cgroup` hooks).
     pub fn cgroup_v2_path_of(&self, node: &str) -> PathBuf {
         cgroup_v2_root().join(&self.cgroup).join(node)
+    }
+
+    /// Starts `program ARGS` on node `i` as a host process would run there: in its network
+    /// namespace, its `system` cgroup and containerd's mount namespace (kube-proxy, say).
+    /// Stopped when the box is (it is in the node's cgroup).
+    pub fn spawn_on_node(
+        &self,
+        cluster: &Cluster,
+        i: usize,
+        log: &str,
+        program: &Path,
+        args: &[String],
+    ) -> Result<Child> {
+        let node = self.nodes.get(i).context("no such node")?;
+        let pid = node
+            .containerd
+            .as_ref()
+            .map(Child::id)
+            .context("containerd of the node is not running")?;
+        let mut cmd = Command::new("sh");
+        cmd.arg(node.dir.join("launch.sh"))
+            .arg(format!("join:{pid}"))
+            .arg(&node.netns)
+            .arg(format!("{}/{}/system", self.cgroup, node.name))
+            .arg(node.dir.join("sysctl"))
+            .arg(node.dir.join("container-logs"))
+            .arg(program)
+            .args(args);
+        cluster.spawn_logged(log, cmd)
     }
 
     /// How many processes run in node `i`'s Pod cgroups (`kubepods` under its
@@ -496,7 +532,8 @@ impl Nodes {
             .replace("@IP@", &node.ip.to_string())
             .replace("@CA@", &cluster.ca_file().to_string_lossy())
             .replace("@RESOLV@", &d.join("resolv.conf").to_string_lossy())
-            .replace("@PODLOGS@", &d.join("pod-logs").to_string_lossy());
+            .replace("@PODLOGS@", &d.join("pod-logs").to_string_lossy())
+            .replace("@DNS@", &self.outside_ip().to_string());
         fs::write(d.join("kubelet.yaml"), kubelet)?;
         Ok(())
     }
@@ -560,6 +597,7 @@ impl Drop for Nodes {
             node._relay = None;
         }
         remove_cgroups(&self.cgroup);
+        self.dns = None;
         for i in 0..self.nodes.len().max(2) {
             let _ = sh(&["ip", "netns", "del", &self.netns(i)]);
         }
@@ -771,6 +809,7 @@ authorization: {mode: AlwaysAllow}
 failSwapOn: false
 resolvConf: "@RESOLV@"
 clusterDomain: cluster.local
+clusterDNS: ["@DNS@"]
 podLogsDir: "@PODLOGS@"
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99

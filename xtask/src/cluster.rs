@@ -122,6 +122,12 @@ pub fn build_nodes(root: &Path, e2e: bool) -> Result<PathBuf> {
             started.elapsed().as_secs_f64() / 60.0
         );
     }
+    // e2e.test execs kubectl (exec into Pods), the same version as the rest.
+    if e2e && !dir.join("kubectl").is_file() {
+        let partial = dir.join("kubectl.partial");
+        go_build(root, &ldflags, "k8s.io/kubernetes/cmd/kubectl", &partial)?;
+        fs::rename(&partial, dir.join("kubectl"))?;
+    }
     let out = dir.join("e2e.test");
     if e2e && !out.is_file() {
         let started = Instant::now();

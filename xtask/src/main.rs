@@ -86,6 +86,18 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         nodes: usize,
     },
+    /// Kubernetes' own sig-network e2e specs (Services, Conntrack, Networking, KubeProxy,
+    /// traffic distribution) on a box with two real nodes: with the agent as the
+    /// DaemonSet, then with kube-proxy (nftables) as the reference; JUnit and JSON reports
+    /// in target/conformance/, the side-by-side table in docs/conformance.md.
+    Conformance {
+        /// Only the [Conformance] specs among them (~20 min a run here; all: longer).
+        #[arg(long)]
+        conformance_only: bool,
+        /// Only the agent's run (the table keeps kube-proxy's column from the last run).
+        #[arg(long)]
+        agent_only: bool,
+    },
     /// The agent (release build) against the cluster in a box at N Services created through
     /// the API: time to all programmed, then programming latency under readiness churn.
     ClusterScale {
@@ -197,6 +209,50 @@ fn main() -> Result<()> {
                 .arg("--bin-dir")
                 .arg(bin_dir)
                 .args(args);
+            run(&mut cmd)
+        }
+        Cmd::Conformance {
+            conformance_only,
+            agent_only,
+        } => {
+            setup(&root)?;
+            let bin_dir = cluster::build_nodes(&root, true)?;
+            run(cargo(&root, STABLE).args([
+                "build",
+                "-p",
+                "proxy-agent",
+                "-p",
+                "proxy-e2e",
+                "--bins",
+            ]))?;
+            let out = root.join("target/conformance");
+            let proxies: &[&str] = if agent_only {
+                &["agent"]
+            } else {
+                &["agent", "kube-proxy"]
+            };
+            for proxy in proxies {
+                let mut cmd = e2e_bin(&root, "conformance");
+                cmd.env(cluster::BIN_DIR_ENV, &bin_dir)
+                    .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
+                    .arg("--bin-dir")
+                    .arg(&bin_dir)
+                    .arg("--proxy")
+                    .arg(proxy)
+                    .arg("--out")
+                    .arg(&out);
+                if conformance_only {
+                    cmd.arg("--conformance-only");
+                }
+                run(&mut cmd)?;
+            }
+            let mut cmd = e2e_bin(&root, "conformance");
+            cmd.arg("--bin-dir")
+                .arg(&bin_dir)
+                .arg("--out")
+                .arg(&out)
+                .arg("--summarize")
+                .arg(root.join("docs/conformance.md"));
             run(&mut cmd)
         }
         Cmd::Cluster { build_only, nodes } => {
