@@ -137,6 +137,13 @@ async fn run(args: &Args, proxy: Proxy) -> Result<()> {
         .status()
         .await
         .context("running e2e.test")?;
+    let run = serde_json::json!({
+        "minutes": started.elapsed().as_secs_f64() / 60.0,
+        "focus": focus,
+        "skip": SKIP,
+        "status": status.to_string(),
+    });
+    fs::write(report.join("run.json"), serde_json::to_vec_pretty(&run)?)?;
     eprintln!(
         "conformance ({}): e2e.test {status} after {:.1} min; reports in {}",
         name(proxy),
@@ -241,8 +248,31 @@ fn summarize(out: &Path, doc: &Path) -> Result<()> {
     }
     let count =
         |m: &BTreeMap<String, Outcome>, s: &str| m.values().filter(|o| o.state == s).count();
+    let run_of = |proxy: &str| -> Value {
+        fs::read_to_string(out.join(proxy).join("run.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default()
+    };
+    let (agent_run, kube_proxy_run) = (run_of("agent"), run_of("kube-proxy"));
     let mut text = String::new();
-    text += "<!-- Written by `cargo xtask conformance` (tests/src/bin/conformance.rs); the prose above the table is in docs/cluster-in-a-box.md. -->\n\n";
+    text += "# Kubernetes' sig-network e2e specs on the box\n\n";
+    text += "<!-- Written by `cargo xtask conformance` (tests/src/bin/conformance.rs). -->\n\n";
+    text += &format!(
+        "`e2e.test` of k8s.io/kubernetes v1.37.2 against the [cluster in a box](cluster-in-a-box.md) \
+         with two real nodes, once with the agent as the DaemonSet (no kube-proxy anywhere), \
+         once with kube-proxy v1.37.2 in nftables mode. Focus `{}`, skip `{}`. Run time: \
+         agent {:.1} min, kube-proxy {:.1} min. JUnit and JSON reports: `target/conformance/<proxy>/`. \
+         How the box differs from a real cluster, and why specs are left out: \
+         [cluster in a box](cluster-in-a-box.md#kubernetes-own-conformance-tests).\n\n",
+        agent_run["focus"]
+            .as_str()
+            .unwrap_or_default()
+            .replace('|', "\\|"),
+        SKIP.replace('|', "\\|"),
+        agent_run["minutes"].as_f64().unwrap_or_default(),
+        kube_proxy_run["minutes"].as_f64().unwrap_or_default(),
+    );
     text += &format!(
         "| | passed | failed | skipped |\n|---|---|---|---|\n| agent | {} | {} | {} |\n| kube-proxy (nftables) | {} | {} | {} |\n\n",
         count(&agent, "passed"),
