@@ -91,7 +91,7 @@ enum Cmd {
     /// DaemonSet, then with kube-proxy (nftables) as the reference; JUnit and JSON reports
     /// in target/conformance/, the side-by-side table in docs/conformance.md.
     Conformance {
-        /// Only the [Conformance] specs among them (~20 min a run here; all: longer).
+        /// Only the [Conformance] specs among them (19; ~4 min a run here; all 82: longer).
         #[arg(long)]
         conformance_only: bool,
         /// Only the agent's run (the table keeps kube-proxy's column from the last run).
