@@ -45,6 +45,12 @@ const LOOPBACK: Ipv4Addr = Ipv4Addr::LOCALHOST;
 /// taint our kubelet-less Nodes and evict their Pods), no Pod garbage collector.
 const CONTROLLERS: &str = "endpointslice-controller,serviceaccount-controller,\
     root-ca-certificate-publisher-controller,namespace-controller,garbage-collector-controller";
+/// What a box with kubelets adds: workloads' controllers, and the ones that keep Pods and
+/// Endpoints as a real cluster does.
+const NODE_CONTROLLERS: &str = "daemonset-controller,deployment-controller,replicaset-controller,\
+    replicationcontroller-controller,endpoints-controller,pod-garbage-collector-controller,\
+    ttl-after-finished-controller,job-controller,taint-eviction-controller,\
+    node-lifecycle-controller";
 const START_TIMEOUT: Duration = Duration::from_secs(90);
 /// How long a component gets to shut down on SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(15);
@@ -86,6 +92,10 @@ pub struct ClusterOptions {
     pub min_request_timeout: Duration,
     /// More kube-apiserver flags, after ours (the later of two equal flags wins).
     pub apiserver_args: Vec<String>,
+    /// kube-controller-manager's `--controllers`.
+    pub controllers: String,
+    /// Runs kube-scheduler too (a box with real nodes, whose Pods name no node).
+    pub scheduler: bool,
 }
 
 impl ClusterOptions {
@@ -95,6 +105,21 @@ impl ClusterOptions {
             service_cidr: "10.96.0.0/16".into(),
             min_request_timeout: Duration::from_secs(1800),
             apiserver_args: Vec::new(),
+            controllers: CONTROLLERS.into(),
+            scheduler: false,
+        }
+    }
+
+    /// A box with real nodes ([`crate::node::Nodes`]): the scheduler, and the controllers
+    /// that Deployments, ReplicationControllers and DaemonSets need.
+    pub fn with_nodes(bin_dir: impl Into<PathBuf>) -> Self {
+        ClusterOptions {
+            controllers: format!("{CONTROLLERS},{NODE_CONTROLLERS}"),
+            scheduler: true,
+            // As kubeadm runs it: the agent's init container (mount) and the e2e specs'
+            // host-exec Pods are privileged.
+            apiserver_args: vec!["--allow-privileged=true".into()],
+            ..ClusterOptions::new(bin_dir)
         }
     }
 }
@@ -110,6 +135,7 @@ pub struct Cluster {
     etcd: Option<Child>,
     apiserver: Option<Child>,
     controller_manager: Option<Child>,
+    scheduler: Option<Child>,
     keeper: Keeper,
 }
 
@@ -143,6 +169,7 @@ impl Cluster {
             etcd: None,
             apiserver: None,
             controller_manager: None,
+            scheduler: None,
             keeper,
         };
         // On error the cluster is dropped here, which stops what started.
@@ -174,9 +201,28 @@ impl Cluster {
             // controllers' permissions to those (`system:controller:*`), not to
             // `system:kube-controller-manager`.
             .arg("--use-service-account-credentials=true")
-            .arg(format!("--controllers={CONTROLLERS}"))
+            .arg(format!("--controllers={}", self.opts.controllers))
             .arg(format!("--root-ca-file={}", pki.join("ca.crt").display()));
         self.controller_manager = Some(self.spawn("kube-controller-manager", kcm)?);
+        if self.opts.scheduler {
+            let kubeconfig = self.dir.join("scheduler.kubeconfig");
+            self.write_client_kubeconfig(&kubeconfig, "system:kube-scheduler", &[])?;
+            let mut sched = Command::new(self.opts.bin_dir.join("kube-scheduler"));
+            sched
+                .arg(format!("--kubeconfig={}", kubeconfig.display()))
+                .arg(format!(
+                    "--authentication-kubeconfig={}",
+                    kubeconfig.display()
+                ))
+                .arg(format!(
+                    "--authorization-kubeconfig={}",
+                    kubeconfig.display()
+                ))
+                .arg(format!("--bind-address={LOOPBACK}"))
+                .arg(format!("--secure-port={}", free_port()?))
+                .arg("--leader-elect=false");
+            self.scheduler = Some(self.spawn("kube-scheduler", sched)?);
+        }
         let client = self.client().await?;
         self.wait_for_service_account(&client, "default").await
     }
@@ -234,6 +280,14 @@ impl Cluster {
             format!("--service-account-signing-key-file={}", file("sa.key")),
             format!("--service-cluster-ip-range={}", self.opts.service_cidr),
             "--authorization-mode=RBAC,Node".into(),
+            // Kubelets (crate::node) are reached at their node IPs, as the API server's
+            // own client (their x509 authentication takes the cluster CA).
+            "--kubelet-preferred-address-types=InternalIP".into(),
+            format!(
+                "--kubelet-client-certificate={}",
+                file("kubelet-client.crt")
+            ),
+            format!("--kubelet-client-key={}", file("kubelet-client.key")),
             format!(
                 "--min-request-timeout={}",
                 self.opts.min_request_timeout.as_secs().max(1)
@@ -414,6 +468,12 @@ impl Cluster {
         write_private(path, &text)
     }
 
+    /// Starts `cmd` as the cluster's other processes are (its log in `logs/NAME.log`,
+    /// killed if this process dies).
+    pub(crate) fn spawn_logged(&self, name: &str, cmd: Command) -> Result<Child> {
+        self.spawn(name, cmd)
+    }
+
     fn spawn(&self, name: &str, mut cmd: Command) -> Result<Child> {
         let log = OpenOptions::new()
             .create(true)
@@ -453,6 +513,7 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         for child in [
+            self.scheduler.take(),
             self.controller_manager.take(),
             self.apiserver.take(),
             self.etcd.take(),
@@ -644,6 +705,11 @@ impl Drop for Keeper {
 }
 
 /// SIGTERM, then SIGKILL after [`STOP_GRACE`]; reaps the process.
+/// SIGTERM, then SIGKILL after the grace period.
+pub(crate) fn stop_child(child: Child) {
+    stop(child)
+}
+
 fn stop(mut child: Child) {
     if let Ok(pid) = i32::try_from(child.id()) {
         // SAFETY: kill has no memory-safety preconditions; the child is not reaped yet,
@@ -745,6 +811,22 @@ fn write_pki(pki: &Path, service_cidr: &str) -> Result<Issuer<'static, KeyPair>>
         params.signed_by(&key, &ca)?.pem(),
     )?;
     write_private(&pki.join("apiserver.key"), &key.serialize_pem())?;
+
+    // The API server's client certificate towards kubelets (logs, exec, port-forward).
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "kube-apiserver-kubelet-client");
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "kubeadm:cluster-admins");
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let key = KeyPair::generate()?;
+    fs::write(
+        pki.join("kubelet-client.crt"),
+        params.signed_by(&key, &ca)?.pem(),
+    )?;
+    write_private(&pki.join("kubelet-client.key"), &key.serialize_pem())?;
 
     let sa = KeyPair::generate()?;
     write_private(&pki.join("sa.key"), &sa.serialize_pem())?;

@@ -9,12 +9,16 @@ pub mod bench;
 pub mod churn;
 pub mod client;
 pub mod cluster;
+pub mod daemonset;
+pub mod dns;
 pub mod echo;
 pub mod fake_apiserver;
 #[cfg(test)]
 mod fake_apiserver_tests;
+pub mod images;
 pub mod kube_proxy;
 pub mod multinode;
+pub mod node;
 mod testbed;
 
 use std::{

@@ -86,6 +86,22 @@ enum Cmd {
         /// Only build the binaries (CI prebuilds them for the tests).
         #[arg(long)]
         build_only: bool,
+        /// Real nodes (kubelet, containerd, runc, CNI), each in its own network namespace
+        /// and cgroup subtree: 1 or 2.
+        #[arg(long, default_value_t = 0)]
+        nodes: usize,
+    },
+    /// Kubernetes' own sig-network e2e specs (Services, Conntrack, Networking, KubeProxy,
+    /// traffic distribution) on a box with two real nodes: with the agent as the
+    /// DaemonSet, then with kube-proxy (nftables) as the reference; JUnit and JSON reports
+    /// in target/conformance/, the side-by-side table in docs/conformance.md.
+    Conformance {
+        /// Only the [Conformance] specs among them (19; ~4 min a run here; all 82: longer).
+        #[arg(long)]
+        conformance_only: bool,
+        /// Only the agent's run (the table keeps kube-proxy's column from the last run).
+        #[arg(long)]
+        agent_only: bool,
     },
     /// The agent (release build) against the cluster in a box at N Services created through
     /// the API: time to all programmed, then programming latency under readiness churn.
@@ -224,15 +240,71 @@ fn main() -> Result<()> {
                 .args(args);
             run(&mut cmd)
         }
-        Cmd::Cluster { build_only } => {
-            let bin_dir = cluster::build(&root)?;
+        Cmd::Conformance {
+            conformance_only,
+            agent_only,
+        } => {
+            setup(&root)?;
+            let bin_dir = cluster::build_nodes(&root, true)?;
+            run(cargo(&root, STABLE).args([
+                "build",
+                "-p",
+                "proxy-agent",
+                "-p",
+                "proxy-e2e",
+                "--bins",
+            ]))?;
+            let out = root.join("target/conformance");
+            let proxies: &[&str] = if agent_only {
+                &["agent"]
+            } else {
+                &["agent", "kube-proxy"]
+            };
+            for proxy in proxies {
+                let mut cmd = e2e_bin(&root, "conformance");
+                cmd.env(cluster::BIN_DIR_ENV, &bin_dir)
+                    .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
+                    .arg("--bin-dir")
+                    .arg(&bin_dir)
+                    .arg("--proxy")
+                    .arg(proxy)
+                    .arg("--out")
+                    .arg(&out);
+                if conformance_only {
+                    cmd.arg("--conformance-only");
+                }
+                run(&mut cmd)?;
+            }
+            let mut cmd = e2e_bin(&root, "conformance");
+            cmd.arg("--bin-dir")
+                .arg(&bin_dir)
+                .arg("--out")
+                .arg(&out)
+                .arg("--summarize")
+                .arg(root.join("docs/conformance.md"));
+            run(&mut cmd)
+        }
+        Cmd::Cluster { build_only, nodes } => {
+            let bin_dir = if nodes > 0 || build_only {
+                cluster::build_nodes(&root, false)?
+            } else {
+                cluster::build(&root)?
+            };
             if build_only {
                 eprintln!("xtask: cluster binaries in {}", bin_dir.display());
                 return Ok(());
             }
             setup(&root)?;
+            if nodes > 0 {
+                run(cargo(&root, STABLE).args(["build", "-p", "proxy-agent"]))?;
+            }
             let mut cmd = e2e_bin(&root, "cluster");
-            cmd.arg("--bin-dir").arg(bin_dir);
+            cmd.arg("--bin-dir")
+                .arg(bin_dir)
+                .arg("--nodes")
+                .arg(nodes.to_string())
+                .arg("--agent")
+                .arg(root.join("target/debug/proxy-agent"));
             run(&mut cmd)
         }
     }
@@ -441,8 +513,9 @@ fn build(root: &Path) -> Result<()> {
 }
 
 fn test(root: &Path, args: &[String]) -> Result<()> {
-    // The cluster in a box's binaries (cached under .tools/): its tests fail without them.
-    let bin_dir = cluster::build(root)?;
+    // The cluster in a box's binaries, the nodes' too (cached under .tools/): its tests
+    // fail without them. The node smoke test (tests/tests/cluster_node.rs) takes ~40 s.
+    let bin_dir = cluster::build_nodes(root, false)?;
     let mut cmd = cargo(root, STABLE);
     cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
     // Every binary runs, whichever fails first.

@@ -6,7 +6,7 @@ use std::process::Command;
 use anyhow::{Result, bail};
 
 /// A command the tests or the benchmark run, and the package that has it.
-const NEEDED: [(&str, &str, &str); 9] = [
+const NEEDED: [(&str, &str, &str); 15] = [
     ("ip", "iproute2", "namespaces, veth, routes"),
     (
         "ethtool",
@@ -32,6 +32,32 @@ const NEEDED: [(&str, &str, &str); 9] = [
         "kube-proxy's nftables rules in the per-packet and migration tests",
     ),
     ("bpftool", "bpftool", "inspecting programs and maps"),
+    (
+        "containerd",
+        "containerd",
+        "the box's nodes' container runtime",
+    ),
+    ("runc", "runc", "the box's nodes' containers"),
+    (
+        "/usr/lib/cni/bridge",
+        "containernetworking-plugins",
+        "the box's nodes' Pod network (bridge, host-local, loopback)",
+    ),
+    (
+        "busybox",
+        "busybox-static",
+        "the shell tools of the box's images",
+    ),
+    (
+        "nc.openbsd",
+        "netcat-openbsd",
+        "the agnhost image's nc, as the e2e specs call it",
+    ),
+    (
+        "curl",
+        "curl",
+        "the agnhost image's curl, as the e2e specs call it",
+    ),
 ];
 
 fn on_path(cmd: &str) -> bool {
