@@ -270,7 +270,7 @@ fn node_changes_reach_only_their_node_and_no_ops_reach_nobody() {
 /// takes. Not a pass/fail test: run it by hand, in release,
 /// `FEED_SERVICES=10000 FEED_NODES=300 cargo test --release -p proxy-agent --test feed_ops measure -- --ignored --nocapture`.
 #[test]
-#[ignore]
+#[ignore = "a measurement, not a check: FEED_SERVICES=N FEED_NODES=M cargo test --release --test feed_ops measure -- --ignored"]
 fn measure_where_the_view_is_computed() {
     let env = |k: &str, d: usize| {
         std::env::var(k)

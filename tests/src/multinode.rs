@@ -310,17 +310,7 @@ impl MultiNode {
 
     /// The frontends in node `node`'s pinned service map.
     pub fn frontends(&self, node: &str) -> Option<usize> {
-        let pins = self.bpffs.join(node);
-        let out = sh(&[
-            agent_bin().to_str()?,
-            "dump",
-            "--json",
-            "--bpffs",
-            pins.to_str()?,
-        ])
-        .ok()?;
-        let v = serde_json::from_str::<serde_json::Value>(&out).ok()?;
-        v["services"].as_array().map(Vec::len)
+        self.dump(node).ok()?["services"].as_array().map(Vec::len)
     }
 
     /// Waits until node `node` holds `frontends` frontends.
@@ -430,31 +420,8 @@ impl MultiNode {
                 .context("starting an agent")?;
             node.agent = Some(agent);
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
         for name in ["node-a", "node-b"] {
-            let pins = self.bpffs.join(name);
-            loop {
-                let out = sh(&[
-                    agent_bin().to_str().context("utf-8")?,
-                    "dump",
-                    "--json",
-                    "--bpffs",
-                    pins.to_str().context("utf-8")?,
-                ]);
-                if let Ok(out) = out
-                    && let Ok(v) = serde_json::from_str::<serde_json::Value>(&out)
-                    && v["services"].as_array().map(Vec::len) == Some(frontends)
-                {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!(
-                        "{name} did not program {frontends} frontends:\n{}",
-                        self.log(name)
-                    );
-                }
-                thread::sleep(Duration::from_millis(50));
-            }
+            self.wait_frontends(name, frontends, Duration::from_secs(20))?;
         }
         Ok(())
     }

@@ -139,6 +139,7 @@ async fn run(args: &Args, proxy: Proxy) -> Result<()> {
         .context("running e2e.test")?;
     let run = serde_json::json!({
         "minutes": started.elapsed().as_secs_f64() / 60.0,
+        "date": today(),
         "focus": focus,
         "skip": SKIP,
         "status": status.to_string(),
@@ -261,8 +262,8 @@ fn summarize(out: &Path, doc: &Path) -> Result<()> {
     text += &format!(
         "`e2e.test` of k8s.io/kubernetes v1.37.2 against the [cluster in a box](cluster-in-a-box.md) \
          with two real nodes, once with the agent as the DaemonSet (no kube-proxy anywhere), \
-         once with kube-proxy v1.37.2 in nftables mode. Focus `{}`, skip `{}`. Run time: \
-         agent {:.1} min, kube-proxy {:.1} min. JUnit and JSON reports: `target/conformance/<proxy>/`. \
+         once with kube-proxy v1.37.2 in nftables mode. Focus `{}`, skip `{}`. Run {} \
+         (`cargo xtask conformance`); run time: agent {:.1} min, kube-proxy {:.1} min. JUnit and JSON reports: `target/conformance/<proxy>/`. \
          How the box differs from a real cluster, and why specs are left out: \
          [cluster in a box](cluster-in-a-box.md#kubernetes-own-conformance-tests).\n\n",
         agent_run["focus"]
@@ -270,6 +271,7 @@ fn summarize(out: &Path, doc: &Path) -> Result<()> {
             .unwrap_or_default()
             .replace('|', "\\|"),
         SKIP.replace('|', "\\|"),
+        agent_run["date"].as_str().unwrap_or("(undated)"),
         agent_run["minutes"].as_f64().unwrap_or_default(),
         kube_proxy_run["minutes"].as_f64().unwrap_or_default(),
     );
@@ -309,4 +311,14 @@ fn summarize(out: &Path, doc: &Path) -> Result<()> {
     fs::write(doc, text)?;
     eprintln!("conformance: table in {}", doc.display());
     Ok(())
+}
+
+/// Today's date (UTC), for the report's table.
+fn today() -> String {
+    std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
 }
