@@ -39,6 +39,18 @@ fn answering(tb: &Testbed, log: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// A testbed of `backends` backends whose agent (per packet, a resync every second)
+/// serves the web manifests with backend 0 only, checked by traffic.
+fn serving_backend_0(backends: usize) -> Testbed {
+    let mut tb = Testbed::new(backends).expect("testbed");
+    tb.write_manifests(&web_manifests(&[0], None))
+        .expect("manifests");
+    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &RESYNC)
+        .expect("agent");
+    assert_eq!(answering(&tb, &tb.agent_log()), only(0));
+    tb
+}
+
 fn only(backend: usize) -> BTreeSet<String> {
     BTreeSet::from([Testbed::backend_name(backend)])
 }
@@ -79,14 +91,9 @@ fn our_filters(tb: &Testbed, interface: &str, hook: &str) -> usize {
 #[needs_root]
 #[test]
 fn lost_classifier_links_are_attached_again_at_the_next_resync() {
-    let mut tb = Testbed::new(1).expect("testbed");
-    tb.write_manifests(&web_manifests(&[0], None))
-        .expect("manifests");
-    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &RESYNC)
-        .expect("agent");
+    let tb = serving_backend_0(1);
     let [client_if, backend_if] =
         <[String; 2]>::try_from(tb.node_interfaces()).expect("two node interfaces");
-    assert_eq!(answering(&tb, &tb.agent_log()), only(0));
 
     let deleted = tb.classifier_pin(&client_if);
     std::fs::remove_file(&deleted).expect("deleting the pin");
@@ -225,12 +232,7 @@ fn a_deleted_clsact_filter_is_added_again_at_the_next_resync() {
 #[needs_root]
 #[test]
 fn a_second_agents_classifier_is_reported_and_a_dead_ones_taken_off() {
-    let mut tb = Testbed::new(2).expect("testbed");
-    tb.write_manifests(&web_manifests(&[0], None))
-        .expect("manifests");
-    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &RESYNC)
-        .expect("first agent");
-    assert_eq!(answering(&tb, &tb.agent_log()), only(0));
+    let mut tb = serving_backend_0(2);
     tb.start_other_agent("second", &web_manifests(&[1], None), FRONTENDS, &RESYNC)
         .expect("second agent");
     let second = format!("http://{}/healthz", tb.other_addresses("second").0);
@@ -401,12 +403,7 @@ fn clsact_a_running_agents_filter_is_refused_and_a_dead_ones_adopted() {
 fn map_entries_lost_or_added_by_hand_are_repaired_by_the_audit() {
     use aya::maps::{HashMap, Map, MapData};
     use proxy_common::{ServiceKey, ServiceValue, map_names::SERVICES};
-    let mut tb = Testbed::new(1).expect("testbed");
-    tb.write_manifests(&web_manifests(&[0], None))
-        .expect("manifests");
-    tb.start_agent_with(Path_::PerPacket, FRONTENDS, &RESYNC)
-        .expect("agent");
-    assert_eq!(answering(&tb, &tb.agent_log()), only(0));
+    let tb = serving_backend_0(1);
 
     let pinned = MapData::from_pin(tb.pin_dir().join("maps").join(SERVICES)).expect("pin");
     let mut services: HashMap<MapData, ServiceKey, ServiceValue> =

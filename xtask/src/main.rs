@@ -151,15 +151,7 @@ fn main() -> Result<()> {
             run(&mut cmd)?;
             // Side by side with kube-proxy's iptables and nftables rules, with the
             // release agent.
-            run(cargo(&root, STABLE).args([
-                "build",
-                "--release",
-                "-p",
-                "proxy-agent",
-                "-p",
-                "proxy-e2e",
-                "--bins",
-            ]))?;
+            build_agent_bins(&root, true)?;
             let mut cmd = e2e_release_bin(&root, "bench");
             cmd.arg("--agent")
                 .arg(root.join("target/release/proxy-agent"))
@@ -200,14 +192,7 @@ fn main() -> Result<()> {
         }
         Cmd::Soak { minutes, files } => {
             setup(&root)?;
-            run(cargo(&root, STABLE).args([
-                "build",
-                "-p",
-                "proxy-agent",
-                "-p",
-                "proxy-e2e",
-                "--bins",
-            ]))?;
+            build_agent_bins(&root, false)?;
             let mut cmd = e2e_bin(&root, "soak");
             cmd.arg("--agent")
                 .arg(root.join("target/debug/proxy-agent"))
@@ -246,14 +231,7 @@ fn main() -> Result<()> {
         } => {
             setup(&root)?;
             let bin_dir = cluster::build_nodes(&root, true)?;
-            run(cargo(&root, STABLE).args([
-                "build",
-                "-p",
-                "proxy-agent",
-                "-p",
-                "proxy-e2e",
-                "--bins",
-            ]))?;
+            build_agent_bins(&root, false)?;
             let out = root.join("target/conformance");
             let proxies: &[&str] = if agent_only {
                 &["agent"]
@@ -497,6 +475,17 @@ fn build_ebpf(root: &Path) -> Result<()> {
             .display()
     );
     Ok(())
+}
+
+/// The agent and the e2e helpers' binaries (a release build: `target/release/`).
+fn build_agent_bins(root: &Path, release: bool) -> Result<()> {
+    let mut cmd = cargo(root, STABLE);
+    cmd.arg("build");
+    if release {
+        cmd.arg("--release");
+    }
+    cmd.args(["-p", "proxy-agent", "-p", "proxy-e2e", "--bins"]);
+    run(&mut cmd)
 }
 
 fn build(root: &Path) -> Result<()> {
