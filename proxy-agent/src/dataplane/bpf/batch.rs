@@ -19,9 +19,9 @@ use aya::{
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 
-/// Entries asked for per read call: large enough that a million entries take a few
+/// Entries per batch call (read or written): large enough that a million entries take a few
 /// hundred calls, small enough for a short-lived buffer.
-const READ_CHUNK: u32 = 8192;
+const BATCH: u32 = 8192;
 
 /// `union bpf_attr`'s `batch` member (linux/bpf.h).
 #[repr(C)]
@@ -83,7 +83,7 @@ fn read_batched<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
     let mut walk = Walk::default();
     let mut out = Vec::new();
     while !walk.done {
-        out.extend(walk.next::<K, V>(map, READ_CHUNK)?);
+        out.extend(walk.next::<K, V>(map, BATCH)?);
     }
     Ok(out)
 }
@@ -157,7 +157,7 @@ pub fn write_all<K: Pod, V: Pod>(
 ) -> Result<(), (usize, io::Error)> {
     let mut done = 0;
     while done < entries.len() {
-        let part = &entries[done..(done + READ_CHUNK as usize).min(entries.len())];
+        let part = &entries[done..(done + BATCH as usize).min(entries.len())];
         let keys: Vec<K> = part.iter().map(|(k, _)| *k).collect();
         let values: Vec<V> = part.iter().map(|(_, v)| *v).collect();
         let mut attr = BatchAttr {

@@ -43,7 +43,6 @@ pub struct Audit {
     /// The maps still to walk this pass, in order, and the current walk.
     walks: Vec<Table>,
     walk: Walk,
-    started: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,7 +59,8 @@ impl MapState {
     /// entries. A new pass begins after the last one ended.
     pub fn audit_step(&mut self, maps: &mut MapSet, fraction: f64) -> Result<AuditReport> {
         let mut report = AuditReport::default();
-        if !self.audit.started {
+        // Nothing left of the last pass (or none yet): a new one.
+        if self.audit.frontends.is_empty() && self.audit.walks.is_empty() {
             self.audit = Audit {
                 frontends: self.services.keys().copied().collect(),
                 walks: vec![
@@ -71,7 +71,6 @@ impl MapState {
                     Table::RevNat,
                 ],
                 walk: Walk::default(),
-                started: true,
             };
         }
         let fraction = fraction.clamp(0.0, 1.0);
@@ -115,10 +114,7 @@ impl MapState {
                 self.audit.walk = Walk::default();
             }
         }
-        if self.audit.frontends.is_empty() && self.audit.walks.is_empty() {
-            self.audit.started = false;
-            report.pass_done = true;
-        }
+        report.pass_done = self.audit.frontends.is_empty() && self.audit.walks.is_empty();
         Ok(report)
     }
 
