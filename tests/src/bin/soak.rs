@@ -693,17 +693,22 @@ impl Soak {
 
     fn write_endpoints(&mut self) -> Result<()> {
         let files = self.files();
+        // Logged before it is published: the agent can act on a change (destroy a
+        // socket, the client print its error, a reader judge it) before `publish` returns,
+        // and a judge must never see the effect of a change the log does not hold yet.
+        {
+            let now = Instant::now();
+            let mut m = self.membership.lock().unwrap_or_else(|e| e.into_inner());
+            for (svc, set) in [("web", self.web), ("busy", self.busy)] {
+                let log = m.0.entry(svc).or_default();
+                if log.last().is_none_or(|(_, s)| *s != set) {
+                    log.push((now, set));
+                }
+            }
+        }
         match &mut self.api {
             Some(api) => api.publish(&files)?,
             None => self.tb.write_manifests(&files)?,
-        }
-        let now = Instant::now();
-        let mut m = self.membership.lock().unwrap_or_else(|e| e.into_inner());
-        for (svc, set) in [("web", self.web), ("busy", self.busy)] {
-            let log = m.0.entry(svc).or_default();
-            if log.last().is_none_or(|(_, s)| *s != set) {
-                log.push((now, set));
-            }
         }
         self.changes += 1;
         Ok(())
@@ -1026,8 +1031,9 @@ fn main() -> Result<()> {
         eprintln!("{}", soak.tb.agent_log());
         return Err(e);
     }
-    let mut failed = report(&soak, &results, &fill, &dump, ran);
-    failed += report_faults(&soak, &api_metrics, final_diff);
+    let mut why = Vec::new();
+    let mut failed = report(&soak, &results, &fill, &dump, ran, &mut why);
+    failed += report_faults(&soak, &api_metrics, final_diff, &mut why);
     if STOP.load(Ordering::SeqCst) {
         bail!("interrupted after {:.0} s", ran.as_secs_f64());
     }
@@ -1037,6 +1043,11 @@ fn main() -> Result<()> {
         eprintln!("\nThe agents' last log lines:");
         for l in tail.iter().rev() {
             eprintln!("{l}");
+        }
+        // Last, where a CI log's tail shows it: what failed.
+        eprintln!("\nWhat failed:");
+        for w in &why {
+            eprintln!("  {w}");
         }
         bail!("{failed} failures");
     }
@@ -1067,6 +1078,7 @@ fn report(
     fill: &Fill,
     dump: &serde_json::Value,
     ran: Duration,
+    why: &mut Vec<String>,
 ) -> u64 {
     let mins = ran.as_secs() / 60;
     let secs = ran.as_secs() % 60;
@@ -1142,6 +1154,7 @@ fn report(
     );
     for (k, n) in &kinds {
         println!("  {k}  ×{n}");
+        why.push(format!("requests: {k}  ×{n}"));
     }
     println!(
         "expected events:{}",
@@ -1156,12 +1169,14 @@ fn report(
             .iter()
             .filter(|w| w.kind == Kind::KeepAliveTcp && w.idle_cycles == 0)
         {
-            println!(
-                "  FAILED: {} {} {}: no answer after an idle gap",
+            let line = format!(
+                "{} {} {}: no answer after an idle gap",
                 path_name(w.path),
                 w.kind.name(),
                 w.target
             );
+            println!("  FAILED: {line}");
+            why.push(line);
             failed += 1;
         }
     }
@@ -1190,6 +1205,7 @@ fn report(
         let v = counters[name].as_u64().unwrap_or(0);
         if v > 0 {
             println!("  FAILED: counter {name} = {v}");
+            why.push(format!("counter {name} = {v}"));
             failed += 1;
         }
     }
@@ -1197,6 +1213,9 @@ fn report(
     println!("connect-time socket state (SOCK_LB) once the clients stopped: {sockets} entries");
     if sockets > 16 {
         println!("  FAILED: socket state outlives its sockets");
+        why.push(format!(
+            "socket state outlives its sockets: {sockets} entries"
+        ));
         failed += 1;
     }
     failed
@@ -1292,7 +1311,7 @@ fn metric_sum(text: &str, name: &str) -> u64 {
 }
 
 /// Prints the faults and the final check; returns the failures among them.
-fn report_faults(soak: &Soak, metrics: &str, final_diff: String) -> u64 {
+fn report_faults(soak: &Soak, metrics: &str, final_diff: String, why: &mut Vec<String>) -> u64 {
     let mut failed = 0;
     if let Some(api) = &soak.api {
         let injected: u64 = soak.faults.by_fault.values().map(|f| f.0).sum();
@@ -1329,6 +1348,7 @@ fn report_faults(soak: &Soak, metrics: &str, final_diff: String) -> u64 {
         );
         for stale in &soak.faults.stale {
             println!("  FAILED: stale maps {stale}");
+            why.push(format!("stale maps {stale}"));
             failed += 1;
         }
     }
@@ -1336,6 +1356,9 @@ fn report_faults(soak: &Soak, metrics: &str, final_diff: String) -> u64 {
         println!("at the end the maps hold exactly what the source holds");
     } else {
         println!("  FAILED: at the end the maps differ from the source: {final_diff}");
+        why.push(format!(
+            "at the end the maps differ from the source: {final_diff}"
+        ));
         failed += 1;
     }
     failed
