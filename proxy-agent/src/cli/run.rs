@@ -71,7 +71,7 @@ pub struct RunArgs {
     /// [default: warn].
     #[arg(long)]
     bpf_log_level: Option<BpfLogLevel>,
-    /// Minimum interval between syncs, in milliseconds (coalesces bursts) [default: 100].
+    /// Minimum interval between syncs, in milliseconds (coalesces bursts) [default: 10].
     #[arg(long)]
     min_sync_ms: Option<u64>,
     /// Periodic full resync, in seconds [default: 30].
