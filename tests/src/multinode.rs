@@ -318,7 +318,9 @@ impl MultiNode {
         let (server_ip, port) = server.rsplit_once(':').context("server is addr:port")?;
         let lan = self.ns("lan");
         if !cut {
-            sh(&["ip", "netns", "exec", &lan, "nft", "delete", "table", "bridge", "pxpart"])?;
+            sh(&[
+                "ip", "netns", "exec", &lan, "nft", "delete", "table", "bridge", "pxpart",
+            ])?;
             return Ok(());
         }
         let rules = format!(
@@ -517,15 +519,7 @@ impl MultiNode {
         let script = format!(
             "import urllib.request,urllib.error\ntry:\n r=urllib.request.urlopen('{url}',timeout=3);print(r.status);print(r.read().decode())\nexcept urllib.error.HTTPError as e:\n print(e.code);print(e.read().decode())"
         );
-        let out = sh(&[
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "python3",
-            "-c",
-            &script,
-        ])?;
+        let out = sh(&["ip", "netns", "exec", ns, "python3", "-c", &script])?;
         let (code, body) = out.split_once('\n').unwrap_or((out.as_str(), ""));
         Ok((
             code.trim().parse().context("status code")?,

@@ -141,8 +141,7 @@ fn a_stopped_node_delays_no_other_and_a_replica_takes_over() {
 /// What node `node`'s agent logs each time it loses a server.
 fn links_lost(tb: &MultiNode, node: &str) -> usize {
     let log = tb.log(node);
-    log.matches("no feed from this server").count()
-        + log.matches("the feed's stream ended").count()
+    log.matches("no feed from this server").count() + log.matches("the feed's stream ended").count()
 }
 
 /// Node A's `/healthz` (healthzBindAddress, 0.0.0.0:10256), asked from the client.
@@ -230,11 +229,17 @@ fn a_partitioned_node_serves_from_its_pins_and_resumes_once_healed() {
     if let Err(e) = tb.wait_frontends("node-a", frontends(1), CONVERGE) {
         panic!("{e:#}\nserver:\n{}", tb.server_log(0));
     }
-    wait_for(&tb, Duration::from_secs(10), "node A's /healthz recovered", || {
-        healthz_a(&tb) == Some(200)
-    });
+    wait_for(
+        &tb,
+        Duration::from_secs(10),
+        "node A's /healthz recovered",
+        || healthz_a(&tb) == Some(200),
+    );
     let log = tb.log("node-a");
-    let streams: Vec<&str> = log.lines().filter(|l| l.contains("the feed streams")).collect();
+    let streams: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("the feed streams"))
+        .collect();
     assert!(streams.len() > streams_before, "no new stream:\n{log}");
     let resumed = streams.last().expect("a stream");
     assert!(
