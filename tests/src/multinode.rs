@@ -304,6 +304,45 @@ impl MultiNode {
         Ok(())
     }
 
+    /// Cuts (`cut`) or heals the LAN between node `node` and the server at `server`
+    /// (`addr:port`, as `start_server` returns it): the bridge drops that TCP port's
+    /// packets both ways, silently, as a partition does; neither end is told, and every
+    /// other path (traffic, the other node's feed) is untouched. The rule lives in the
+    /// LAN namespace, so it goes with the testbed.
+    pub fn partition(&self, node: &str, server: &str, cut: bool) -> Result<()> {
+        let node_ip = match node {
+            "node-a" => NODE_A,
+            "node-b" => NODE_B,
+            other => bail!("no node {other}"),
+        };
+        let (server_ip, port) = server.rsplit_once(':').context("server is addr:port")?;
+        let lan = self.ns("lan");
+        if !cut {
+            sh(&[
+                "ip", "netns", "exec", &lan, "nft", "delete", "table", "bridge", "pxpart",
+            ])?;
+            return Ok(());
+        }
+        let rules = format!(
+            "table bridge pxpart {{\n chain cut {{\n  type filter hook forward priority 0; policy accept;\n  \
+             ip saddr {node_ip} ip daddr {server_ip} tcp dport {port} drop\n  \
+             ip saddr {server_ip} ip daddr {node_ip} tcp sport {port} drop\n }}\n}}\n"
+        );
+        let file = self.root.join("partition.nft");
+        fs::write(&file, rules)?;
+        sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &lan,
+            "nft",
+            "-f",
+            file.to_str().context("utf-8")?,
+        ])
+        .context("the partition's nft rules")?;
+        Ok(())
+    }
+
     pub fn server_log(&self, idx: usize) -> String {
         fs::read_to_string(self.root.join(format!("server{idx}.log"))).unwrap_or_default()
     }
@@ -467,18 +506,20 @@ impl MultiNode {
 
     /// An HTTP GET from the external client: status code and body.
     pub fn http_get(&self, url: &str) -> Result<(u16, String)> {
+        self.http_get_in(&self.ns("cl"), url)
+    }
+
+    /// An HTTP GET from inside node `node`'s namespace (its loopback listeners).
+    pub fn http_get_on(&self, node: &str, url: &str) -> Result<(u16, String)> {
+        let ns = self.nodes.get(node).context("node")?.ns.clone();
+        self.http_get_in(&ns, url)
+    }
+
+    fn http_get_in(&self, ns: &str, url: &str) -> Result<(u16, String)> {
         let script = format!(
             "import urllib.request,urllib.error\ntry:\n r=urllib.request.urlopen('{url}',timeout=3);print(r.status);print(r.read().decode())\nexcept urllib.error.HTTPError as e:\n print(e.code);print(e.read().decode())"
         );
-        let out = sh(&[
-            "ip",
-            "netns",
-            "exec",
-            &self.ns("cl"),
-            "python3",
-            "-c",
-            &script,
-        ])?;
+        let out = sh(&["ip", "netns", "exec", ns, "python3", "-c", &script])?;
         let (code, body) = out.split_once('\n').unwrap_or((out.as_str(), ""));
         Ok((
             code.trim().parse().context("status code")?,

@@ -2,9 +2,10 @@
 //! feeds the agents of two nodes (`--source server=`), whose programs carry real traffic
 //! from outside. The server killed with -9 under churn (traffic keeps flowing from the
 //! pins; both nodes converge once it is back), a stopped node that does not delay the
-//! other, and a replica taking over. Root only (see `proxy_e2e::multinode`).
+//! other, a replica taking over, and a node cut off from the server by the network
+//! while the server goes on serving the other. Root only (see `proxy_e2e::multinode`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proxy_e2e::multinode::{MultiNode, NODE_A, NODE_B};
 use test_support::needs_root;
@@ -131,6 +132,126 @@ fn a_stopped_node_delays_no_other_and_a_replica_takes_over() {
     for node in ["node-a", "node-b"] {
         if let Err(e) = tb.wait_frontends(node, frontends(2), CONVERGE) {
             panic!("{e:#}\nserver 1:\n{}", tb.server_log(1));
+        }
+    }
+    all_reach_pod_b(&tb, NODE_A, 10);
+    all_reach_pod_b(&tb, NODE_B, 10);
+}
+
+/// What node `node`'s agent logs each time it loses a server.
+fn links_lost(tb: &MultiNode, node: &str) -> usize {
+    let log = tb.log(node);
+    log.matches("no feed from this server").count() + log.matches("the feed's stream ended").count()
+}
+
+/// Node A's `/healthz` (healthzBindAddress, 0.0.0.0:10256), asked from the client.
+fn healthz_a(tb: &MultiNode) -> Option<u16> {
+    tb.http_get(&format!("http://{NODE_A}:10256/healthz"))
+        .ok()
+        .map(|(code, _)| code)
+}
+
+/// Polls `done` until it holds; past `within`, panics with `what` and the logs.
+fn wait_for(tb: &MultiNode, within: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} within {within:?}\nnode-a:\n{}\nserver:\n{}",
+            tb.log("node-a"),
+            tb.server_log(0)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The health timeout is 2 × syncPeriod: 6 s with `--resync-s 3`.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(6);
+
+#[needs_root]
+#[test]
+fn a_partitioned_node_serves_from_its_pins_and_resumes_once_healed() {
+    let mut tb = MultiNode::new().expect("testbed");
+    tb.write_manifests(&manifests(0)).expect("manifests");
+    // The server on node B: only node A's feed crosses the LAN, where it is cut.
+    let server = tb.start_server(0, "node-b").expect("server");
+    let source = format!("server={server}");
+    let args = ["--source", &source, "--resync-s", "3"];
+    if let Err(e) = tb.start_agents_with(frontends(0), &args) {
+        panic!("{e:#}\nserver:\n{}", tb.server_log(0));
+    }
+    all_reach_pod_b(&tb, NODE_A, 10);
+    all_reach_pod_b(&tb, NODE_B, 10);
+    assert_eq!(healthz_a(&tb), Some(200), "{}", tb.log("node-a"));
+
+    let lost_before = links_lost(&tb, "node-a");
+    tb.partition("node-a", &server, true).expect("partition");
+    // The server goes on serving node B: a change reaches B, not A.
+    tb.write_manifests(&manifests(1)).expect("manifests");
+    if let Err(e) = tb.wait_frontends("node-b", frontends(1), CONVERGE) {
+        panic!("{e:#}\nserver:\n{}", tb.server_log(0));
+    }
+    all_reach_pod_b(&tb, NODE_A, 30);
+    assert_eq!(
+        tb.frontends("node-a"),
+        Some(frontends(0)),
+        "node A took a change across the partition"
+    );
+    // Until A takes the silence (15 s) as a lost link its data counts as current.
+    assert_eq!(healthz_a(&tb), Some(200), "{}", tb.log("node-a"));
+    wait_for(
+        &tb,
+        Duration::from_secs(30),
+        "node A noticed the partition (is the rule in place?)",
+        || links_lost(&tb, "node-a") > lost_before,
+    );
+    let noticed = Instant::now();
+    // Lost for longer than the health timeout: /healthz fails (data too old), while the
+    // pins go on serving what they hold.
+    wait_for(
+        &tb,
+        HEALTH_TIMEOUT * 3,
+        "node A's /healthz failed after the link's loss",
+        || healthz_a(&tb) == Some(503),
+    );
+    let failed_after = noticed.elapsed();
+    assert!(
+        failed_after >= HEALTH_TIMEOUT - Duration::from_secs(1),
+        "/healthz failed {failed_after:?} after the link was lost, before the health timeout"
+    );
+    all_reach_pod_b(&tb, NODE_A, 10);
+    assert_eq!(tb.frontends("node-a"), Some(frontends(0)));
+
+    // Healed: A reconnects to the same server (same epoch), resumes from the revision
+    // it holds, and converges; /healthz recovers.
+    let streams_before = tb.log("node-a").matches("the feed streams").count();
+    tb.partition("node-a", &server, false).expect("heal");
+    if let Err(e) = tb.wait_frontends("node-a", frontends(1), CONVERGE) {
+        panic!("{e:#}\nserver:\n{}", tb.server_log(0));
+    }
+    wait_for(
+        &tb,
+        Duration::from_secs(10),
+        "node A's /healthz recovered",
+        || healthz_a(&tb) == Some(200),
+    );
+    let log = tb.log("node-a");
+    let streams: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("the feed streams"))
+        .collect();
+    assert!(streams.len() > streams_before, "no new stream:\n{log}");
+    let resumed = streams.last().expect("a stream");
+    assert!(
+        resumed.contains("snapshot=false"),
+        "node A reconnected with a snapshot, not a resume: {resumed}\n{log}"
+    );
+
+    // The resumed stream is live: the next change reaches both.
+    tb.write_manifests(&manifests(2)).expect("manifests");
+    for node in ["node-a", "node-b"] {
+        if let Err(e) = tb.wait_frontends(node, frontends(2), CONVERGE) {
+            panic!("{e:#}\nserver:\n{}", tb.server_log(0));
         }
     }
     all_reach_pod_b(&tb, NODE_A, 10);
