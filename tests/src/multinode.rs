@@ -506,20 +506,18 @@ impl MultiNode {
 
     /// An HTTP GET from the external client: status code and body.
     pub fn http_get(&self, url: &str) -> Result<(u16, String)> {
-        self.http_get_in(&self.ns("cl"), url)
-    }
-
-    /// An HTTP GET from inside node `node`'s namespace (its loopback listeners).
-    pub fn http_get_on(&self, node: &str, url: &str) -> Result<(u16, String)> {
-        let ns = self.nodes.get(node).context("node")?.ns.clone();
-        self.http_get_in(&ns, url)
-    }
-
-    fn http_get_in(&self, ns: &str, url: &str) -> Result<(u16, String)> {
         let script = format!(
             "import urllib.request,urllib.error\ntry:\n r=urllib.request.urlopen('{url}',timeout=3);print(r.status);print(r.read().decode())\nexcept urllib.error.HTTPError as e:\n print(e.code);print(e.read().decode())"
         );
-        let out = sh(&["ip", "netns", "exec", ns, "python3", "-c", &script])?;
+        let out = sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.ns("cl"),
+            "python3",
+            "-c",
+            &script,
+        ])?;
         let (code, body) = out.split_once('\n').unwrap_or((out.as_str(), ""));
         Ok((
             code.trim().parse().context("status code")?,
