@@ -61,16 +61,24 @@ fn all_reach_pod_b(tb: &MultiNode, addr: &str, count: u32) {
 
 const CONVERGE: Duration = Duration::from_secs(20);
 
+/// Starts both nodes' agents fed by `servers` (`--source server=…`) with `extra` flags,
+/// holding the base manifests' frontends; panics with the first server's log.
+fn start_fed_agents(tb: &mut MultiNode, servers: &[&str], extra: &[&str]) {
+    let source = format!("server={}", servers.join(","));
+    let mut args = vec!["--source", source.as_str()];
+    args.extend_from_slice(extra);
+    if let Err(e) = tb.start_agents_with(frontends(0), &args) {
+        panic!("{e:#}\nserver:\n{}", tb.server_log(0));
+    }
+}
+
 #[needs_root]
 #[test]
 fn agents_fed_by_a_server_carry_traffic_through_its_kill_and_converge_after() {
     let mut tb = MultiNode::new().expect("testbed");
     tb.write_manifests(&manifests(0)).expect("manifests");
     let server = tb.start_server(0, "node-a").expect("server");
-    let source = format!("server={server}");
-    if let Err(e) = tb.start_agents_with(frontends(0), &["--source", &source]) {
-        panic!("{e:#}\nserver:\n{}", tb.server_log(0));
-    }
+    start_fed_agents(&mut tb, &[&server], &[]);
     all_reach_pod_b(&tb, NODE_A, 10);
     all_reach_pod_b(&tb, NODE_B, 10);
 
@@ -108,10 +116,7 @@ fn a_stopped_node_delays_no_other_and_a_replica_takes_over() {
     tb.write_manifests(&manifests(0)).expect("manifests");
     let first = tb.start_server(0, "node-a").expect("server 0");
     let second = tb.start_server(1, "node-b").expect("server 1");
-    let source = format!("server={first},{second}");
-    if let Err(e) = tb.start_agents_with(frontends(0), &["--source", &source]) {
-        panic!("{e:#}\nserver:\n{}", tb.server_log(0));
-    }
+    start_fed_agents(&mut tb, &[&first, &second], &[]);
 
     // Node B stuck (SIGSTOP): node A still takes every change at once.
     tb.pause_agent("node-b", true).expect("stop node B");
@@ -175,11 +180,7 @@ fn a_partitioned_node_serves_from_its_pins_and_resumes_once_healed() {
     tb.write_manifests(&manifests(0)).expect("manifests");
     // The server on node B: only node A's feed crosses the LAN, where it is cut.
     let server = tb.start_server(0, "node-b").expect("server");
-    let source = format!("server={server}");
-    let args = ["--source", &source, "--resync-s", "3"];
-    if let Err(e) = tb.start_agents_with(frontends(0), &args) {
-        panic!("{e:#}\nserver:\n{}", tb.server_log(0));
-    }
+    start_fed_agents(&mut tb, &[&server], &["--resync-s", "3"]);
     all_reach_pod_b(&tb, NODE_A, 10);
     all_reach_pod_b(&tb, NODE_B, 10);
     assert_eq!(healthz_a(&tb), Some(200), "{}", tb.log("node-a"));
