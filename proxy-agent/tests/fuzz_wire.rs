@@ -10,7 +10,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;
 use prost::Message as _;
 use proxy_agent::{
-    fanout::{mailbox::Whole, snapshot_ops},
+    fanout::snapshot_ops,
     model::{ClusterModel, NodeInfo},
     wire::{NodeState, v1},
 };
@@ -58,11 +58,9 @@ fn seed_batch() -> (NodeState, Vec<u8>) {
         snapshot: true,
         epoch: "e".into(),
         revision: 7,
-        ops: snapshot_ops(&Whole {
-            model,
-            node: Some(node),
-        }),
+        ops: snapshot_ops(&model, Some(&node)),
         api_validated: true,
+        continued: false,
     };
     let mut state = NodeState::default();
     state.apply(&batch).expect("the seed applies");
@@ -82,11 +80,9 @@ fn read_and_apply(state: &NodeState, bytes: &[u8]) {
                 snapshot: true,
                 epoch: next.epoch.clone(),
                 revision: next.revision,
-                ops: snapshot_ops(&Whole {
-                    model: next.model.clone(),
-                    node: next.node.clone(),
-                }),
+                ops: snapshot_ops(&next.model, next.node.as_ref()),
                 api_validated: next.api_validated,
+                continued: false,
             };
             let mut rebuilt = NodeState::default();
             rebuilt

@@ -2,10 +2,10 @@
 //! the node was not reading is sent once, as it is now), bounded (past the bound the
 //! node gets a fresh snapshot instead), drained whenever its stream can take more.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::collections::BTreeMap;
 
-use crate::model::{ClusterModel, NodeInfo, ObjectRef};
-use crate::wire::v1;
+use super::Encoded;
+use crate::model::ObjectRef;
 
 /// What one op is about: a later op on the same key replaces an earlier one.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -15,18 +15,35 @@ pub enum OpKey {
     Node,
 }
 
-/// The whole state a snapshot sends.
+/// The whole state a snapshot sends: every object's op (a persistent map: taking it
+/// copies nothing) and the node's own Node.
 #[derive(Clone, Debug)]
 pub struct Whole {
-    pub model: ClusterModel,
-    pub node: Option<NodeInfo>,
+    pub objects: imbl::OrdMap<OpKey, Encoded>,
+    pub node: Option<Encoded>,
+}
+
+impl Whole {
+    /// How many ops it sends.
+    pub fn len(&self) -> usize {
+        self.objects.len() + usize::from(self.node.is_some())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its ops in order: the objects', then the Node's.
+    pub fn ops(&self) -> impl Iterator<Item = &Encoded> {
+        self.objects.values().chain(self.node.iter())
+    }
 }
 
 #[derive(Debug, Default)]
 pub struct Pending {
     /// A snapshot not yet sent; `ops` follow it.
     pub snapshot: Option<Whole>,
-    pub ops: BTreeMap<OpKey, Arc<v1::Op>>,
+    pub ops: BTreeMap<OpKey, Encoded>,
     /// The server's revision this node has been given everything up to.
     pub revision: u64,
     /// Snapshots sent because the node fell too far behind.
@@ -35,8 +52,8 @@ pub struct Pending {
 
 /// What a drain hands the stream.
 pub enum Drained {
-    Snapshot(Whole, Vec<Arc<v1::Op>>, u64),
-    Ops(Vec<Arc<v1::Op>>, u64),
+    Snapshot(Whole, Vec<Encoded>, u64),
+    Ops(Vec<Encoded>, u64),
 }
 
 /// A node's mailbox; the hub writes, the node's stream reads.
@@ -63,23 +80,26 @@ impl Mailbox {
     }
 
     /// Adds ops up to `revision`; `whole` is the state after them, taken only when the
-    /// bound is passed. Never blocks on the node.
+    /// bound is passed (then `true`: the node gets a snapshot instead). Never blocks on
+    /// the node.
     pub fn push(
         &self,
-        ops: impl IntoIterator<Item = (OpKey, Arc<v1::Op>)>,
+        ops: impl IntoIterator<Item = (OpKey, Encoded)>,
         revision: u64,
         whole: impl FnOnce() -> Whole,
-    ) {
+    ) -> bool {
         let mut p = self.lock();
         p.revision = revision;
         p.ops.extend(ops);
-        if p.ops.len() > self.bound {
+        let overflowed = p.ops.len() > self.bound;
+        if overflowed {
             p.ops.clear();
             p.snapshot = Some(whole());
             p.overflows += 1;
         }
         drop(p);
         self.notify.notify_one();
+        overflowed
     }
 
     /// Everything pending, unless no op is (a revision that moved on through
@@ -87,7 +107,7 @@ impl Mailbox {
     /// `Err(revision)`: nothing pending, and everything up to `revision` given.
     pub fn drain(&self) -> Result<Drained, u64> {
         let mut p = self.lock();
-        let ops: Vec<Arc<v1::Op>> = std::mem::take(&mut p.ops).into_values().collect();
+        let ops: Vec<Encoded> = std::mem::take(&mut p.ops).into_values().collect();
         if let Some(whole) = p.snapshot.take() {
             return Ok(Drained::Snapshot(whole, ops, p.revision));
         }

@@ -158,6 +158,60 @@ fn usage(pid: u32) -> Result<(f64, u64)> {
     Ok((ticks / 100.0, rss / 1024))
 }
 
+/// One light node: its stream read as the server writes it (`EncodedBatch`, the same
+/// bytes as `Batch`, its ops kept as slices of the received buffer), a snapshot's parts
+/// counted and dropped undecoded, every later op decoded for its trigger time.
+async fn light_node(
+    port: u16,
+    n: usize,
+    seen: Arc<Mutex<Seen>>,
+    ready: tokio::sync::mpsc::Sender<()>,
+) -> Result<()> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
+        .connect()
+        .await
+        .context("connect")?;
+    let mut grpc = tonic::client::Grpc::new(ch).max_decoding_message_size(usize::MAX);
+    grpc.ready().await.context("ready")?;
+    let codec = tonic_prost::ProstCodec::<v1::WatchRequest, v1::EncodedBatch>::default();
+    let path = http::uri::PathAndQuery::from_static("/proxy.nodeview.v1.NodeFeed/Watch");
+    let req = v1::WatchRequest {
+        node_name: format!("n{n}"),
+        accepts_parts: true,
+        ..Default::default()
+    };
+    let mut stream = grpc
+        .server_streaming(tonic::Request::new(req), path, codec)
+        .await
+        .context("watch")?
+        .into_inner();
+    while let Some(batch) = stream.message().await? {
+        let now = SystemTime::now();
+        let mut s = seen.lock().unwrap_or_else(|p| p.into_inner());
+        if batch.snapshot {
+            if !batch.continued {
+                s.snapshots += 1;
+                let _ = ready.try_send(());
+            }
+            continue;
+        }
+        s.bytes_after_snapshot += batch.encoded_len();
+        for op in &batch.ops {
+            if let Ok(v1::Op {
+                op: Some(v1::op::Op::SetSlice(sl)),
+            }) = v1::Op::decode(op.clone())
+                && let Some(t) = sl.trigger_time_unix_nanos
+            {
+                let t = SystemTime::UNIX_EPOCH + Duration::from_nanos(t as u64);
+                let e = s.arrivals.entry(t).or_insert((now, 0));
+                e.0 = e.0.max(now);
+                e.1 += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[derive(Default)]
 struct Seen {
     /// trigger time → latest arrival at any node (and how many nodes had it).
@@ -187,9 +241,9 @@ async fn drive(a: Args) -> Result<()> {
         .parse()?;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(a.nodes);
-    // In waves: each snapshot is built whole in the server's memory (see docs/fanout.md),
-    // so a thousand at once would hold a thousand copies.
-    const WAVE: usize = 50;
+    // In waves, as nodes come up over a rollout (the server streams each snapshot in
+    // parts from shared bytes, so a wave costs it its parts in flight, not copies).
+    const WAVE: usize = 100;
     for n in 0..a.nodes {
         if n >= WAVE && n % WAVE == 0 {
             for _ in 0..WAVE {
@@ -199,37 +253,8 @@ async fn drive(a: Args) -> Result<()> {
         let seen = Arc::clone(&seen);
         let ready = ready_tx.clone();
         tokio::spawn(async move {
-            let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-                .expect("endpoint")
-                .connect()
-                .await
-                .expect("connect");
-            let mut client =
-                v1::node_feed_client::NodeFeedClient::new(ch).max_decoding_message_size(usize::MAX);
-            let req = v1::WatchRequest {
-                node_name: format!("n{n}"),
-                ..Default::default()
-            };
-            let mut stream = client.watch(req).await.expect("watch").into_inner();
-            while let Ok(Some(batch)) = stream.message().await {
-                let now = SystemTime::now();
-                let mut s = seen.lock().unwrap_or_else(|p| p.into_inner());
-                if batch.snapshot {
-                    s.snapshots += 1;
-                    let _ = ready.try_send(());
-                    continue;
-                }
-                s.bytes_after_snapshot += batch.encoded_len();
-                for op in &batch.ops {
-                    if let Some(v1::op::Op::SetSlice(sl)) = &op.op
-                        && let Some(t) = sl.trigger_time_unix_nanos
-                    {
-                        let t = SystemTime::UNIX_EPOCH + Duration::from_nanos(t as u64);
-                        let e = s.arrivals.entry(t).or_insert((now, 0));
-                        e.0 = e.0.max(now);
-                        e.1 += 1;
-                    }
-                }
+            if let Err(e) = light_node(port, n, seen, ready).await {
+                eprintln!("node n{n}: {e:#}");
             }
         });
     }
