@@ -164,7 +164,10 @@ fn main() -> Result<()> {
             // Fan-out: one feed server, light clients as nodes, on loopback
             // (target/bench/fanout.json).
             let mut cmd = e2e_release_bin(&root, "fanout");
-            cmd.arg("--out").arg(root.join("target/bench"));
+            cmd.arg("--agent")
+                .arg(root.join("target/release/proxy-agent"))
+                .arg("--out")
+                .arg(root.join("target/bench"));
             if quick {
                 cmd.arg("--quick");
             } else {

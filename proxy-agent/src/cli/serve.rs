@@ -43,6 +43,10 @@ pub struct ServeArgs {
     /// Coalesced ops one node may have pending before it gets a snapshot instead.
     #[arg(long, default_value_t = HubOptions::default().pending_bound)]
     pending_bound: usize,
+    /// How long a node's stream lets changes gather after the first before sending them
+    /// (fewer, larger messages to every node; 0: each at once).
+    #[arg(long, default_value_t = grpc::BATCH_WINDOW.as_millis() as u64)]
+    batch_window_ms: u64,
     /// `/metrics` and `/healthz` (ready once the first full list is in); empty: off.
     #[arg(long, default_value = "0.0.0.0:10271")]
     metrics_address: String,
@@ -220,5 +224,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     tracing::info!(listen = %args.listen, tls = tls.is_some(), "serving node views");
-    grpc::serve(listener, grpc::Feed::new(hub, identity), tls).await
+    let feed = grpc::Feed::new(hub, identity)
+        .with_batch_window(std::time::Duration::from_millis(args.batch_window_ms));
+    grpc::serve(listener, feed, tls).await
 }

@@ -48,6 +48,8 @@ pub struct Pending {
     pub revision: u64,
     /// Snapshots sent because the node fell too far behind.
     pub overflows: u64,
+    /// When the oldest op not yet drained arrived.
+    pub since: Option<std::time::Instant>,
 }
 
 /// What a drain hands the stream.
@@ -90,7 +92,11 @@ impl Mailbox {
     ) -> bool {
         let mut p = self.lock();
         p.revision = revision;
+        let before = p.ops.len();
         p.ops.extend(ops);
+        if p.ops.len() > before {
+            p.since.get_or_insert_with(std::time::Instant::now);
+        }
         let overflowed = p.ops.len() > self.bound;
         if overflowed {
             p.ops.clear();
@@ -107,6 +113,7 @@ impl Mailbox {
     /// `Err(revision)`: nothing pending, and everything up to `revision` given.
     pub fn drain(&self) -> Result<Drained, u64> {
         let mut p = self.lock();
+        p.since = None;
         let ops: Vec<Encoded> = std::mem::take(&mut p.ops).into_values().collect();
         if let Some(whole) = p.snapshot.take() {
             return Ok(Drained::Snapshot(whole, ops, p.revision));
@@ -115,6 +122,18 @@ impl Mailbox {
             return Err(p.revision);
         }
         Ok(Drained::Ops(ops, p.revision))
+    }
+
+    /// How long to wait before draining, so that ops arriving within `window` of the
+    /// first one pending go in one message (`None`: drain now — nothing pending, a
+    /// snapshot, or the window has passed).
+    pub fn settle(&self, window: std::time::Duration) -> Option<std::time::Duration> {
+        let p = self.lock();
+        if p.snapshot.is_some() {
+            return None;
+        }
+        let age = p.since?.elapsed();
+        window.checked_sub(age).filter(|left| !left.is_zero())
     }
 
     /// The revision this node has been given everything up to.

@@ -69,7 +69,6 @@ struct State {
     /// Every Service's and EndpointSlice's op as a snapshot sends it.
     objects: imbl::OrdMap<OpKey, Encoded>,
     nodes: imbl::OrdMap<String, NodeInfo>,
-    api_validated: bool,
     ready: bool,
     mailboxes: Vec<Weak<Mailbox>>,
 }
@@ -97,6 +96,8 @@ pub struct Hub {
     stats: Mutex<HubStats>,
     /// Apart from `stats`: every stream adds to it for every message.
     bytes_sent: std::sync::atomic::AtomicU64,
+    /// Apart from `state`: every stream reads it for every message.
+    api_validated: std::sync::atomic::AtomicBool,
 }
 
 impl Hub {
@@ -112,13 +113,13 @@ impl Hub {
                 model: ClusterModel::default(),
                 objects: imbl::OrdMap::new(),
                 nodes: imbl::OrdMap::new(),
-                api_validated: false,
                 ready: false,
                 mailboxes: Vec::new(),
             }),
             opts,
             stats: Mutex::new(HubStats::default()),
             bytes_sent: std::sync::atomic::AtomicU64::new(0),
+            api_validated: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -142,7 +143,8 @@ impl Hub {
     }
 
     pub fn api_validated(&self) -> bool {
-        self.lock().api_validated
+        self.api_validated
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Takes the source's latest snapshot: its differences from the model held become
@@ -190,7 +192,8 @@ impl Hub {
         }
         st.model = snap.model.clone();
         st.nodes = snap.nodes.clone();
-        st.api_validated = snap.api_validated;
+        self.api_validated
+            .store(snap.api_validated, std::sync::atomic::Ordering::Relaxed);
         let first = !st.ready;
         st.ready = true;
         st.mailboxes.retain(|m| m.strong_count() > 0);
