@@ -135,8 +135,10 @@ impl Server {
                     }
                 })
                 .collect();
-        if args.first().map(String::as_str) != Some("serve") {
-            bail!("server.yaml's args do not start with serve: {args:?}");
+        if args.first().map(String::as_str) != Some("serve")
+            || !args.iter().any(|a| a.starts_with("--metrics-address="))
+        {
+            bail!("server.yaml's args: not serve with a metrics address: {args:?}");
         }
         let log = dir.join("server.log");
         let out = std::fs::OpenOptions::new()
@@ -149,7 +151,6 @@ impl Server {
             .args(&args)
             .arg("--kubeconfig")
             .arg(kubeconfig)
-            .args(["--metrics-address", SERVER_METRICS])
             .env("NODE_NAME", "control-plane")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
