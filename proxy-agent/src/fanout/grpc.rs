@@ -32,8 +32,9 @@ pub struct Feed {
 
 /// How long a node's stream lets changes gather after the first before it sends them:
 /// 1,000 nodes each sent every change of 100 changes/s one message apiece cost the server
-/// a core in writes alone; gathered for a few milliseconds they go in fewer messages.
-pub const BATCH_WINDOW: Duration = Duration::from_millis(20);
+/// a core in writes alone; gathered for a few milliseconds they go in fewer messages
+/// (measured at 100k Services and 1,000 nodes: docs/fanout.md).
+pub const BATCH_WINDOW: Duration = Duration::from_millis(10);
 
 impl Feed {
     pub fn new(hub: Arc<Hub>, identity: Identity) -> Self {

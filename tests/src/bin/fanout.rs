@@ -52,13 +52,16 @@ struct Args {
     /// The server's batch window (`serve --batch-window-ms`).
     #[arg(long, default_value_t = grpc::BATCH_WINDOW.as_millis() as u64)]
     batch_window_ms: u64,
+    /// Churn windows of `--seconds` each, on the same server and nodes (medians reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Leave out the direct watchers' side.
     #[arg(long)]
     no_direct: bool,
     /// The small form (`cargo xtask bench --quick`).
     #[arg(long)]
     quick: bool,
-    /// Where fanout.json goes.
+    /// Where fanout-<services>.json goes.
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -244,12 +247,18 @@ async fn churn(
     Ok((triggers, cpu, wall, rss_max))
 }
 
-struct FanOut {
+/// One churn window's figures.
+struct Round {
     p50_ms: f64,
     p99_ms: f64,
     cpu_percent: f64,
-    rss_mib: f64,
     bytes_per_change_per_node: f64,
+}
+
+struct FanOut {
+    /// Churn windows one after another on the same connected nodes.
+    rounds: Vec<Round>,
+    rss_mib: f64,
     ready_s: f64,
     snapshots_s: f64,
     api_watches: BTreeMap<String, u64>,
@@ -289,39 +298,59 @@ async fn fan_out(a: &Args, api: &FakeApiServer, population: &mut Population) -> 
         ready_rx.recv().await.context("a node got no snapshot")?;
     }
     let snapshots = t.elapsed();
-    let (triggers, cpu, wall, rss_max) = churn(a, api, population, Some(pid)).await?;
-    // Let the last changes arrive.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let rss = memory_mib(pid)?.0.max(rss_max);
+    let mut rounds = Vec::new();
+    let mut rss = 0.0f64;
+    for _ in 0..a.rounds.max(1) {
+        let bytes_before = seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .bytes_after_snapshot;
+        let (triggers, cpu, wall, rss_max) = churn(a, api, population, Some(pid)).await?;
+        // Let the last changes arrive.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        rss = rss.max(memory_mib(pid)?.0).max(rss_max);
+        let s = seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut complete: Vec<f64> = triggers
+            .iter()
+            .filter_map(|t| {
+                let (last, n) = s.arrivals.get(t)?;
+                let sent = SystemTime::UNIX_EPOCH + Duration::from_nanos(*t as u64);
+                (*n == a.nodes)
+                    .then(|| last.duration_since(sent).unwrap_or_default().as_secs_f64() * 1e3)
+            })
+            .collect();
+        if complete.len() < triggers.len() {
+            bail!(
+                "{} of {} changes reached every node ({} snapshots)",
+                complete.len(),
+                triggers.len(),
+                s.snapshots
+            );
+        }
+        complete.sort_by(f64::total_cmp);
+        let pct = |p: f64| complete[((complete.len() - 1) as f64 * p) as usize];
+        let round = Round {
+            p50_ms: pct(0.5),
+            p99_ms: pct(0.99),
+            cpu_percent: cpu / wall * 100.0,
+            bytes_per_change_per_node: (s.bytes_after_snapshot - bytes_before) as f64
+                / (triggers.len() * a.nodes) as f64,
+        };
+        println!(
+            "  round {}: p50 {:.1} ms, p99 {:.1} ms, server CPU {:.1}%, {:.0} bytes per change per node",
+            rounds.len() + 1,
+            round.p50_ms,
+            round.p99_ms,
+            round.cpu_percent,
+            round.bytes_per_change_per_node
+        );
+        rounds.push(round);
+    }
     ENDED.store(true, Ordering::Relaxed);
     drop(server);
-    let s = seen.lock().unwrap_or_else(|p| p.into_inner());
-    let mut complete: Vec<f64> = triggers
-        .iter()
-        .filter_map(|t| {
-            let (last, n) = s.arrivals.get(t)?;
-            let sent = SystemTime::UNIX_EPOCH + Duration::from_nanos(*t as u64);
-            (*n == a.nodes)
-                .then(|| last.duration_since(sent).unwrap_or_default().as_secs_f64() * 1e3)
-        })
-        .collect();
-    if complete.len() < triggers.len() {
-        bail!(
-            "{} of {} changes reached every node ({} snapshots)",
-            complete.len(),
-            triggers.len(),
-            s.snapshots
-        );
-    }
-    complete.sort_by(f64::total_cmp);
-    let pct = |p: f64| complete[((complete.len() - 1) as f64 * p) as usize];
     Ok(FanOut {
-        p50_ms: pct(0.5),
-        p99_ms: pct(0.99),
-        cpu_percent: cpu / wall * 100.0,
+        rounds,
         rss_mib: rss,
-        bytes_per_change_per_node: s.bytes_after_snapshot as f64
-            / (triggers.len() * a.nodes) as f64,
         ready_s: ready.as_secs_f64(),
         snapshots_s: snapshots.as_secs_f64(),
         api_watches: RESOURCES
@@ -330,6 +359,13 @@ async fn fan_out(a: &Args, api: &FakeApiServer, population: &mut Population) -> 
             .map(|(r, before)| (r.to_string(), api.watches_served(r) - before))
             .collect(),
     })
+}
+
+/// The median of `f` over `rounds` and its range.
+fn spread(rounds: &[Round], f: impl Fn(&Round) -> f64) -> (f64, f64, f64) {
+    let mut v: Vec<f64> = rounds.iter().map(f).collect();
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 /// A watch as an agent in direct mode holds it, from `rv`, its bytes counted.
@@ -425,26 +461,43 @@ async fn drive(a: Args) -> Result<()> {
         bookmark_every: Some(Duration::from_secs(60)),
     })
     .await?;
+    let loadavg = fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
     let mut population = Population::new(a.services, 10);
     population.load(&api);
     let f = fan_out(&a, &api, &mut population).await?;
+    let p50 = spread(&f.rounds, |r| r.p50_ms);
+    let p99 = spread(&f.rounds, |r| r.p99_ms);
+    let cpu = spread(&f.rounds, |r| r.cpu_percent);
+    let bytes = spread(&f.rounds, |r| r.bytes_per_change_per_node);
     println!(
-        "fan-out: {} Services x 10 endpoints, {} nodes, {} changes/s for {} s (batch window {} ms)\n\
+        "fan-out: {} Services x 10 endpoints, {} nodes, {} changes/s, {} rounds of {} s (batch window {} ms), load {}\n\
          serve ready {:.1} s after start, every node's snapshot {:.1} s later\n\
-         trigger -> every node: p50 {:.1} ms, p99 {:.1} ms; server CPU {:.1}% of a core, \
-         RSS {:.0} MiB; {:.0} bytes per change per node; API server watches {:?}",
+         trigger -> every node (medians, range): p50 {:.1} ms ({:.1}-{:.1}), p99 {:.1} ms ({:.1}-{:.1}); \
+         server CPU {:.1}% of a core ({:.1}-{:.1}), RSS {:.0} MiB; {:.0} bytes per change per node; \
+         API server watches {:?}",
         a.services,
         a.nodes,
         a.changes_per_s,
+        f.rounds.len(),
         a.seconds,
         a.batch_window_ms,
+        loadavg,
         f.ready_s,
         f.snapshots_s,
-        f.p50_ms,
-        f.p99_ms,
-        f.cpu_percent,
+        p50.0,
+        p50.1,
+        p50.2,
+        p99.0,
+        p99.1,
+        p99.2,
+        cpu.0,
+        cpu.1,
+        cpu.2,
         f.rss_mib,
-        f.bytes_per_change_per_node,
+        bytes.0,
         f.api_watches,
     );
     let d = if a.no_direct {
@@ -457,7 +510,7 @@ async fn drive(a: Args) -> Result<()> {
             a.nodes,
             d.api_watches,
             d.slice_bytes_per_change_per_node,
-            d.slice_bytes_per_change_per_node / f.bytes_per_change_per_node
+            d.slice_bytes_per_change_per_node / bytes.0
         );
         Some(d)
     };
@@ -467,9 +520,12 @@ async fn drive(a: Args) -> Result<()> {
         let json = serde_json::json!({
             "services": a.services, "nodes": a.nodes, "changes_per_s": a.changes_per_s,
             "seconds": a.seconds, "batch_window_ms": a.batch_window_ms,
-            "p50_ms": f.p50_ms, "p99_ms": f.p99_ms,
-            "server_cpu_percent": f.cpu_percent, "server_rss_mib": f.rss_mib,
-            "bytes_per_change_per_node": f.bytes_per_change_per_node,
+            "rounds": f.rounds.len(), "loadavg": loadavg,
+            "p50_ms": p50.0, "p50_ms_range": [p50.1, p50.2],
+            "p99_ms": p99.0, "p99_ms_range": [p99.1, p99.2],
+            "server_cpu_percent": cpu.0, "server_cpu_percent_range": [cpu.1, cpu.2],
+            "server_rss_mib": f.rss_mib,
+            "bytes_per_change_per_node": bytes.0,
             "serve_ready_s": f.ready_s, "snapshots_s": f.snapshots_s,
             "api_watches_fanout": f.api_watches,
             "api_watches_direct": d.as_ref().map(|d| &d.api_watches),
