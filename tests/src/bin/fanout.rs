@@ -252,6 +252,8 @@ struct Round {
     p50_ms: f64,
     p99_ms: f64,
     cpu_percent: f64,
+    /// This process's: the nodes' clients and the fake API server, on the same cores.
+    driver_cpu_percent: f64,
     bytes_per_change_per_node: f64,
 }
 
@@ -305,7 +307,9 @@ async fn fan_out(a: &Args, api: &FakeApiServer, population: &mut Population) -> 
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .bytes_after_snapshot;
+        let own_before = cpu_seconds(std::process::id())?;
         let (triggers, cpu, wall, rss_max) = churn(a, api, population, Some(pid)).await?;
+        let own = cpu_seconds(std::process::id())? - own_before;
         // Let the last changes arrive.
         tokio::time::sleep(Duration::from_millis(1000)).await;
         rss = rss.max(memory_mib(pid)?.0).max(rss_max);
@@ -333,15 +337,17 @@ async fn fan_out(a: &Args, api: &FakeApiServer, population: &mut Population) -> 
             p50_ms: pct(0.5),
             p99_ms: pct(0.99),
             cpu_percent: cpu / wall * 100.0,
+            driver_cpu_percent: own / wall * 100.0,
             bytes_per_change_per_node: (s.bytes_after_snapshot - bytes_before) as f64
                 / (triggers.len() * a.nodes) as f64,
         };
         println!(
-            "  round {}: p50 {:.1} ms, p99 {:.1} ms, server CPU {:.1}%, {:.0} bytes per change per node",
+            "  round {}: p50 {:.1} ms, p99 {:.1} ms, server CPU {:.1}% (nodes and API server {:.1}%), {:.0} bytes per change per node",
             rounds.len() + 1,
             round.p50_ms,
             round.p99_ms,
             round.cpu_percent,
+            round.driver_cpu_percent,
             round.bytes_per_change_per_node
         );
         rounds.push(round);
@@ -472,12 +478,13 @@ async fn drive(a: Args) -> Result<()> {
     let p99 = spread(&f.rounds, |r| r.p99_ms);
     let cpu = spread(&f.rounds, |r| r.cpu_percent);
     let bytes = spread(&f.rounds, |r| r.bytes_per_change_per_node);
+    let driver = spread(&f.rounds, |r| r.driver_cpu_percent);
     println!(
         "fan-out: {} Services x 10 endpoints, {} nodes, {} changes/s, {} rounds of {} s (batch window {} ms), load {}\n\
          serve ready {:.1} s after start, every node's snapshot {:.1} s later\n\
          trigger -> every node (medians, range): p50 {:.1} ms ({:.1}-{:.1}), p99 {:.1} ms ({:.1}-{:.1}); \
          server CPU {:.1}% of a core ({:.1}-{:.1}), RSS {:.0} MiB; {:.0} bytes per change per node; \
-         API server watches {:?}",
+         API server watches {:?}; the nodes' clients and the API server beside it {:.0}% of a core",
         a.services,
         a.nodes,
         a.changes_per_s,
@@ -499,6 +506,7 @@ async fn drive(a: Args) -> Result<()> {
         f.rss_mib,
         bytes.0,
         f.api_watches,
+        driver.0,
     );
     let d = if a.no_direct {
         None
@@ -525,6 +533,7 @@ async fn drive(a: Args) -> Result<()> {
             "p99_ms": p99.0, "p99_ms_range": [p99.1, p99.2],
             "server_cpu_percent": cpu.0, "server_cpu_percent_range": [cpu.1, cpu.2],
             "server_rss_mib": f.rss_mib,
+            "nodes_and_api_server_cpu_percent": driver.0,
             "bytes_per_change_per_node": bytes.0,
             "serve_ready_s": f.ready_s, "snapshots_s": f.snapshots_s,
             "api_watches_fanout": f.api_watches,
