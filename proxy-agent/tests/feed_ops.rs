@@ -306,7 +306,7 @@ fn a_snapshot_goes_in_parts_of_bounded_size_or_whole_to_a_node_that_cannot_join_
     }
     hub.publish(&world.snap);
     let a = hub.subscribe("n0", "", 0);
-    let parts = parts_of(&hub, a.drain().ok().expect("a snapshot"), &hub.epoch(), 150);
+    let parts = parts_of(&hub, a.drain().expect("a snapshot"), &hub.epoch(), 150);
     assert!(
         parts.len() >= 4,
         "8 objects in parts of 150 bytes: {}",
@@ -324,7 +324,7 @@ fn a_snapshot_goes_in_parts_of_bounded_size_or_whole_to_a_node_that_cannot_join_
     let b = hub.subscribe("n1", "", 0);
     let whole = parts_of(
         &hub,
-        b.drain().ok().expect("a snapshot"),
+        b.drain().expect("a snapshot"),
         &hub.epoch(),
         usize::MAX,
     );
