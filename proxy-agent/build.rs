@@ -49,6 +49,28 @@ fn build_proto() -> anyhow::Result<()> {
     tonic_prost_build::configure()
         // Labels in order: the same Node encodes to the same bytes.
         .btree_map(".")
+        .bytes(".proxy.nodeview.v1.EncodedBatch.ops")
+        // The server is generated below, streaming EncodedBatch instead of Batch.
+        .build_server(false)
         .compile_protos(&[proto], &["proto"])
-        .context("compiling the node-view feed's .proto")
+        .context("compiling the node-view feed's .proto")?;
+    // NodeFeed's server as the .proto names it (the same route), writing each op's shared
+    // bytes (`EncodedBatch`) where the client reads `Batch`.
+    let watch = tonic_build::manual::Method::builder()
+        .name("watch")
+        .route_name("Watch")
+        .input_type("super::WatchRequest")
+        .output_type("super::EncodedBatch")
+        .codec_path("tonic_prost::ProstCodec")
+        .server_streaming()
+        .build();
+    let service = tonic_build::manual::Service::builder()
+        .name("NodeFeed")
+        .package("proxy.nodeview.v1")
+        .method(watch)
+        .build();
+    tonic_build::manual::Builder::new()
+        .build_client(false)
+        .compile(&[service]);
+    Ok(())
 }

@@ -13,7 +13,7 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 use crate::{
     model::NodeInfo,
     source::{ChangeCounts, SharedSnapshot, Snapshot},
-    wire::{KEEPALIVE, NodeState, tls::TlsFiles, v1},
+    wire::{KEEPALIVE, NodeState, Parts, tls::TlsFiles, v1},
 };
 
 /// A stream silent this long is taken as lost (the server sends keepalives).
@@ -123,14 +123,16 @@ async fn follow(
         node_name: opts.node.name.clone(),
         epoch: state.epoch.clone(),
         revision: state.revision,
+        accepts_parts: true,
     };
     let mut stream = client
         .watch(request)
         .await
         .map_err(|s| (anyhow::anyhow!("{}: {}", s.code(), s.message()), false))?
         .into_inner();
+    let mut parts = Parts::default();
     loop {
-        let batch = match tokio::time::timeout(SILENCE, stream.message()).await {
+        let part = match tokio::time::timeout(SILENCE, stream.message()).await {
             Err(_) => {
                 return Err((anyhow::anyhow!("silent for {SILENCE:?}"), delivered));
             }
@@ -139,6 +141,10 @@ async fn follow(
             }
             Ok(Ok(None)) => return Ok(Streamed::Ended { delivered }),
             Ok(Ok(Some(b))) => b,
+        };
+        // Parts of a large batch (a snapshot) are joined before anything is applied.
+        let Some(batch) = parts.push(part) else {
+            continue;
         };
         if !delivered {
             delivered = true;

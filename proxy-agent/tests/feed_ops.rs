@@ -9,10 +9,10 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;
 use prost::Message as _;
 use proxy_agent::{
-    fanout::{Hub, HubOptions, grpc::batch_of, mailbox::Mailbox},
+    fanout::{Hub, HubOptions, grpc::parts_of, mailbox::Mailbox},
     model::{ClusterModel, NodeInfo, ObjectRef, ViewConfig, ViewTracker, node_view},
     source::Snapshot,
-    wire::{NodeState, v1},
+    wire::{NodeState, Parts, v1},
 };
 use serde_json::json;
 
@@ -149,14 +149,35 @@ impl World {
     }
 }
 
-/// Drains a mailbox through the wire: encoded, decoded, applied.
-fn deliver(hub: &Hub, mb: &Mailbox, state: &mut NodeState) {
+/// Drains a mailbox through the wire: in parts of about `part_bytes` of ops, each
+/// encoded as the server's `EncodedBatch`, decoded as the agent's `Batch`, joined,
+/// applied once whole.
+fn deliver_in(hub: &Hub, mb: &Mailbox, state: &mut NodeState, part_bytes: usize) {
     if let Ok(d) = mb.drain() {
-        let batch = batch_of(hub, d, &hub.epoch());
-        let bytes = batch.encode_to_vec();
-        let decoded = v1::Batch::decode(bytes.as_slice()).expect("decodes");
-        state.apply(&decoded).expect("applies");
+        let mut parts = Parts::default();
+        let sent = parts_of(hub, d, &hub.epoch(), part_bytes);
+        let count = sent.len();
+        for (i, part) in sent.into_iter().enumerate() {
+            assert_eq!(
+                part.continued,
+                i + 1 < count,
+                "only the last part ends the batch"
+            );
+            let decoded = v1::Batch::decode(part.encode_to_vec().as_slice()).expect("decodes");
+            match parts.push(decoded) {
+                Some(whole) => {
+                    assert_eq!(i + 1, count, "a batch applied before its last part");
+                    state.apply(&whole).expect("applies");
+                }
+                None => assert!(i + 1 < count, "the last part left the batch open"),
+            }
+        }
     }
+}
+
+/// In parts small enough that a snapshot of a few objects takes several.
+fn deliver(hub: &Hub, mb: &Mailbox, state: &mut NodeState) {
+    deliver_in(hub, mb, state, 200);
 }
 
 fn same_as_server(world: &World, node: &str, state: &NodeState) -> Result<(), TestCaseError> {
@@ -187,6 +208,7 @@ proptest! {
         changes in prop::collection::vec(change(), 1..40),
         deliver_every in 1usize..5,
         resume_at in 0usize..40,
+        part_bytes in prop_oneof![Just(usize::MAX), 1usize..600],
     ) {
         let hub = Hub::new(HubOptions { history: 1000, pending_bound: 1000 });
         let mut world = World::default();
@@ -199,7 +221,7 @@ proptest! {
             world.apply(c);
             hub.publish(&world.snap);
             if i % deliver_every == 0 {
-                deliver(&hub, &mb0, &mut n0);
+                deliver_in(&hub, &mb0, &mut n0, part_bytes);
             }
             if i == resume_at {
                 // A reconnect: the new stream resumes from what n0 holds.
@@ -207,7 +229,7 @@ proptest! {
                 mb0 = hub.subscribe("n0", &n0.epoch, n0.revision);
             }
         }
-        deliver(&hub, &mb0, &mut n0);
+        deliver_in(&hub, &mb0, &mut n0, part_bytes);
         deliver(&hub, &mb1, &mut n1);
         same_as_server(&world, "n0", &n0)?;
         same_as_server(&world, "n1", &n1)?;
@@ -263,6 +285,55 @@ fn node_changes_reach_only_their_node_and_no_ops_reach_nobody() {
     // The same snapshot again (a heartbeat, a no-op update): nothing for anyone.
     hub.publish(&world.snap);
     assert!(a.drain().is_err() && b.drain().is_err());
+}
+
+#[test]
+fn a_snapshot_goes_in_parts_of_bounded_size_or_whole_to_a_node_that_cannot_join_them() {
+    let hub = Hub::new(HubOptions::default());
+    let mut world = World::default();
+    for idx in 0..4 {
+        world.apply(&Change::Service {
+            idx,
+            port: 80,
+            policy_local: false,
+        });
+        world.apply(&Change::Slice {
+            idx,
+            service: idx,
+            eps: vec![(idx, true, 0), (idx + 1, true, 1)],
+            trigger: 0,
+        });
+    }
+    hub.publish(&world.snap);
+    let a = hub.subscribe("n0", "", 0);
+    let parts = parts_of(&hub, a.drain().expect("a snapshot"), &hub.epoch(), 150);
+    assert!(
+        parts.len() >= 4,
+        "8 objects in parts of 150 bytes: {}",
+        parts.len()
+    );
+    for p in &parts {
+        assert!(p.snapshot, "every part says what the batch is");
+        let op_bytes: usize = p.ops.iter().map(|o| o.len()).sum();
+        let last = p.ops.last().map_or(0, |o| o.len());
+        assert!(
+            op_bytes - last < 150,
+            "a part past its bound before its last op"
+        );
+    }
+    let b = hub.subscribe("n1", "", 0);
+    let whole = parts_of(
+        &hub,
+        b.drain().expect("a snapshot"),
+        &hub.epoch(),
+        usize::MAX,
+    );
+    assert_eq!(whole.len(), 1);
+    assert!(!whole[0].continued);
+    assert_eq!(whole[0].ops.len(), 8);
+    // Shared: both nodes' snapshots hold the same bytes, not copies.
+    let first_a = &parts[0].ops[0];
+    assert_eq!(first_a.as_ptr(), whole[0].ops[0].as_ptr());
 }
 
 /// The figures behind where the node view is computed (README, "Fan-out"): per-node
@@ -368,7 +439,10 @@ fn measure_where_the_view_is_computed() {
         hub.publish(&snap);
         for mb in &boxes {
             if let Ok(d) = mb.drain() {
-                bytes += batch_of(&hub, d, "e").encode_to_vec().len();
+                bytes += parts_of(&hub, d, "e", usize::MAX)
+                    .iter()
+                    .map(|p| p.encode_to_vec().len())
+                    .sum::<usize>();
             }
         }
     }

@@ -10,9 +10,9 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;
 use prost::Message as _;
 use proxy_agent::{
-    fanout::{mailbox::Whole, snapshot_ops},
+    fanout::snapshot_ops,
     model::{ClusterModel, NodeInfo},
-    wire::{NodeState, v1},
+    wire::{NodeState, Parts, v1},
 };
 use serde_json::json;
 
@@ -58,11 +58,9 @@ fn seed_batch() -> (NodeState, Vec<u8>) {
         snapshot: true,
         epoch: "e".into(),
         revision: 7,
-        ops: snapshot_ops(&Whole {
-            model,
-            node: Some(node),
-        }),
+        ops: snapshot_ops(&model, Some(&node)),
         api_validated: true,
+        continued: false,
     };
     let mut state = NodeState::default();
     state.apply(&batch).expect("the seed applies");
@@ -82,11 +80,9 @@ fn read_and_apply(state: &NodeState, bytes: &[u8]) {
                 snapshot: true,
                 epoch: next.epoch.clone(),
                 revision: next.revision,
-                ops: snapshot_ops(&Whole {
-                    model: next.model.clone(),
-                    node: next.node.clone(),
-                }),
+                ops: snapshot_ops(&next.model, next.node.as_ref()),
                 api_validated: next.api_validated,
+                continued: false,
             };
             let mut rebuilt = NodeState::default();
             rebuilt
@@ -132,5 +128,53 @@ proptest! {
             }
         }
         read_and_apply(&state, &bytes);
+    }
+
+    #[test]
+    fn parts_of_a_batch_join_into_it_and_stray_parts_never_panic(
+        cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..6),
+        strays in prop::collection::vec((any::<bool>(), any::<bool>(), 0u64..3, prop::collection::vec(any::<u8>(), 0..64)), 0..6),
+    ) {
+        let (_, bytes) = seed_batch();
+        let whole = v1::Batch::decode(bytes.as_slice()).expect("the seed decodes");
+        // The seed split at random op boundaries, as the server sends it.
+        let mut at: Vec<usize> = cuts.iter().map(|c| c.index(whole.ops.len())).collect();
+        at.sort_unstable();
+        at.dedup();
+        let mut parts = Parts::default();
+        let mut from = 0;
+        let mut joined = None;
+        for end in at.into_iter().chain([whole.ops.len()]) {
+            let end = end.max(from);
+            let part = v1::Batch {
+                ops: whole.ops[from..end].to_vec(),
+                continued: end < whole.ops.len(),
+                ..whole.clone()
+            };
+            from = end;
+            let bytes = part.encode_to_vec();
+            prop_assert!(joined.is_none(), "joined before the last part");
+            joined = parts.push(v1::Batch::decode(bytes.as_slice()).expect("a part decodes"));
+        }
+        prop_assert_eq!(joined.as_ref(), Some(&whole));
+        // Stray parts (any flags, revisions, garbage ops) never panic, and whatever they
+        // join is refused or applied whole by the state.
+        for (snapshot, continued, revision, junk) in strays {
+            let part = v1::Batch {
+                snapshot,
+                continued,
+                revision,
+                epoch: "e".into(),
+                ops: v1::Batch::decode(junk.as_slice()).map(|b| b.ops).unwrap_or_default(),
+                api_validated: false,
+            };
+            if let Some(batch) = parts.push(part) {
+                let mut state = NodeState::default();
+                let before = state.clone();
+                if state.apply(&batch).is_err() {
+                    prop_assert_eq!(state, before);
+                }
+            }
+        }
     }
 }

@@ -6,6 +6,7 @@
 pub mod api_feed;
 mod background;
 pub mod bench;
+pub mod box_api;
 pub mod churn;
 pub mod client;
 pub mod cluster;

@@ -269,6 +269,8 @@ impl MultiNode {
                 "--insecure",
                 "--listen",
                 &listen,
+                "--metrics-address",
+                &format!("{addr}:{}", 10280 + idx),
             ])
             .arg("--manifests")
             .arg(&self.manifests)

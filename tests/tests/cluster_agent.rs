@@ -14,24 +14,21 @@
 //! Needs root (namespaces, BPF) and the cluster binaries (`cargo xtask cluster
 //! --build-only`); says which is missing when it skips.
 
-use std::{
-    collections::BTreeSet,
-    path::{Path, PathBuf},
-};
+use std::{collections::BTreeSet, path::Path};
 
 use anyhow::{Context as _, Result, bail};
 use k8s_openapi::api::{
-    core::v1::{Node, Pod, Service, ServiceAccount},
+    core::v1::{Node, Pod, Service},
     discovery::v1::EndpointSlice,
     events::v1::Event,
-    rbac::v1::{ClusterRole, ClusterRoleBinding},
 };
 use kube::{
-    Api, Client,
-    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
+    Api,
+    api::{DeleteParams, ListParams, PostParams},
 };
 use proxy_e2e::{
     Path_, TCP_PORT, TCP_TARGET, Testbed,
+    box_api::{apply_rbac, backends_seen, deploy, object, set_ready, until_backends, yaml_docs},
     cluster::{Cluster, ClusterOptions, eventually, require_binaries},
     target,
 };
@@ -47,49 +44,6 @@ const STICKY_VIP: &str = "10.96.0.11";
 const NODE_PORT: i32 = 30081;
 /// The testbed client's address, as an unmasqueraded backend sees it.
 const CLIENT_IP: &str = "10.10.0.2";
-
-fn deploy() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
-}
-
-fn yaml_docs(path: &Path) -> Result<Vec<Value>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
-    serde_norway::Deserializer::from_str(&text)
-        .map(|d| Ok(serde::Deserialize::deserialize(d)?))
-        .filter(|v: &Result<Value>| !matches!(v, Ok(Value::Null)))
-        .collect()
-}
-
-fn object<T: serde::de::DeserializeOwned>(value: Value) -> Result<T> {
-    Ok(serde_json::from_value(value)?)
-}
-
-/// `deploy/rbac.yaml`, applied as it is.
-async fn apply_rbac(client: &Client) -> Result<()> {
-    let pp = PostParams::default();
-    for doc in yaml_docs(&deploy().join("rbac.yaml"))? {
-        match doc["kind"].as_str() {
-            Some("ServiceAccount") => {
-                let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");
-                Api::<ServiceAccount>::namespaced(client.clone(), ns)
-                    .create(&pp, &object(doc.clone())?)
-                    .await?;
-            }
-            Some("ClusterRole") => {
-                Api::<ClusterRole>::all(client.clone())
-                    .create(&pp, &object(doc.clone())?)
-                    .await?;
-            }
-            Some("ClusterRoleBinding") => {
-                Api::<ClusterRoleBinding>::all(client.clone())
-                    .create(&pp, &object(doc.clone())?)
-                    .await?;
-            }
-            other => bail!("rbac.yaml: unexpected kind {other:?}"),
-        }
-    }
-    Ok(())
-}
 
 /// An agent's argv and the environment it runs with.
 struct Command {
@@ -172,46 +126,6 @@ fn write_kube_proxy_configmap(dir: &Path, cluster: &Cluster, token: &str) -> Res
     Ok(())
 }
 
-/// What the kubelet would report for Pod `i` (the testbed's backend `i`), the Ready
-/// condition's transition now (the controller's trigger time comes from it).
-async fn set_ready(pods: &Api<Pod>, i: usize, ready: bool) -> Result<()> {
-    let ip = Testbed::backend_ip4(i);
-    let now = k8s_openapi::chrono::Utc::now()
-        .to_rfc3339_opts(k8s_openapi::chrono::SecondsFormat::Secs, true);
-    let status = json!({"status": {
-        "phase": "Running",
-        "podIP": ip,
-        "podIPs": [{"ip": ip}],
-        "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" },
-                        "lastTransitionTime": now}],
-    }});
-    pods.patch_status(
-        &format!("web-{i}"),
-        &PatchParams::default(),
-        &Patch::Merge(&status),
-    )
-    .await?;
-    Ok(())
-}
-
-/// The distinct backends that answered `count` connections to the VIP.
-fn backends_seen(tb: &Testbed, count: u32) -> Result<BTreeSet<String>> {
-    let t = target(VIP, TCP_PORT);
-    let attempts = tb.client(&["--target", &t, "--count", &count.to_string()])?;
-    if let Some(bad) = attempts.iter().find(|a| !a.ok) {
-        bail!("a connection to {t} failed: {bad:?}\n{}", tb.agent_log());
-    }
-    Ok(attempts.into_iter().filter_map(|a| a.backend).collect())
-}
-
-async fn until_backends(tb: &Testbed, want: usize, what: &str) -> Result<()> {
-    eventually(what, || async {
-        Ok((backends_seen(tb, 12)?.len() == want).then_some(()))
-    })
-    .await
-    .with_context(|| tb.agent_log())
-}
-
 #[needs_root]
 #[tokio::test(flavor = "multi_thread")]
 async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result<()> {
@@ -219,7 +133,7 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
     let bin_dir = require_binaries(TEST);
     let mut cluster = Cluster::start(ClusterOptions::new(bin_dir)).await?;
     let client = cluster.client().await?;
-    apply_rbac(&client).await?;
+    apply_rbac(&client, &deploy().join("rbac.yaml"), false).await?;
 
     let mut tb = Testbed::new(2)?;
     let node: Node = object(json!({
@@ -284,7 +198,7 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
         .with_context(|| format!("argv {argv:?}"))?;
     let log = tb.agent_log();
     assert!(log.contains("API server reachable"), "{log}");
-    until_backends(&tb, 2, "both Pods serving").await?;
+    until_backends(&tb, VIP, TCP_PORT, 2, "both Pods serving").await?;
     let dump = tb.dump()?;
     let vips: BTreeSet<String> = dump["services"]
         .as_array()
@@ -314,19 +228,33 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
 
     // A Pod turning NotReady: new connections avoid it.
     set_ready(&pods, 1, false).await?;
-    until_backends(&tb, 1, "only web-0 after web-1 turned NotReady").await?;
+    until_backends(
+        &tb,
+        VIP,
+        TCP_PORT,
+        1,
+        "only web-0 after web-1 turned NotReady",
+    )
+    .await?;
 
     // The API server restarts: traffic keeps flowing, and a change made as it comes back
     // (before the agent's watch is back) is caught by the relist.
     cluster.stop_apiserver();
     assert_eq!(
-        backends_seen(&tb, 6)?.len(),
+        backends_seen(&tb, VIP, TCP_PORT, 6)?.len(),
         1,
         "traffic while the API server is down"
     );
     cluster.start_apiserver().await?;
     set_ready(&pods, 1, true).await?;
-    until_backends(&tb, 2, "web-1 back after the API server restart").await?;
+    until_backends(
+        &tb,
+        VIP,
+        TCP_PORT,
+        2,
+        "web-1 back after the API server restart",
+    )
+    .await?;
 
     // Session affinity: one client, one Pod.
     let sticky = json!({"metadata": {"name": "sticky"},
@@ -399,7 +327,7 @@ async fn the_daemonsets_command_line_serves_a_real_clusters_services() -> Result
     )
     .await?;
     eventually("new connections off the terminating Pod", || async {
-        let seen = backends_seen(&tb, 12)?;
+        let seen = backends_seen(&tb, VIP, TCP_PORT, 12)?;
         Ok((seen.len() == 1 && !seen.contains(&held)).then_some(()))
     })
     .await

@@ -161,23 +161,28 @@ fn main() -> Result<()> {
                 cmd.arg("--quick");
             }
             run(&mut cmd)?;
-            // Fan-out: one feed server, light clients as nodes, on loopback
-            // (target/bench/fanout.json).
-            let mut cmd = e2e_release_bin(&root, "fanout");
-            cmd.arg("--out").arg(root.join("target/bench"));
-            if quick {
-                cmd.arg("--quick");
+            // Fan-out: `proxy-agent serve` against the fake API server, light clients
+            // as nodes, and the direct watchers beside it, on loopback
+            // (target/bench/fanout-<services>.json); full: 10k and 100k Services.
+            let sizes: &[&str] = if quick {
+                &["quick"]
             } else {
-                cmd.args([
-                    "--services",
-                    "10000",
-                    "--nodes",
-                    "1000",
-                    "--changes-per-s",
-                    "100",
-                ]);
+                &["10000", "100000"]
+            };
+            for services in sizes {
+                let mut cmd = e2e_release_bin(&root, "fanout");
+                cmd.arg("--agent")
+                    .arg(root.join("target/release/proxy-agent"))
+                    .arg("--out")
+                    .arg(root.join("target/bench"));
+                if quick {
+                    cmd.arg("--quick");
+                } else {
+                    cmd.args(["--services", services, "--nodes", "1000"]);
+                    cmd.args(["--changes-per-s", "100"]);
+                }
+                run(&mut cmd)?;
             }
-            run(&mut cmd)?;
             // The control plane under churn: the release agent against the fake API
             // server at 1k / 10k (/ 100k) Services (target/bench/churn.json).
             let mut cmd = e2e_release_bin(&root, "churn");

@@ -43,6 +43,104 @@ pub struct ServeArgs {
     /// Coalesced ops one node may have pending before it gets a snapshot instead.
     #[arg(long, default_value_t = HubOptions::default().pending_bound)]
     pending_bound: usize,
+    /// How long a node's stream lets changes gather after the first before sending them
+    /// (fewer, larger messages to every node; 0: each at once).
+    #[arg(long, default_value_t = grpc::BATCH_WINDOW.as_millis() as u64)]
+    batch_window_ms: u64,
+    /// `/metrics` and `/healthz` (ready once the first full list is in); empty: off.
+    #[arg(long, default_value = "0.0.0.0:10271")]
+    metrics_address: String,
+}
+
+/// The server's `/metrics` (Prometheus text) from the hub's counts.
+fn metrics_text(s: &fanout::HubStats) -> String {
+    let series: [(&str, &str, &str, u64); 8] = [
+        (
+            "proxy_agent_feed_ready",
+            "gauge",
+            "1 once the source's first full list is in",
+            u64::from(s.ready),
+        ),
+        (
+            "proxy_agent_feed_revision",
+            "gauge",
+            "The server's latest revision",
+            s.revision,
+        ),
+        (
+            "proxy_agent_feed_objects",
+            "gauge",
+            "Services and EndpointSlices held",
+            s.objects as u64,
+        ),
+        (
+            "proxy_agent_feed_nodes_connected",
+            "gauge",
+            "Nodes with an open stream",
+            s.nodes_connected as u64,
+        ),
+        (
+            "proxy_agent_feed_snapshots_total",
+            "counter",
+            "Snapshots sent",
+            s.snapshots_sent,
+        ),
+        (
+            "proxy_agent_feed_resumes_total",
+            "counter",
+            "Streams resumed from a node's revision",
+            s.resumes,
+        ),
+        (
+            "proxy_agent_feed_overflows_total",
+            "counter",
+            "Snapshots given instead of ops to a node past its pending bound",
+            s.overflows,
+        ),
+        (
+            "proxy_agent_feed_sent_bytes_total",
+            "counter",
+            "Bytes of batches handed to the nodes' streams",
+            s.bytes_sent,
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in series {
+        out.push_str(&format!(
+            "# HELP {name} {help}.\n# TYPE {name} {kind}\n{name} {value}\n"
+        ));
+    }
+    out
+}
+
+/// `/metrics`, and `/healthz` answering 503 until the first full list is in.
+fn http_app(hub: std::sync::Arc<Hub>) -> axum::Router {
+    use axum::{http::StatusCode, routing::get};
+    let metrics_hub = std::sync::Arc::clone(&hub);
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let text = metrics_text(&metrics_hub.stats());
+                async move { text }
+            }),
+        )
+        .route(
+            "/healthz",
+            get(move || {
+                let ready = hub.stats().ready;
+                async move {
+                    if ready {
+                        (StatusCode::OK, "ok")
+                    } else {
+                        (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "waiting for the first full list",
+                        )
+                    }
+                }
+            }),
+        )
 }
 
 pub async fn serve(args: ServeArgs) -> Result<()> {
@@ -110,9 +208,23 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         other => anyhow::bail!("--source {other:?}: expected kube or files"),
     }
     tokio::spawn(fanout::follow(std::sync::Arc::clone(&hub), rx));
+    if !args.metrics_address.is_empty() {
+        let addr: std::net::SocketAddr = args
+            .metrics_address
+            .parse()
+            .with_context(|| format!("--metrics-address {:?}", args.metrics_address))?;
+        let app = http_app(std::sync::Arc::clone(&hub));
+        tokio::spawn(proxy_agent::health_check::serve_retrying(
+            addr,
+            app,
+            "metrics address",
+        ));
+    }
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     tracing::info!(listen = %args.listen, tls = tls.is_some(), "serving node views");
-    grpc::serve(listener, grpc::Feed::new(hub, identity), tls).await
+    let feed = grpc::Feed::new(hub, identity)
+        .with_batch_window(std::time::Duration::from_millis(args.batch_window_ms));
+    grpc::serve(listener, feed, tls).await
 }

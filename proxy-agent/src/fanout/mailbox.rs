@@ -2,10 +2,10 @@
 //! the node was not reading is sent once, as it is now), bounded (past the bound the
 //! node gets a fresh snapshot instead), drained whenever its stream can take more.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::collections::BTreeMap;
 
-use crate::model::{ClusterModel, NodeInfo, ObjectRef};
-use crate::wire::v1;
+use super::Encoded;
+use crate::model::ObjectRef;
 
 /// What one op is about: a later op on the same key replaces an earlier one.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -15,28 +15,47 @@ pub enum OpKey {
     Node,
 }
 
-/// The whole state a snapshot sends.
+/// The whole state a snapshot sends: every object's op (a persistent map: taking it
+/// copies nothing) and the node's own Node.
 #[derive(Clone, Debug)]
 pub struct Whole {
-    pub model: ClusterModel,
-    pub node: Option<NodeInfo>,
+    pub objects: imbl::OrdMap<OpKey, Encoded>,
+    pub node: Option<Encoded>,
+}
+
+impl Whole {
+    /// How many ops it sends.
+    pub fn len(&self) -> usize {
+        self.objects.len() + usize::from(self.node.is_some())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its ops in order: the objects', then the Node's.
+    pub fn ops(&self) -> impl Iterator<Item = &Encoded> {
+        self.objects.values().chain(self.node.iter())
+    }
 }
 
 #[derive(Debug, Default)]
 pub struct Pending {
     /// A snapshot not yet sent; `ops` follow it.
     pub snapshot: Option<Whole>,
-    pub ops: BTreeMap<OpKey, Arc<v1::Op>>,
+    pub ops: BTreeMap<OpKey, Encoded>,
     /// The server's revision this node has been given everything up to.
     pub revision: u64,
     /// Snapshots sent because the node fell too far behind.
     pub overflows: u64,
+    /// When the oldest op not yet drained arrived.
+    pub since: Option<std::time::Instant>,
 }
 
 /// What a drain hands the stream.
 pub enum Drained {
-    Snapshot(Whole, Vec<Arc<v1::Op>>, u64),
-    Ops(Vec<Arc<v1::Op>>, u64),
+    Snapshot(Whole, Vec<Encoded>, u64),
+    Ops(Vec<Encoded>, u64),
 }
 
 /// A node's mailbox; the hub writes, the node's stream reads.
@@ -63,23 +82,30 @@ impl Mailbox {
     }
 
     /// Adds ops up to `revision`; `whole` is the state after them, taken only when the
-    /// bound is passed. Never blocks on the node.
+    /// bound is passed (then `true`: the node gets a snapshot instead). Never blocks on
+    /// the node.
     pub fn push(
         &self,
-        ops: impl IntoIterator<Item = (OpKey, Arc<v1::Op>)>,
+        ops: impl IntoIterator<Item = (OpKey, Encoded)>,
         revision: u64,
         whole: impl FnOnce() -> Whole,
-    ) {
+    ) -> bool {
         let mut p = self.lock();
         p.revision = revision;
+        let before = p.ops.len();
         p.ops.extend(ops);
-        if p.ops.len() > self.bound {
+        if p.ops.len() > before {
+            p.since.get_or_insert_with(std::time::Instant::now);
+        }
+        let overflowed = p.ops.len() > self.bound;
+        if overflowed {
             p.ops.clear();
             p.snapshot = Some(whole());
             p.overflows += 1;
         }
         drop(p);
         self.notify.notify_one();
+        overflowed
     }
 
     /// Everything pending, unless no op is (a revision that moved on through
@@ -87,7 +113,8 @@ impl Mailbox {
     /// `Err(revision)`: nothing pending, and everything up to `revision` given.
     pub fn drain(&self) -> Result<Drained, u64> {
         let mut p = self.lock();
-        let ops: Vec<Arc<v1::Op>> = std::mem::take(&mut p.ops).into_values().collect();
+        p.since = None;
+        let ops: Vec<Encoded> = std::mem::take(&mut p.ops).into_values().collect();
         if let Some(whole) = p.snapshot.take() {
             return Ok(Drained::Snapshot(whole, ops, p.revision));
         }
@@ -95,6 +122,18 @@ impl Mailbox {
             return Err(p.revision);
         }
         Ok(Drained::Ops(ops, p.revision))
+    }
+
+    /// How long to wait before draining, so that ops arriving within `window` of the
+    /// first one pending go in one message (`None`: drain now — nothing pending, a
+    /// snapshot, or the window has passed).
+    pub fn settle(&self, window: std::time::Duration) -> Option<std::time::Duration> {
+        let p = self.lock();
+        if p.snapshot.is_some() {
+            return None;
+        }
+        let age = p.since?.elapsed();
+        window.checked_sub(age).filter(|left| !left.is_zero())
     }
 
     /// The revision this node has been given everything up to.

@@ -4,6 +4,11 @@
 //! ops that concern it — every Service and EndpointSlice, its own Node only — so no-op
 //! updates and Node heartbeats (equal in the compact model) never leave the server. A
 //! bounded history lets a reconnecting node resume from its revision.
+//!
+//! Each op is encoded once, when the model changes (`Encoded`): the history, every
+//! mailbox and every stream share its bytes, and a snapshot is the map of every
+//! object's current op (`State::objects`, a persistent map whose clone is O(1)) walked
+//! as the node's stream takes it — never a copy of the model per node.
 
 pub mod grpc;
 pub mod mailbox;
@@ -13,11 +18,20 @@ use std::{
     sync::{Arc, Mutex, Weak},
 };
 
+use prost::Message as _;
+
 use crate::model::{ClusterModel, NodeInfo, ObjectChange};
 use crate::source::Snapshot;
 use crate::wire::{convert, v1};
 
 use mailbox::{Mailbox, OpKey, Pending, Whole};
+
+/// An op (`v1::Op`) as it goes on the wire: encoded once, shared by every node.
+pub type Encoded = bytes::Bytes;
+
+fn encode(op: v1::op::Op) -> Encoded {
+    Encoded::from(v1::Op { op: Some(op) }.encode_to_vec())
+}
 
 /// How the hub is sized.
 #[derive(Clone, Copy, Debug)]
@@ -42,7 +56,7 @@ struct Logged {
     revision: u64,
     node: Option<String>,
     key: OpKey,
-    op: Arc<v1::Op>,
+    op: Encoded,
 }
 
 struct State {
@@ -52,8 +66,9 @@ struct State {
     history_floor: u64,
     history: VecDeque<Logged>,
     model: ClusterModel,
+    /// Every Service's and EndpointSlice's op as a snapshot sends it.
+    objects: imbl::OrdMap<OpKey, Encoded>,
     nodes: imbl::OrdMap<String, NodeInfo>,
-    api_validated: bool,
     ready: bool,
     mailboxes: Vec<Weak<Mailbox>>,
 }
@@ -65,12 +80,24 @@ pub struct HubStats {
     pub nodes_connected: usize,
     pub snapshots_sent: u64,
     pub resumes: u64,
+    /// Bytes of batches handed to the nodes' streams.
+    pub bytes_sent: u64,
+    /// Snapshots given instead of ops to nodes past their bound.
+    pub overflows: u64,
+    /// Services and EndpointSlices held.
+    pub objects: usize,
+    /// Whether the source's first full state is in (nodes get snapshots from then on).
+    pub ready: bool,
 }
 
 pub struct Hub {
     state: Mutex<State>,
     opts: HubOptions,
     stats: Mutex<HubStats>,
+    /// Apart from `stats`: every stream adds to it for every message.
+    bytes_sent: std::sync::atomic::AtomicU64,
+    /// Apart from `state`: every stream reads it for every message.
+    api_validated: std::sync::atomic::AtomicBool,
 }
 
 impl Hub {
@@ -84,13 +111,15 @@ impl Hub {
                 history_floor: 0,
                 history: VecDeque::new(),
                 model: ClusterModel::default(),
+                objects: imbl::OrdMap::new(),
                 nodes: imbl::OrdMap::new(),
-                api_validated: false,
                 ready: false,
                 mailboxes: Vec::new(),
             }),
             opts,
             stats: Mutex::new(HubStats::default()),
+            bytes_sent: std::sync::atomic::AtomicU64::new(0),
+            api_validated: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -103,6 +132,9 @@ impl Hub {
         let st = self.lock();
         s.revision = st.revision;
         s.nodes_connected = st.mailboxes.iter().filter(|m| m.strong_count() > 0).count();
+        s.objects = st.objects.len();
+        s.ready = st.ready;
+        s.bytes_sent = self.bytes_sent.load(std::sync::atomic::Ordering::Relaxed);
         s
     }
 
@@ -111,7 +143,8 @@ impl Hub {
     }
 
     pub fn api_validated(&self) -> bool {
-        self.lock().api_validated
+        self.api_validated
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Takes the source's latest snapshot: its differences from the model held become
@@ -119,17 +152,24 @@ impl Hub {
     pub fn publish(&self, snap: &Snapshot) {
         let mut st = self.lock();
         let mut ops: Vec<Logged> = Vec::new();
-        let mut next = |st: &mut State, node: Option<String>, key: OpKey, op: v1::op::Op| {
+        let mut next = |st: &mut State, node: Option<String>, key: OpKey, op: Encoded| {
             st.revision += 1;
             ops.push(Logged {
                 revision: st.revision,
                 node,
                 key,
-                op: Arc::new(v1::Op { op: Some(op) }),
+                op,
             });
         };
         for change in st.model.object_changes(&snap.model) {
             let (key, op) = change_op(change);
+            let set = matches!(op, v1::op::Op::SetService(_) | v1::op::Op::SetSlice(_));
+            let op = encode(op);
+            if set {
+                st.objects.insert(key.clone(), op.clone());
+            } else {
+                st.objects.remove(&key);
+            }
             next(&mut st, None, key, op);
         }
         let old_nodes = st.nodes.clone();
@@ -140,28 +180,27 @@ impl Hub {
                     &mut st,
                     Some(name.clone()),
                     OpKey::Node,
-                    v1::op::Op::DeleteNode(name.clone()),
+                    encode(v1::op::Op::DeleteNode(name.clone())),
                 ),
                 DiffItem::Add(name, n) | DiffItem::Update { new: (name, n), .. } => next(
                     &mut st,
                     Some(name.clone()),
                     OpKey::Node,
-                    v1::op::Op::SetNode(convert::node_to_wire(n)),
+                    encode(v1::op::Op::SetNode(convert::node_to_wire(n))),
                 ),
             }
         }
         st.model = snap.model.clone();
         st.nodes = snap.nodes.clone();
-        st.api_validated = snap.api_validated;
+        self.api_validated
+            .store(snap.api_validated, std::sync::atomic::Ordering::Relaxed);
         let first = !st.ready;
         st.ready = true;
         st.mailboxes.retain(|m| m.strong_count() > 0);
         let revision = st.revision;
+        let mut overflows = 0;
         for mb in st.mailboxes.iter().filter_map(Weak::upgrade) {
-            let whole = || Whole {
-                model: st.model.clone(),
-                node: st.nodes.get(&mb.node).cloned(),
-            };
+            let whole = || st.whole(&mb.node);
             if first {
                 // Nodes that connected before the first full list: their snapshot now.
                 let mut p = mb.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -175,8 +214,16 @@ impl Hub {
             let mine = ops
                 .iter()
                 .filter(|o| o.node.as_ref().is_none_or(|n| *n == mb.node))
-                .map(|o| (o.key.clone(), Arc::clone(&o.op)));
-            mb.push(mine, revision, whole);
+                .map(|o| (o.key.clone(), o.op.clone()));
+            if mb.push(mine, revision, whole) {
+                overflows += 1;
+            }
+        }
+        if overflows > 0 {
+            self.stats
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .overflows += overflows;
         }
         st.history.extend(ops);
         while st.history.len() > self.opts.history {
@@ -204,13 +251,10 @@ impl Hub {
                 .iter()
                 .filter(|o| o.revision > revision)
                 .filter(|o| o.node.as_ref().is_none_or(|n| n == node))
-                .map(|o| (o.key.clone(), Arc::clone(&o.op)))
+                .map(|o| (o.key.clone(), o.op.clone()))
                 .collect();
         } else if st.ready {
-            pending.snapshot = Some(Whole {
-                model: st.model.clone(),
-                node: st.nodes.get(node).cloned(),
-            });
+            pending.snapshot = Some(st.whole(node));
         }
         {
             let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
@@ -228,6 +272,11 @@ impl Hub {
             mb.notify.notify_one();
         }
         mb
+    }
+
+    pub(crate) fn count_sent(&self, bytes: usize) {
+        self.bytes_sent
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub(crate) fn count_snapshot(&self) {
@@ -260,16 +309,30 @@ fn change_op(change: ObjectChange) -> (OpKey, v1::op::Op) {
     }
 }
 
-/// The ops that build `whole` from nothing.
-pub fn snapshot_ops(whole: &Whole) -> Vec<v1::Op> {
+impl State {
+    /// What a snapshot for `node` sends: every object's op (shared, O(1) to take) and
+    /// the node's own Node.
+    fn whole(&self, node: &str) -> Whole {
+        Whole {
+            objects: self.objects.clone(),
+            node: self
+                .nodes
+                .get(node)
+                .map(|n| encode(v1::op::Op::SetNode(convert::node_to_wire(n)))),
+        }
+    }
+}
+
+/// The ops that build `model` and `node` from nothing (what a snapshot of them sends).
+pub fn snapshot_ops(model: &ClusterModel, node: Option<&NodeInfo>) -> Vec<v1::Op> {
     let mut ops: Vec<v1::Op> = Vec::new();
     let empty = ClusterModel::default();
-    for change in empty.object_changes(&whole.model) {
+    for change in empty.object_changes(model) {
         ops.push(v1::Op {
             op: Some(change_op(change).1),
         });
     }
-    if let Some(n) = &whole.node {
+    if let Some(n) = node {
         ops.push(v1::Op {
             op: Some(v1::op::Op::SetNode(convert::node_to_wire(n))),
         });

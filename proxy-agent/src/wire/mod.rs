@@ -18,4 +18,9 @@ pub use state::{NodeState, OpError};
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("proxy.nodeview.v1");
+    // The server of `NodeFeed` (build.rs): it streams `EncodedBatch`.
+    include!(concat!(env!("OUT_DIR"), "/proxy.nodeview.v1.NodeFeed.rs"));
 }
+
+mod parts;
+pub use parts::Parts;
