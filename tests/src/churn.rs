@@ -227,6 +227,19 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// A labelled series' values by one label's value (`name{label="v"} x` → v: x).
+pub fn labelled(text: &str, name: &str, label: &str) -> std::collections::BTreeMap<String, f64> {
+    let prefix = format!("{name}{{{label}=\"");
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (value_of_label, rest) = rest.split_once('"')?;
+            let v = rest.rsplit_once(' ')?.1.trim().parse().ok()?;
+            Some((value_of_label.to_string(), v))
+        })
+        .collect()
+}
+
 /// utime + stime of `pid`, seconds.
 pub fn cpu_seconds(pid: u32) -> Result<f64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -363,6 +376,15 @@ mod tests {
             per_second(&changes, &latencies),
             vec![Some(15.0), None, Some(40.0)]
         );
+    }
+
+    #[test]
+    fn labelled_series_are_read_by_their_label() {
+        let text = "# HELP x\nm{map=\"SERVICES\"} 4096\nm{map=\"BACKENDS\"} 12\nmx{map=\"A\"} 1\n";
+        let got = labelled(text, "m", "map");
+        assert_eq!(got.len(), 2);
+        assert_eq!(got["SERVICES"], 4096.0);
+        assert_eq!(got["BACKENDS"], 12.0);
     }
 
     #[test]

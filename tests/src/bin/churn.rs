@@ -22,8 +22,8 @@ use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use proxy_e2e::{
     churn::{
-        Latency, Seen, bpf_map_memory, cpu_seconds, http_get, latency, machine_busy_seconds,
-        memory_mib, metric, per_second, scrape, strip_ansi, watch_view,
+        Latency, Seen, bpf_map_memory, cpu_seconds, http_get, labelled, latency,
+        machine_busy_seconds, memory_mib, metric, per_second, scrape, strip_ansi, watch_view,
     },
     fake_apiserver::{self, Change, FakeApiServer, Kind, Options, Population},
     sh,
@@ -124,6 +124,10 @@ struct Run {
     rss_peak_mib: f64,
     bpf_map_mib: f64,
     bpf_maps: usize,
+    /// Per map, as the agent reports it at the end: entries and the kernel's memory
+    /// (fdinfo memlock), bytes.
+    bpf_map_entries: std::collections::BTreeMap<String, f64>,
+    bpf_map_bytes: std::collections::BTreeMap<String, f64>,
     /// API requests the agent made, from its start to the end of the run.
     api: ApiTraffic,
     log_warnings: usize,
@@ -682,6 +686,12 @@ fn finish(run: &mut Run, agent: &mut Agent, server: &FakeApiServer, pid: u32) {
         run.bpf_map_mib = bytes as f64 / 1_048_576.0;
         run.bpf_maps = maps;
     }
+    if let Ok(text) = tokio::task::block_in_place(|| {
+        tokio::runtime::Handle::current().block_on(http_get(&agent.metrics, "/metrics"))
+    }) {
+        run.bpf_map_entries = labelled(&text, "proxy_agent_bpf_map_entries", "map");
+        run.bpf_map_bytes = labelled(&text, "proxy_agent_bpf_map_memory_bytes", "map");
+    }
     record_api(run, server);
     agent.stop();
 }
@@ -784,6 +794,17 @@ fn print_run(r: &Run) {
     );
     for s in &r.log_samples {
         println!("    {}", s.chars().take(300).collect::<String>());
+    }
+    let maps: Vec<String> = r
+        .bpf_map_bytes
+        .iter()
+        .map(|(m, b)| {
+            let entries = r.bpf_map_entries.get(m).copied().unwrap_or(0.0);
+            format!("{m} {:.1} MiB ({entries:.0})", b / 1_048_576.0)
+        })
+        .collect();
+    if !maps.is_empty() {
+        println!("  BPF maps, memory (entries): {}", maps.join(", "));
     }
 }
 
