@@ -541,7 +541,7 @@ async fn drive(a: Args) -> Result<()> {
             "direct_slice_bytes_per_change_per_node": d.as_ref().map(|d| d.slice_bytes_per_change_per_node),
         });
         fs::write(
-            dir.join("fanout.json"),
+            dir.join(format!("fanout-{}.json", a.services)),
             serde_json::to_string_pretty(&json)?,
         )?;
     }
