@@ -23,22 +23,6 @@ pub struct Whole {
     pub node: Option<Encoded>,
 }
 
-impl Whole {
-    /// How many ops it sends.
-    pub fn len(&self) -> usize {
-        self.objects.len() + usize::from(self.node.is_some())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Its ops in order: the objects', then the Node's.
-    pub fn ops(&self) -> impl Iterator<Item = &Encoded> {
-        self.objects.values().chain(self.node.iter())
-    }
-}
-
 #[derive(Debug, Default)]
 pub struct Pending {
     /// A snapshot not yet sent; `ops` follow it.
@@ -46,8 +30,6 @@ pub struct Pending {
     pub ops: BTreeMap<OpKey, Encoded>,
     /// The server's revision this node has been given everything up to.
     pub revision: u64,
-    /// Snapshots sent because the node fell too far behind.
-    pub overflows: u64,
     /// When the oldest op not yet drained arrived.
     pub since: Option<std::time::Instant>,
 }
@@ -101,7 +83,6 @@ impl Mailbox {
         if overflowed {
             p.ops.clear();
             p.snapshot = Some(whole());
-            p.overflows += 1;
         }
         drop(p);
         self.notify.notify_one();
@@ -139,9 +120,5 @@ impl Mailbox {
     /// The revision this node has been given everything up to.
     pub fn revision(&self) -> u64 {
         self.lock().revision
-    }
-
-    pub fn overflows(&self) -> u64 {
-        self.lock().overflows
     }
 }
