@@ -38,6 +38,39 @@ pub fn object<T: serde::de::DeserializeOwned>(value: Value) -> Result<T> {
     Ok(serde_json::from_value(value)?)
 }
 
+/// Container `name` of the first `kind` (a Deployment, a DaemonSet) in the file `path`.
+pub fn container(path: &Path, kind: &str, name: &str) -> Result<Value> {
+    let doc = yaml_docs(path)?
+        .into_iter()
+        .find(|d| d["kind"] == kind)
+        .with_context(|| format!("no {kind} in {}", path.display()))?;
+    doc["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+        .cloned()
+        .with_context(|| format!("no container {name} in {}", path.display()))
+}
+
+/// A list of strings (a container's `command` or `args`).
+pub fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s.as_str().map(String::from))
+        .collect()
+}
+
+/// An agent argument of `deploy/` with the safety remaps for a testbed node: kube-proxy's
+/// folder becomes `kube_proxy_dir`, the pin folder the testbed's, and `--cgroup=auto`
+/// (which would hook every process here) the testbed's cgroup.
+pub fn node_arg(arg: &str, kube_proxy_dir: &Path, tb: &Testbed) -> String {
+    if arg == "--cgroup=auto" {
+        return format!("--cgroup={}", tb.cgroup_path().display());
+    }
+    arg.replace("/var/lib/kube-proxy", &kube_proxy_dir.display().to_string())
+        .replace("/bpffs/proxy-agent", &tb.pin_dir().display().to_string())
+}
+
 /// The ServiceAccounts, ClusterRoles and ClusterRoleBindings of `path`, applied as they
 /// are; any other kind fails unless `others_allowed` (then it is left out).
 pub async fn apply_rbac(client: &Client, path: &Path, others_allowed: bool) -> Result<()> {

@@ -186,6 +186,14 @@ pub fn per_second(changes: &[Change], per_change: &[Option<f64>]) -> Vec<Option<
         .collect()
 }
 
+/// A port free on loopback now (the kernel's choice), for a process started next.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .context("finding a free loopback port")?
+        .port())
+}
+
 /// `GET path` on loopback: the body of a 200 answer.
 pub async fn http_get(addr: &str, path: &str) -> Result<String> {
     let fetch = async {

@@ -28,7 +28,10 @@ use kube::{
 };
 use proxy_e2e::{
     Path_, TCP_PORT, TCP_TARGET, Testbed,
-    box_api::{apply_rbac, backends_seen, deploy, object, set_ready, until_backends, yaml_docs},
+    box_api::{
+        apply_rbac, backends_seen, container, deploy, node_arg, object, set_ready, strings,
+        until_backends,
+    },
     cluster::{Cluster, ClusterOptions, eventually, require_binaries},
     target,
 };
@@ -55,38 +58,14 @@ struct Command {
 /// with host paths mapped into `kube_proxy_dir` and the testbed, and its environment with
 /// the downward API resolved for `NODE`.
 fn daemonset_command(kube_proxy_dir: &Path, tb: &Testbed) -> Result<Command> {
-    let ds = yaml_docs(&deploy().join("daemonset.yaml"))?
-        .into_iter()
-        .find(|d| d["kind"] == "DaemonSet")
-        .context("no DaemonSet")?;
-    let container = ds["spec"]["template"]["spec"]["containers"]
-        .as_array()
-        .and_then(|c| c.iter().find(|c| c["name"] == "agent"))
-        .context("no agent container")?;
-    let strings = |v: &Value| -> Vec<String> {
-        v.as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|s| s.as_str().map(String::from))
-            .collect()
-    };
+    let container = container(&deploy().join("daemonset.yaml"), "DaemonSet", "agent")?;
     let command = strings(&container["command"]);
     assert_eq!(command.first().map(String::as_str), Some("proxy-agent"));
-    let pin_dir = tb.pin_dir().display().to_string();
     let argv: Vec<String> = command[1..]
         .iter()
         .cloned()
         .chain(strings(&container["args"]))
-        .map(|a| {
-            let a = a
-                .replace("/var/lib/kube-proxy", &kube_proxy_dir.display().to_string())
-                .replace("/bpffs/proxy-agent", &pin_dir);
-            if a == "--cgroup=auto" {
-                format!("--cgroup={}", tb.cgroup_path().display())
-            } else {
-                a
-            }
-        })
+        .map(|a| node_arg(&a, kube_proxy_dir, tb))
         .collect();
     let mut env = Vec::new();
     for e in container["env"].as_array().into_iter().flatten() {

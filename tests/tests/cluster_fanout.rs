@@ -24,7 +24,11 @@ use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use kube::{Api, api::PostParams};
 use proxy_e2e::{
     Path_, TCP_PORT, TCP_TARGET, Testbed, agent_bin,
-    box_api::{apply_rbac, backends_seen, deploy, object, set_ready, until_backends, yaml_docs},
+    box_api::{
+        apply_rbac, backends_seen, container, deploy, node_arg, object, set_ready, strings,
+        until_backends,
+    },
+    churn::metric,
     cluster::{Cluster, ClusterOptions, eventually, require_binaries},
 };
 use rcgen::{
@@ -39,22 +43,9 @@ const VIP: &str = "10.96.0.10";
 const FEED: &str = "127.0.0.1:10270";
 const SERVER_METRICS: &str = "127.0.0.1:10271";
 
-/// A container's argv (after its program) and literal env from a manifest file.
-fn container_args(file: &Path, kind: &str, container: &str) -> Result<Vec<String>> {
-    let doc = yaml_docs(file)?
-        .into_iter()
-        .find(|d| d["kind"] == kind)
-        .with_context(|| format!("no {kind} in {}", file.display()))?;
-    let c = doc["spec"]["template"]["spec"]["containers"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["name"] == container))
-        .with_context(|| format!("no container {container}"))?;
-    Ok(c["args"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|a| a.as_str().map(String::from))
-        .collect())
+/// A container's `args` in a manifest file.
+fn container_args(file: &Path, kind: &str, name: &str) -> Result<Vec<String>> {
+    Ok(strings(&container(file, kind, name)?["args"]))
 }
 
 /// The feed's TLS files as the overlay expects them: the Secret `proxy-agent-feed-tls`
@@ -193,22 +184,10 @@ fn fed_agent_argv(tb: &Testbed, dir: &Path, pki: &FeedPki) -> Result<Vec<String>
                     "/var/lib/kubelet/pki/kubelet-client-current.pem",
                     &pki.kubelet_pem.display().to_string(),
                 )
-                .replace("/etc/proxy-agent/feed", &pki.feed_dir.display().to_string())
-                .replace("/var/lib/kube-proxy", &dir.display().to_string())
-                .replace("/bpffs/proxy-agent", &tb.pin_dir().display().to_string());
-            if a == "--cgroup=auto" {
-                format!("--cgroup={}", tb.cgroup_path().display())
-            } else {
-                a
-            }
+                .replace("/etc/proxy-agent/feed", &pki.feed_dir.display().to_string());
+            node_arg(&a, dir, tb)
         })
         .collect())
-}
-
-fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 #[needs_root]

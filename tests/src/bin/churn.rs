@@ -22,7 +22,7 @@ use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use proxy_e2e::{
     churn::{
-        Latency, Seen, bpf_map_memory, cpu_seconds, http_get, labelled, latency,
+        Latency, Seen, bpf_map_memory, cpu_seconds, free_port, http_get, labelled, latency,
         machine_busy_seconds, memory_mib, metric, per_second, scrape, strip_ansi, watch_view,
     },
     fake_apiserver::{self, Change, FakeApiServer, Kind, Options, Population},
@@ -429,13 +429,6 @@ impl std::fmt::Display for Capped {
 }
 
 impl std::error::Error for Capped {}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .context("finding a free loopback port")?
-        .port())
-}
 
 fn path_str(p: &Path) -> Result<&str> {
     p.to_str().context("non-UTF-8 path")

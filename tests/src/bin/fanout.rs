@@ -31,7 +31,7 @@ use clap::Parser;
 use prost::Message as _;
 use proxy_agent::{fanout::grpc, wire::v1};
 use proxy_e2e::{
-    churn::{cpu_seconds, http_get, memory_mib},
+    churn::{cpu_seconds, free_port, http_get, memory_mib},
     fake_apiserver::{FakeApiServer, Options, Population},
 };
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -72,13 +72,6 @@ fn main() -> Result<()> {
         (a.services, a.nodes, a.changes_per_s, a.seconds) = (1000, 100, 50, 5);
     }
     tokio::runtime::Runtime::new()?.block_on(drive(a))
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .context("finding a free loopback port")?
-        .port())
 }
 
 /// Set when the driver ends the server: errors after it are the run's end.
