@@ -281,26 +281,10 @@ fn the_audit_repairs_lost_entries_and_removes_strays() {
         maps.services.iter().filter_map(Result::ok).collect();
     let with_slots: Vec<_> = entries.iter().filter(|(_, v)| v.count > 0).collect();
     assert!(with_slots.len() >= 3, "enough frontends with backends");
-    // Lost: a service entry; changed: a slot pointing elsewhere; lost: a backend.
-    maps.services
-        .remove(&with_slots[0].0)
-        .expect("remove entry");
-    let slot_key = BackendSlotKey {
-        service_id: with_slots[1].1.id,
-        rev: with_slots[1].1.rev,
-        slot: 0,
-    };
-    maps.slots
-        .insert(
-            &slot_key,
-            &BackendSlot {
-                backend_id: 999_999,
-            },
-            0,
-        )
-        .expect("overwrite slot");
     // A backend of a third frontend that the first two do not use (else repairing them
-    // would bring it back first).
+    // would bring it back first). Read before the damage: the overwritten slot would
+    // hide the first two's real backends (a flake when map order put one of them on a
+    // later frontend).
     let ids_of = |v: &proxy_common::ServiceValue| -> Vec<u32> {
         (0..u32::from(v.count))
             .filter_map(|slot| {
@@ -322,6 +306,24 @@ fn the_audit_repairs_lost_entries_and_removes_strays() {
         .flat_map(|(_, v)| ids_of(v))
         .find(|id| !taken.contains(id))
         .expect("a backend only later frontends use");
+    // Lost: a service entry; changed: a slot pointing elsewhere; lost: a backend.
+    maps.services
+        .remove(&with_slots[0].0)
+        .expect("remove entry");
+    let slot_key = BackendSlotKey {
+        service_id: with_slots[1].1.id,
+        rev: with_slots[1].1.rev,
+        slot: 0,
+    };
+    maps.slots
+        .insert(
+            &slot_key,
+            &BackendSlot {
+                backend_id: 999_999,
+            },
+            0,
+        )
+        .expect("overwrite slot");
     maps.backends.remove(&lost_backend).expect("remove backend");
     // Strays: an entry, its slots, a backend.
     let stray = ServiceKey {
