@@ -5,6 +5,7 @@
 
 pub mod maglev;
 pub mod schedulers;
+pub mod throughput;
 pub mod xdp;
 
 use std::{

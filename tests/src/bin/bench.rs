@@ -39,6 +39,10 @@ struct Args {
     /// testbeds.
     #[arg(long)]
     per_packet_only: bool,
+    /// Only the throughput figures (live frames through a veth: XDP, TC, iptables,
+    /// nftables), no testbeds.
+    #[arg(long)]
+    throughput_only: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -290,8 +294,14 @@ fn main() -> Result<()> {
     if args.per_packet_only {
         return per_packet_figures(&scales, runs, args.quick);
     }
-    scheduler_figures(args.quick, &args.out)?;
+    if !args.throughput_only {
+        scheduler_figures(args.quick, &args.out)?;
+    }
     if args.schedulers_only {
+        return Ok(());
+    }
+    throughput_figures(args.quick, &args.out)?;
+    if args.throughput_only {
         return Ok(());
     }
     let work = std::env::temp_dir().join(format!("pxy-bench-{}", std::process::id()));
@@ -381,6 +391,54 @@ fn main() -> Result<()> {
     let svg = args.out.join("bench.svg");
     plot(&results, &svg)?;
     println!("\nwrote {} and {}", json_path.display(), svg.display());
+    Ok(())
+}
+
+/// Packets per second per core into a backend namespace, per contender: printed, and
+/// written to `throughput.json`.
+fn throughput_figures(quick: bool, out: &Path) -> Result<()> {
+    // An established flow's cost does not grow with the Services (conntrack for
+    // netfilter, hash lookups for ours): one scale, where the rules load in seconds.
+    let (n, frames, rounds) = if quick {
+        (100, 200_000, 3)
+    } else {
+        (1_000, 2_000_000, 5)
+    };
+    eprintln!("bench: throughput");
+    let t = bench::throughput::throughput(n, frames, rounds).context("throughput")?;
+    println!(
+        "\nthroughput, {} Services, established flow, {} frames a round, medians of {} rounds on CPU {} (Mpps delivered, spread, share delivered):",
+        t.services, t.frames_per_round, t.rounds, t.cpu
+    );
+    for r in &t.rates {
+        println!(
+            "  {:<10} {:>6.3} Mpps (±{:.3}) {:>6.1}%",
+            r.contender,
+            r.mpps,
+            r.mpps_spread,
+            r.delivered_share * 100.0
+        );
+    }
+    println!(
+        "  XDP ÷ iptables {:.2}x (target ≥ 2.5), XDP ÷ TC {:.2}x (target ≥ 1.5), XDP ÷ nftables {:.2}x",
+        t.ratio("xdp", "iptables"),
+        t.ratio("xdp", "tc"),
+        t.ratio("xdp", "nftables")
+    );
+    let json = serde_json::json!({
+        "date": sh(&["date", "-u", "+%Y-%m-%dT%H:%M:%SZ"])?.trim(),
+        "kernel": sh(&["uname", "-r"])?.trim(),
+        "cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "iptables": sh(&["iptables", "--version"]).unwrap_or_default().trim(),
+        "nft": sh(&["nft", "--version"]).unwrap_or_default().trim(),
+        "quick": quick,
+        "load": bench::load_average(),
+        "throughput": t,
+    });
+    let path = out.join("throughput.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
     Ok(())
 }
 
