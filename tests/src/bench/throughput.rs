@@ -65,6 +65,9 @@ impl Throughput {
 }
 
 pub const CONTENDERS: [&str; 4] = ["xdp", "tc", "iptables", "nftables"];
+/// The control: frames passed to a stack that translates nothing. Whatever reaches its
+/// backend was counted without being translated, and the run stops.
+const CONTROL: &str = "none";
 
 const UPLINK: &str = "up0";
 const UPLINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
@@ -128,15 +131,16 @@ fn topology(router: &str, backend: &str) -> Result<()> {
 
 fn enter(ns: &str) -> Result<()> {
     let f = File::open(format!("/run/netns/{ns}")).with_context(|| format!("netns {ns}"))?;
-    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).with_context(|| format!("setns {ns}"))
+    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)
+        .with_context(|| format!("setns {ns}"))
 }
 
 fn rx_packets(backend: &str) -> Result<u64> {
     let out = Command::new("ip")
         .args(["-n", backend, "-j", "-s", "link", "show", BACKEND])
         .output()?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("ip -s link in {backend}"))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).with_context(|| format!("ip -s link in {backend}"))?;
     v[0]["stats64"]["rx"]["packets"]
         .as_u64()
         .context("rx packets in ip's answer")
@@ -144,23 +148,25 @@ fn rx_packets(backend: &str) -> Result<u64> {
 
 /// Runs the measurement at `n` Services on a thread of its own (it moves between
 /// namespaces and pins itself to the last CPU).
-pub fn throughput(n: usize, frames: u32, rounds: u32) -> Result<Throughput> {
-    let t = std::thread::spawn(move || measure(n, frames, rounds));
+/// `only` narrows the contenders (to profile one); empty: all.
+pub fn throughput(n: usize, frames: u32, rounds: u32, only: &[String]) -> Result<Throughput> {
+    let only = only.to_vec();
+    let t = std::thread::spawn(move || measure(n, frames, rounds, &only));
     t.join()
         .map_err(|_| anyhow::anyhow!("the throughput benchmark panicked"))?
 }
 
-fn measure(n: usize, frames: u32, rounds: u32) -> Result<Throughput> {
+fn measure(n: usize, frames: u32, rounds: u32, only: &[String]) -> Result<Throughput> {
     let tag = format!("xtp{}", std::process::id());
+    let all = || CONTENDERS.iter().copied().chain([CONTROL]);
     let ns = Namespaces(
-        CONTENDERS
-            .iter()
+        all()
             .flat_map(|c| [format!("{tag}-{c}-r"), format!("{tag}-{c}-b")])
             .collect(),
     );
     let router = |c: &str| format!("{tag}-{c}-r");
     let backend = |c: &str| format!("{tag}-{c}-b");
-    for c in CONTENDERS {
+    for c in all() {
         topology(&router(c), &backend(c))?;
     }
     let original_ns = File::open("/proc/self/ns/net")?;
@@ -196,8 +202,11 @@ fn measure(n: usize, frames: u32, rounds: u32) -> Result<Throughput> {
         .program_mut("tc_ingress")
         .context("program")?
         .try_into()?;
-    tc.attach(nix::net::if_::if_nametoindex(UPLINK)?, TcAttachType::Ingress)
-        .context("attaching tc_ingress in the TC contender's namespace")?;
+    tc.attach(
+        nix::net::if_::if_nametoindex(UPLINK)?,
+        TcAttachType::Ingress,
+    )
+    .context("attaching tc_ingress in the TC contender's namespace")?;
     nix::sched::setns(&original_ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
     let dir = std::env::temp_dir().join(format!("{tag}-rules"));
     std::fs::create_dir_all(&dir)?;
@@ -233,6 +242,30 @@ fn measure(n: usize, frames: u32, rounds: u32) -> Result<Throughput> {
         Ok(p.fd()?.try_clone()?)
     };
     let (ingress_fd, pass_fd) = (fd_of("xdp_ingress")?, fd_of("xdp_pass")?);
+    let mut run = |c: &str, frames: u32| -> Result<(u64, Duration)> {
+        {
+            let mut next = ProgramArray::try_from(gen_obj.map_mut("NEXT").context("NEXT")?)?;
+            next.set(0, if c == "xdp" { &ingress_fd } else { &pass_fd }, 0)?;
+        }
+        enter(&router(c))?;
+        let ifindex = nix::net::if_::if_nametoindex(UPLINK)?;
+        let before = rx_packets(&backend(c))?;
+        let generator: &Xdp = gen_obj
+            .program("xdp_bench_gen")
+            .context("program")?
+            .try_into()?;
+        let elapsed = live_run(generator, &ack, ifindex, frames)
+            .with_context(|| format!("generating frames for {c}"))?;
+        // Whatever a softirq still holds arrives now.
+        std::thread::sleep(Duration::from_millis(50));
+        Ok((rx_packets(&backend(c))?.saturating_sub(before), elapsed))
+    };
+    let (leaked, _) = run(CONTROL, 10_000)?;
+    if leaked > 0 {
+        bail!(
+            "{leaked} of 10,000 untranslated frames reached the control's backend: the count is not of translated frames"
+        );
+    }
     let mut samples: Vec<(Vec<f64>, Vec<f64>)> = vec![(vec![], vec![]); CONTENDERS.len()];
     for round in 0..rounds.max(1) {
         let mut order: Vec<usize> = (0..CONTENDERS.len()).collect();
@@ -241,24 +274,13 @@ fn measure(n: usize, frames: u32, rounds: u32) -> Result<Throughput> {
         }
         for i in order {
             let c = CONTENDERS[i];
-            {
-                let mut next =
-                    ProgramArray::try_from(gen_obj.map_mut("NEXT").context("NEXT")?)?;
-                next.set(0, if c == "xdp" { &ingress_fd } else { &pass_fd }, 0)?;
+            if !only.is_empty() && !only.iter().any(|o| o == c) {
+                continue;
             }
-            enter(&router(c))?;
-            let ifindex = nix::net::if_::if_nametoindex(UPLINK)?;
-            let before = rx_packets(&backend(c))?;
-            let generator: &Xdp = gen_obj
-                .program("xdp_bench_gen")
-                .context("program")?
-                .try_into()?;
-            let elapsed = live_run(generator, &ack, ifindex, frames)
-                .with_context(|| format!("generating frames for {c}"))?;
-            // Whatever a softirq still holds arrives now.
-            std::thread::sleep(Duration::from_millis(50));
-            let delivered = rx_packets(&backend(c))?.saturating_sub(before);
-            samples[i].0.push(delivered as f64 / elapsed.as_secs_f64() / 1e6);
+            let (delivered, elapsed) = run(c, frames)?;
+            samples[i]
+                .0
+                .push(delivered as f64 / elapsed.as_secs_f64() / 1e6);
             samples[i].1.push(delivered as f64 / f64::from(frames));
         }
     }
@@ -267,6 +289,7 @@ fn measure(n: usize, frames: u32, rounds: u32) -> Result<Throughput> {
     let rates = CONTENDERS
         .iter()
         .zip(samples)
+        .filter(|(_, (mpps, _))| !mpps.is_empty())
         .map(|(c, (mut mpps, mut share))| {
             let (lo, hi) = mpps
                 .iter()

@@ -43,6 +43,13 @@ struct Args {
     /// nftables), no testbeds.
     #[arg(long)]
     throughput_only: bool,
+    /// The throughput run's contenders (comma-separated: xdp, tc, iptables, nftables;
+    /// default all), e.g. to profile one.
+    #[arg(long, value_delimiter = ',')]
+    contenders: Vec<String>,
+    /// Frames a round in the throughput run (default: 200,000 quick, 2,000,000 full).
+    #[arg(long)]
+    frames: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -300,7 +307,7 @@ fn main() -> Result<()> {
     if args.schedulers_only {
         return Ok(());
     }
-    throughput_figures(args.quick, &args.out)?;
+    throughput_figures(&args)?;
     if args.throughput_only {
         return Ok(());
     }
@@ -396,7 +403,8 @@ fn main() -> Result<()> {
 
 /// Packets per second per core into a backend namespace, per contender: printed, and
 /// written to `throughput.json`.
-fn throughput_figures(quick: bool, out: &Path) -> Result<()> {
+fn throughput_figures(args: &Args) -> Result<()> {
+    let (quick, out) = (args.quick, &args.out);
     // An established flow's cost does not grow with the Services (conntrack for
     // netfilter, hash lookups for ours): one scale, where the rules load in seconds.
     let (n, frames, rounds) = if quick {
@@ -405,7 +413,9 @@ fn throughput_figures(quick: bool, out: &Path) -> Result<()> {
         (1_000, 2_000_000, 5)
     };
     eprintln!("bench: throughput");
-    let t = bench::throughput::throughput(n, frames, rounds).context("throughput")?;
+    let frames = args.frames.unwrap_or(frames);
+    let t =
+        bench::throughput::throughput(n, frames, rounds, &args.contenders).context("throughput")?;
     println!(
         "\nthroughput, {} Services, established flow, {} frames a round, medians of {} rounds on CPU {} (Mpps delivered, spread, share delivered):",
         t.services, t.frames_per_round, t.rounds, t.cpu
