@@ -19,17 +19,24 @@ pub const AGNHOST: &str = "registry.k8s.io/e2e-test-images/agnhost:2.66.1";
 pub const AGENT: &str = "proxy-agent:0.1.0";
 
 /// Host programs copied, with the libraries `ldd` names, into the agnhost image: what
-/// the e2e specs run inside it (`curl`, `nc -v -t -w 2`, `ip`).
-const AGNHOST_TOOLS: [&str; 3] = ["/usr/bin/curl", "/usr/bin/nc.openbsd", "/usr/bin/ip"];
+/// the e2e specs run inside it (`curl`, `wget -q -O - -T 1`, `nc -v -t -w 2`, `ip`).
+/// GNU wget: Debian 12's busybox (1.35) wget segfaults when given `-T`, as the Services
+/// specs' `verifyServeHostnameServiceUp` does.
+const AGNHOST_TOOLS: [&str; 4] = [
+    "/usr/bin/curl",
+    "/usr/bin/wget",
+    "/usr/bin/nc.openbsd",
+    "/usr/bin/ip",
+];
 /// Bumped when what goes into the cached images changes, so a stale one is rebuilt.
-const RECIPE: u32 = 2;
-/// Busybox gives the rest of the shell tools (wget, nslookup, mountpoint, mount).
+const RECIPE: u32 = 3;
+/// Busybox gives the rest of the shell tools (nslookup, mountpoint, mount).
 const BUSYBOX: &str = "/bin/busybox";
 /// Not busybox's: Debian builds its ash to run its own applets before PATH, so `nc -v`
 /// in a spec would be busybox's nc, which has no -v. /bin/sh is dash; bash is there too.
 const SHELLS: [&str; 2] = ["/usr/bin/dash", "/usr/bin/bash"];
 /// Applets left out, so that PATH finds the real programs (or the shells).
-const NOT_APPLETS: [&str; 6] = ["busybox", "sh", "ash", "bash", "nc", "ip"];
+const NOT_APPLETS: [&str; 7] = ["busybox", "sh", "ash", "bash", "nc", "ip", "wget"];
 
 /// Every image a box with nodes imports: pause and agnhost (cached beside the binaries in
 /// `bin_dir/images`) and the agent's (from `agent`, into `out`).

@@ -6,7 +6,7 @@ use std::process::Command;
 use anyhow::{Result, bail};
 
 /// A command the tests or the benchmark run, and the package that has it.
-const NEEDED: [(&str, &str, &str); 15] = [
+const NEEDED: [(&str, &str, &str); 16] = [
     ("ip", "iproute2", "namespaces, veth, routes"),
     (
         "ethtool",
@@ -57,6 +57,11 @@ const NEEDED: [(&str, &str, &str); 15] = [
         "curl",
         "curl",
         "the agnhost image's curl, as the e2e specs call it",
+    ),
+    (
+        "wget",
+        "wget",
+        "the agnhost image's wget (busybox 1.35's segfaults on -T)",
     ),
 ];
 
