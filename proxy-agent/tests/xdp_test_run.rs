@@ -373,3 +373,186 @@ fn reply_from_a_remote_backend_is_reverse_translated_at_xdp() {
         assert_eq!(h.counter("ct_reply_nat"), 2);
     });
 }
+
+/// A harness as `node_port`'s (IPv4), its frontends in direct-server-return mode.
+fn node_port_dsr(backends: &[&str]) -> Harness {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let mut view = NodeView::new();
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let (f, mut st) = frontend("192.0.2.10", 30080, proto, backends);
+        st.kind = FrontendKind::NodePort;
+        st.dsr = true;
+        view.insert(f, st);
+    }
+    h.apply(&view);
+    h
+}
+
+/// The packet carries DSR's option for `frontend` right after its base header, and is
+/// 8 bytes longer than `sent`.
+fn assert_dsr_option(out: &[u8], sent: &[u8], frontend: SocketAddr) {
+    assert_eq!(out.len(), sent.len() + 8, "eight bytes more");
+    assert_eq!(out[14], 0x47, "IPv4, a 28-byte header");
+    let std::net::IpAddr::V4(ip) = frontend.ip() else {
+        panic!("IPv4 only")
+    };
+    let (p, a) = (frontend.port().to_be_bytes(), ip.octets());
+    assert_eq!(
+        out[34..42],
+        [0x9a, 8, p[0], p[1], a[0], a[1], a[2], a[3]],
+        "the option names the frontend"
+    );
+    assert_eq!(
+        out[42..],
+        sent[34..],
+        "the L4 header and payload as they were"
+    );
+}
+
+/// DSR at the client's node: to a backend on another node the client's address is kept
+/// and the frontend rides along in an IP option — at XDP (sent back out, one hop less)
+/// and at TC, for the first packet and the flow's next ones; checksums valid.
+#[needs_root]
+#[test]
+fn dsr_keeps_the_client_and_carries_the_frontend_at_xdp_and_tc() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port_dsr(&["10.244.2.7:8080"]);
+        let (frontend, backend) = (sa("192.0.2.10:30080"), sa("10.244.2.7:8080"));
+        let mut sent = 0;
+        for (i, tcp) in [true, false].into_iter().enumerate() {
+            let client = sa(&format!("192.0.2.99:{}", 40000 + i));
+            let pkt = packet(client, frontend, tcp);
+            let (verdict, out) = h.run_xdp(&pkt, uplink);
+            assert_eq!(verdict, XDP_TX, "tcp={tcp}");
+            assert_eq!(out[0..6], OTHER_NODE_MAC, "to the backend's node");
+            assert_eq!(ttl(&out), ttl(&pkt) - 1);
+            let seen = inspect(&out);
+            assert_eq!(
+                (seen.src, seen.dst),
+                (client, backend),
+                "the client's address kept"
+            );
+            let mut expect = out.clone();
+            expect.drain(34..42);
+            assert_dsr_option(&out, &expect, frontend);
+
+            let client = sa(&format!("192.0.2.99:{}", 41000 + i));
+            let pkt = packet(client, frontend, tcp);
+            let (verdict, out) = h.run(&pkt);
+            assert!(
+                verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+                "TC translates: {verdict}"
+            );
+            let seen = inspect(&out);
+            assert_eq!((seen.src, seen.dst), (client, backend));
+            let mut expect = out.clone();
+            expect.drain(34..42);
+            assert_dsr_option(&out, &expect, frontend);
+            sent += 2;
+        }
+        // The flow's next segment carries it too.
+        let client = sa("192.0.2.99:40000");
+        let ack = tcp_with_flags(client, frontend, 0x10);
+        let (verdict, out) = h.run_xdp(&ack, uplink);
+        assert_eq!(verdict, XDP_TX);
+        assert_eq!(inspect(&out).dst, backend);
+        assert_eq!(out[34..36], [0x9a, 8]);
+        sent += 1;
+        assert_eq!(h.counter("dsr_sent"), sent);
+        assert_eq!(h.counter("snat"), 0, "nothing masqueraded");
+    });
+}
+
+/// A DSR frontend's flow to a backend on this node is translated as any other (its
+/// replies pass through here anyway): no option, masqueraded as kube-proxy would.
+#[needs_root]
+#[test]
+fn dsr_to_a_local_backend_is_plain_nat() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port_dsr(&["10.244.1.5:8080"]);
+        let pkt = packet(sa("192.0.2.99:40000"), sa("192.0.2.10:30080"), true);
+        let (verdict, out) = h.run_xdp(&pkt, uplink);
+        assert_eq!(verdict, XDP_REDIRECT);
+        assert_sent(&out, &pkt, POD_MAC, PODS, sa("10.244.1.5:8080"));
+        assert_eq!(out[14], 0x45, "no option");
+        assert_eq!(h.counter("dsr_sent"), 0);
+    });
+}
+
+/// The backend's node: the option makes the flow's entries there, the packet goes on
+/// untouched (this node translates nothing of it), and the backend's replies leave as
+/// the frontend, to the client, straight out — with valid checksums; the client's
+/// ACK completes the handshake there (the flow is kept as established, not as new).
+#[needs_root]
+#[test]
+fn the_backend_node_learns_the_flow_and_answers_as_the_frontend() {
+    in_testbed(|uplink, _| {
+        let mut entry = node_port_dsr(&["10.244.2.7:8080"]);
+        let (client, frontend, backend) = (
+            sa("192.0.2.99:40000"),
+            sa("192.0.2.10:30080"),
+            sa("10.244.2.7:8080"),
+        );
+        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+        // The backend's node has no Service of this frontend's: its own agent.
+        let mut node_b = Harness::new(&[]);
+        configure_node(&mut node_b, false);
+        let (verdict, out) = node_b.run(&syn);
+        assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
+        assert_eq!(out, syn, "untouched");
+        assert_eq!(node_b.counter("dsr_received"), 1);
+
+        let (_, out) = node_b.run(&tcp_with_flags(backend, client, 0x12));
+        let seen = inspect(&out);
+        assert_eq!((seen.src, seen.dst), (frontend, client), "as the frontend");
+        assert_eq!(node_b.counter("ct_reply_nat"), 1);
+
+        let (_, ack) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
+        let (verdict, out) = node_b.run(&ack);
+        assert_eq!((verdict, out), (TC_ACT_UNSPEC, ack));
+        assert_eq!(node_b.counter("dsr_received"), 1, "learnt once");
+        let entries = node_b.ct_entries();
+        assert_eq!(entries.len(), 2, "one flow, two entries");
+        let fwd = entries
+            .iter()
+            .find(|(k, _)| k.dir == proxy_common::CT_DIR_FORWARD)
+            .expect("forward entry");
+        assert_ne!(
+            fwd.1.flags & proxy_common::CT_F_ASSURED,
+            0,
+            "established after the handshake"
+        );
+        assert_eq!(
+            node_b.maps.conntrack.iter().count(),
+            2,
+            "in the answered table"
+        );
+    });
+}
+
+/// The option's 8 bytes count in XDP's MTU check: a packet that fits the uplink as it
+/// came, but not with the option, is left to TC unchanged (which answers "fragmentation
+/// needed" with room for the option); without DSR the same packet goes out at XDP.
+#[needs_root]
+#[test]
+fn dsr_counts_its_option_in_the_mtu_check() {
+    in_testbed(|uplink, _| {
+        // UDP, no checksum, don't-fragment, 1496 bytes of IP: 4 under the MTU.
+        let mut pkt = packet(sa("192.0.2.99:40000"), sa("192.0.2.10:30080"), false);
+        pkt.truncate(42);
+        pkt.resize(14 + 1496, 0x5a);
+        pkt[16..18].copy_from_slice(&1496u16.to_be_bytes());
+        pkt[20..22].copy_from_slice(&0x4000u16.to_be_bytes());
+        pkt[38..40].copy_from_slice(&(1496u16 - 20).to_be_bytes());
+        pkt[40..42].fill(0);
+        refresh_ipv4_checksum(&mut pkt);
+        let mut dsr = node_port_dsr(&["10.244.2.7:8080"]);
+        let (verdict, out) = dsr.run_xdp(&pkt, uplink);
+        assert_eq!((verdict, &out), (XDP_PASS, &pkt), "left to TC, unchanged");
+        assert_eq!(dsr.counter("xdp_to_tc"), 1);
+        let mut snat = node_port(&["10.244.2.7:8080"], &[]);
+        let (verdict, _) = snat.run_xdp(&pkt, uplink);
+        assert_eq!(verdict, XDP_TX, "it fits without the option");
+    });
+}

@@ -18,6 +18,14 @@ pub const CT_F_RST: u8 = 1 << 4;
 /// TCP: the client acknowledged the backend's SYN-ACK (a spoofed SYN never gets here);
 /// UDP and SCTP: the backend answered. Set when the flow moves to the answered table.
 pub const CT_F_ASSURED: u8 = 1 << 5;
+/// `CtValue::flags` (forward entries): direct server return, at the node the client sent
+/// to — every packet of the flow carries the frontend in an IP option to the backend's
+/// node, and no reply comes back this way.
+pub const CT_F_DSR: u8 = 1 << 6;
+/// `CtValue::flags` (forward entries): direct server return, at the backend's node — the
+/// entries were made from the option; the client's packets pass on untranslated (the
+/// node they came through translated them), the backend's replies leave as the frontend.
+pub const CT_F_DSR_BACKEND: u8 = 1 << 7;
 
 /// Masquerade source ports by default (host byte order): below the NodePort range and
 /// outside the kernel's default ephemeral range (32768-60999), so a masqueraded flow

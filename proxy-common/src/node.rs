@@ -11,6 +11,10 @@ pub const CFG_LOCAL_DETECTOR: u32 = 1 << 1;
 pub const LPM_TAG_POD: u32 = 0;
 /// `LpmData::tag` of one of the node's own addresses in `LOCAL_NETS` (or'ed with the family).
 pub const LPM_TAG_NODE: u32 = 0x100;
+/// `LpmData::tag` of one of this node's own pod CIDRs (its Node's `spec.podCIDRs`) in
+/// `LOCAL_NETS` (or'ed with the family): a backend there is on this node (direct server
+/// return is only for backends elsewhere).
+pub const LPM_TAG_NODE_PODS: u32 = 0x200;
 /// Bits of `LpmData::tag` every LPM key matches in full before the address bits.
 pub const LPM_TAG_BITS: u32 = 32;
 

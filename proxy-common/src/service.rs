@@ -24,6 +24,11 @@ pub const SVC_F_EXT_LOCAL: u16 = 1 << 4;
 pub const SVC_F_SOURCE_RANGES: u16 = 1 << 5;
 /// Backends have unequal weights: `WEIGHTS` holds them (else every weight is 1).
 pub const SVC_F_WEIGHTED: u16 = 1 << 6;
+/// `ServiceValue::flags`: direct server return (an external frontend in `dsr` mode, or a
+/// TCP one in `hybrid`): a new flow from outside the node to a backend on another node
+/// keeps the client's address, and carries the frontend to the backend's node in an IP
+/// option (`dsr`), whose agent sends the replies straight back as the frontend.
+pub const SVC_F_DSR: u16 = 1 << 7;
 
 /// Most backend slots one service entry may reference; bounds the BPF loops.
 pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;

@@ -63,8 +63,13 @@ pub mod counter {
     /// XDP dropped a packet (source ranges, a mid-stream segment of no flow, no backend
     /// with a drop policy): counted by its reason too.
     pub const XDP_DROP: u32 = 23;
+    /// Direct server return: a packet left for a backend on another node with the
+    /// frontend in its IP option.
+    pub const DSR_SENT: u32 = 24;
+    /// Direct server return: this node (the backend's) learnt a flow from the option.
+    pub const DSR_RECEIVED: u32 = 25;
     /// Length of the array.
-    pub const COUNT: u32 = 24;
+    pub const COUNT: u32 = 26;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -91,6 +96,8 @@ pub mod counter {
         "xdp_redirect",
         "xdp_to_tc",
         "xdp_drop",
+        "dsr_sent",
+        "dsr_received",
     ];
 }
 

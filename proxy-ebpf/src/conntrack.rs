@@ -37,7 +37,7 @@ use crate::{
 #[btf_map]
 static CT_SCRATCH: PerCpuArray<CtValue, 2> = PerCpuArray::new();
 pub const SCRATCH_FORWARD: u32 = 0;
-const SCRATCH_REPLY: u32 = 1;
+pub const SCRATCH_REPLY: u32 = 1;
 
 /// This CPU's scratch value `idx`, zeroed. Nothing else runs on this CPU until the
 /// current packet is done, so the slot is ours meanwhile.
@@ -351,7 +351,7 @@ pub fn record(pkt: &Packet, fwd: &mut CtValue) -> Result<(), i32> {
 }
 
 #[inline(never)]
-fn insert_forward(pkt: &Packet, fwd: &CtValue) {
+pub fn insert_forward(pkt: &Packet, fwd: &CtValue) {
     // A forward entry without its reply entry would leave replies untranslated; the
     // packet is translated either way.
     if CONNTRACK_NEW

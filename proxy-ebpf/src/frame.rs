@@ -18,8 +18,11 @@ use core::{ffi::c_void, mem::MaybeUninit};
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::{__sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, xdp_md},
-    helpers::{bpf_xdp_load_bytes, bpf_xdp_store_bytes},
+    bindings::{
+        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
+        xdp_md,
+    },
+    helpers::{bpf_xdp_adjust_head, bpf_xdp_load_bytes, bpf_xdp_store_bytes},
     programs::{TcContext, XdpContext},
 };
 
@@ -62,7 +65,16 @@ pub trait Frame {
     ) -> Result<(), i64>;
     /// The skb, for what only TC can do (refusals, ICMP errors, the SCTP tail call).
     fn tc(&self) -> Option<&TcContext>;
+    /// Eight bytes of room right after the 20-byte IPv4 base header (for an option): the
+    /// Ethernet and base IP headers move ahead, the rest stays. Nothing else changes (the
+    /// caller writes the room and fixes the header's length fields and checksum).
+    fn grow_ipv4_header(&self) -> Result<(), i64>;
 }
+
+/// Ethernet plus the IPv4 base header: what `grow_ipv4_header` moves at XDP.
+const ETH_IPV4_BASE: usize = 34;
+/// The room `grow_ipv4_header` makes.
+const IPV4_ROOM: usize = 8;
 
 impl Frame for TcContext {
     const XDP: bool = false;
@@ -121,6 +133,13 @@ impl Frame for TcContext {
     #[inline(always)]
     fn tc(&self) -> Option<&TcContext> {
         Some(self)
+    }
+
+    #[inline(always)]
+    fn grow_ipv4_header(&self) -> Result<(), i64> {
+        // BPF_ADJ_ROOM_NET opens the room after the base network header; a GSO packet's
+        // segment size shrinks by as much (no FIXED_GSO), so its segments still fit.
+        self.adjust_room(IPV4_ROOM as i32, BPF_ADJ_ROOM_NET, 0)
     }
 }
 
@@ -227,6 +246,29 @@ impl Frame for XdpContext {
     #[inline(always)]
     fn tc(&self) -> Option<&TcContext> {
         None
+    }
+
+    #[inline(always)]
+    fn grow_ipv4_header(&self) -> Result<(), i64> {
+        // SAFETY: a valid xdp_md; the helper checks the headroom.
+        let rc = unsafe { bpf_xdp_adjust_head(self.ctx, -(IPV4_ROOM as i32)) };
+        if rc != 0 {
+            return Err(rc);
+        }
+        let (data, end) = (self.data(), self.data_end());
+        if data + IPV4_ROOM + ETH_IPV4_BASE > end {
+            return Err(-1);
+        }
+        // Forward, word by word: the source lies IPV4_ROOM bytes after the destination.
+        // SAFETY: both ranges lie inside the packet (checked above), which XDP may write.
+        unsafe {
+            let (from, to) = ((data + IPV4_ROOM) as *const u8, data as *mut u8);
+            for i in 0..ETH_IPV4_BASE / 2 {
+                let w = (from.add(2 * i) as *const u16).read_unaligned();
+                (to.add(2 * i) as *mut u16).write_unaligned(w);
+            }
+        }
+        Ok(())
     }
 }
 

@@ -14,7 +14,8 @@
 //! - layer 2: `node` (the node's addresses, the local-traffic detector);
 //! - layer 3: `conntrack` (flows, tuple claims, masquerade ports), `lb` (services,
 //!   backends), `reject` (refusals), `route` (FIB lookup, redirect);
-//! - layer 4: `nat` (rewrites, masquerade decision, SCTP checksum), `icmp` (ICMP errors);
+//! - layer 4: `nat` (rewrites, masquerade decision, SCTP checksum), `icmp` (ICMP errors),
+//!   `dsr` (direct server return's option);
 //! - layer 5: `pipeline` (per-packet pipeline, TC and XDP), `sock` (connect-time
 //!   pipeline);
 //! - layer 6: `main` (the programs, entry points only).
@@ -29,6 +30,7 @@
 #![allow(internal_features)]
 
 mod conntrack;
+mod dsr;
 mod frame;
 mod icmp;
 mod lb;

@@ -2,12 +2,13 @@
 //! `LOCAL_NETS`: whether an address is one of the node's, and where a packet comes from
 //! (kube-proxy's local-traffic detector).
 //!
-//! Layer 2. Owns: `is_node_address`, `origin` and `Origin`, `lpm_key` (the key of both LPM
-//! tries). May import: `maps`, `verdict`, `packet`, `stats`.
+//! Layer 2. Owns: `is_node_address`, `on_node`, `origin` and `Origin`, `lpm_key` (the key
+//! of both LPM tries). May import: `maps`, `verdict`, `packet`, `stats`.
 
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use proxy_common::{
-    CFG_LOCAL_DETECTOR, FAMILY_V4, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_POD, LpmData, NodeConfig,
+    CFG_LOCAL_DETECTOR, FAMILY_V4, LPM_TAG_BITS, LPM_TAG_NODE, LPM_TAG_NODE_PODS, LPM_TAG_POD,
+    LpmData, NodeConfig,
 };
 
 use crate::{maps::LOCAL_NETS, packet::Packet};
@@ -54,4 +55,18 @@ pub fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
     LOCAL_NETS
         .get(&lpm_key(LPM_TAG_NODE | u32::from(family), family, *addr))
         .is_some()
+}
+
+/// A backend on this node: in one of its own pod CIDRs, or on one of its addresses.
+/// (Without the Node's pod CIDRs every pod backend looks remote.)
+#[inline(never)]
+pub fn on_node(family: u8, addr: &[u32; 4]) -> bool {
+    LOCAL_NETS
+        .get(&lpm_key(
+            LPM_TAG_NODE_PODS | u32::from(family),
+            family,
+            *addr,
+        ))
+        .is_some()
+        || is_node_address(family, addr)
 }

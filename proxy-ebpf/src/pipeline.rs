@@ -22,18 +22,20 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
-    AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_REPLIED, CT_F_SNAT,
-    FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES, counter,
+    AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR, CT_F_REPLIED,
+    CT_F_SNAT, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_DSR, SVC_F_SOURCE_RANGES,
+    counter,
 };
 
 use crate::{
     conntrack::{self, SCRATCH_FORWARD, ct_scratch, scratch},
+    dsr,
     frame::Frame,
     icmp,
     lb::{self, Client, NoBackend},
     maps::{NETFILTER_FLOWS, NODE_CONFIG, SOURCE_RANGES, count},
     nat::{self, Side, rewrite},
-    node::{is_node_address, lpm_key, origin},
+    node::{is_node_address, lpm_key, on_node, origin},
     packet::{self, Packet, parse},
     reject, route, stats,
     verdict::{DONE, DROP, PASS_ON, TO_TC, xdp_action},
@@ -47,6 +49,11 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         Ok(None) => return icmp::translate(ctx, false),
         Err(v) => return v,
     };
+    // The backend's node of a direct-server-return flow: an option names the frontend
+    // (XDP passes such packets on, as they name no frontend of the node's).
+    if let Some(verdict) = dsr::arrival(ctx, &pkt) {
+        return verdict;
+    }
     let verdict = match translate(ctx, &pkt) {
         Ok(v) | Err(v) => v,
     };
@@ -165,10 +172,11 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
         )
     };
     let dst = if snat { client } else { pkt.daddr };
-    // At XDP every reply leaves by the FIB, or goes to TC before anything changed.
+    // At XDP every reply leaves by the FIB, or goes to TC before anything changed. (A
+    // direct-server-return reply, as another node's frontend, goes through the stack.)
     let redirect = F::XDP || (!egress && (snat || is_node_address(pkt.family, &frontend)));
     let hop = if redirect {
-        route::lookup(ctx, pkt, &frontend, &dst)
+        route::lookup(ctx, pkt, &frontend, &dst, 0)
     } else {
         0
     };
@@ -225,13 +233,20 @@ fn established<F: Frame>(ctx: &F, pkt: &Packet, now: u64) -> Result<Option<i32>,
         conntrack::forget(&key, ct, entry.new);
         return Ok(None); // balanced again as a new flow
     }
+    if ct.flags & CT_F_DSR != 0 {
+        let verdict = dsr_send(ctx, pkt, &ct.xlate_addr, ct.xlate_port, false)?;
+        if verdict != TO_TC {
+            dsr_seen(ctx, pkt, ct, entry.new, now);
+        }
+        return Ok(Some(verdict));
+    }
     let snat = ct.flags & CT_F_SNAT != 0;
     // At XDP every packet leaves by the FIB (from the client's address when not
     // masqueraded), or goes to TC before anything changed.
     let route = snat || F::XDP;
     let hop = if route {
         let src = if snat { &ct.nat_addr } else { &pkt.saddr };
-        route::lookup(ctx, pkt, src, &ct.xlate_addr)
+        route::lookup(ctx, pkt, src, &ct.xlate_addr, 0)
     } else {
         0
     };
@@ -335,10 +350,18 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
     entry.xlate_addr = be.addr;
     entry.xlate_port = be.port;
     entry.rev_nat_id = svc.rev_nat_id;
+    // Direct server return: a client outside the node, a backend on another node. The
+    // client's address is kept; the backend's node answers as the frontend.
+    let dsr =
+        svc.flags & SVC_F_DSR != 0 && !internal && dsr::fits(ctx) && !on_node(FAMILY_V4, &be.addr);
     // An endpoint on the node's own address is delivered locally, where kube-proxy's
     // masquerade (in POSTROUTING) never applies: the client's address is kept, and the
     // endpoint's replies are translated on their way out (`egress`).
-    if nat::masquerade(&svc, cfg, &origin, pkt, &be) && !is_node_address(pkt.family, &be.addr) {
+    if dsr {
+        entry.flags = CT_F_DSR;
+    } else if nat::masquerade(&svc, cfg, &origin, pkt, &be)
+        && !is_node_address(pkt.family, &be.addr)
+    {
         // A zero address (none configured for the family) means no masquerade.
         entry.nat_addr = if pkt.family == FAMILY_V4 {
             cfg.snat_v4
@@ -367,7 +390,60 @@ fn xdp_hop<F: Frame>(ctx: &F, pkt: &Packet) -> i64 {
     } else {
         &entry.nat_addr
     };
-    route::lookup(ctx, pkt, src, &entry.xlate_addr)
+    route::lookup(
+        ctx,
+        pkt,
+        src,
+        &entry.xlate_addr,
+        grow(entry.flags & CT_F_DSR != 0),
+    )
+}
+
+/// The bytes a flow's packets gain before they leave (`route::lookup`'s `grow`).
+#[inline(always)]
+fn grow(dsr: bool) -> u32 {
+    if dsr { dsr::OVERHEAD } else { 0 }
+}
+
+/// A direct-server-return packet, to `backend`: by the FIB with room for the option (at
+/// XDP `hop_known`: `new_flow` looked), translated, the option pushed, sent. (Its own
+/// path, apart from masquerade's branches: the verifier walks each once.)
+#[inline(never)]
+fn dsr_send<F: Frame>(
+    ctx: &F,
+    pkt: &Packet,
+    backend: &[u32; 4],
+    port: u16,
+    hop_known: bool,
+) -> Result<i32, i32> {
+    let hop = if F::XDP && hop_known {
+        1
+    } else {
+        route::lookup(ctx, pkt, &pkt.saddr, backend, dsr::OVERHEAD)
+    };
+    if F::XDP && hop <= 0 {
+        return Ok(TO_TC);
+    }
+    if hop < 0 {
+        return too_big(ctx, pkt, hop);
+    }
+    rewrite(ctx, pkt, Side::Destination, backend, port)?;
+    dsr::push(ctx, pkt.daddr[0], pkt.dport)?;
+    Ok(route::redirect(ctx, hop).code())
+}
+
+/// A direct-server-return flow's packet was sent: its state. No reply ever comes back
+/// this way, so the client's own next packet (its ACK after the SYN, a UDP flow's
+/// second datagram) is what makes the flow established here.
+#[inline(never)]
+fn dsr_seen<F: Frame>(ctx: &F, pkt: &Packet, ct: &mut proxy_common::CtValue, new: bool, now: u64) {
+    ct.last_seen_ns = now;
+    ct.flags |= conntrack::segment_flags(pkt, false);
+    stats::account(ct.rev_nat_id, ct.backend_id, stats::IN, ctx.len(), false);
+    if new && !pkt.is_syn() {
+        ct.flags |= CT_F_REPLIED | CT_F_ASSURED;
+        conntrack::promote_forward(&pkt.ct_key(CT_DIR_FORWARD), ct);
+    }
 }
 
 /// Records the flow `new_flow` prepared (both directions) and translates its first
@@ -386,6 +462,10 @@ fn open_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<i32, i32> {
         ctx.len(),
         true,
     );
+    // (`record` may have masqueraded it after all: a clash on the reply tuple.)
+    if entry.flags & CT_F_DSR != 0 {
+        return dsr_send(ctx, pkt, &entry.xlate_addr, entry.xlate_port, true);
+    }
     let snat = entry.flags & CT_F_SNAT != 0;
     // At XDP `new_flow` found the hop (the FIB's answer waits in `route`'s per-CPU slot);
     // a source port `record` chose changes no route.
@@ -393,7 +473,7 @@ fn open_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<i32, i32> {
     let hop = if F::XDP {
         1
     } else if snat {
-        route::lookup(ctx, pkt, &entry.nat_addr, &entry.xlate_addr)
+        route::lookup(ctx, pkt, &entry.nat_addr, &entry.xlate_addr, 0)
     } else {
         0
     };

@@ -61,16 +61,18 @@ static XDP_HOP: PerCpuArray<NextHop, 1> = PerCpuArray::new();
 /// be answered with an error (ICMP errors themselves). TC only.
 #[inline(never)]
 pub fn forward<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4]) -> Verdict {
-    redirect(ctx, fib(ctx, family, src, dst, 0))
+    redirect(ctx, fib(ctx, family, src, dst, 0, 0))
 }
 
 /// Where the packet `pkt` goes once rewritten to `src` -> `dst`: an interface (> 0), the
 /// stack (0; at XDP: TC, the packet unchanged), or — too big for that interface, and not
 /// to be fragmented — minus the MTU (TC only). A scalar: a BPF function returns one
 /// register. Call before rewriting, so an error can quote the packet as its sender knows
-/// it, and so XDP can leave to TC what it cannot send.
+/// it, and so XDP can leave to TC what it cannot send. `grow`: bytes the packet gains
+/// before it leaves (direct server return's option), counted in the MTU check and taken
+/// off the MTU a "too big" answer gives.
 #[inline(never)]
-pub fn lookup<F: Frame>(ctx: &F, pkt: &Packet, src: &[u32; 4], dst: &[u32; 4]) -> i64 {
+pub fn lookup<F: Frame>(ctx: &F, pkt: &Packet, src: &[u32; 4], dst: &[u32; 4], grow: u32) -> i64 {
     // The headers each segment of an offloaded (GSO) packet carries.
     let mut headers = (pkt.l4_off - ETH_HLEN) as u32;
     if pkt.proto == PROTO_TCP {
@@ -81,13 +83,17 @@ pub fn lookup<F: Frame>(ctx: &F, pkt: &Packet, src: &[u32; 4], dst: &[u32; 4]) -
     } else {
         headers += 8;
     }
-    let hop = fib(ctx, pkt.family, src, dst, headers);
+    let hop = fib(ctx, pkt.family, src, dst, headers, grow);
     if hop < 0 && pkt.family == FAMILY_V4 {
         // IPv4 without DF may be fragmented: the stack's business (as before).
         match ctx.load::<u16>(ETH_HLEN + 6) {
             Ok(frag) if u16::from_be(frag) & IP_DF != 0 => {}
             _ => return 0,
         }
+    }
+    if hop < 0 {
+        // The sender's packets must leave room for what this node adds.
+        return hop + i64::from(grow);
     }
     hop
 }
@@ -154,9 +160,17 @@ fn decrement_ttl<F: Frame>(ctx: &F) -> Result<(), i64> {
 /// The FIB's answer for `src` -> `dst` (see `lookup`); `headers` > 0 checks the MTU, with
 /// the per-segment headers of a GSO packet (the FIB helper lets every GSO packet pass).
 /// At XDP only a full answer (neighbour known, MTU fits, a hop left to live) is an
-/// interface; anything else is 0.
+/// interface; anything else is 0. `grow` (see `lookup`) counts for packets that are not
+/// GSO (a GSO packet's segments shrink by as much when the room is made).
 #[inline(always)]
-fn fib<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u32) -> i64 {
+fn fib<F: Frame>(
+    ctx: &F,
+    family: u8,
+    src: &[u32; 4],
+    dst: &[u32; 4],
+    headers: u32,
+    grow: u32,
+) -> i64 {
     let ingress = ctx.ifindex();
     if ingress == LOOPBACK_IFINDEX {
         return 0;
@@ -174,10 +188,15 @@ fn fib<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u
         p.__bindgen_anon_4.ipv6_dst = *dst;
     }
     if F::XDP {
-        return xdp_fib(ctx, family, &mut p);
+        return xdp_fib(ctx, family, &mut p, grow);
     }
     // With `tot_len` left zero the helper checks the skb against the egress device's
-    // MTU and reports that MTU in `mtu_result`.
+    // MTU and reports that MTU in `mtu_result`; a packet that grows gives its length to
+    // come (and hears the MTU only when it is too big).
+    // SAFETY: the context is a valid __sk_buff; gso_size is a plain readable field.
+    if grow > 0 && unsafe { (*(ctx.ptr() as *const __sk_buff)).gso_size } == 0 {
+        p.__bindgen_anon_1.tot_len = (ctx.len() as usize - ETH_HLEN) as u16 + grow as u16;
+    }
     // SAFETY: `p` is a valid, correctly sized parameter block on our stack.
     let mut rc = unsafe {
         fib_lookup(
@@ -225,7 +244,7 @@ fn fib<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4], headers: u
 /// XDP's FIB lookup: with the neighbour (the MACs go into `XDP_HOP`), and the frame's
 /// length for the MTU check (no GSO at XDP: a frame is one packet).
 #[inline(never)]
-fn xdp_fib<F: Frame>(ctx: &F, family: u8, p: &mut bpf_fib_lookup) -> i64 {
+fn xdp_fib<F: Frame>(ctx: &F, family: u8, p: &mut bpf_fib_lookup, grow: u32) -> i64 {
     let ttl = if family == FAMILY_V4 {
         ctx.load::<u8>(IPV4_TTL_OFF)
     } else {
@@ -236,7 +255,7 @@ fn xdp_fib<F: Frame>(ctx: &F, family: u8, p: &mut bpf_fib_lookup) -> i64 {
         Ok(t) if t > 1 => {}
         _ => return 0,
     }
-    p.__bindgen_anon_1.tot_len = (ctx.len() as usize - ETH_HLEN) as u16;
+    p.__bindgen_anon_1.tot_len = (ctx.len() as usize - ETH_HLEN) as u16 + grow as u16;
     // SAFETY: `p` is a valid, correctly sized parameter block.
     let rc = unsafe {
         fib_lookup(

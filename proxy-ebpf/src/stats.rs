@@ -19,6 +19,11 @@ pub const OUT: u8 = 1;
 /// `rev_nat_id` and backend `backend_id`; `new`: the flow's first (a new connection).
 #[inline(never)]
 pub fn account(rev_nat_id: u32, backend_id: u32, dir: u8, len: u32, new: bool) {
+    // No frontend known here (direct server return's flows at the backend's node: the
+    // node the client sent to counts them).
+    if rev_nat_id == 0 {
+        return;
+    }
     add(&LB_STATS, rev_nat_id, dir, 1, len, new);
     add(&BACKEND_STATS, backend_id, dir, 1, len, new);
 }

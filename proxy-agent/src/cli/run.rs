@@ -295,6 +295,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         localhost_node_ports: cfg.localhost_node_ports,
         service_proxy_name: cfg.service_proxy_name.clone(),
         scheduler: cfg.scheduler,
+        lb_mode: cfg.lb_mode,
         maglev_table_len: cfg.maglev_table_len,
         ..Default::default()
     };

@@ -94,6 +94,15 @@ pub(super) struct EbpfSection {
     pub(super) map_sizes: Option<MapSizesSection>,
     pub(super) maglev_table_size: Option<u32>,
     pub(super) feed: Option<FeedSection>,
+    pub(super) load_balancer: Option<LoadBalancerSection>,
+}
+
+/// `ebpf.loadBalancer`: how traffic from outside the node reaches backends on other
+/// nodes.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(super) struct LoadBalancerSection {
+    pub(super) mode: Option<String>,
 }
 
 /// `ebpf.feed`: the `proxy-agent serve` replicas `--source server` reads from, and this

@@ -30,6 +30,7 @@ pub enum ConfigError {
 pub use self::duration::parse_duration;
 use self::file::KubeProxyConfiguration;
 pub use crate::dataplane::bpf::{BpfLogLevel, ConntrackOptions, MapSizes, TcAttachMode, XdpMode};
+pub use crate::model::lb_mode::LbMode;
 use crate::{
     dataplane::bpf::DEFAULT_PIN_DIR,
     model::{ViewConfig, schedule::Scheduler},
@@ -148,6 +149,9 @@ pub struct Config {
     pub scheduler: Scheduler,
     /// Maglev table length for `sh`, `dh`, `mh` (`ebpf.maglevTableSize`).
     pub maglev_table_len: u32,
+    /// `ebpf.loadBalancer.mode`: `snat` (the default), `dsr` or `hybrid`; a Service's
+    /// annotation overrides it.
+    pub lb_mode: LbMode,
     pub bpf_log_level: BpfLogLevel,
     pub service_proxy_name: Option<String>,
     /// An extra debug endpoint (model, view, watch); empty (the default) disables it: a
@@ -191,6 +195,7 @@ impl Default for Config {
             map_sizes: MapSizes::default(),
             scheduler: view.scheduler,
             maglev_table_len: view.maglev_table_len,
+            lb_mode: view.lb_mode,
             bpf_log_level: BpfLogLevel::default(),
             service_proxy_name: None,
             // Off: the metrics address serves the debug views, and 10250 is kubelet's.
@@ -446,6 +451,11 @@ impl Config {
             if let Some(v) = e.xdp {
                 cfg.xdp = v.parse().map_err(|e| format!("ebpf.xdp: {e}"))?;
             }
+            if let Some(v) = e.load_balancer.and_then(|l| l.mode) {
+                cfg.lb_mode = v
+                    .parse()
+                    .map_err(|e| format!("ebpf.loadBalancer.mode: {e}"))?;
+            }
             if let Some(v) = e.bpf_log_level {
                 cfg.bpf_log_level = v.parse().map_err(|e| format!("ebpf.bpfLogLevel: {e}"))?;
             }
@@ -605,6 +615,7 @@ ebpf:
   xdp: best-effort
   serviceProxyName: ebpf-proxy
   mapSizes: {backendSlots: 8388608}
+  loadBalancer: {mode: hybrid}
 ";
         let (cfg, warnings) = Config::from_text(text).expect("valid");
         assert_eq!(
@@ -639,6 +650,17 @@ ebpf:
         assert_eq!(Config::default().tc_attach, TcAttachMode::Auto);
         assert_eq!(cfg.xdp, XdpMode::BestEffort);
         assert_eq!(Config::default().xdp, XdpMode::Off, "off unless asked");
+        assert_eq!(cfg.lb_mode, LbMode::Hybrid);
+        assert_eq!(
+            Config::default().lb_mode,
+            LbMode::Snat,
+            "kube-proxy's, unless asked"
+        );
+        assert!(
+            Config::from_text("ebpf: {loadBalancer: {mode: direct}}\n")
+                .expect_err("an unknown mode")
+                .contains("ebpf.loadBalancer.mode")
+        );
         assert_eq!(cfg.service_proxy_name.as_deref(), Some("ebpf-proxy"));
         for needle in [
             "mode \"nftables\": not applicable",

@@ -23,6 +23,7 @@ impl FrontendState {
             internal_local: false,
             source_ranges: Vec::new(),
             schedule: Schedule::default(),
+            dsr: false,
         })
     }
 }
@@ -82,6 +83,11 @@ impl FrontendStateBuilder {
     }
 
     /// How new flows pick among the backends.
+    pub fn dsr(mut self, dsr: bool) -> Self {
+        self.0.dsr = dsr;
+        self
+    }
+
     pub fn schedule(mut self, schedule: Schedule) -> Self {
         self.0.schedule = schedule;
         self
@@ -119,6 +125,7 @@ mod tests {
                 internal_local: false,
                 source_ranges: Vec::new(),
                 schedule: Schedule::default(),
+                dsr: false,
             }
         );
         let schedule = Schedule::new(Scheduler::ALL[1], Arc::new(BTreeMap::new()), 251);
@@ -133,6 +140,7 @@ mod tests {
                 .internal_local(true)
                 .source_ranges([range])
                 .schedule(schedule.clone())
+                .dsr(true)
                 .build(),
             FrontendState {
                 service: "default/web:http".into(),
@@ -144,6 +152,7 @@ mod tests {
                 internal_local: true,
                 source_ranges: vec![range],
                 schedule,
+                dsr: true,
             }
         );
         assert_eq!(

@@ -5,6 +5,7 @@
 
 mod endpoints;
 pub mod frontend_builder;
+pub mod lb_mode;
 pub mod objects;
 pub mod schedule;
 pub mod sloppy;
@@ -394,6 +395,9 @@ pub struct ViewConfig {
     pub service_proxy_name: Option<String>,
     /// The node's scheduler (a Service's annotation overrides it).
     pub scheduler: schedule::Scheduler,
+    /// The node's load-balancer mode (`ebpf.loadBalancer.mode`; a Service's annotation
+    /// overrides it).
+    pub lb_mode: lb_mode::LbMode,
     /// Maglev table length of the hashing schedulers.
     pub maglev_table_len: u32,
     /// The most endpoints one frontend may have: the dataplane's limit
@@ -414,6 +418,7 @@ impl Default for ViewConfig {
             localhost_node_ports: true,
             service_proxy_name: None,
             scheduler: schedule::Scheduler::Random,
+            lb_mode: lb_mode::LbMode::Snat,
             maglev_table_len: schedule::DEFAULT_MAGLEV_TABLE_LEN,
             max_endpoints: usize::MAX,
         }
@@ -505,6 +510,9 @@ pub struct FrontendState {
     pub source_ranges: Vec<ipnet::IpNet>,
     /// How new flows pick among the backends.
     pub schedule: schedule::Schedule,
+    /// Direct server return (an external frontend): outside clients keep their address
+    /// to backends on other nodes, whose nodes answer as the frontend.
+    pub dsr: bool,
 }
 
 /// What the per-packet path needs to know about this node.
@@ -513,6 +521,9 @@ pub struct NodeSettings {
     pub pod_cidrs: Vec<ipnet::IpNet>,
     pub node_addresses: Vec<IpAddr>,
     pub masquerade_all: bool,
+    /// The Node's own `spec.podCIDRs`: backends there are on this node (direct server
+    /// return is for the others).
+    pub node_pod_cidrs: Vec<ipnet::IpNet>,
 }
 
 impl NodeSettings {
@@ -525,6 +536,7 @@ impl NodeSettings {
             },
             node_addresses: node.addresses.clone(),
             masquerade_all: cfg.masquerade_all,
+            node_pod_cidrs: node.pod_cidrs.clone(),
         }
     }
 }

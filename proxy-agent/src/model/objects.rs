@@ -21,8 +21,8 @@ use k8s_openapi::{
 };
 use serde::Serialize;
 
-use super::schedule;
 use super::{Protocol, sloppy};
+use super::{lb_mode, schedule};
 
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -63,6 +63,8 @@ pub struct ServiceInfo {
     pub scheduler: Option<crate::model::schedule::Scheduler>,
     /// The weights annotation.
     pub weights: Arc<std::collections::BTreeMap<IpAddr, u32>>,
+    /// The load-balancer mode annotation (`None`: the node's).
+    pub lb_mode: Option<crate::model::lb_mode::LbMode>,
 }
 
 /// One Service port.
@@ -215,6 +217,15 @@ impl ServiceInfo {
                 Err(e) => info.problems.push(format!(
                     "{}: {e}; the node's scheduler is used",
                     schedule::SCHEDULER_ANNOTATION
+                )),
+            }
+        }
+        if let Some(text) = annotations.and_then(|a| a.get(lb_mode::LB_MODE_ANNOTATION)) {
+            match text.parse() {
+                Ok(m) => info.lb_mode = Some(m),
+                Err(e) => info.problems.push(format!(
+                    "{}: {e}; the node's mode is used",
+                    lb_mode::LB_MODE_ANNOTATION
                 )),
             }
         }

@@ -174,6 +174,8 @@ pub fn service_view(
                 Arc::clone(states.entry(kind).or_insert_with(|| {
                     let mut st = frontend_state(&service, kind, &sets, policies, affinity);
                     st.schedule = schedule.clone();
+                    st.dsr = kind != FrontendKind::ClusterIp
+                        && svc.lb_mode.unwrap_or(cfg.lb_mode).direct_return(protocol);
                     if kind == FrontendKind::LoadBalancer {
                         st.source_ranges = lb_source_ranges(svc, node, v4);
                     }
@@ -347,6 +349,7 @@ fn frontend_state(
         internal_local: kind == FrontendKind::ClusterIp && policies.internal_local,
         source_ranges: Vec::new(),
         schedule: Default::default(),
+        dsr: false,
     }
 }
 

@@ -140,20 +140,32 @@ pub struct Seen {
     pub tcp_flags: u8,
 }
 
-/// Parses a packet and verifies its IPv4 header and L4 checksums.
+/// Parses a packet and verifies its IPv4 header (options included) and L4 checksums.
 pub fn inspect(pkt: &[u8]) -> Result<Seen, String> {
     if pkt.len() < 14 + 20 + 8 {
         return Err(format!("{} bytes: too short", pkt.len()));
     }
     let v4 = pkt[12..14] == [0x08, 0x00];
     let (src_ip, dst_ip, l4_off, proto): (IpAddr, IpAddr, usize, u8) = if v4 {
-        let ip = &pkt[14..34];
+        let ihl = usize::from(pkt[14] & 0x0f) * 4;
+        if ihl < 20 || pkt.len() < 14 + ihl + 8 {
+            return Err(format!("IPv4 header length {ihl} in {} bytes", pkt.len()));
+        }
+        let ip = &pkt[14..14 + ihl];
         if fold(sum16(ip, 0)) != 0 {
             return Err("IPv4 header checksum invalid".into());
         }
+        let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+        // (More on the wire is padding.)
+        if total < ihl || total > pkt.len() - 14 {
+            return Err(format!(
+                "IPv4 total length {total}, {} on the wire",
+                pkt.len() - 14
+            ));
+        }
         let s: [u8; 4] = ip[12..16].try_into().map_err(|_| "short".to_string())?;
         let d: [u8; 4] = ip[16..20].try_into().map_err(|_| "short".to_string())?;
-        (s.into(), d.into(), 34, ip[9])
+        (s.into(), d.into(), 14 + ihl, ip[9])
     } else {
         let ip = &pkt[14..54];
         let s: [u8; 16] = ip[8..24].try_into().map_err(|_| "short".to_string())?;

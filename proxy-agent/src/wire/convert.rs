@@ -12,6 +12,7 @@ use std::{
 
 use crate::model::{
     NodeInfo, ObjectRef, Protocol,
+    lb_mode::LbMode,
     objects::{
         EndpointInfo, Hints, PortInfo, ServiceInfo, SliceInfo, SlicePort, TargetPort, intern,
     },
@@ -112,24 +113,26 @@ fn protocol_from_wire(value: i32) -> Result<Option<Protocol>, DecodeError> {
     }
 }
 
-/// Schedulers in the order of the wire's enum (0: the node's own).
-fn scheduler_to_wire(s: Option<Scheduler>) -> i32 {
-    s.and_then(|s| Scheduler::ALL.iter().position(|x| *x == s))
+/// An optional setting as the wire's enum: `all`'s order from 1, 0 for the node's own
+/// (schedulers, load-balancer modes).
+fn choice_to_wire<T: PartialEq + Copy>(all: &[T], v: Option<T>) -> i32 {
+    v.and_then(|v| all.iter().position(|x| *x == v))
         .map_or(0, |i| i as i32 + 1)
 }
 
-fn scheduler_from_wire(value: i32) -> Result<Option<Scheduler>, DecodeError> {
+fn choice_from_wire<T: Copy>(
+    all: &[T],
+    what: &'static str,
+    value: i32,
+) -> Result<Option<T>, DecodeError> {
     if value == 0 {
         return Ok(None);
     }
     usize::try_from(value - 1)
         .ok()
-        .and_then(|i| Scheduler::ALL.get(i).copied())
+        .and_then(|i| all.get(i).copied())
         .map(Some)
-        .ok_or(DecodeError::Enum {
-            what: "scheduler",
-            value,
-        })
+        .ok_or(DecodeError::Enum { what, value })
 }
 
 fn u16_from_wire(what: &'static str, v: u32) -> Result<u16, DecodeError> {
@@ -156,7 +159,8 @@ pub fn service_to_wire(r: &ObjectRef, s: &ServiceInfo) -> v1::Service {
         external_policy_local: s.external_policy_local,
         affinity_timeout_s: s.affinity_timeout_s,
         health_check_node_port: s.health_check_node_port.map(u32::from),
-        scheduler: scheduler_to_wire(s.scheduler),
+        scheduler: choice_to_wire(&Scheduler::ALL, s.scheduler),
+        lb_mode: choice_to_wire(&LbMode::ALL, s.lb_mode),
         weights: s
             .weights
             .iter()
@@ -223,7 +227,8 @@ pub fn service_from_wire(s: &v1::Service) -> Result<(ObjectRef, ServiceInfo), De
             .health_check_node_port
             .map(|p| u16_from_wire("healthCheckNodePort", p))
             .transpose()?,
-        scheduler: scheduler_from_wire(s.scheduler)?,
+        scheduler: choice_from_wire(&Scheduler::ALL, "scheduler", s.scheduler)?,
+        lb_mode: choice_from_wire(&LbMode::ALL, "load-balancer mode", s.lb_mode)?,
         weights: Arc::new(weights),
     };
     Ok((r, info))

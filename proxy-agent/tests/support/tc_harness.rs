@@ -207,6 +207,11 @@ pub fn configure_node_with(
                 "2001:db8:a::10".parse().expect("ip"),
             ],
             masquerade_all,
+            // This node's own pods (xdp_test_run's `xt1`); 10.244.2.0/24 is another node's.
+            node_pod_cidrs: vec![
+                "10.244.1.0/24".parse().expect("cidr"),
+                "fd00:244:1::/64".parse().expect("cidr"),
+            ],
         },
         &conntrack,
     )

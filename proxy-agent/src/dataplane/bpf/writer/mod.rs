@@ -14,7 +14,7 @@ use std::{
 use anyhow::Result;
 use aya::maps::MapError;
 use proxy_common::{
-    Backend, CtValue, PROTO_UDP, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS,
+    Backend, CtValue, PROTO_UDP, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_DSR,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED,
     ServiceKey, ServiceValue,
 };
@@ -111,7 +111,7 @@ fn desired_entries<'a>(
             0
         } else {
             SVC_F_SOURCE_RANGES
-        };
+        } | if st.dsr { SVC_F_DSR } else { 0 };
         out.push((
             key,
             Desired {

@@ -1,11 +1,11 @@
 //! The node settings: masquerade addresses and flags, connection-tracking timeouts and
-//! ports, the pod network and the node's own addresses.
+//! ports, the pod network, the node's own pod CIDRs and its own addresses.
 
 use anyhow::{Context as _, Result};
 use aya::maps::lpm_trie::Key as LpmKey;
 use proxy_common::{
     CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_NODE,
-    LPM_TAG_POD, LpmData, NodeConfig,
+    LPM_TAG_NODE_PODS, LPM_TAG_POD, LpmData, NodeConfig,
 };
 
 use super::{encode::lpm_key, remove_ignoring_absent};
@@ -48,18 +48,22 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings, ct: &ConntrackOptions) 
     };
     maps.node_config.set(0, &cfg, 0)?;
     let mut wanted = Vec::new();
-    for net in &node.pod_cidrs {
+    let tagged = |tag: u32, net: &ipnet::IpNet| {
         let family = if net.addr().is_ipv4() {
             FAMILY_V4
         } else {
             FAMILY_V6
         };
-        wanted.push(lpm_key(LPM_TAG_POD | u32::from(family), net));
+        lpm_key(tag | u32::from(family), net)
+    };
+    for net in &node.pod_cidrs {
+        wanted.push(tagged(LPM_TAG_POD, net));
+    }
+    for net in &node.node_pod_cidrs {
+        wanted.push(tagged(LPM_TAG_NODE_PODS, net));
     }
     for ip in &node.node_addresses {
-        let family = if ip.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 };
-        let net = ipnet::IpNet::from(*ip);
-        wanted.push(lpm_key(LPM_TAG_NODE | u32::from(family), &net));
+        wanted.push(tagged(LPM_TAG_NODE, &ipnet::IpNet::from(*ip)));
     }
     let present: Vec<LpmKey<LpmData>> = maps.local_nets.keys().filter_map(|k| k.ok()).collect();
     // Stale entries go first: a table left full by an earlier run (or config) must not
