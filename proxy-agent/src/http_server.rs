@@ -95,7 +95,9 @@ pub async fn serve(
         .route("/healthz", get(healthz))
         .route("/livez", get(livez));
     if endpoints != Endpoints::Healthz {
-        app = app.route("/metrics", get(metrics));
+        app = app
+            .route("/metrics", get(metrics))
+            .route("/proxyMode", get(proxy_mode));
         if endpoints.serves_objects(&addr) {
             app = app
                 .route("/debug/model", get(model))
@@ -141,6 +143,14 @@ async fn healthz(State(s): State<AppState>) -> Response {
 }
 
 /// kube-proxy's `/livez`: the proxy alone (a draining node is still alive).
+/// kube-proxy's `/proxyMode` on its metrics address (what Kubernetes' e2e specs and
+/// tooling ask a node's proxy): ours is neither iptables, ipvs nor nftables.
+pub const PROXY_MODE: &str = "ebpf";
+
+async fn proxy_mode() -> &'static str {
+    PROXY_MODE
+}
+
 async fn livez(State(s): State<AppState>) -> Response {
     health_answer(&s.status, true)
 }
