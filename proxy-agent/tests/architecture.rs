@@ -41,6 +41,7 @@ const EBPF_LAYERS: &[(&str, u32)] = &[
     ("route", 3),
     ("nat", 4),
     ("icmp", 4),
+    ("dsr", 4),
     ("pipeline", 5),
     ("sock", 5),
     ("main", 6),
