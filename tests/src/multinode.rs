@@ -50,6 +50,8 @@ pub struct MultiNode {
     servers: Vec<Option<Child>>,
     manifests: PathBuf,
     bpffs: PathBuf,
+    /// The agents' extra arguments (`start_agents_with`), kept for a restart.
+    agent_args: Vec<String>,
 }
 
 impl MultiNode {
@@ -60,6 +62,7 @@ impl MultiNode {
         let mut tb = MultiNode {
             manifests: root.join("manifests"),
             bpffs: root.join("bpffs"),
+            agent_args: Vec::new(),
             root,
             id,
             namespaces: Vec::new(),
@@ -98,7 +101,7 @@ impl MultiNode {
         ip(&lan, "link set br0 up")?;
         let client_ns = self.add_ns("cl")?;
         // The client's LAN port; "load balancers" deliver their IPs to node A.
-        self.lan_port(&lan, "c", &client_ns, CLIENT)?;
+        self.add_lan_port(&lan, "c", &client_ns, CLIENT)?;
         for lb in LB_IPS {
             ip(&client_ns, &format!("route add {lb}/32 via {NODE_A}"))?;
         }
@@ -122,7 +125,7 @@ impl MultiNode {
                     &format!("{k}={v}"),
                 ])?;
             }
-            self.lan_port(&lan, name, &node_ns, addr)?;
+            self.add_lan_port(&lan, name, &node_ns, addr)?;
             ip(&node_ns, &format!("route add {other_net} via {other}"))?;
             // The pod behind this node.
             let pod_ns = self.add_ns(&format!("p{name}"))?;
@@ -171,7 +174,7 @@ impl MultiNode {
     }
 
     /// A veth from `peer_ns` (`eth0`, `addr`/24) into the LAN bridge.
-    fn lan_port(&self, lan: &str, name: &str, peer_ns: &str, addr: &str) -> Result<()> {
+    fn add_lan_port(&self, lan: &str, name: &str, peer_ns: &str, addr: &str) -> Result<()> {
         let lan_if = format!("b{name}{}", self.id);
         let peer_if = if name == "c" {
             "eth0".to_string()
@@ -420,8 +423,33 @@ impl MultiNode {
     /// `start_agents` with more arguments for `proxy-agent run` (both agents); with a
     /// `--source` among them, the agents read no manifests.
     pub fn start_agents_with(&mut self, frontends: usize, extra: &[&str]) -> Result<()> {
+        self.agent_args = extra.iter().map(|a| a.to_string()).collect();
+        for name in ["node-a", "node-b"] {
+            self.spawn_agent(name)?;
+        }
+        for name in ["node-a", "node-b"] {
+            self.wait_frontends(name, frontends, Duration::from_secs(20))?;
+        }
+        Ok(())
+    }
+
+    /// Kills node `node`'s agent (SIGKILL: no goodbye) and starts it again with the same
+    /// arguments; its pins (maps, links) carry the dataplane across.
+    pub fn restart_agent(&mut self, node: &str, frontends: usize) -> Result<()> {
+        let n = self.nodes.get_mut(node).context("node")?;
+        if let Some(mut a) = n.agent.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+        let name = if node == "node-a" { "node-a" } else { "node-b" };
+        self.spawn_agent(name)?;
+        self.wait_frontends(node, frontends, Duration::from_secs(20))
+    }
+
+    fn spawn_agent(&mut self, name: &'static str) -> Result<()> {
         let manifests = self.manifests.display().to_string();
-        let source: Vec<&str> = if extra.contains(&"--source") {
+        let extra = self.agent_args.clone();
+        let source: Vec<&str> = if extra.iter().any(|a| a == "--source") {
             Vec::new()
         } else {
             vec!["--manifests", &manifests]
@@ -431,40 +459,56 @@ impl MultiNode {
             &config,
             "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nminSyncPeriod: 20ms\n",
         )?;
-        for (name, addr) in [("node-a", NODE_A), ("node-b", NODE_B)] {
-            let pins = self.bpffs.join(name);
-            let log = fs::File::create(self.root.join(format!("{name}.log")))?;
-            let node = self.nodes.get_mut(name).context("node")?;
-            let agent = Command::new(agent_bin())
-                .arg("--netns")
-                .arg(format!("/run/netns/{}", node.ns))
-                .arg("run")
-                .arg("--config")
-                .arg(&config)
-                .args(&source)
-                .arg("--bpffs")
-                .arg(&pins)
-                .args([
-                    "--cgroup",
-                    "none",
-                    "--interfaces",
-                    &node.interfaces.join(","),
-                    "--node-name",
-                    name,
-                    "--node-ip",
-                    addr,
-                ])
-                .args(extra)
-                .stdout(log.try_clone()?)
-                .stderr(log)
-                .spawn()
-                .context("starting an agent")?;
-            node.agent = Some(agent);
-        }
-        for name in ["node-a", "node-b"] {
-            self.wait_frontends(name, frontends, Duration::from_secs(20))?;
-        }
+        let addr = if name == "node-a" { NODE_A } else { NODE_B };
+        let pins = self.bpffs.join(name);
+        // Appended to, so a restart keeps the first life's lines.
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.root.join(format!("{name}.log")))?;
+        let node = self.nodes.get_mut(name).context("node")?;
+        let agent = Command::new(agent_bin())
+            .arg("--netns")
+            .arg(format!("/run/netns/{}", node.ns))
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .args(&source)
+            .arg("--bpffs")
+            .arg(&pins)
+            .args([
+                "--cgroup",
+                "none",
+                "--interfaces",
+                &node.interfaces.join(","),
+                "--node-name",
+                name,
+                "--node-ip",
+                addr,
+            ])
+            .args(&extra)
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting an agent")?;
+        node.agent = Some(agent);
         Ok(())
+    }
+
+    /// Runs `nft` in the LAN (bridge) namespace: rules that watch the wire between the
+    /// nodes and the client.
+    pub fn lan_nft(&self, args: &[&str]) -> Result<String> {
+        let mut cmd = vec!["ip", "netns", "exec"];
+        let lan = self.ns("lan");
+        cmd.push(&lan);
+        cmd.push("nft");
+        cmd.extend_from_slice(args);
+        sh(&cmd)
+    }
+
+    /// The LAN bridge's port towards `who` (`"a"`, `"b"`: the nodes; `"c"`: the client).
+    pub fn lan_port(&self, who: &str) -> String {
+        format!("b{who}{}", self.id)
     }
 
     pub fn log(&self, node: &str) -> String {

@@ -1,0 +1,136 @@
+//! Direct server return across the multi-node testbed (see `proxy_e2e::multinode`): a
+//! NodePort in `dsr` mode on node A whose backend is on node B. The backend sees the
+//! client's own address; its replies leave node B with node A's address and port,
+//! straight to the client — watched on the LAN bridge, where node A's port carries
+//! none of them; 100,000 connections through it with none failed; a connection goes on
+//! while node A's agent is killed and started again. Root only.
+
+use std::{thread, time::Duration};
+
+use proxy_e2e::multinode::{CLIENT, MultiNode, NODE_A};
+use test_support::needs_root;
+
+const PORT: u16 = 30090;
+
+fn manifests() -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: dsr, namespace: default, annotations: {{ebpf.proxy.k8s.io/lb-mode: dsr}}}}\nspec: {{type: NodePort, clusterIP: 10.96.1.9, ports: [{{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {PORT}}}]}}\n\
+         ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: dsr-1, namespace: default, labels: {{kubernetes.io/service-name: dsr}}}}\naddressType: IPv4\nports: [{{name: http, protocol: TCP, port: 8080}}]\nendpoints:\n- {{addresses: [\"10.244.2.2\"], nodeName: node-b, conditions: {{ready: true}}}}\n"
+    )
+}
+
+/// ClusterIP, node-IP NodePort, 127.0.0.1 NodePort.
+const FRONTENDS: usize = 3;
+
+fn testbed() -> MultiNode {
+    let mut tb = MultiNode::new().expect("testbed");
+    tb.write_manifests(&manifests()).expect("manifests");
+    tb.start_agents(FRONTENDS).expect("agents");
+    tb
+}
+
+/// Counters on the LAN bridge of replies (TCP from port `PORT` to the client) by the
+/// bridge port they came in on: node A's, node B's (with node A's address).
+fn watch_replies(tb: &MultiNode) {
+    let rules = format!(
+        "table bridge dsrwatch {{\n\
+         counter from_a {{ }}\n\
+         counter from_b {{ }}\n\
+         chain fwd {{\n\
+         type filter hook forward priority 0;\n\
+         iifname \"{a}\" ip daddr {CLIENT} tcp sport {PORT} counter name from_a\n\
+         iifname \"{b}\" ip saddr {NODE_A} ip daddr {CLIENT} tcp sport {PORT} counter name from_b\n\
+         }}\n}}\n",
+        a = tb.lan_port("a"),
+        b = tb.lan_port("b"),
+    );
+    let file = std::env::temp_dir().join(format!("dsrwatch-{}.nft", tb.id));
+    std::fs::write(&file, rules).expect("rules file");
+    let loaded = tb.lan_nft(&["-f", file.to_str().expect("utf-8")]);
+    let _ = std::fs::remove_file(file);
+    loaded.expect("nft bridge rules in the LAN namespace");
+}
+
+fn replies(tb: &MultiNode, from: &str) -> u64 {
+    let out = tb
+        .lan_nft(&["-j", "list", "counter", "bridge", "dsrwatch", from])
+        .expect("counter");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("nft json");
+    v["nftables"]
+        .as_array()
+        .and_then(|a| a.iter().find_map(|o| o["counter"]["packets"].as_u64()))
+        .expect("packets")
+}
+
+#[needs_root]
+#[test]
+fn dsr_keeps_the_client_address_and_replies_bypass_the_entry_node() {
+    let mut tb = testbed();
+    watch_replies(&tb);
+    let target = format!("{NODE_A}:{PORT}");
+    let a = tb
+        .client(&["--target", &target, "--count", "20"])
+        .expect("client");
+    assert!(
+        a.iter().all(|a| a.ok),
+        "{a:?}\n{}\n{}",
+        tb.log("node-a"),
+        tb.log("node-b")
+    );
+    for at in &a {
+        assert_eq!(at.backend.as_deref(), Some("pod-b"));
+        assert_eq!(at.seen_as.as_deref(), Some(CLIENT), "the client's own address");
+    }
+    let (from_a, from_b) = (replies(&tb, "from_a"), replies(&tb, "from_b"));
+    assert_eq!(from_a, 0, "no reply passed node A");
+    assert!(from_b >= 20, "replies came from node B as node A: {from_b}");
+    assert!(tb.counter("node-a", "dsr_sent") > 0);
+    assert_eq!(tb.counter("node-a", "ct_reply_nat"), 0, "node A translated no reply");
+    assert!(tb.counter("node-b", "dsr_received") >= 20);
+    assert!(tb.counter("node-b", "ct_reply_nat") >= 20);
+
+    // A connection kept open, asking every 50 ms, while node A's agent is killed and
+    // started again: not one answer missed.
+    let session = tb
+        .spawn_client(&[
+            "--target",
+            &target,
+            "--reuse-socket",
+            "--count",
+            "60",
+            "--interval-ms",
+            "50",
+            "--timeout-ms",
+            "1000",
+        ])
+        .expect("client");
+    thread::sleep(Duration::from_millis(500));
+    tb.restart_agent("node-a", FRONTENDS).expect("restart");
+    let answers = session.finish().expect("session");
+    // A broken flow shows as a failed attempt (the client then reconnects).
+    assert_eq!(answers.len(), 60, "{answers:?}");
+    assert!(
+        answers.iter().all(|a| a.ok),
+        "one connection throughout, no answer missed: {answers:?}\n{}",
+        tb.log("node-a")
+    );
+
+    // 100,000 connections, each reset once up.
+    let churn = tb
+        .client(&[
+            "--target",
+            &target,
+            "--proto",
+            "tcp-churn",
+            "--count",
+            "100000",
+            "--timeout-ms",
+            "5000",
+        ])
+        .expect("client");
+    assert!(
+        churn.len() == 1 && churn[0].ok && churn[0].seq == 100_000,
+        "{churn:?}"
+    );
+    assert_eq!(replies(&tb, "from_a"), 0, "still none through node A");
+}
