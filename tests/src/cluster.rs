@@ -367,12 +367,21 @@ impl Cluster {
     }
 
     /// Writes a kubeconfig for a client certificate of `user` in `groups`, signed by the
-    /// cluster CA (e.g. `system:node:NAME` in `system:nodes`).
-    pub fn write_client_kubeconfig(&self, path: &Path, user: &str, groups: &[&str]) -> Result<()> {
-        let stem = path
-            .file_stem()
-            .context("kubeconfig path has no file name")?
-            .to_string_lossy();
+    /// cluster CA (e.g. `system:node:NAME` in `system:nodes`). The certificate's files are
+    /// named after the user: every node's kubelet.kubeconfig has the same file name, and
+    /// one shared certificate file made node-0's kubelet, once it reloaded the file, speak
+    /// as node-1 (its Node went NotReady mid-run). Returns the certificate's and the key's
+    /// paths.
+    pub fn write_client_kubeconfig(
+        &self,
+        path: &Path,
+        user: &str,
+        groups: &[&str],
+    ) -> Result<(PathBuf, PathBuf)> {
+        let stem: String = user
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .collect();
         let cert = self.dir.join("pki").join(format!("{stem}.crt"));
         let key = self.dir.join("pki").join(format!("{stem}.key"));
         let mut params = CertificateParams::new(Vec::<String>::new())?;
@@ -391,7 +400,8 @@ impl Cluster {
             cert.display(),
             key.display()
         );
-        self.write_kubeconfig(path, user, &auth)
+        self.write_kubeconfig(path, user, &auth)?;
+        Ok((cert, key))
     }
 
     /// Mints a token for ServiceAccount `namespace/name` through the TokenRequest API (as

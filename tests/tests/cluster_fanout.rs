@@ -76,16 +76,14 @@ fn feed_pki(dir: &Path, cluster: &Cluster) -> Result<FeedPki> {
     )?;
     std::fs::write(feed_dir.join("tls.key"), key.serialize_pem())?;
     // The kubelet's client certificate: system:node:<name> in system:nodes, by the
-    // cluster CA (the box writes <stem>.crt/.key beside its kubeconfig).
+    // cluster CA.
     let kubeconfig = dir.join("kubelet-client.kubeconfig");
-    cluster.write_client_kubeconfig(
+    let (cert, key) = cluster.write_client_kubeconfig(
         &kubeconfig,
         &format!("system:node:{NODE}"),
         &["system:nodes"],
     )?;
-    let pki = cluster.dir().join("pki");
-    let pem = std::fs::read_to_string(pki.join("kubelet-client.crt"))?
-        + &std::fs::read_to_string(pki.join("kubelet-client.key"))?;
+    let pem = std::fs::read_to_string(cert)? + &std::fs::read_to_string(key)?;
     let kubelet_pem = dir.join("kubelet-client-current.pem");
     std::fs::write(&kubelet_pem, pem)?;
     Ok(FeedPki {
