@@ -36,7 +36,7 @@ fn watch_replies(tb: &MultiNode) {
         "table bridge dsrwatch {{\n\
          counter from_a {{ }}\n\
          counter from_b {{ }}\n\
-         chain fwd {{\n\
+         chain watch {{\n\
          type filter hook forward priority 0;\n\
          iifname \"{a}\" ip daddr {CLIENT} tcp sport {PORT} counter name from_a\n\
          iifname \"{b}\" ip saddr {NODE_A} ip daddr {CLIENT} tcp sport {PORT} counter name from_b\n\
