@@ -21,8 +21,9 @@ fn seed_batch() -> (NodeState, Vec<u8>) {
     let mut model = ClusterModel::default();
     let svc: Service = serde_json::from_value(json!({
         "metadata": {"name": "web", "namespace": "default",
-                     "annotations": {"proxy.example.dev/scheduler": "mh",
-                                     "proxy.example.dev/weights": "10.1.0.1=3"}},
+                     "annotations": {"ebpf.proxy.k8s.io/scheduler": "mh",
+                                     "ebpf.proxy.k8s.io/weights": "10.1.0.1=3",
+                                     "ebpf.proxy.k8s.io/lb-mode": "hybrid"}},
         "spec": {"clusterIPs": ["10.96.0.10", "fd96::10"], "type": "LoadBalancer",
                  "externalIPs": ["203.0.113.7"], "loadBalancerSourceRanges": ["10.0.0.0/8"],
                  "sessionAffinity": "ClientIP", "externalTrafficPolicy": "Local",

@@ -22,11 +22,21 @@ fn manifests() -> String {
 /// ClusterIP, node-IP NodePort, 127.0.0.1 NodePort.
 const FRONTENDS: usize = 3;
 
-fn testbed() -> MultiNode {
+/// The testbed with its agents; `xdp`: the XDP program on the nodes' interfaces too
+/// (native, on veths readied for it), else the TC path alone. (The LAN ports' own
+/// pass-through program, which `XDP_TX` into a veth needs, lives as long as the guard.)
+fn testbed(xdp: bool) -> (MultiNode, Option<aya::Ebpf>) {
     let mut tb = MultiNode::new().expect("testbed");
     tb.write_manifests(&manifests()).expect("manifests");
-    tb.start_agents(FRONTENDS).expect("agents");
-    tb
+    if !xdp {
+        tb.start_agents(FRONTENDS).expect("agents");
+        return (tb, None);
+    }
+    tb.prepare_for_xdp().expect("veths ready for XDP");
+    let lan = tb.pass_on_lan_ports().expect("xdp_pass on the LAN ports");
+    tb.start_agents_with(FRONTENDS, &["--xdp", "native"])
+        .expect("agents");
+    (tb, Some(lan))
 }
 
 /// Counters on the LAN bridge of replies (TCP from port `PORT` to the client) by the
@@ -64,9 +74,21 @@ fn replies(tb: &MultiNode, from: &str) -> u64 {
 
 #[needs_root]
 #[test]
-fn dsr_keeps_the_client_address_and_replies_bypass_the_entry_node() {
-    let mut tb = testbed();
+fn dsr_at_tc_keeps_the_client_address_and_replies_bypass_the_entry_node() {
+    dsr_end_to_end(false);
+}
+
+#[needs_root]
+#[test]
+fn dsr_at_xdp_keeps_the_client_address_and_replies_bypass_the_entry_node() {
+    dsr_end_to_end(true);
+}
+
+fn dsr_end_to_end(xdp: bool) {
+    let (mut tb, _lan_xdp) = testbed(xdp);
     watch_replies(&tb);
+    let sent_at_xdp = |tb: &MultiNode| tb.counter("node-a", "xdp_tx");
+    let xdp_before = sent_at_xdp(&tb);
     let target = format!("{NODE_A}:{PORT}");
     let a = tb
         .client(&["--target", &target, "--count", "20"])
@@ -85,6 +107,12 @@ fn dsr_keeps_the_client_address_and_replies_bypass_the_entry_node() {
     assert_eq!(from_a, 0, "no reply passed node A");
     assert!(from_b >= 20, "replies came from node B as node A: {from_b}");
     assert!(tb.counter("node-a", "dsr_sent") > 0);
+    if xdp {
+        assert!(
+            sent_at_xdp(&tb) - xdp_before >= 20,
+            "node A sent them at XDP, back out of the LAN port"
+        );
+    }
     assert_eq!(tb.counter("node-a", "ct_reply_nat"), 0, "node A translated no reply");
     assert!(tb.counter("node-b", "dsr_received") >= 20);
     assert!(tb.counter("node-b", "ct_reply_nat") >= 20);

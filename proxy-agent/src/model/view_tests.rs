@@ -1178,3 +1178,42 @@ fn health_check_node_ports_count_ready_local_endpoints() {
         0
     );
 }
+
+#[test]
+fn direct_server_return_follows_the_mode_and_the_annotation_on_external_frontends() {
+    use crate::model::lb_mode::LbMode;
+    let spec = |cip: &str, tcp: u16, udp: u16| {
+        json!({"clusterIP": cip, "type": "NodePort",
+               "ports": [{"name": "t", "port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": tcp},
+                         {"name": "u", "port": 53, "targetPort": 5353, "protocol": "UDP", "nodePort": udp}]})
+    };
+    let node_mode = svc("web", spec("10.96.0.10", 30080, 30053));
+    let mut snat = svc("api", spec("10.96.0.11", 30081, 30054));
+    snat["metadata"]["annotations"] = json!({"ebpf.proxy.k8s.io/lb-mode": "snat"});
+    let mut dsr = svc("db", spec("10.96.0.12", 30082, 30055));
+    dsr["metadata"]["annotations"] = json!({"ebpf.proxy.k8s.io/lb-mode": "dsr"});
+    let mut bad = svc("odd", spec("10.96.0.13", 30083, 30056));
+    bad["metadata"]["annotations"] = json!({"ebpf.proxy.k8s.io/lb-mode": "direct"});
+    let m = model(&[node_mode, snat, dsr, bad], &[]);
+    let cfg = ViewConfig {
+        lb_mode: LbMode::Hybrid,
+        ..ViewConfig::default()
+    };
+    let (view, rejected) = node_view(&m, &node_a(), &cfg);
+    let node_ip = node_a().addresses[0].to_string();
+    let dsr_of = |port: u16, protocol| view[&fe(&node_ip, port, protocol)].dsr;
+    // The node's hybrid: TCP returns directly, UDP is masqueraded.
+    assert!(dsr_of(30080, Protocol::Tcp));
+    assert!(!dsr_of(30053, Protocol::Udp));
+    // The annotation wins, both ways.
+    assert!(!dsr_of(30081, Protocol::Tcp));
+    assert!(dsr_of(30082, Protocol::Tcp) && dsr_of(30055, Protocol::Udp));
+    // An unknown mode: the node's, and the Service says why.
+    assert!(dsr_of(30083, Protocol::Tcp) && !dsr_of(30056, Protocol::Udp));
+    assert!(
+        rejected.iter().any(|r| r.reason.contains("direct")),
+        "{rejected:?}"
+    );
+    // Never a ClusterIP: pods and the node reach backends as ever.
+    assert!(!view[&fe("10.96.0.12", 80, Protocol::Tcp)].dsr);
+}
