@@ -15,6 +15,9 @@ use anyhow::{Context as _, Result, bail};
 /// kubelet's default sandbox image in cmd/kubelet/app/options/container_runtime.go).
 pub const PAUSE: &str = "registry.k8s.io/pause:3.10.2";
 pub const AGNHOST: &str = "registry.k8s.io/e2e-test-images/agnhost:2.66.1";
+/// The e2e suite's busybox (init containers, e.g. the Conntrack spec whose endpoints start
+/// unready).
+pub const BUSYBOX_IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.37.0-2";
 /// deploy/daemonset.yaml's image (kustomization.yaml's tag).
 pub const AGENT: &str = "proxy-agent:0.1.0";
 
@@ -69,8 +72,9 @@ pub fn pause_source() -> Result<PathBuf> {
     Ok(dir.join("build/pause/linux/pause.c"))
 }
 
-/// The pause and agnhost images, built once into `cache` (`.tools/cluster/<versions>/
-/// images`): `pause_c` is upstream's build/pause/linux/pause.c, `agnhost` the static binary.
+/// The pause, agnhost and busybox images, built once into `cache` (`.tools/cluster/
+/// <versions>/images`): `pause_c` is upstream's build/pause/linux/pause.c, `agnhost` the
+/// static binary; busybox is Debian's busybox-static with its applets.
 pub fn build_cached(cache: &Path, pause_c: &Path, agnhost: &Path) -> Result<Vec<PathBuf>> {
     fs::create_dir_all(cache)?;
     let pause_tar = cache.join(format!("pause-3.10.2-r{RECIPE}.tar"));
@@ -113,7 +117,16 @@ pub fn build_cached(cache: &Path, pause_c: &Path, agnhost: &Path) -> Result<Vec<
         write_archive(&root, AGNHOST, &["/agnhost"], &["pause"], &agnhost_tar)?;
         fs::remove_dir_all(&root)?;
     }
-    Ok(vec![pause_tar, agnhost_tar])
+    let busybox_tar = cache.join(format!("busybox-1.37.0-2-r{RECIPE}.tar"));
+    if !busybox_tar.is_file() {
+        let root = scratch(cache, "busybox")?;
+        add_busybox(&root)?;
+        fs::create_dir_all(root.join("tmp"))?;
+        // As upstream's: no entrypoint, `sh` by default.
+        write_archive(&root, BUSYBOX_IMAGE, &[], &["sh"], &busybox_tar)?;
+        fs::remove_dir_all(&root)?;
+    }
+    Ok(vec![pause_tar, agnhost_tar, busybox_tar])
 }
 
 /// The agent's image from its (release) binary, into `out`: rebuilt each time, since the
