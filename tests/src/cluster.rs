@@ -380,7 +380,13 @@ impl Cluster {
     ) -> Result<(PathBuf, PathBuf)> {
         let stem: String = user
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect();
         let cert = self.dir.join("pki").join(format!("{stem}.crt"));
         let key = self.dir.join("pki").join(format!("{stem}.key"));

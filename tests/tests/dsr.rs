@@ -101,7 +101,11 @@ fn dsr_end_to_end(xdp: bool) {
     );
     for at in &a {
         assert_eq!(at.backend.as_deref(), Some("pod-b"));
-        assert_eq!(at.seen_as.as_deref(), Some(CLIENT), "the client's own address");
+        assert_eq!(
+            at.seen_as.as_deref(),
+            Some(CLIENT),
+            "the client's own address"
+        );
     }
     let (from_a, from_b) = (replies(&tb, "from_a"), replies(&tb, "from_b"));
     assert_eq!(from_a, 0, "no reply passed node A");
@@ -113,7 +117,11 @@ fn dsr_end_to_end(xdp: bool) {
             "node A sent them at XDP, back out of the LAN port"
         );
     }
-    assert_eq!(tb.counter("node-a", "ct_reply_nat"), 0, "node A translated no reply");
+    assert_eq!(
+        tb.counter("node-a", "ct_reply_nat"),
+        0,
+        "node A translated no reply"
+    );
     assert!(tb.counter("node-b", "dsr_received") >= 20);
     assert!(tb.counter("node-b", "ct_reply_nat") >= 20);
 

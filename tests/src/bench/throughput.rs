@@ -24,11 +24,11 @@ use aya::{
     programs::{SchedClassifier, TcAttachType, Xdp},
 };
 use proxy_agent::{
-    dataplane::bpf::{self, MapState, XDP_BENCH_GEN_OBJECT},
+    dataplane::bpf::{self, XDP_BENCH_GEN_OBJECT},
     trace::packet,
 };
 
-use super::{CONNTRACK_NEW_ROOM, TCP_ACK, TCP_SYN, VIP, median, services, view_of};
+use super::{TCP_ACK, TCP_SYN, VIP, median, services};
 use crate::kube_proxy;
 
 /// One contender's delivered rate: medians over rounds, and the spread (max - min).
@@ -170,20 +170,8 @@ fn measure(n: usize, frames: u32, rounds: u32, only: &[String]) -> Result<Throug
         topology(&router(c), &backend(c))?;
     }
     let original_ns = File::open("/proc/self/ns/net")?;
-    let (mut ebpf, mut maps) =
-        bpf::load_private(&[(proxy_common::map_names::CONNTRACK_NEW, CONNTRACK_NEW_ROOM)])?;
-    for name in ["xdp_ingress", "xdp_pass"] {
-        let prog: &mut Xdp = ebpf.program_mut(name).context("program")?.try_into()?;
-        prog.load()?;
-    }
-    let tc: &mut SchedClassifier = ebpf
-        .program_mut("tc_ingress")
-        .context("program")?
-        .try_into()?;
-    tc.load()?;
     let svcs = services(n);
-    let mut state = MapState::adopt(&maps)?;
-    state.apply(&mut maps, &view_of(&svcs)?)?;
+    let (mut ebpf, maps) = super::xdp::load_with_services(&svcs)?;
 
     let vip: SocketAddr = format!("{VIP}:80").parse()?;
     let client: SocketAddr = "192.0.2.99:40000".parse()?;

@@ -73,8 +73,11 @@ pub fn per_packet(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
         .map_err(|_| anyhow::anyhow!("the XDP benchmark panicked"))?
 }
 
-fn measure(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
-    let uplink = nix::net::if_::if_nametoindex(UPLINK)?;
+/// The object with private maps (room for every new flow), `xdp_ingress`, `xdp_pass` and
+/// `tc_ingress` loaded, and `svcs` programmed: what the XDP benchmarks start from.
+pub(super) fn load_with_services(
+    svcs: &[(String, Vec<String>)],
+) -> Result<(aya::Ebpf, bpf::MapSet)> {
     let (mut ebpf, mut maps) =
         bpf::load_private(&[(proxy_common::map_names::CONNTRACK_NEW, CONNTRACK_NEW_ROOM)])?;
     for name in ["xdp_ingress", "xdp_pass"] {
@@ -86,9 +89,14 @@ fn measure(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
         .context("program")?
         .try_into()?;
     tc.load()?;
-    let view = view_of(&services(n))?;
     let mut state = MapState::adopt(&maps)?;
-    state.apply(&mut maps, &view)?;
+    state.apply(&mut maps, &view_of(svcs)?)?;
+    Ok((ebpf, maps))
+}
+
+fn measure(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
+    let uplink = nix::net::if_::if_nametoindex(UPLINK)?;
+    let (ebpf, maps) = load_with_services(&services(n))?;
     let vip: SocketAddr = format!("{VIP}:80").parse()?;
     let client: SocketAddr = "192.0.2.99:40000".parse()?;
     let xdp_run = |prog: &str, data: &[u8]| -> Result<(u32, u128)> {
