@@ -445,8 +445,13 @@ fn throughput_figures(args: &Args) -> Result<()> {
         "load": bench::load_average(),
         "throughput": t,
     });
-    let path = out.join("throughput.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+    write_json(out, "throughput.json", &json)
+}
+
+/// Writes one benchmark's figures as `out/name`, and says where.
+fn write_json(out: &Path, name: &str, json: &serde_json::Value) -> Result<()> {
+    let path = out.join(name);
+    std::fs::write(&path, serde_json::to_string_pretty(json)?)
         .with_context(|| format!("writing {}", path.display()))?;
     println!("wrote {}", path.display());
     Ok(())
@@ -487,11 +492,7 @@ fn scheduler_figures(quick: bool, out: &Path) -> Result<()> {
         "new_flow": costs,
         "maglev_rebuild": rebuilds,
     });
-    let path = out.join("schedulers.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&json)?)
-        .with_context(|| format!("writing {}", path.display()))?;
-    println!("wrote {}", path.display());
-    Ok(())
+    write_json(out, "schedulers.json", &json)
 }
 
 fn print_schedulers(costs: &schedulers::SchedulerCosts, rebuilds: &[maglev::MaglevRebuild]) {
