@@ -14,6 +14,34 @@ use proxy_agent::{
 };
 use serde_json::json;
 
+/// Counts the bytes live on the heap, to tell what the data holds from what the
+/// allocator keeps (RSS).
+struct Counting;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged; only a counter is
+// added.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the caller's contract is System's.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        LIVE.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the caller's contract is System's.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn live_mib() -> f64 {
+    LIVE.load(std::sync::atomic::Ordering::Relaxed) as f64 / (1 << 20) as f64
+}
+
 fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -81,6 +109,7 @@ fn main() {
     let mut m = model(services, endpoints);
     let t_model = ms(t);
     let rss_model = rss_kib();
+    let live_model = live_mib();
 
     let t = Instant::now();
     let mut tracker = ViewTracker::new(node.clone(), cfg.clone());
@@ -88,6 +117,7 @@ fn main() {
     let view = tracker.view().clone();
     let t_view = ms(t);
     let rss_view = rss_kib();
+    let live_view = live_mib();
     println!(
         "node view: {services} Services x {endpoints} endpoints -> {} frontends",
         view.len()
@@ -140,21 +170,22 @@ fn main() {
         );
         println!("  one change / full        {:>9.5}x", t_one / t_full);
     }
-    println!("memory (agent process RSS):");
+    println!("memory (agent process RSS; heap in use):");
     println!(
         "  start                    {:>9.1} MiB",
         rss0 as f64 / 1024.0
     );
     println!(
-        "  + model                  {:>9.1} MiB",
+        "  + model                  {:>9.1} MiB; {live_model:.1} MiB",
         rss_model as f64 / 1024.0
     );
     println!(
-        "  + view                   {:>9.1} MiB",
+        "  + view                   {:>9.1} MiB; {live_view:.1} MiB",
         rss_view as f64 / 1024.0
     );
     println!(
-        "  end                      {:>9.1} MiB",
-        rss_kib() as f64 / 1024.0
+        "  end                      {:>9.1} MiB; {:.1} MiB",
+        rss_kib() as f64 / 1024.0,
+        live_mib()
     );
 }

@@ -417,7 +417,11 @@ async fn healthz_fails_and_livez_holds_while_the_node_drains() {
     }
     // kube-proxy's /proxyMode, as the e2e specs ask it (200 and a mode).
     assert_eq!(get("/proxyMode").await, 200);
-    assert!(http_body(&addr, "/proxyMode").await.ends_with("\r\n\r\nebpf"));
+    assert!(
+        http_body(&addr, "/proxyMode")
+            .await
+            .ends_with("\r\n\r\nebpf")
+    );
 }
 
 /// The status code of a GET on loopback.

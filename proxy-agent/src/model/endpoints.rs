@@ -2,11 +2,9 @@
 //! the cluster-wide and node-local sets each traffic policy uses — kube-proxy's
 //! `CategorizeEndpoints`, including the serving+terminating fallback and topology hints.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::SocketAddr,
-    sync::Arc,
-};
+use std::{collections::BTreeMap, net::SocketAddr, sync::Arc};
+
+use super::EndpointSet;
 
 /// One endpoint address of one Service port, with what the view needs to know about it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,8 +79,8 @@ impl Policies {
 /// The endpoint sets of one Service port on this node.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Categorized {
-    pub cluster: BTreeSet<SocketAddr>,
-    pub local: BTreeSet<SocketAddr>,
+    pub cluster: EndpointSet,
+    pub local: EndpointSet,
     /// Some endpoint anywhere can serve (decides reject vs drop).
     pub has_any: bool,
 }
@@ -97,7 +95,7 @@ pub fn categorize(
     let mut out = Categorized::default();
     if policies.uses_cluster_endpoints() {
         let mode = topology_mode(endpoints, node, zone);
-        let pick = |f: &dyn Fn(&Endpoint<'_>) -> bool| -> BTreeSet<SocketAddr> {
+        let pick = |f: &dyn Fn(&Endpoint<'_>) -> bool| -> EndpointSet {
             endpoints
                 .iter()
                 .filter(|e| f(e) && mode.allows(e, node, zone))

@@ -3,6 +3,7 @@
 //! view: one entry per frontend (VIP, port, protocol) with the backends each kind of
 //! traffic leads to. Plain data in, plain data out.
 
+mod endpoint_set;
 mod endpoints;
 pub mod frontend_builder;
 pub mod lb_mode;
@@ -12,6 +13,7 @@ pub mod sloppy;
 mod tracker;
 mod view;
 
+pub use endpoint_set::EndpointSet;
 pub use objects::{ServiceInfo, SliceInfo};
 
 pub use tracker::{ViewChanges, ViewTracker};
@@ -483,7 +485,8 @@ pub enum WhenEmpty {
 /// The backends one kind of traffic to a frontend may use.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct BackendSet {
-    pub endpoints: BTreeSet<SocketAddr>,
+    /// Shared with the other frontends of the Service port and the dataplane's mirror.
+    pub endpoints: EndpointSet,
     pub when_empty: WhenEmpty,
 }
 

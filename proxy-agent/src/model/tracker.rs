@@ -129,7 +129,7 @@ impl ViewTracker {
             };
         }
         if let Some(old) = &old {
-            for fe in old.frontends.keys() {
+            for (fe, _) in &old.frontends {
                 if let Some(c) = self.claims.get_mut(fe) {
                     c.retain(|r| r != sref);
                 }
@@ -142,8 +142,12 @@ impl ViewTracker {
             }
         }
         if let Some(fresh) = fresh {
-            for fe in fresh.frontends.keys() {
-                let c = self.claims.entry(*fe).or_default();
+            for (fe, _) in &fresh.frontends {
+                // Almost every frontend has one claimant: room for exactly one.
+                let c = self
+                    .claims
+                    .entry(*fe)
+                    .or_insert_with(|| Vec::with_capacity(1));
                 if let Err(at) = c.binary_search(sref) {
                     c.insert(at, sref.clone());
                 }
@@ -163,7 +167,7 @@ impl ViewTracker {
         for fe in touched {
             let claimants = self.claims.get(fe).cloned().unwrap_or_default();
             let state = |r: &ObjectRef| -> Option<&Arc<FrontendState>> {
-                self.services.get(r).and_then(|s| s.frontends.get(fe))
+                self.services.get(r).and_then(|s| s.frontend(fe))
             };
             let winner = claimants.first().and_then(|r| state(r).cloned());
             let refusals: Vec<Rejection> = match &winner {

@@ -1,6 +1,8 @@
 //! Table-driven tests of the node view on real k8s-openapi objects.
 
-use std::{collections::BTreeSet, net::SocketAddr};
+use std::collections::BTreeSet;
+
+use super::EndpointSet;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::json;
@@ -53,7 +55,7 @@ fn fe(ip: &str, port: u16, protocol: Protocol) -> Frontend {
     }
 }
 
-fn set(addrs: &[&str]) -> BTreeSet<SocketAddr> {
+fn set(addrs: &[&str]) -> EndpointSet {
     addrs.iter().map(|a| a.parse().expect("addr")).collect()
 }
 

@@ -14,7 +14,7 @@ use super::{
     generation::{chunk_key, chunks},
 };
 use crate::dataplane::bpf::{batch, maps::MapSet, members};
-use crate::model::schedule::Schedule;
+use crate::model::{EndpointSet, schedule::Schedule};
 
 impl MapState {
     /// Rebuilds the mirror from what the maps hold (entries another agent wrote).
@@ -95,11 +95,18 @@ impl MapState {
                 .filter_map(|id| state.backends_by_id.get(id))
                 .map(|be| proxy_common::addr::socket_addr(be.addr, be.family, be.port))
                 .collect();
+            // Complete only as a write would leave it: every slot resolved, each endpoint
+            // once, in order (a repeating or reordered layout compares by ids instead).
+            let resolved = endpoints.len() == backend_ids.len();
+            let (endpoints, complete) = match EndpointSet::from_sorted(endpoints) {
+                Some(set) => (set, resolved),
+                None => (EndpointSet::default(), false),
+            };
             state.services.insert(
                 key,
                 Programmed {
                     value,
-                    complete: endpoints.len() == backend_ids.len(),
+                    complete,
                     backend_ids,
                     endpoints,
                     schedule: Schedule {

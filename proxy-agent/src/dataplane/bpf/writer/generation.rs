@@ -12,7 +12,7 @@ use proxy_common::{
 
 use super::{MapState, Programmed, encode::range_key, remove_ignoring_absent};
 use crate::dataplane::bpf::{maps::MapSet, members};
-use crate::model::schedule::Schedule;
+use crate::model::{EndpointSet, schedule::Schedule};
 
 impl MapState {
     /// Writes a new generation of `key`'s slots, its reverse-NAT entry and the flip.
@@ -89,7 +89,7 @@ impl MapState {
                 table,
                 backend_ids,
                 weights,
-                endpoints: Vec::new(), // filled by the caller, which has them
+                endpoints: EndpointSet::default(), // filled by the caller, which has them
                 complete: false,
                 schedule: Schedule::default(),
                 ranges,

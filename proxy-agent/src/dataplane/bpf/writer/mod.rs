@@ -34,7 +34,8 @@ use self::{encode::*, generation::*};
 use crate::{
     dataplane::{ApplyReport, layout::MAX_SLOTS},
     model::{
-        BackendSet, Frontend, FrontendKind, FrontendState, NodeView, WhenEmpty, schedule::Schedule,
+        BackendSet, EndpointSet, Frontend, FrontendKind, FrontendState, NodeView, WhenEmpty,
+        schedule::Schedule,
     },
 };
 
@@ -160,8 +161,9 @@ struct Programmed {
     backend_ids: Vec<u32>,
     /// The endpoints `backend_ids` stand for, in slot order: a sync compares these (one
     /// run of memory) instead of looking up every endpoint's id (a cache miss each, which
-    /// made a one-change sync at 10k Services cost milliseconds).
-    endpoints: Vec<SocketAddr>,
+    /// made a one-change sync at 10k Services cost milliseconds). The view's own copy,
+    /// shared: usually the comparison is one pointer.
+    endpoints: EndpointSet,
     /// `backend_ids` are exactly what `endpoints` and `schedule` make (false for an
     /// adopted set whose slots did not all resolve).
     complete: bool,
@@ -441,7 +443,7 @@ impl MapState {
             && old.ranges == d.ranges
             && old.complete
             && old.schedule == *schedule
-            && old.endpoints.iter().eq(&d.set.endpoints)
+            && (old.endpoints.shares(&d.set.endpoints) || old.endpoints == d.set.endpoints)
         {
             return Ok(Wrote::Nothing);
         }
@@ -527,15 +529,14 @@ impl MapState {
         })
     }
 
-    fn remember_endpoints<'e>(
+    fn remember_endpoints(
         &mut self,
         key: ServiceKey,
-        endpoints: impl IntoIterator<Item = &'e SocketAddr>,
+        endpoints: &EndpointSet,
         schedule: &Schedule,
     ) {
         if let Some(p) = self.services.get_mut(&key) {
-            p.endpoints.clear();
-            p.endpoints.extend(endpoints);
+            p.endpoints = endpoints.clone();
             p.complete = true;
             if p.schedule != *schedule {
                 p.schedule = schedule.clone();
