@@ -190,6 +190,7 @@ pub async fn run<D: Dataplane>(
         // identity or settings).
         let t = tracker.get_or_insert_with(|| ViewTracker::new(snapshot.node.clone(), cfg.clone()));
         let node_changed = t.set_node(&snapshot.node, &cfg);
+        let view_started = std::time::Instant::now();
         let changes = match &tracked {
             Some(prev) => {
                 let model_changes = prev.model.changes_to(&snapshot.model);
@@ -203,6 +204,13 @@ pub async fn run<D: Dataplane>(
             None => t.rebuild(&snapshot.model),
         };
         let first = tracked.is_none();
+        if first {
+            tracing::info!(
+                frontends = t.view().len(),
+                took_ms = view_started.elapsed().as_millis() as u64,
+                "node view built"
+            );
+        }
         tracked = Some(SharedSnapshot::clone(&snapshot));
         pending.extend(changes.frontends.iter().copied());
         if changes.health || node_changed || first {
@@ -282,6 +290,7 @@ pub async fn run<D: Dataplane>(
                         backends_removed = report.backends_removed,
                         udp_sockets_destroyed = report.udp_sockets_destroyed,
                         frontends = t.view().len(),
+                        took_ms = started.elapsed().as_millis() as u64,
                         "dataplane synced"
                     );
                 }

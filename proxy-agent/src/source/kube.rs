@@ -656,6 +656,7 @@ pub async fn run(
         tokio::time::Instant::now() + WAITING_LOG_INTERVAL,
         WAITING_LOG_INTERVAL,
     );
+    let started = std::time::Instant::now();
     loop {
         let update = tokio::select! {
             update = updates.next() => update,
@@ -669,6 +670,12 @@ pub async fn run(
         // Errors are logged, counted and waited out by `recovery`.
         let Some(update) = update else { return };
         let changed = store.apply(update);
+        if store.ready() && tx.borrow().is_none() {
+            tracing::info!(
+                took_ms = started.elapsed().as_millis() as u64,
+                "Services, EndpointSlices and the Node listed"
+            );
+        }
         if store.ready()
             && (changed || tx.borrow().is_none())
             && tx
