@@ -15,23 +15,22 @@ use proxy_agent::{
 use serde_json::json;
 
 /// Counts the bytes live on the heap, to tell what the data holds from what the
-/// allocator keeps (RSS).
+/// allocator keeps (RSS). Over jemalloc, the agent's allocator.
 struct Counting;
 
 static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-// SAFETY: every call is forwarded to the system allocator unchanged; only a counter is
-// added.
+// SAFETY: every call is forwarded to jemalloc unchanged; only a counter is added.
 unsafe impl std::alloc::GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
         LIVE.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: the caller's contract is System's.
-        unsafe { std::alloc::System.alloc(l) }
+        // SAFETY: the caller's contract is jemalloc's.
+        unsafe { tikv_jemallocator::Jemalloc.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
         LIVE.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: the caller's contract is System's.
-        unsafe { std::alloc::System.dealloc(p, l) }
+        // SAFETY: the caller's contract is jemalloc's.
+        unsafe { tikv_jemallocator::Jemalloc.dealloc(p, l) }
     }
 }
 

@@ -9,6 +9,12 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use proxy_agent::{config::DEFAULT_METRICS_ADDR, dataplane::bpf::DEFAULT_PIN_DIR, netns};
 
+/// jemalloc, not glibc's malloc: at 100k Services it parses and builds the view about a
+/// fifth faster (`node_view` bench) and gives freed pages back by itself, where glibc
+/// kept what the first lists' decoding left in the RSS.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// How long blocking work still under way may hold the agent's exit.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 

@@ -274,13 +274,9 @@ pub async fn run<D: Dataplane>(
                 tracing::warn!(frontend = %f, "frontend programmed otherwise than its Service says");
             }
         }
-        let was_full = full_apply;
         match outcome {
             Ok(report) if report.failed.is_empty() => {
                 programming.done(&status);
-                if was_full {
-                    release_freed_memory();
-                }
                 pending.clear();
                 full_apply = false;
                 if report.frontends_written + report.frontends_removed > 0 {
@@ -315,16 +311,5 @@ pub async fn run<D: Dataplane>(
                 retry_delay = (retry_delay * 2).min(timing.resync);
             }
         }
-    }
-}
-
-/// Hands the heap's free pages back to the kernel. A full programming frees what the
-/// lists' decoding and the first build left (at 100k Services, a hundred MiB or more),
-/// which glibc would otherwise keep in the process's RSS.
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim has no preconditions; it only returns free memory.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
