@@ -132,8 +132,15 @@ impl MapSet {
                 }
             };
         }
-        let [w_backends, w_slots, w_maglev, w_weights, w_members, w_rev_nat, w_services] =
-            &mut written;
+        let [
+            w_backends,
+            w_slots,
+            w_maglev,
+            w_weights,
+            w_members,
+            w_rev_nat,
+            w_services,
+        ] = &mut written;
         let (backends, slots, members) = (&mut self.backends, &mut self.slots, &mut self.members);
         let (maglev, weights, rev_nat) = (&mut self.maglev, &mut self.weights, &mut self.rev_nat);
         let first: Vec<Result<(), Failure>> = std::thread::scope(|scope| {
@@ -145,14 +152,31 @@ impl MapSet {
                 .and_then(|()| flush!(rev_nat, &s.rev_nat, "reverse-NAT entries", w_rev_nat));
             let joined = |h: std::thread::ScopedJoinHandle<'_, Result<(), Failure>>, what| {
                 h.join().unwrap_or_else(|_| {
-                    Err((what, 0, 0, std::io::Error::other("the writing thread panicked")))
+                    Err((
+                        what,
+                        0,
+                        0,
+                        std::io::Error::other("the writing thread panicked"),
+                    ))
                 })
             };
-            vec![rest, joined(slots, "backend slots"), joined(members, "memberships")]
+            vec![
+                rest,
+                joined(slots, "backend slots"),
+                joined(members, "memberships"),
+            ]
         });
-        let result = first.into_iter().collect::<Result<(), Failure>>().and_then(|()| {
-            flush!(&mut self.services, &s.services, "service entries", w_services)
-        });
+        let result = first
+            .into_iter()
+            .collect::<Result<(), Failure>>()
+            .and_then(|()| {
+                flush!(
+                    &mut self.services,
+                    &s.services,
+                    "service entries",
+                    w_services
+                )
+            });
         let Err((what, n, all, e)) = result else {
             return Ok(());
         };

@@ -39,8 +39,7 @@ impl MapState {
                 .push((k.backend_id, w));
         }
         for (id, be) in batch::read_all(&maps.backends)? {
-            state.backend_ids.insert(be, id);
-            state.backends_by_id.insert(id, be);
+            state.backends.insert(id, be);
             // Swept at the next apply unless a frontend turns out to use it.
             state.maybe_unused.insert(id);
             state.next_backend_id = state.next_backend_id.max(id.wrapping_add(1));
@@ -92,7 +91,7 @@ impl MapState {
             weights.sort_unstable();
             let endpoints: Vec<SocketAddr> = backend_ids
                 .iter()
-                .filter_map(|id| state.backends_by_id.get(id))
+                .filter_map(|id| state.backends.get(*id))
                 .map(|be| proxy_common::addr::socket_addr(be.addr, be.family, be.port))
                 .collect();
             // Complete only as a write would leave it: every slot resolved, each endpoint

@@ -84,7 +84,7 @@ impl MapState {
             let Some(p) = self.services.get(&key) else {
                 continue; // removed since the pass began
             };
-            if !entries_match(maps, key, p, &self.backends_by_id) {
+            if !entries_match(maps, key, p, &self.backends) {
                 tracing::warn!(frontend = ?key, "the maps lost or changed this frontend's entries; writing them again");
                 self.rewrite(maps, key)?;
                 report.repaired += 1;
@@ -128,7 +128,7 @@ impl MapState {
                 .values()
                 .map(|p| super::generation::chunks(p.value.table_len) as usize)
                 .sum(),
-            Table::Backends => self.backends_by_id.len(),
+            Table::Backends => self.backends.len(),
         }
     }
 
@@ -194,7 +194,7 @@ impl MapState {
                     .walk
                     .next::<u32, Backend>(maps.backends.map(), max)?;
                 for (id, _) in batch {
-                    if !self.backends_by_id.contains_key(&id) {
+                    if !self.backends.contains(id) {
                         remove_ignoring_absent(maps.backends.remove(&id))?;
                         removed += 1;
                     }
@@ -225,7 +225,7 @@ impl MapState {
             return Ok(());
         };
         for id in &p.backend_ids {
-            if let Some(be) = self.backends_by_id.get(id) {
+            if let Some(be) = self.backends.get(*id) {
                 maps.backends
                     .insert(id, be, 0)
                     .map_err(|e| anyhow::Error::new(e).context("writing a backend again"))?;
@@ -267,7 +267,7 @@ fn entries_match(
     maps: &MapSet,
     key: ServiceKey,
     p: &Programmed,
-    backends: &std::collections::HashMap<u32, Backend>,
+    backends: &super::backend_table::BackendTable,
 ) -> bool {
     let Ok(value) = maps.services.get(&key, 0) else {
         return false;
@@ -287,7 +287,7 @@ fn entries_match(
     }
     let mut seen = std::collections::HashSet::new();
     for id in p.backend_ids.iter().filter(|id| seen.insert(**id)) {
-        if maps.backends.get(id, 0).ok() != backends.get(id).copied() {
+        if maps.backends.get(id, 0).ok() != backends.get(*id).copied() {
             return false;
         }
     }

@@ -1,6 +1,6 @@
 //! Service and backend ids: allocation, reference counts, and which backends may go.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use anyhow::Result;
 use proxy_common::Backend;
@@ -10,14 +10,14 @@ use crate::dataplane::bpf::maps::MapSet;
 
 impl MapState {
     pub(super) fn ensure_backend(&mut self, maps: &mut MapSet, be: Backend) -> Result<u32> {
-        if let Some(id) = self.backend_ids.get(&be) {
-            return Ok(*id);
+        if let Some(id) = self.backends.id_of(&be) {
+            return Ok(id);
         }
-        let id = next_free_key(&mut self.next_backend_id, &self.backends_by_id);
+        let backends = &self.backends;
+        let id = next_free_by(&mut self.next_backend_id, |id| backends.contains(id));
         maps.put_backend(&id, &be)
             .map_err(|e| anyhow::Error::new(e).context("writing backend"))?;
-        self.backend_ids.insert(be, id);
-        self.backends_by_id.insert(id, be);
+        self.backends.insert(id, be);
         // Unused until a frontend write that references it succeeds.
         self.maybe_unused.insert(id);
         Ok(id)
@@ -26,18 +26,15 @@ impl MapState {
     pub(super) fn hold(&mut self, ids: &[u32]) {
         self.live_slots += ids.len() as u64;
         for id in ids {
-            *self.refs.entry(*id).or_insert(0) += 1;
+            self.backends.hold(*id);
         }
     }
 
     pub(super) fn release(&mut self, ids: &[u32]) {
         self.live_slots = self.live_slots.saturating_sub(ids.len() as u64);
         for id in ids {
-            if let Some(n) = self.refs.get_mut(id) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.maybe_unused.insert(*id);
-                }
+            if self.backends.release(*id) {
+                self.maybe_unused.insert(*id);
             }
         }
     }
@@ -52,10 +49,6 @@ impl MapState {
 /// The next id from `next` that is neither 0 nor in use; advances `next` past it.
 pub(super) fn next_free(next: &mut u32, used: &HashSet<u32>) -> u32 {
     next_free_by(next, |id| used.contains(&id))
-}
-
-pub(super) fn next_free_key<V>(next: &mut u32, used: &HashMap<u32, V>) -> u32 {
-    next_free_by(next, |id| used.contains_key(&id))
 }
 
 pub(super) fn next_free_by(next: &mut u32, in_use: impl Fn(u32) -> bool) -> u32 {

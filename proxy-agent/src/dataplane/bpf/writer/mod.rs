@@ -7,7 +7,7 @@
 //! before the backends they used.
 
 use std::{
-    collections::{BTreeSet, HashMap, HashSet},
+    collections::{BTreeSet, HashSet},
     net::SocketAddr,
 };
 
@@ -24,6 +24,7 @@ use super::{maps::MapSet, members};
 
 mod adopt;
 mod audit;
+mod backend_table;
 pub mod encode;
 mod generation;
 mod ids;
@@ -183,14 +184,11 @@ struct Programmed {
 #[derive(Debug, Default)]
 pub struct MapState {
     services: FxHashMap<ServiceKey, Programmed>,
-    /// Fx hashing: the sync compares every frontend's endpoints through this map, and
-    /// SipHash made that the bulk of a one-change sync at 10k Services.
-    backend_ids: FxHashMap<Backend, u32>,
-    backends_by_id: HashMap<u32, Backend>,
-    /// How many live slots point at each backend; a backend is deleted at zero. Keeps
-    /// each sync proportional to what changed, not to the number of backends.
-    refs: HashMap<u32, u32>,
-    /// Live slots in all (the sum of `refs`), for the fill gauges.
+    /// Each backend by id and by value, with how many live slots point at it; a backend
+    /// is deleted at zero. Keeps each sync proportional to what changed, not to the
+    /// number of backends.
+    backends: backend_table::BackendTable,
+    /// Live slots in all (the sum of the backends' references), for the fill gauges.
     live_slots: u64,
     /// Backends whose count dropped to zero (or were never used) since the last sweep.
     maybe_unused: HashSet<u32>,
@@ -221,7 +219,7 @@ impl MapState {
         crate::dataplane::MapFill {
             services: self.services.len() as u64,
             backend_slots: self.live_slots,
-            backends: self.backends_by_id.len() as u64,
+            backends: self.backends.len() as u64,
         }
     }
 
@@ -327,16 +325,15 @@ impl MapState {
         }
         // 3. Backends no frontend uses any more.
         let candidates: Vec<u32> = self.maybe_unused.drain().collect();
+        // A first programming or a big change leaves a big, empty set behind.
+        self.maybe_unused.shrink_to(64);
         let mut removed = HashSet::new();
         for id in candidates {
-            if self.refs.get(&id).copied().unwrap_or(0) > 0 {
+            if self.backends.refs(id) > 0 {
                 continue;
             }
             remove_ignoring_absent(maps.backends.remove(&id))?;
-            if let Some(be) = self.backends_by_id.remove(&id) {
-                self.backend_ids.remove(&be);
-            }
-            self.refs.remove(&id);
+            self.backends.remove(id);
             removed.insert(id);
             report.backends_removed += 1;
         }
@@ -415,7 +412,7 @@ impl MapState {
             return;
         }
         for id in old.backend_ids.iter().filter(|id| !now.contains(id)) {
-            if let Some(backend) = self.backends_by_id.get(id) {
+            if let Some(backend) = self.backends.get(*id) {
                 self.left_udp.push(LeftUdp {
                     rev_nat_id: old.value.rev_nat_id,
                     backend_id: *id,
