@@ -50,7 +50,7 @@ fn fe(ip: &str, port: u16) -> Frontend {
 
 fn backends(view: &NodeView, ip: &str, port: u16) -> Vec<SocketAddr> {
     view.get(&fe(ip, port))
-        .map(|s| s.backends.endpoints.iter().copied().collect())
+        .map(|s| s.backends.endpoints.iter().collect())
         .unwrap_or_default()
 }
 

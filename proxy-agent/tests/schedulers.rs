@@ -105,7 +105,7 @@ fn client(i: u32, port: u16) -> SocketAddr {
 
 /// The agent's slot layout for `st`, as endpoints (the reference's table).
 fn layout(st: &FrontendState) -> Vec<SocketAddr> {
-    let eps: Vec<SocketAddr> = st.backends.endpoints.iter().copied().collect();
+    let eps: Vec<SocketAddr> = st.backends.endpoints.iter().collect();
     let vip: SocketAddr = VIP.parse().expect("vip");
     proxy_agent::dataplane::layout::slots(&st.schedule, &eps, vip.ip())
         .into_iter()

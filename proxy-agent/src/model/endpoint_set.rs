@@ -1,65 +1,136 @@
 //! A set of endpoint addresses, sorted and shared: the node view's frontends of one
 //! Service port and the dataplane's mirror of what the maps hold point at one copy,
 //! instead of each keeping a tree of its own (at 100k Services × 10 endpoints those
-//! copies were most of the agent's memory).
+//! copies were most of the agent's memory). IPv4 sets, the common case, keep 6 bytes per
+//! address instead of a `SocketAddr`'s 32.
 
-use std::{collections::BTreeSet, net::SocketAddr, sync::Arc};
+use std::{
+    collections::BTreeSet,
+    net::{SocketAddr, SocketAddrV4},
+    sync::Arc,
+};
 
 use serde::Serialize;
 
 /// Sorted, without repeats; cloning shares the addresses.
-#[derive(Clone, Default, PartialEq, Eq, Hash)]
-pub struct EndpointSet(Arc<[SocketAddr]>);
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct EndpointSet(Addrs);
+
+/// `V4` exactly when every address is IPv4 (the empty set too), so equal sets are equal
+/// in representation.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Addrs {
+    V4(Arc<[SocketAddrV4]>),
+    Any(Arc<[SocketAddr]>),
+}
+
+impl Default for EndpointSet {
+    fn default() -> Self {
+        Self(Addrs::V4(Arc::from([])))
+    }
+}
 
 impl EndpointSet {
+    /// `addrs`, sorted without repeats.
+    fn from_set(addrs: Vec<SocketAddr>) -> Self {
+        let v4: Option<Vec<SocketAddrV4>> = addrs
+            .iter()
+            .map(|a| match a {
+                SocketAddr::V4(a) => Some(*a),
+                SocketAddr::V6(_) => None,
+            })
+            .collect();
+        Self(match v4 {
+            Some(v4) => Addrs::V4(v4.into()),
+            None => Addrs::Any(addrs.into()),
+        })
+    }
+
     /// A set holding exactly `addrs` when they are sorted without repeats; `None`
     /// otherwise (a slot order that repeats or reorders endpoints is not a set).
     pub fn from_sorted(addrs: Vec<SocketAddr>) -> Option<Self> {
         addrs
             .windows(2)
             .all(|w| w[0] < w[1])
-            .then(|| Self(addrs.into()))
+            .then(|| Self::from_set(addrs))
     }
 
-    pub fn iter(&self) -> std::slice::Iter<'_, SocketAddr> {
-        self.0.iter()
+    pub fn iter(&self) -> Iter<'_> {
+        match &self.0 {
+            Addrs::V4(a) => Iter::V4(a.iter()),
+            Addrs::Any(a) => Iter::Any(a.iter()),
+        }
     }
 
     pub fn len(&self) -> usize {
-        self.0.len()
+        match &self.0 {
+            Addrs::V4(a) => a.len(),
+            Addrs::Any(a) => a.len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.len() == 0
     }
 
     pub fn contains(&self, addr: &SocketAddr) -> bool {
-        self.0.binary_search(addr).is_ok()
-    }
-
-    pub fn as_slice(&self) -> &[SocketAddr] {
-        &self.0
+        match (&self.0, addr) {
+            (Addrs::V4(a), SocketAddr::V4(addr)) => a.binary_search(addr).is_ok(),
+            (Addrs::V4(_), SocketAddr::V6(_)) => false,
+            (Addrs::Any(a), addr) => a.binary_search(addr).is_ok(),
+        }
     }
 
     /// Both are the one shared copy (a cheap equality that may say `false` for equal
     /// sets).
     pub fn shares(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        match (&self.0, &other.0) {
+            (Addrs::V4(a), Addrs::V4(b)) => Arc::ptr_eq(a, b),
+            (Addrs::Any(a), Addrs::Any(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
     }
 }
+
+/// The addresses of a set, in order.
+#[derive(Clone, Debug)]
+pub enum Iter<'a> {
+    V4(std::slice::Iter<'a, SocketAddrV4>),
+    Any(std::slice::Iter<'a, SocketAddr>),
+}
+
+impl Iterator for Iter<'_> {
+    type Item = SocketAddr;
+
+    fn next(&mut self) -> Option<SocketAddr> {
+        match self {
+            Iter::V4(i) => i.next().map(|a| SocketAddr::V4(*a)),
+            Iter::Any(i) => i.next().copied(),
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        match self {
+            Iter::V4(i) => i.size_hint(),
+            Iter::Any(i) => i.size_hint(),
+        }
+    }
+}
+
+impl ExactSizeIterator for Iter<'_> {}
 
 impl FromIterator<SocketAddr> for EndpointSet {
     fn from_iter<I: IntoIterator<Item = SocketAddr>>(iter: I) -> Self {
         let mut v: Vec<SocketAddr> = iter.into_iter().collect();
         v.sort_unstable();
         v.dedup();
-        Self(v.into())
+        Self::from_set(v)
     }
 }
 
 impl From<BTreeSet<SocketAddr>> for EndpointSet {
     fn from(set: BTreeSet<SocketAddr>) -> Self {
-        Self(set.into_iter().collect())
+        Self::from_set(set.into_iter().collect())
     }
 }
 
@@ -70,23 +141,23 @@ impl<const N: usize> From<[SocketAddr; N]> for EndpointSet {
 }
 
 impl<'a> IntoIterator for &'a EndpointSet {
-    type Item = &'a SocketAddr;
-    type IntoIter = std::slice::Iter<'a, SocketAddr>;
+    type Item = SocketAddr;
+    type IntoIter = Iter<'a>;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.0.iter()
+        self.iter()
     }
 }
 
 impl std::fmt::Debug for EndpointSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_set().entries(self.0.iter()).finish()
+        f.debug_set().entries(self.iter()).finish()
     }
 }
 
 impl Serialize for EndpointSet {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.iter())
+        s.collect_seq(self.iter())
     }
 }
 
@@ -103,7 +174,10 @@ mod tests {
         let set: EndpointSet = [sa("10.0.0.2:80"), sa("10.0.0.1:80"), sa("10.0.0.2:80")]
             .into_iter()
             .collect();
-        assert_eq!(set.as_slice(), &[sa("10.0.0.1:80"), sa("10.0.0.2:80")]);
+        assert_eq!(
+            set.iter().collect::<Vec<_>>(),
+            [sa("10.0.0.1:80"), sa("10.0.0.2:80")]
+        );
         assert!(set.contains(&sa("10.0.0.2:80")));
         assert!(!set.contains(&sa("10.0.0.3:80")));
     }
@@ -115,6 +189,20 @@ mod tests {
         assert!(EndpointSet::from_sorted(vec![b, a]).is_none());
         assert!(EndpointSet::from_sorted(vec![a, a]).is_none());
         assert!(EndpointSet::from_sorted(vec![]).is_some());
+    }
+
+    #[test]
+    fn both_families_keep_their_order() {
+        let (a, b, c) = (sa("10.0.0.1:80"), sa("[fd00::1]:80"), sa("10.0.0.2:80"));
+        let mixed: EndpointSet = [b, c, a].into_iter().collect();
+        assert_eq!(mixed.iter().collect::<Vec<_>>(), [a, c, b]);
+        assert!(mixed.contains(&b) && mixed.contains(&a));
+        let v6: EndpointSet = [b].into_iter().collect();
+        assert!(v6.contains(&b) && !v6.contains(&a));
+        let v4: EndpointSet = [a].into_iter().collect();
+        assert!(!v4.contains(&b));
+        assert_eq!(EndpointSet::from_sorted(vec![a, c, b]), Some(mixed));
+        assert_eq!(EndpointSet::default(), [].into_iter().collect());
     }
 
     #[test]

@@ -675,7 +675,7 @@ fn describe(st: &FrontendState) -> String {
         } else {
             b.endpoints
                 .iter()
-                .map(ToString::to_string)
+                .map(|a| a.to_string())
                 .collect::<Vec<_>>()
                 .join(",")
         }

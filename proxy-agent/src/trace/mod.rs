@@ -364,9 +364,9 @@ impl Bench {
         }
         let mut listen: BTreeSet<SocketAddr> = BTreeSet::new();
         for st in self.view.values() {
-            listen.extend(st.backends.endpoints.iter().copied());
+            listen.extend(st.backends.endpoints.iter());
             if let Some(i) = &st.internal {
-                listen.extend(i.endpoints.iter().copied());
+                listen.extend(i.endpoints.iter());
             }
         }
         let probes: Vec<connect::Probe> = picked

@@ -444,7 +444,7 @@ impl MapState {
         {
             return Ok(Wrote::Nothing);
         }
-        let endpoints: Vec<SocketAddr> = d.set.endpoints.iter().copied().collect();
+        let endpoints: Vec<SocketAddr> = d.set.endpoints.iter().collect();
         let weighted = schedule.weighted(&endpoints);
         let flags = d.flags | if weighted { SVC_F_WEIGHTED } else { 0 };
         // The scheduler's slot layout (each endpoint once, by weight, or a Maglev
