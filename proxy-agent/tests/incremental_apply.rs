@@ -398,6 +398,38 @@ fn the_audit_repairs_lost_entries_and_removes_strays() {
     assert_eq!((report.frontends_written, report.frontends_removed), (0, 0));
 }
 
+/// One audit step compares at most 256 frontends, whatever share it is asked for: with
+/// every service entry deleted, a step asked for all 300 repairs 256, the next the rest,
+/// and the maps end as programmed.
+#[needs_root]
+#[test]
+fn an_audit_step_compares_at_most_256_frontends() {
+    let view = many_frontends(2);
+    let (_obj, mut maps) = bpf::load_private(&[]).expect("load");
+    let mut state = MapState::adopt(&maps).expect("adopt");
+    state.apply(&mut maps, &view).expect("apply");
+    let before = contents(&maps);
+    let keys: Vec<proxy_common::ServiceKey> = maps.services.keys().filter_map(Result::ok).collect();
+    assert_eq!(keys.len(), 300);
+    for k in &keys {
+        maps.services.remove(k).expect("delete a service entry");
+    }
+    let first = state.audit_step(&mut maps, 1.0).expect("audit step");
+    assert_eq!(first.repaired, 256, "{first:?}");
+    let second = state.audit_step(&mut maps, 1.0).expect("audit step");
+    assert_eq!(second.repaired, 44, "{second:?}");
+    let mut steps = 2;
+    while !state
+        .audit_step(&mut maps, 1.0)
+        .expect("audit step")
+        .pass_done
+    {
+        steps += 1;
+        assert!(steps < 50, "the pass ends");
+    }
+    assert_eq!(contents(&maps), before);
+}
+
 /// 300 frontends, each with `n` endpoints of its own.
 fn many_frontends(n: u8) -> NodeView {
     let mut view = NodeView::new();

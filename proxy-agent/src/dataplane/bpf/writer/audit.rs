@@ -35,6 +35,14 @@ use crate::dataplane::{
     },
 };
 
+/// The most frontends one step compares: each costs a lookup per entry (two dozen
+/// syscalls for ten endpoints), and a change that arrives meanwhile waits for the step.
+/// Above 25,600 frontends a pass takes longer than the resync period, in proportion
+/// (at 100k, about four periods), rather than each step taking longer.
+const MAX_FRONTENDS_PER_STEP: usize = 256;
+/// The most map entries one step reads back (one batch read).
+const MAX_ENTRIES_PER_STEP: usize = 8192;
+
 /// Where the current pass is.
 #[derive(Debug, Default)]
 pub struct Audit {
@@ -77,7 +85,9 @@ impl MapState {
         let share = |total: usize| ((total as f64 * fraction).ceil() as usize).max(64);
 
         // The mirror's frontends.
-        let n = share(self.services.len()).min(self.audit.frontends.len());
+        let n = share(self.services.len())
+            .min(MAX_FRONTENDS_PER_STEP)
+            .min(self.audit.frontends.len());
         let at = self.audit.frontends.len() - n;
         let batch: Vec<ServiceKey> = self.audit.frontends.drain(at..).collect();
         for key in batch {
@@ -95,7 +105,7 @@ impl MapState {
         if self.audit.frontends.is_empty()
             && let Some(&table) = self.audit.walks.first()
         {
-            let max = share(self.table_size(table)).min(u32::MAX as usize) as u32;
+            let max = share(self.table_size(table)).min(MAX_ENTRIES_PER_STEP) as u32;
             match self.sweep(maps, table, max) {
                 Ok(n) => report.removed += n,
                 Err(e)
