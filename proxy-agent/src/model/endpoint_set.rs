@@ -5,7 +5,6 @@
 //! address instead of a `SocketAddr`'s 32.
 
 use std::{
-    collections::BTreeSet,
     net::{SocketAddr, SocketAddrV4},
     sync::Arc,
 };
@@ -81,9 +80,10 @@ impl EndpointSet {
         }
     }
 
-    /// Both are the one shared copy (a cheap equality that may say `false` for equal
-    /// sets).
-    pub fn shares(&self, other: &Self) -> bool {
+    /// Both are the one shared copy. (`==` checks this first by itself: `Arc`'s equality
+    /// compares pointers before contents for `Eq` types.)
+    #[cfg(test)]
+    fn shares(&self, other: &Self) -> bool {
         match (&self.0, &other.0) {
             (Addrs::V4(a), Addrs::V4(b)) => Arc::ptr_eq(a, b),
             (Addrs::Any(a), Addrs::Any(b)) => Arc::ptr_eq(a, b),
@@ -125,12 +125,6 @@ impl FromIterator<SocketAddr> for EndpointSet {
         v.sort_unstable();
         v.dedup();
         Self::from_set(v)
-    }
-}
-
-impl From<BTreeSet<SocketAddr>> for EndpointSet {
-    fn from(set: BTreeSet<SocketAddr>) -> Self {
-        Self::from_set(set.into_iter().collect())
     }
 }
 

@@ -38,7 +38,8 @@ use crate::dataplane::{
 /// The most frontends one step compares: each costs a lookup per entry (two dozen
 /// syscalls for ten endpoints), and a change that arrives meanwhile waits for the step.
 /// Above 25,600 frontends a pass takes longer than the resync period, in proportion
-/// (at 100k, about four periods), rather than each step taking longer.
+/// (at 100k, about four periods for the frontends, then the walks of the maps), rather
+/// than each step taking longer.
 const MAX_FRONTENDS_PER_STEP: usize = 256;
 /// The most map entries one step reads back (one batch read).
 const MAX_ENTRIES_PER_STEP: usize = 8192;

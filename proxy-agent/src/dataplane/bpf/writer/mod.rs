@@ -163,7 +163,7 @@ struct Programmed {
     /// The endpoints `backend_ids` stand for, in slot order: a sync compares these (one
     /// run of memory) instead of looking up every endpoint's id (a cache miss each, which
     /// made a one-change sync at 10k Services cost milliseconds). The view's own copy,
-    /// shared: usually the comparison is one pointer.
+    /// shared: usually `==` finds the one pointer and compares nothing else.
     endpoints: EndpointSet,
     /// `backend_ids` are exactly what `endpoints` and `schedule` make (false for an
     /// adopted set whose slots did not all resolve).
@@ -440,7 +440,7 @@ impl MapState {
             && old.ranges == d.ranges
             && old.complete
             && old.schedule == *schedule
-            && (old.endpoints.shares(&d.set.endpoints) || old.endpoints == d.set.endpoints)
+            && old.endpoints == d.set.endpoints
         {
             return Ok(Wrote::Nothing);
         }
