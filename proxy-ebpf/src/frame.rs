@@ -44,25 +44,20 @@ pub trait Frame {
 
     fn load<T>(&self, off: usize) -> Result<T, i64>;
     fn store<T>(&self, off: usize, v: &T) -> Result<(), i64>;
+    /// Makes the first `len` bytes (or the whole packet, if shorter) directly readable:
+    /// `load` and `store` of small fields reach only those.
+    fn linearize(&self, len: usize);
     /// The packet's length (the linear part and the rest).
     fn len(&self) -> u32;
     /// The interface the packet arrived on.
     fn ifindex(&self) -> u32;
     /// The context pointer helpers take.
     fn ptr(&self) -> *mut c_void;
-    /// The IPv4 header checksum at `off` after a 32-bit word went from `from` to `to`.
-    fn l3_csum_replace(&self, off: usize, from: u32, to: u32) -> Result<(), i64>;
-    /// The L4 checksum at `off` after a word of `size` bytes (2 or 4) went from `from`
-    /// to `to`; `pseudo`: the word is in the pseudo-header (an address).
-    fn l4_csum_replace(
-        &self,
-        off: usize,
-        from: u32,
-        to: u32,
-        size: u8,
-        pseudo: bool,
-        kind: CsumKind,
-    ) -> Result<(), i64>;
+    /// The L4 checksum at `off` after the data it covers changed: `pseudo` is the sum of
+    /// the changes in the pseudo-header (addresses), `plain` of those in the segment
+    /// itself (ports), each as `csum::delta`s. (One update per packet side, not one per
+    /// field: the sums are folded here.)
+    fn l4_csum_diff(&self, off: usize, pseudo: u64, plain: u64, kind: CsumKind) -> Result<(), i64>;
     /// The skb, for what only TC can do (refusals, ICMP errors, the SCTP tail call).
     fn tc(&self) -> Option<&TcContext>;
     /// Eight bytes of room right after the 20-byte IPv4 base header (for an option): the
@@ -76,17 +71,70 @@ const ETH_IPV4_BASE: usize = 34;
 /// The room `grow_ipv4_header` makes.
 const IPV4_ROOM: usize = 8;
 
+/// The skb's `data` and `data_end`, read afresh each time: volatile reads, so that LLVM
+/// never hands them to a non-inlined function as arguments (it promotes plain reads,
+/// and the verifier refuses arithmetic on a `data_end` passed that way).
+#[inline(always)]
+fn skb_data(ctx: &TcContext) -> usize {
+    // SAFETY: the context is a valid __sk_buff; `data` is a plain readable field.
+    unsafe { core::ptr::read_volatile(&(*(ctx.as_ptr() as *const __sk_buff)).data) as usize }
+}
+
+#[inline(always)]
+fn skb_data_end(ctx: &TcContext) -> usize {
+    // SAFETY: as for `skb_data`.
+    unsafe {
+        core::ptr::read_volatile(&(*(ctx.as_ptr() as *const __sk_buff)).data_end) as usize
+    }
+}
+
 impl Frame for TcContext {
     const XDP: bool = false;
 
+    // The small fields directly, in the linear part `linearize` made (a helper call per
+    // field costs more than the field's own work); the larger ones by the helper, whose
+    // byte-wise direct copies would crowd the 512-byte stack. No fallback to the helper
+    // for the small ones: one path per load keeps the verifier's walk short.
     #[inline(always)]
     fn load<T>(&self, off: usize) -> Result<T, i64> {
-        TcContext::load(self, off)
+        if core::mem::size_of::<T>() > 4 {
+            return TcContext::load(self, off);
+        }
+        let p = skb_data(self) + off;
+        // (At least 2: LLVM turns `p + 1 <= end` into `p < end`, which the verifier does
+        // not follow. No field read alone ends a packet.)
+        if p + core::mem::size_of::<T>().max(2) > skb_data_end(self) {
+            return Err(-1);
+        }
+        // SAFETY: inside the linear part (checked above); T is plain data.
+        Ok(unsafe { (p as *const T).read_unaligned() })
     }
 
     #[inline(always)]
     fn store<T>(&self, off: usize, v: &T) -> Result<(), i64> {
-        TcContext::store(self, off, v, 0)
+        if core::mem::size_of::<T>() > 4 {
+            return TcContext::store(self, off, v, 0);
+        }
+        let p = skb_data(self) + off;
+        // (`max(2)`: as in `load`.)
+        if p + core::mem::size_of::<T>().max(2) > skb_data_end(self) {
+            return Err(-1);
+        }
+        // SAFETY: inside the linear part (checked above), which a classifier may write
+        // (the kernel unclones a cloned skb before such a program runs).
+        unsafe { (p as *mut T).write_unaligned(core::ptr::read(v)) };
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn linearize(&self, len: usize) {
+        if skb_data(self) + len <= skb_data_end(self) {
+            return;
+        }
+        let len = (len as u32).min(TcContext::len(self));
+        // A failure leaves the packet as it was: what lies beyond the linear part then
+        // reads as missing, and the packet passes untranslated.
+        let _ = self.pull_data(len);
     }
 
     #[inline(always)]
@@ -105,29 +153,25 @@ impl Frame for TcContext {
         self.as_ptr()
     }
 
+    // Each kind of change once, by its difference (`size` 0): the helper knows the skb's
+    // checksum state — `CHECKSUM_PARTIAL` takes only the pseudo-header's changes,
+    // `CHECKSUM_COMPLETE` keeps `skb->csum` in step with them.
     #[inline(always)]
-    fn l3_csum_replace(&self, off: usize, from: u32, to: u32) -> Result<(), i64> {
-        TcContext::l3_csum_replace(self, off, u64::from(from), u64::from(to), 4)
-    }
-
-    #[inline(always)]
-    fn l4_csum_replace(
-        &self,
-        off: usize,
-        from: u32,
-        to: u32,
-        size: u8,
-        pseudo: bool,
-        kind: CsumKind,
-    ) -> Result<(), i64> {
-        let mut flags = u64::from(size);
-        if pseudo {
-            flags |= u64::from(BPF_F_PSEUDO_HDR);
+    fn l4_csum_diff(&self, off: usize, pseudo: u64, plain: u64, kind: CsumKind) -> Result<(), i64> {
+        let flags = if kind == CsumKind::ZeroIsNone {
+            u64::from(BPF_F_MARK_MANGLED_0)
+        } else {
+            0
+        };
+        if pseudo != 0 {
+            let d = u64::from(csum::fold(pseudo));
+            TcContext::l4_csum_replace(self, off, 0, d, flags | u64::from(BPF_F_PSEUDO_HDR))?;
         }
-        if kind == CsumKind::ZeroIsNone {
-            flags |= u64::from(BPF_F_MARK_MANGLED_0);
+        if plain != 0 {
+            let d = u64::from(csum::fold(plain));
+            TcContext::l4_csum_replace(self, off, 0, d, flags)?;
         }
-        TcContext::l4_csum_replace(self, off, u64::from(from), u64::from(to), flags)
+        Ok(())
     }
 
     #[inline(always)]
@@ -201,6 +245,11 @@ impl Frame for XdpContext {
     }
 
     #[inline(always)]
+    fn linearize(&self, _len: usize) {
+        // An XDP frame's first buffer holds its headers (multi-buffer frames pass on).
+    }
+
+    #[inline(always)]
     fn len(&self) -> u32 {
         (self.data_end() - self.data()) as u32
     }
@@ -217,26 +266,12 @@ impl Frame for XdpContext {
     }
 
     #[inline(always)]
-    fn l3_csum_replace(&self, off: usize, from: u32, to: u32) -> Result<(), i64> {
-        let old: u16 = self.load(off)?;
-        self.store(off, &csum::replaced(old, from, to, 4))
-    }
-
-    #[inline(always)]
-    fn l4_csum_replace(
-        &self,
-        off: usize,
-        from: u32,
-        to: u32,
-        size: u8,
-        _pseudo: bool,
-        kind: CsumKind,
-    ) -> Result<(), i64> {
+    fn l4_csum_diff(&self, off: usize, pseudo: u64, plain: u64, kind: CsumKind) -> Result<(), i64> {
         let old: u16 = self.load(off)?;
         if old == 0 && kind == CsumKind::ZeroIsNone {
             return Ok(());
         }
-        let mut new = csum::replaced(old, from, to, size);
+        let mut new = csum::fixed(old, pseudo + plain);
         if new == 0 && kind == CsumKind::ZeroIsNone {
             new = 0xffff;
         }

@@ -10,12 +10,12 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    Backend, CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, FAMILY_V4, NodeConfig, PROTO_SCTP, PROTO_TCP,
+    CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, FAMILY_V4, NodeConfig, PROTO_SCTP, PROTO_TCP,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
 };
 
 use crate::{
-    frame::{CsumKind, Frame},
+    frame::{CsumKind, Frame, csum},
     maps::{SCTP_PENDING, SCTP_ZEROS, TC_TAIL, count},
     node::Origin,
     packet::{
@@ -35,9 +35,9 @@ pub fn masquerade(
     cfg: &NodeConfig,
     origin: &Origin,
     pkt: &Packet,
-    be: &Backend,
+    backend: &[u32; 4],
 ) -> bool {
-    if be.addr == pkt.saddr {
+    if *backend == pkt.saddr {
         return true;
     }
     if svc.flags & SVC_F_EXTERNAL != 0 {
@@ -82,15 +82,16 @@ pub fn rewrite<F: Frame>(
         count(counter::REWRITE_FAILED);
         DROP
     };
+    // The writes go straight into the packet; each checksum is folded once from the
+    // sum of its changes.
+    let mut pseudo = 0u64;
     if pkt.family == FAMILY_V4 {
         let addr_off = match side {
             Side::Source => IPV4_SADDR_OFF,
             Side::Destination => IPV4_DADDR_OFF,
         };
-        ctx.l4_csum_replace(csum_off, old_addr[0], addr[0], 4, true, kind)
-            .map_err(fail)?;
-        ctx.l3_csum_replace(IPV4_CSUM_OFF, old_addr[0], addr[0])
-            .map_err(fail)?;
+        pseudo = csum::delta(old_addr[0], addr[0]);
+        fix_ipv4_header_csum(ctx, pseudo).map_err(fail)?;
         ctx.store(addr_off, &addr[0]).map_err(fail)?;
     } else {
         let addr_off = match side {
@@ -98,22 +99,28 @@ pub fn rewrite<F: Frame>(
             Side::Destination => IPV6_DADDR_OFF,
         };
         for i in 0..4 {
-            ctx.l4_csum_replace(csum_off, old_addr[i], addr[i], 4, true, kind)
-                .map_err(fail)?;
+            pseudo += csum::delta(old_addr[i], addr[i]);
         }
         ctx.store(addr_off, addr).map_err(fail)?;
     }
-    ctx.l4_csum_replace(
-        csum_off,
-        u32::from(old_port),
-        u32::from(port),
-        2,
-        false,
-        kind,
-    )
-    .map_err(fail)?;
-    ctx.store(port_off, &port).map_err(fail)?;
+    let plain = if port == old_port {
+        0
+    } else {
+        csum::delta16(old_port, port)
+    };
+    ctx.l4_csum_diff(csum_off, pseudo, plain, kind)
+        .map_err(fail)?;
+    if port != old_port {
+        ctx.store(port_off, &port).map_err(fail)?;
+    }
     Ok(())
+}
+
+/// The IPv4 header checksum after the header changed by `d` (a `csum::delta`).
+#[inline(always)]
+fn fix_ipv4_header_csum<F: Frame>(ctx: &F, d: u64) -> Result<(), i64> {
+    let old: u16 = ctx.load(IPV4_CSUM_OFF)?;
+    ctx.store(IPV4_CSUM_OFF, &csum::fixed(old, d))
 }
 
 /// One IPv4 address and the header checksum, nothing else: what a later fragment needs
@@ -134,8 +141,7 @@ fn rewrite_ipv4_address<F: Frame>(
         Side::Source => (pkt.saddr[0], IPV4_SADDR_OFF),
         Side::Destination => (pkt.daddr[0], IPV4_DADDR_OFF),
     };
-    ctx.l3_csum_replace(IPV4_CSUM_OFF, old_addr, addr[0])
-        .map_err(fail)?;
+    fix_ipv4_header_csum(ctx, csum::delta(old_addr, addr[0])).map_err(fail)?;
     ctx.store(addr_off, &addr[0]).map_err(fail)
 }
 

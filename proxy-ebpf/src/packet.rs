@@ -27,6 +27,11 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
+/// The bytes every step reads directly (`Frame::linearize`): the longest headers
+/// (Ethernet, IPv6, an L4 header's first 20 bytes) and an ICMP error's quote (an outer
+/// IPv6 header, ICMPv6's 8 bytes, the quoted IPv6 header and its first 8 bytes), with room.
+const HEADERS_LEN: usize = 128;
+
 /// The parts of a TCP/UDP/SCTP packet the NAT reads and rewrites.
 pub struct Packet {
     pub family: u8,
@@ -75,6 +80,7 @@ pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
 /// datagram's fragments take one path).
 #[inline(always)]
 pub fn parse<F: Frame>(ctx: &F, pass: i32) -> Result<Option<Packet>, i32> {
+    ctx.linearize(HEADERS_LEN);
     let ether_type = u16::from_be(ctx.load::<u16>(12).map_err(|_| pass)?);
     let (family, proto, saddr, daddr, l4_off, frag) = match ether_type {
         ETH_P_IP => {

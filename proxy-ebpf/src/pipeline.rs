@@ -359,7 +359,7 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
     // endpoint's replies are translated on their way out (`egress`).
     if dsr {
         entry.flags = CT_F_DSR;
-    } else if nat::masquerade(&svc, cfg, &origin, pkt, &be)
+    } else if nat::masquerade(&svc, cfg, &origin, pkt, &be.addr)
         && !is_node_address(pkt.family, &be.addr)
     {
         // A zero address (none configured for the family) means no masquerade.
