@@ -550,20 +550,37 @@ impl MultiNode {
         self.client_in(&self.ns(&format!("p{pod}")), args)
     }
 
+    /// A command run in the external client's namespace: its standard output.
+    pub fn in_client(&self, cmd: &[&str]) -> Result<String> {
+        let ns = self.ns("cl");
+        let mut args = vec!["ip", "netns", "exec", ns.as_str()];
+        args.extend_from_slice(cmd);
+        sh(&args)
+    }
+
+    /// A command run in node `node`'s namespace: its standard output.
+    pub fn in_node(&self, node: &str, cmd: &[&str]) -> Result<String> {
+        let ns = &self
+            .nodes
+            .get(node)
+            .with_context(|| format!("no node {node}"))?
+            .ns;
+        let mut args = vec!["ip", "netns", "exec", ns.as_str()];
+        args.extend_from_slice(cmd);
+        sh(&args)
+    }
+
+    /// A Python script run in the external client's namespace: its standard output.
+    pub fn client_python(&self, script: &str) -> Result<String> {
+        self.in_client(&["python3", "-c", script])
+    }
+
     /// An HTTP GET from the external client: status code and body.
     pub fn http_get(&self, url: &str) -> Result<(u16, String)> {
         let script = format!(
             "import urllib.request,urllib.error\ntry:\n r=urllib.request.urlopen('{url}',timeout=3);print(r.status);print(r.read().decode())\nexcept urllib.error.HTTPError as e:\n print(e.code);print(e.read().decode())"
         );
-        let out = sh(&[
-            "ip",
-            "netns",
-            "exec",
-            &self.ns("cl"),
-            "python3",
-            "-c",
-            &script,
-        ])?;
+        let out = self.client_python(&script)?;
         let (code, body) = out.split_once('\n').unwrap_or((out.as_str(), ""));
         Ok((
             code.trim().parse().context("status code")?,

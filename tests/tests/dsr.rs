@@ -3,7 +3,9 @@
 //! client's own address; its replies leave node B with node A's address and port,
 //! straight to the client — watched on the LAN bridge, where node A's port carries
 //! none of them; 100,000 connections through it with none failed; a connection goes on
-//! while node A's agent is killed and started again. Root only.
+//! while node A's agent is killed and started again; a client's full-size segments,
+//! too big once the option is added, are answered "fragmentation needed" with the MTU
+//! less the option, and its connection goes on at that size. Root only.
 
 use std::{thread, time::Duration};
 
@@ -169,4 +171,75 @@ fn dsr_end_to_end(xdp: bool) {
         "{churn:?}"
     );
     assert_eq!(replies(&tb, "from_a"), 0, "still none through node A");
+}
+
+#[needs_root]
+#[test]
+fn dsr_at_tc_answers_too_big_with_room_for_its_option() {
+    too_big_with_room_for_the_option(false);
+}
+
+#[needs_root]
+#[test]
+fn dsr_at_xdp_leaves_too_big_to_tc_which_answers_with_room_for_its_option() {
+    too_big_with_room_for_the_option(true);
+}
+
+/// Every link is 1,500 bytes. With segmentation offload the client's segments travel
+/// as one GSO packet, and node A makes room for the option by shrinking its segments:
+/// the upload completes at the client's MTU. Without offload the client's full-size
+/// segments (don't-fragment) fit the LAN as sent, but not with the 8-byte option: node
+/// A answers "fragmentation needed" with 1,492 (at TC; XDP leaves them to TC
+/// unchanged, where GRO would merge them again unless it is off), the client learns it, and the 200 kB it sends reach the backend.
+fn too_big_with_room_for_the_option(xdp: bool) {
+    let (tb, _lan_xdp) = testbed(xdp);
+    let upload = format!(
+        r#"
+import socket
+s = socket.create_connection(("{NODE_A}", {PORT}), timeout=10)
+f = s.makefile("rb")
+first = f.readline()
+s.sendall(b"x" * 200000 + b"\n")
+second = f.readline()
+print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt(socket.IPPROTO_IP, 14))
+"#
+    );
+    let offloaded = tb.client_python(&upload).expect("the client's upload");
+    assert_eq!(
+        offloaded.trim(),
+        "pod-b pod-b 1500",
+        "with offload: greeted before and after the upload, at the client's MTU (IP_MTU)\n{}",
+        tb.log("node-a")
+    );
+    tb.in_client(&["ethtool", "-K", "eth0", "tso", "off", "gso", "off"])
+        .expect("offload off");
+    tb.in_client(&["ip", "route", "flush", "cache"])
+        .expect("flush");
+    if xdp {
+        // What XDP passes on would be merged again by GRO into one packet, whose
+        // segments TC shrinks: this checks TC's answer to single frames.
+        let port = format!("la{}", tb.id);
+        tb.in_node("node-a", &["ethtool", "-K", &port, "gro", "off"])
+            .expect("GRO off on node A's LAN port");
+    }
+    let too_big_before = tb.counter("node-a", "too_big_sent");
+    let to_tc_before = tb.counter("node-a", "xdp_to_tc");
+    let got = tb.client_python(&upload).expect("the client's upload");
+    assert_eq!(
+        got.trim(),
+        "pod-b pod-b 1492",
+        "without offload: greeted before and after the upload, the MTU learned\n{}",
+        tb.log("node-a")
+    );
+    assert!(
+        tb.counter("node-a", "too_big_sent") > too_big_before,
+        "node A's answer"
+    );
+    assert!(tb.counter("node-a", "dsr_sent") > 0, "through DSR");
+    if xdp {
+        assert!(
+            tb.counter("node-a", "xdp_to_tc") > to_tc_before,
+            "XDP left it to TC"
+        );
+    }
 }
