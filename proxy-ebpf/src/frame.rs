@@ -83,9 +83,7 @@ fn skb_data(ctx: &TcContext) -> usize {
 #[inline(always)]
 fn skb_data_end(ctx: &TcContext) -> usize {
     // SAFETY: as for `skb_data`.
-    unsafe {
-        core::ptr::read_volatile(&(*(ctx.as_ptr() as *const __sk_buff)).data_end) as usize
-    }
+    unsafe { core::ptr::read_volatile(&(*(ctx.as_ptr() as *const __sk_buff)).data_end) as usize }
 }
 
 impl Frame for TcContext {
