@@ -1,8 +1,10 @@
 //! Per-frontend and per-backend statistics through the real classifier
-//! (`BPF_PROG_TEST_RUN`): a TCP flow's connection, packets and bytes each way land in
-//! `LB_STATS` and `BACKEND_STATS` and in `dump --stats`'s rows and table; the two scopes
-//! of a frontend make one row; the collector recounts `ACTIVE_CONNS` from live flows and
-//! drops the counts of removed frontends and backends. Root only.
+//! (`BPF_PROG_TEST_RUN`): a TCP flow's connection, packets and bytes each way land in its
+//! (frontend, backend) pair of `LB_STATS` and in `dump --stats`'s rows and table; the two
+//! scopes of a frontend make one row; a backend behind two frontends counts under each
+//! apart, as IPVS counts a real server per virtual service; the collector recounts
+//! `ACTIVE_CONNS` from live flows, folds a removed backend's counts into its frontend's
+//! and drops those of removed frontends. Root only.
 
 mod support;
 
@@ -16,7 +18,7 @@ use proxy_agent::{
     model::{BackendSet, FrontendKind, NodeView, Protocol, WhenEmpty},
     trace::packet::{fold, sum16},
 };
-use proxy_common::ServiceValue;
+use proxy_common::{ServiceValue, StatsKey};
 use support::tc_harness::*;
 use test_support::needs_root;
 
@@ -69,22 +71,28 @@ fn entries(h: &Harness) -> Vec<ServiceValue> {
     v.into_iter().map(|(_, v)| v).collect()
 }
 
+/// A frontend's pairs, summed.
 fn lb_stats(h: &Harness, rev_nat_id: u32) -> Totals {
-    h.maps
-        .lb_stats
-        .get(&rev_nat_id, 0)
-        .expect("LB_STATS entry")
-        .iter()
-        .sum()
+    let mut t = Totals::default();
+    for entry in h.maps.lb_stats.iter() {
+        let (key, per_cpu) = entry.expect("LB_STATS entry");
+        if key.rev_nat_id == rev_nat_id {
+            t += per_cpu.iter().sum::<Totals>();
+        }
+    }
+    t
 }
 
-fn backend_stats(h: &Harness, id: u32) -> Totals {
+fn pair_stats(h: &Harness, rev_nat_id: u32, backend_id: u32) -> Option<Totals> {
+    let key = StatsKey {
+        rev_nat_id,
+        backend_id,
+    };
     h.maps
-        .backend_stats
-        .get(&id, 0)
-        .expect("BACKEND_STATS entry")
-        .iter()
-        .sum()
+        .lb_stats
+        .get(&key, 0)
+        .ok()
+        .map(|per_cpu| per_cpu.iter().sum())
 }
 
 /// A ClusterIP, one client's TCP flow through it: SYN, SYN-ACK, data. Returns the
@@ -127,7 +135,12 @@ fn a_tcp_flow_is_counted_per_frontend_and_per_backend() {
         .next()
         .expect("one backend")
         .expect("key");
-    assert_eq!(backend_stats(&h, backend_id), expected, "BACKEND_STATS");
+    assert_eq!(
+        pair_stats(&h, svc.rev_nat_id, backend_id),
+        Some(expected),
+        "the pair's entry"
+    );
+    assert_eq!(h.maps.lb_stats.keys().count(), 1, "one pair counted");
 
     let rows = stats::read(&h.maps).expect("read");
     let [row] = &rows[..] else {
@@ -247,7 +260,10 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
     conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert!(h.maps.active_conns.get(&old_backend, 0).is_err(), "closed");
 
-    // The backend leaves the Service: its counts go, the frontend's stay.
+    // The backend leaves the Service: its pair goes, folded into the frontend's.
+    let [svc] = entries(&h)[..] else {
+        panic!("one service entry")
+    };
     h.apply(&NodeView::from([frontend(
         "10.96.0.10",
         80,
@@ -256,7 +272,13 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
     )]));
     assert!(h.maps.backends.get(&old_backend, 0).is_err(), "removed");
     conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
-    assert!(h.maps.backend_stats.get(&old_backend, 0).is_err());
+    assert_eq!(pair_stats(&h, svc.rev_nat_id, old_backend), None);
+    let folded = pair_stats(&h, svc.rev_nat_id, 0).expect("the frontend's removed backends");
+    assert_eq!(
+        (folded.conns, folded.packets_in),
+        (1, 3),
+        "the flow and its RST"
+    );
     let rows = stats::read(&h.maps).expect("read");
     assert_eq!(rows.len(), 1);
     assert_eq!(
@@ -276,11 +298,33 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
     h.apply(&NodeView::new());
     conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert_eq!(h.maps.lb_stats.keys().count(), 0, "LB_STATS emptied");
-    assert_eq!(
-        h.maps.backend_stats.keys().count(),
-        0,
-        "BACKEND_STATS emptied"
-    );
     assert!(stats::read(&h.maps).expect("read").is_empty());
     assert!(stats::frontend_totals(&h.maps).expect("totals").is_empty());
+}
+
+/// One endpoint behind two ClusterIPs (one backend id): each frontend's row counts only
+/// its own flows to it, as IPVS counts a real server per virtual service.
+#[needs_root]
+#[test]
+fn a_backend_of_two_frontends_counts_under_each_apart() {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([
+        frontend("10.96.0.10", 80, Protocol::Tcp, &[BACKEND]),
+        frontend("10.96.0.11", 80, Protocol::Tcp, &[BACKEND]),
+    ]));
+    assert_eq!(h.maps.backends.keys().count(), 1, "one backend id");
+    run_ok(&h, &tcp_with_flags(sa(CLIENT), sa(VIP), SYN));
+    run_ok(&h, &tcp_with_flags(sa("10.244.0.3:40001"), sa(VIP), SYN));
+    run_ok(&h, &tcp_with_flags(sa(CLIENT), sa("10.96.0.11:80"), SYN));
+    let rows = stats::read(&h.maps).expect("read");
+    let conns: Vec<(SocketAddr, u64, u64)> = rows
+        .iter()
+        .map(|r| (r.address, r.stats.conns, r.backends[0].stats.conns))
+        .collect();
+    assert_eq!(
+        conns,
+        [(sa(VIP), 2, 2), (sa("10.96.0.11:80"), 1, 1)],
+        "(frontend, its connections, the backend's under it)"
+    );
 }

@@ -80,6 +80,7 @@ mod user {
         FragKey,
         FragPorts,
         LbStats,
+        StatsKey,
         MaglevChunk,
     );
 }

@@ -108,10 +108,10 @@ maps! {
     ACTIVE_CONNS(as BACKENDS);
     /// Per (service entry, backend) with unequal weights: the weight.
     WEIGHTS(262_144);
-    /// `LbStats` per frontend (`rev_nat_id`).
-    LB_STATS(as SERVICES);
-    /// `LbStats` per backend id.
-    BACKEND_STATS(as BACKENDS);
+    /// `LbStats` per (frontend `rev_nat_id`, backend id) pair (`StatsKey`): a pair is a
+    /// backend slot's (plus one per frontend for its removed backends), so sized as the
+    /// slots.
+    LB_STATS(as BACKEND_SLOTS);
 }
 
 #[cfg(test)]

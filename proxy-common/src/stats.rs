@@ -1,8 +1,29 @@
-//! What the programs count: per frontend and backend (`LB_STATS`, `BACKEND_STATS`) and
-//! per reason (`COUNTERS`).
+//! What the programs count: per frontend and backend pair (`LB_STATS`) and per reason
+//! (`COUNTERS`).
 
-/// Per frontend (by `rev_nat_id`) and per backend (by id): what `ipvsadm -Ln --stats`
-/// shows. Per CPU; the agent sums.
+/// `LB_STATS`' key: a backend under a frontend, as `ipvsadm -Ln --stats` shows a real
+/// server under its virtual service. One entry per pair, so a packet counts with one
+/// lookup; a frontend's totals are its pairs' sums. `backend_id` 0 (never a backend's)
+/// holds what the collector folded in from the frontend's removed backends.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StatsKey {
+    pub rev_nat_id: u32,
+    pub backend_id: u32,
+}
+
+impl StatsKey {
+    /// A frontend's counts of backends no longer programmed.
+    pub const fn retired(rev_nat_id: u32) -> Self {
+        StatsKey {
+            rev_nat_id,
+            backend_id: 0,
+        }
+    }
+}
+
+/// Connections, packets and bytes of one `StatsKey`. Per CPU; the agent sums.
 #[repr(C)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
     FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, SctpPending,
-    ServiceKey, ServiceValue, SockLb, capacity, counter, crc32c,
+    ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -151,16 +151,11 @@ pub static ACTIVE_CONNS: HashMap<u32, u64, { capacity::BACKENDS as usize }, NO_P
 pub static WEIGHTS: HashMap<MemberKey, u32, { capacity::WEIGHTS as usize }, NO_PREALLOC> =
     HashMap::new();
 
-/// Per frontend (`rev_nat_id`): connections, packets and bytes.
+/// Per (frontend `rev_nat_id`, backend id): connections, packets and bytes.
 #[btf_map]
-pub static LB_STATS: PerCpuHashMap<u32, LbStats, { capacity::REV_NAT as usize }, NO_PREALLOC> =
-    PerCpuHashMap::new();
-
-/// Per backend id: connections, packets and bytes.
-#[btf_map]
-pub static BACKEND_STATS: PerCpuHashMap<
-    u32,
+pub static LB_STATS: PerCpuHashMap<
+    StatsKey,
     LbStats,
-    { capacity::BACKENDS as usize },
+    { capacity::LB_STATS as usize },
     NO_PREALLOC,
 > = PerCpuHashMap::new();

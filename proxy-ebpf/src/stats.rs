@@ -1,14 +1,14 @@
-//! What `ipvsadm -Ln --stats` shows, per frontend (`rev_nat_id`) and per backend id:
-//! new connections, and packets and bytes each way. Per-CPU values, summed by the agent;
-//! an entry is made on its first use and removed by the agent's collector once its
-//! frontend or backend is gone.
+//! What `ipvsadm -Ln --stats` shows, per backend under its frontend (`rev_nat_id`): new
+//! connections, and packets and bytes each way. One per-CPU entry per pair, so a packet
+//! counts with one lookup (the agent sums a frontend's pairs); an entry is made on its
+//! first use, and the agent's collector folds it into its frontend's `backend_id` 0 once
+//! the backend is gone, and removes it with its frontend.
 //!
-//! Layer 1. Owns: the `LB_STATS` / `BACKEND_STATS` accounting. May import: `maps`,
-//! `verdict`.
+//! Layer 1. Owns: the `LB_STATS` accounting. May import: `maps`, `verdict`.
 
-use proxy_common::LbStats;
+use proxy_common::{LbStats, StatsKey};
 
-use crate::maps::{BACKEND_STATS, LB_STATS};
+use crate::maps::LB_STATS;
 
 /// Client to backend.
 pub const IN: u8 = 0;
@@ -24,27 +24,18 @@ pub fn account(rev_nat_id: u32, backend_id: u32, dir: u8, len: u32, new: bool) {
     if rev_nat_id == 0 {
         return;
     }
-    add(&LB_STATS, rev_nat_id, dir, 1, len, new);
-    add(&BACKEND_STATS, backend_id, dir, 1, len, new);
+    add(rev_nat_id, backend_id, dir, 1, len, new);
 }
 
 /// A new connection the connect-time hooks scheduled (its packets never pass a
 /// classifier of ours: the socket talks to the backend directly).
 #[inline(never)]
 pub fn connection(rev_nat_id: u32, backend_id: u32) {
-    add(&LB_STATS, rev_nat_id, IN, 0, 0, true);
-    add(&BACKEND_STATS, backend_id, IN, 0, 0, true);
+    add(rev_nat_id, backend_id, IN, 0, 0, true);
 }
 
 #[inline(always)]
-fn add<const N: usize, const F: usize>(
-    map: &aya_ebpf::btf_maps::PerCpuHashMap<u32, LbStats, N, F>,
-    key: u32,
-    dir: u8,
-    packets: u64,
-    len: u32,
-    new: bool,
-) {
+fn add(rev_nat_id: u32, backend_id: u32, dir: u8, packets: u64, len: u32, new: bool) {
     let mut delta = LbStats {
         conns: u64::from(new),
         ..LbStats::default()
@@ -54,7 +45,11 @@ fn add<const N: usize, const F: usize>(
     } else {
         (delta.packets_out, delta.bytes_out) = (packets, u64::from(len));
     }
-    match map.get_ptr_mut(&key) {
+    let key = StatsKey {
+        rev_nat_id,
+        backend_id,
+    };
+    match LB_STATS.get_ptr_mut(&key) {
         // SAFETY: this CPU's own value; nothing else runs on this CPU meanwhile.
         Some(v) => unsafe {
             (*v).conns += delta.conns;
@@ -65,7 +60,7 @@ fn add<const N: usize, const F: usize>(
         },
         // The first count: a full map loses it, never the packet.
         None => {
-            let _ = map.insert(&key, &delta, 0);
+            let _ = LB_STATS.insert(&key, &delta, 0);
         }
     }
 }

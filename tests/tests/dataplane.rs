@@ -736,11 +736,13 @@ fn cleanup_removes_only_its_own_pins() {
 }
 
 /// An upgrade over the pins of a release that counted fewer things (a smaller counters
-/// map): the new agent replaces that pin and starts, and a live connection never notices.
+/// map), kept its statistics per frontend (`LB_STATS` keyed by a `u32`) and had a map
+/// this one does not (`BACKEND_STATS`): the new agent replaces those pins, unpins the
+/// retired one and starts, and a live connection never notices.
 #[needs_root]
 #[test]
-fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
-    use proxy_common::map_names::{BACKENDS, COUNTERS};
+fn an_upgrade_over_reshaped_count_maps_is_hitless() {
+    use proxy_common::map_names::{ACTIVE_CONNS, BACKENDS, COUNTERS, LB_STATS};
     let mut tb = testbed(Path_::PerPacket, &[0, 1], None);
     let t = target(VIP4, TCP_PORT);
     let mut session = tb.spawn_session(&t, 150).expect("client");
@@ -752,6 +754,14 @@ fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
     std::fs::remove_file(maps.join(COUNTERS)).expect("unpin");
     other.pin(maps.join(COUNTERS)).expect("pin the old shape");
     drop(other);
+    // Its statistics: a hash keyed by a u32 under LB_STATS, and BACKEND_STATS beside it.
+    let per_id = aya::maps::MapData::from_pin(maps.join(ACTIVE_CONNS)).expect("pinned map");
+    std::fs::remove_file(maps.join(LB_STATS)).expect("unpin");
+    per_id.pin(maps.join(LB_STATS)).expect("pin the old shape");
+    per_id
+        .pin(maps.join("BACKEND_STATS"))
+        .expect("pin the retired map");
+    drop(per_id);
     tb.start_agent(Path_::PerPacket, FRONTENDS)
         .expect("the upgraded agent starts over the old counters");
     let attempts = session.finish().expect("client output");
@@ -760,17 +770,27 @@ fn an_upgrade_over_an_outgrown_counters_map_is_hitless() {
         "the live connection broke across the upgrade: {attempts:?}\n{}",
         tb.agent_log()
     );
-    assert!(
-        tb.agent_log().contains("counts start over"),
-        "{}",
-        tb.agent_log()
+    let log = tb.agent_log();
+    assert_eq!(
+        log.matches("changed shape with this release; counts start over")
+            .count(),
+        2,
+        "COUNTERS and LB_STATS\n{log}"
     );
+    assert!(log.contains("is no longer used by this release"), "{log}");
+    assert!(!maps.join("BACKEND_STATS").exists(), "the retired pin went");
     // The fresh counters map is the one the new programs count in.
     let again = tb
         .client(&["--target", &t, "--count", "3"])
         .expect("client");
     assert!(again.iter().all(|a| a.ok), "{again:?}");
     assert!(tb.counter("service_hit") >= 3, "new flows not counted");
+    let stats = aya::maps::MapData::from_pin(maps.join(LB_STATS)).expect("pinned map");
+    let key_size = stats.info().expect("map info").key_size();
+    assert_eq!(
+        key_size as usize,
+        std::mem::size_of::<proxy_common::StatsKey>()
+    );
 }
 
 /// A pin set this object cannot use (a map of another shape under one of our names, as

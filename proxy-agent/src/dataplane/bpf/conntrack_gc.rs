@@ -122,7 +122,7 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
     (stats.new, stats.new_capacity) = (left, cap);
     stats.collected += collected;
     recount_active(maps, &timeouts, now_ns).context("recounting active connections")?;
-    forget_stats_of_the_gone(maps).context("removing statistics of removed entries")?;
+    super::stats::fold_removed(maps).context("removing statistics of removed entries")?;
     Ok(stats)
 }
 
@@ -159,30 +159,6 @@ fn recount_active(maps: &mut MapSet, timeouts: &CtTimeouts, now: u64) -> Result<
     }
     for (id, n) in open {
         maps.active_conns.insert(&id, &n, 0)?;
-    }
-    Ok(())
-}
-
-/// Statistics of frontends and backends no longer programmed go (a flow of a removed
-/// backend may have made its entry again meanwhile).
-fn forget_stats_of_the_gone(maps: &mut MapSet) -> Result<()> {
-    let gone: Vec<u32> = maps
-        .lb_stats
-        .keys()
-        .filter_map(Result::ok)
-        .filter(|id| maps.rev_nat.get(id, 0).is_err())
-        .collect();
-    for id in gone {
-        remove_ignoring_absent(maps.lb_stats.remove(&id))?;
-    }
-    let gone: Vec<u32> = maps
-        .backend_stats
-        .keys()
-        .filter_map(Result::ok)
-        .filter(|id| maps.backends.get(id, 0).is_err())
-        .collect();
-    for id in gone {
-        remove_ignoring_absent(maps.backend_stats.remove(&id))?;
     }
     Ok(())
 }

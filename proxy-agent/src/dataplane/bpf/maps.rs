@@ -12,7 +12,7 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
     LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb,
-    map_names,
+    StatsKey, map_names,
 };
 
 /// Each pinned map's memory as the kernel charges it (`memlock` of the map's fdinfo, in
@@ -73,8 +73,7 @@ pub struct MapSet {
     /// Per (service entry, backend id), for services with unequal weights.
     pub weights: HashMap<MapData, MemberKey, u32>,
     /// Per frontend (`rev_nat_id`) and per backend id: connections, packets, bytes.
-    pub lb_stats: PerCpuHashMap<MapData, u32, LbStats>,
-    pub backend_stats: PerCpuHashMap<MapData, u32, LbStats>,
+    pub lb_stats: PerCpuHashMap<MapData, StatsKey, LbStats>,
     /// While set, the writer's inserts (`put_*`) are held here and made in batches by
     /// `flush_staged`.
     pub staged: Option<super::batch::Staged>,
@@ -285,14 +284,8 @@ impl MapSet {
             (map_names::WEIGHTS, id(IterableMap::map(&self.weights))?),
             (
                 map_names::LB_STATS,
-                id(IterableMap::<u32, PerCpuValues<LbStats>>::map(
+                id(IterableMap::<StatsKey, PerCpuValues<LbStats>>::map(
                     &self.lb_stats,
-                ))?,
-            ),
-            (
-                map_names::BACKEND_STATS,
-                id(IterableMap::<u32, PerCpuValues<LbStats>>::map(
-                    &self.backend_stats,
                 ))?,
             ),
         ];
@@ -332,7 +325,6 @@ impl MapSet {
             active_conns: typed!(map_names::ACTIVE_CONNS),
             weights: typed!(map_names::WEIGHTS),
             lb_stats: typed!(map_names::LB_STATS),
-            backend_stats: typed!(map_names::BACKEND_STATS),
             staged: None,
         })
     }

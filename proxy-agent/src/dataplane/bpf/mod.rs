@@ -195,7 +195,7 @@ impl BpfDataplane {
             loader.map_max_entries(name, size);
             warn_if_pinned_size_differs(&maps_dir.join(name), size);
         }
-        replace_outgrown_counters(&maps_dir.join(map_names::COUNTERS));
+        replace_reshaped_counts(&maps_dir);
         let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();
         let mut ebpf = match loader.load(BPF_OBJECT) {
             Ok(ebpf) => ebpf,
@@ -305,35 +305,62 @@ impl BpfDataplane {
     }
 }
 
-/// A pinned map keeps the size it was created with (its entries are live flows): a new
-/// size takes effect after `proxy-agent cleanup`.
-/// The counters map grows when a release counts something new; an upgraded agent would
-/// otherwise refuse the older, smaller pin. Counts are not state traffic depends on, so a
-/// pin that is not this object's shape is unpinned (the programs still attached keep
-/// theirs until the new ones are swapped in) and a fresh one is made: counts restart.
-fn replace_outgrown_counters(pin: &Path) {
-    let Ok(data) = aya::maps::MapData::from_pin(pin) else {
-        return;
-    };
-    let Ok(info) = data.info() else { return };
-    let ours = info.max_entries() == proxy_common::counter::COUNT
-        && info.value_size() == std::mem::size_of::<u64>() as u32
-        && info.key_size() == std::mem::size_of::<u32>() as u32;
-    if ours {
-        return;
-    }
-    match fs::remove_file(pin) {
-        Ok(()) => tracing::info!(
-            pinned = info.max_entries(),
-            now = proxy_common::counter::COUNT,
-            "the counters map changed shape with this release; counts start over"
+/// Maps of counts only: the counters (which grow when a release counts something new)
+/// and the statistics (keyed per frontend and backend pair since 2026-12-04). An upgraded
+/// agent would otherwise refuse an older pin of another shape. Counts are not state
+/// traffic depends on, so a pin that is not this object's shape is unpinned (the programs
+/// still attached keep theirs until the new ones are swapped in) and a fresh one is made:
+/// counts restart. Maps a release no longer has (`BACKEND_STATS`, folded into
+/// `LB_STATS`) are unpinned too.
+fn replace_reshaped_counts(maps_dir: &Path) {
+    use std::mem::size_of;
+    let shapes = [
+        (
+            map_names::COUNTERS,
+            size_of::<u32>(),
+            size_of::<u64>(),
+            Some(proxy_common::counter::COUNT),
         ),
-        Err(e) => {
-            tracing::warn!(error = %e, pin = %pin.display(), "cannot replace the counters map")
+        (
+            map_names::LB_STATS,
+            size_of::<proxy_common::StatsKey>(),
+            size_of::<proxy_common::LbStats>(),
+            None,
+        ),
+    ];
+    for (name, key_size, value_size, entries) in shapes {
+        let pin = maps_dir.join(name);
+        let Ok(data) = aya::maps::MapData::from_pin(&pin) else {
+            continue;
+        };
+        let Ok(info) = data.info() else { continue };
+        let ours = entries.is_none_or(|n| info.max_entries() == n)
+            && info.value_size() == value_size as u32
+            && info.key_size() == key_size as u32;
+        if !ours {
+            unpin(&pin, "changed shape with this release; counts start over");
+        }
+    }
+    for retired in RETIRED_MAPS {
+        let pin = maps_dir.join(retired);
+        if pin.exists() {
+            unpin(&pin, "is no longer used by this release");
         }
     }
 }
 
+/// Maps earlier releases pinned that this one does not have.
+const RETIRED_MAPS: [&str; 1] = ["BACKEND_STATS"];
+
+fn unpin(pin: &Path, why: &str) {
+    match fs::remove_file(pin) {
+        Ok(()) => tracing::info!(map = %pin.display(), "{why}"),
+        Err(e) => tracing::warn!(error = %e, map = %pin.display(), "cannot unpin ({why})"),
+    }
+}
+
+/// A pinned map keeps the size it was created with (its entries are live flows): a new
+/// size takes effect after `proxy-agent cleanup`.
 fn warn_if_pinned_size_differs(pin: &Path, wanted: u32) {
     let Ok(data) = aya::maps::MapData::from_pin(pin) else {
         return;

@@ -48,11 +48,11 @@ pub struct Options {
 /// entry of capacity, rounded up to a power of two) when it is created.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct MapSizes {
-    /// `SERVICES`, `REV_NAT` and `LB_STATS`.
+    /// `SERVICES` and `REV_NAT`.
     pub services: u32,
-    /// `BACKEND_SLOTS`, `MEMBERS` and `MAGLEV`.
+    /// `BACKEND_SLOTS`, `MEMBERS`, `MAGLEV` and `LB_STATS`.
     pub backend_slots: u32,
-    /// `BACKENDS`, `ACTIVE_CONNS` and `BACKEND_STATS`.
+    /// `BACKENDS` and `ACTIVE_CONNS`.
     pub backends: u32,
 }
 
@@ -72,17 +72,16 @@ impl MapSizes {
     pub const MAX: u32 = 1 << 26;
 
     /// Each map's capacity, by name.
-    pub fn capacities(&self) -> [(&'static str, u32); 9] {
+    pub fn capacities(&self) -> [(&'static str, u32); 8] {
         [
             (map_names::SERVICES, self.services),
             (map_names::REV_NAT, self.services),
-            (map_names::LB_STATS, self.services),
             (map_names::BACKEND_SLOTS, self.backend_slots),
             (map_names::MEMBERS, self.backend_slots),
             (map_names::MAGLEV, self.backend_slots),
+            (map_names::LB_STATS, self.backend_slots),
             (map_names::BACKENDS, self.backends),
             (map_names::ACTIVE_CONNS, self.backends),
-            (map_names::BACKEND_STATS, self.backends),
         ]
     }
 }

@@ -1,6 +1,7 @@
 //! Per-frontend and per-backend statistics as `ipvsadm -Ln --stats` shows them: the
-//! programs' per-CPU counts (`LB_STATS`, `BACKEND_STATS`) summed, and the two scopes of a
-//! frontend merged into one row, as one IPVS virtual service.
+//! programs' per-CPU counts per (frontend, backend) pair (`LB_STATS`) summed — a
+//! frontend's over its pairs, its removed backends' folded-in counts included — and the
+//! two scopes of a frontend merged into one row, as one IPVS virtual service.
 
 mod table;
 
@@ -11,15 +12,18 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use aya::maps::{MapData, MapError, PerCpuHashMap};
+use aya::maps::{MapError, PerCpuValues};
 use proxy_common::{
     BackendSlotKey, LbStats, MemberKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_WEIGHTED,
-    ServiceValue, map_names,
+    ServiceValue, StatsKey, map_names,
 };
 use serde::Serialize;
 
 pub use self::table::{large_number, render_table};
-use super::maps::{MapSet, is_absent};
+use super::{
+    maps::{MapSet, is_absent},
+    writer::remove_ignoring_absent,
+};
 use crate::model::{Frontend, Protocol, schedule::Scheduler};
 
 /// Connections, packets and bytes, summed over CPUs (and over scopes or frontends).
@@ -100,8 +104,8 @@ pub struct BackendStats {
     pub weight: u32,
     /// Connections open now, as the collector last counted them (every 10 s).
     pub active_conns: u64,
-    /// Over every frontend this backend serves: the programs count per backend id, and
-    /// one endpoint (address, port, protocol) has one id.
+    /// Under this frontend (both scopes), as IPVS counts a real server per virtual
+    /// service.
     pub stats: Totals,
 }
 
@@ -111,6 +115,11 @@ fn as_display<S: serde::Serializer>(v: &Protocol, s: S) -> Result<S::Ok, S::Erro
 
 /// Every programmed frontend with its totals and its backends'.
 pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
+    let pairs = pair_totals(maps)?;
+    let mut per_frontend: HashMap<u32, Totals> = HashMap::new();
+    for (key, t) in &pairs {
+        *per_frontend.entry(key.rev_nat_id).or_default() += *t;
+    }
     let mut entries = maps
         .services
         .iter()
@@ -139,13 +148,23 @@ pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
                 backends: Vec::new(),
             });
         row.service_ids.push(value.id);
-        row.stats += summed(&maps.lb_stats, value.rev_nat_id)
-            .with_context(|| format!("{} of {address}", map_names::LB_STATS))?;
+        row.stats += per_frontend
+            .get(&value.rev_nat_id)
+            .copied()
+            .unwrap_or_default();
         for (backend_id, slots) in slot_counts(maps, &value)? {
-            if row.backends.iter().any(|b| b.id == backend_id) {
-                continue; // the other scope's
+            let pair = pairs
+                .get(&StatsKey {
+                    rev_nat_id: value.rev_nat_id,
+                    backend_id,
+                })
+                .copied()
+                .unwrap_or_default();
+            if let Some(b) = row.backends.iter_mut().find(|b| b.id == backend_id) {
+                b.stats += pair; // the other scope's
+                continue;
             }
-            if let Some(b) = backend_stats(maps, &value, backend_id, slots)? {
+            if let Some(b) = backend_stats(maps, &value, backend_id, slots, pair)? {
                 row.backends.push(b);
             }
         }
@@ -158,12 +177,25 @@ pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
     Ok(rows)
 }
 
-/// Per frontend, its `LB_STATS` summed over CPUs and scopes: entries with counts only
-/// (through `REV_NAT`, without walking the slots), for a scrape.
-pub fn frontend_totals(maps: &MapSet) -> Result<BTreeMap<Frontend, Totals>> {
-    let mut out: BTreeMap<Frontend, Totals> = BTreeMap::new();
+/// Every pair's counts, summed over CPUs.
+fn pair_totals(maps: &MapSet) -> Result<HashMap<StatsKey, Totals>> {
+    let mut out = HashMap::new();
     for entry in maps.lb_stats.iter() {
-        let (id, per_cpu) = entry.with_context(|| format!("reading {}", map_names::LB_STATS))?;
+        let (key, per_cpu) = entry.with_context(|| format!("reading {}", map_names::LB_STATS))?;
+        out.insert(key, per_cpu.iter().sum::<Totals>());
+    }
+    Ok(out)
+}
+
+/// Per frontend, its pairs in `LB_STATS` summed over CPUs and scopes: entries with counts
+/// only (through `REV_NAT`, without walking the slots), for a scrape.
+pub fn frontend_totals(maps: &MapSet) -> Result<BTreeMap<Frontend, Totals>> {
+    let mut per_id: HashMap<u32, Totals> = HashMap::new();
+    for (key, t) in pair_totals(maps)? {
+        *per_id.entry(key.rev_nat_id).or_default() += t;
+    }
+    let mut out: BTreeMap<Frontend, Totals> = BTreeMap::new();
+    for (id, t) in per_id {
         // Gone since (the collector removes its counts next): nothing to name it by.
         let Some(rev) = present(maps.rev_nat.get(&id, 0))
             .with_context(|| format!("reading {} {id}", map_names::REV_NAT))?
@@ -178,9 +210,51 @@ pub fn frontend_totals(maps: &MapSet) -> Result<BTreeMap<Frontend, Totals>> {
             port: u16::from_be(rev.port),
             protocol,
         };
-        *out.entry(frontend).or_default() += per_cpu.iter().sum::<Totals>();
+        *out.entry(frontend).or_default() += t;
     }
     Ok(out)
+}
+
+/// The collector's part (every pass): the pairs of removed frontends go; a removed
+/// backend's pair under a live frontend is folded into the frontend's
+/// [`StatsKey::retired`] entry and goes, so the frontend's totals keep its counts (as
+/// IPVS keeps a virtual service's when a real server goes). A flow of the removed backend
+/// that goes on makes its pair again, folded at the next pass. The programs never write
+/// `backend_id` 0, so the fold's read-modify-write races with nothing.
+pub fn fold_removed(maps: &mut MapSet) -> Result<()> {
+    let keys: Vec<StatsKey> = maps.lb_stats.keys().filter_map(Result::ok).collect();
+    for key in keys {
+        if maps.rev_nat.get(&key.rev_nat_id, 0).is_err() {
+            remove_ignoring_absent(maps.lb_stats.remove(&key))?;
+            continue;
+        }
+        if key.backend_id == 0 || maps.backends.get(&key.backend_id, 0).is_ok() {
+            continue;
+        }
+        let Some(counts) = present(maps.lb_stats.get(&key, 0))
+            .with_context(|| format!("reading {} {key:?}", map_names::LB_STATS))?
+        else {
+            continue;
+        };
+        let retired = StatsKey::retired(key.rev_nat_id);
+        let mut sum: Vec<LbStats> = match present(maps.lb_stats.get(&retired, 0))? {
+            Some(v) => v.to_vec(),
+            None => vec![LbStats::default(); counts.len()],
+        };
+        for (s, c) in sum.iter_mut().zip(counts.iter()) {
+            s.conns = s.conns.wrapping_add(c.conns);
+            s.packets_in = s.packets_in.wrapping_add(c.packets_in);
+            s.bytes_in = s.bytes_in.wrapping_add(c.bytes_in);
+            s.packets_out = s.packets_out.wrapping_add(c.packets_out);
+            s.bytes_out = s.bytes_out.wrapping_add(c.bytes_out);
+        }
+        let sum = PerCpuValues::try_from(sum).context("per-CPU values")?;
+        maps.lb_stats
+            .insert(&retired, sum, 0)
+            .with_context(|| format!("writing {} {retired:?}", map_names::LB_STATS))?;
+        remove_ignoring_absent(maps.lb_stats.remove(&key))?;
+    }
+    Ok(())
 }
 
 /// Backend ids of a service entry's live slots, with the number of slots each fills.
@@ -215,6 +289,7 @@ fn backend_stats(
     value: &ServiceValue,
     id: u32,
     slots: u32,
+    stats: Totals,
 ) -> Result<Option<BackendStats>> {
     let context = |map: &str| format!("reading {map} of backend {id}");
     let Some(b) =
@@ -242,16 +317,8 @@ fn backend_stats(
         active_conns: present(maps.active_conns.get(&id, 0))
             .with_context(|| context(map_names::ACTIVE_CONNS))?
             .unwrap_or(0),
-        stats: summed(&maps.backend_stats, id)
-            .with_context(|| context(map_names::BACKEND_STATS))?,
+        stats,
     }))
-}
-
-/// One key's per-CPU values summed; zero when nothing was counted yet.
-fn summed(map: &PerCpuHashMap<MapData, u32, LbStats>, id: u32) -> Result<Totals, MapError> {
-    Ok(present(map.get(&id, 0))?
-        .map(|per_cpu| per_cpu.iter().sum())
-        .unwrap_or_default())
 }
 
 /// A lookup's value, `None` when the key is absent.
