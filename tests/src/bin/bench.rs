@@ -50,6 +50,10 @@ struct Args {
     /// Frames a round in the throughput run (default: 200,000 quick, 2,000,000 full).
     #[arg(long)]
     frames: Option<u32>,
+    /// Only these scales of Services (comma-separated), e.g. to re-measure one: the
+    /// side-by-side and per-packet figures, without the schedulers and throughput runs.
+    #[arg(long, value_delimiter = ',')]
+    services: Vec<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -297,17 +301,25 @@ fn main() -> Result<()> {
     } else {
         (vec![1, 1_000, 10_000, 100_000], 5, 5, 200_000)
     };
+    let scales = if args.services.is_empty() {
+        scales
+    } else {
+        args.services.clone()
+    };
     std::fs::create_dir_all(&args.out)?;
     if args.per_packet_only {
         return per_packet_figures(&scales, runs, args.quick);
     }
-    if !args.throughput_only {
+    let chosen = !args.services.is_empty();
+    if !args.throughput_only && !chosen {
         scheduler_figures(args.quick, &args.out)?;
     }
     if args.schedulers_only {
         return Ok(());
     }
-    throughput_figures(&args)?;
+    if !chosen {
+        throughput_figures(&args)?;
+    }
     if args.throughput_only {
         return Ok(());
     }
