@@ -14,7 +14,8 @@ use crate::model::{
     NodeInfo, ObjectRef, Protocol,
     lb_mode::LbMode,
     objects::{
-        EndpointInfo, Hints, PortInfo, ServiceInfo, SliceInfo, SlicePort, TargetPort, intern,
+        EndpointInfo, Hints, NodeName, PortInfo, ServiceInfo, SliceInfo, SlicePort, TargetPort,
+        intern,
     },
     schedule::Scheduler,
 };
@@ -287,7 +288,7 @@ pub fn slice_to_wire(r: &ObjectRef, s: &SliceInfo) -> v1::Slice {
                 ready: e.ready,
                 serving: e.serving,
                 terminating: e.terminating,
-                node: e.node.as_deref().map(str::to_string),
+                node: e.node.map(|n| n.as_str().to_string()),
                 has_hints: e.hints.is_some(),
                 hint_zones: e.zone_hints().iter().map(|z| z.to_string()).collect(),
                 hint_nodes: e.node_hints().iter().map(|n| n.to_string()).collect(),
@@ -335,7 +336,7 @@ pub fn slice_from_wire(s: &v1::Slice) -> Result<(ObjectRef, SliceInfo), DecodeEr
                 ready: e.ready,
                 serving: e.serving,
                 terminating: e.terminating,
-                node: e.node.as_deref().map(intern),
+                node: e.node.as_deref().map(NodeName::new),
                 hints: e.has_hints.then(|| {
                     Box::new(Hints {
                         zones: e.hint_zones.iter().map(|z| intern(z)).collect(),
