@@ -656,9 +656,19 @@ mod tests {
     #[test]
     fn node_names_are_four_bytes_interned_once_and_read_back() {
         assert_eq!(std::mem::size_of::<Option<NodeName>>(), 4);
-        assert!(std::mem::size_of::<EndpointInfo>() <= 32, "a million of them");
-        let (a, b) = (NodeName::new("node-a-objects-test"), NodeName::new("node-b"));
-        assert_eq!(a, NodeName::new("node-a-objects-test"), "the same name, the same index");
+        assert!(
+            std::mem::size_of::<EndpointInfo>() <= 32,
+            "a million of them"
+        );
+        let (a, b) = (
+            NodeName::new("node-a-objects-test"),
+            NodeName::new("node-b"),
+        );
+        assert_eq!(
+            a,
+            NodeName::new("node-a-objects-test"),
+            "the same name, the same index"
+        );
         assert_ne!(a, b);
         assert_eq!(a.as_str(), "node-a-objects-test");
         assert_eq!(format!("{b:?}"), "\"node-b\"");
