@@ -31,6 +31,31 @@ pub struct Attempt {
     pub ms: f64,
     /// Milliseconds since the client started, at the start of the attempt.
     pub at_ms: f64,
+    /// `CLOCK_MONOTONIC` (the clock of `std::time::Instant`) at the end of the attempt, in
+    /// nanoseconds: a reader on the same machine dates the end exactly, however late it
+    /// reads the line.
+    #[serde(default)]
+    pub end_mono_ns: Option<u64>,
+}
+
+/// `CLOCK_MONOTONIC` now, in nanoseconds (0 if the clock cannot be read).
+pub fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec to write.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) } != 0 {
+        return 0;
+    }
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// The `Instant` of a `monotonic_ns` reading taken in this or another process.
+pub fn instant_of_monotonic(ns: u64) -> Instant {
+    let (now, now_ns) = (Instant::now(), monotonic_ns());
+    now.checked_sub(Duration::from_nanos(now_ns.saturating_sub(ns)))
+        .unwrap_or(now)
 }
 
 /// Parses the client's output.
@@ -84,6 +109,7 @@ pub fn run(opts: &Run) -> Result<()> {
             (true, true, None) => udp_connected_once(opts),
         };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let end_mono_ns = Some(monotonic_ns());
         let attempt = match result {
             Ok((answer, peer)) => Attempt {
                 seq,
@@ -95,6 +121,7 @@ pub fn run(opts: &Run) -> Result<()> {
                 errno: None,
                 ms,
                 at_ms,
+                end_mono_ns,
             },
             Err(e) => Attempt {
                 seq,
@@ -106,6 +133,7 @@ pub fn run(opts: &Run) -> Result<()> {
                 errno: e.raw_os_error(),
                 ms,
                 at_ms,
+                end_mono_ns,
             },
         };
         let mut lock = stdout.lock();
@@ -171,6 +199,7 @@ fn churn(opts: &Run) -> Result<()> {
         errno: None,
         ms: start.elapsed().as_secs_f64() * 1e3,
         at_ms: 0.0,
+        end_mono_ns: Some(monotonic_ns()),
     };
     println!("{}", serde_json::to_string(&attempt)?);
     Ok(())
@@ -178,8 +207,10 @@ fn churn(opts: &Run) -> Result<()> {
 
 /// One socket used for every attempt.
 enum Session {
-    /// Connected: `send`/`recv`.
-    Udp(UdpSocket),
+    /// Connected: `send`/`recv`; and whether connecting again after a failure failed too
+    /// (then the next attempt connects first, and fails with that error if it must: a
+    /// send on the unconnected socket would only say EDESTADDRREQ).
+    Udp(UdpSocket, bool),
     /// Unconnected: `send_to` each target in turn, `recv_from`.
     UdpTo(UdpSocket),
     /// The connection, and whether its greeting still waits to be read.
@@ -193,7 +224,7 @@ impl Session {
         } else if opts.udp {
             let s = udp_socket(opts)?;
             s.connect(opts.target)?;
-            Ok(Self::Udp(s))
+            Ok(Self::Udp(s, false))
         } else {
             let s = TcpStream::connect_timeout(&opts.target, opts.timeout)?;
             s.set_read_timeout(Some(opts.timeout))?;
@@ -204,7 +235,13 @@ impl Session {
     /// One question and its answer; after a failure the next attempt connects again.
     fn ask(&mut self, opts: &Run, seq: u32) -> std::io::Result<(String, SocketAddr)> {
         let result = match self {
-            Self::Udp(s) => exchange(s),
+            Self::Udp(s, unconnected) => (|| {
+                if *unconnected {
+                    s.connect(opts.target)?;
+                    *unconnected = false;
+                }
+                exchange(s)
+            })(),
             Self::UdpTo(s) => {
                 let turn = seq as usize % (1 + opts.more_targets.len());
                 let to = if turn == 0 {
@@ -229,9 +266,9 @@ impl Session {
         if result.is_err() {
             match self {
                 // Connecting the same socket again goes through connect4/6 again.
-                Self::Udp(s) => {
+                Self::Udp(s, unconnected) => {
                     let _ = s.take_error(); // a pending ECONNABORTED belongs to the old flow
-                    let _ = s.connect(opts.target);
+                    *unconnected = s.connect(opts.target).is_err();
                 }
                 // Nothing to redo: every datagram names its target.
                 Self::UdpTo(_) => {}

@@ -164,6 +164,21 @@ impl Membership {
         })
     }
 
+    /// `service`'s sets from the one live at `from` to the last one at or before `to`,
+    /// for a failure's line on the timeline.
+    fn describe(&self, service: &str, from: Instant, to: Instant) -> String {
+        let Some(log) = self.0.get(service) else {
+            return String::new();
+        };
+        let first = log.iter().rposition(|(at, _)| *at <= from).unwrap_or(0);
+        log[first..]
+            .iter()
+            .take_while(|(at, _)| *at <= to)
+            .map(|(at, set)| format!("t={:.1}s {:?}", t(*at), members(*set)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// Whether one of `backends` (a bit set) was out of `service` at any time between
     /// `from` and `to`.
     fn left_between(&self, service: &str, backends: u8, from: Instant, to: Instant) -> bool {
@@ -219,13 +234,16 @@ impl Worker {
 fn follow(client: &Background, worker: &Mutex<Worker>, membership: &Mutex<Membership>) {
     let mut last: Option<Flow> = None;
     for line in client.lines() {
-        // The client prints each attempt as it ends: reading it dates its end (the
-        // client's own clock starts when its process does, some time after the spawn).
-        let end = Instant::now();
         // A line cut short when the client is stopped is no attempt.
         let Ok(a) = serde_json::from_str::<Attempt>(&line) else {
             continue;
         };
+        // The client dates each attempt's end on the machine's monotonic clock: a line
+        // read late (a busy machine) must not move the attempt past a membership change
+        // that came after it.
+        let end = a
+            .end_mono_ns
+            .map_or_else(Instant::now, proxy_e2e::client::instant_of_monotonic);
         let mut w = worker.lock().unwrap_or_else(|e| e.into_inner());
         judge(&mut w, &a, end, &mut last, membership);
     }
@@ -318,10 +336,20 @@ fn judge(
                     f.backend.map(Testbed::backend_name)
                 )
             });
+            let sets = last.map_or(String::new(), |f| {
+                membership
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .describe(w.service, f.since, end)
+            });
             w.fail(
                 end,
                 error,
-                &format!("(attempt began t={:.1}s; flow since {flow})", t(at)),
+                &format!(
+                    "(attempt began t={:.1}s; flow since {flow}; {} endpoints since: {sets})",
+                    t(at),
+                    w.service
+                ),
             );
         }
         // The client connects again after a failure: a new flow, backend unknown.
