@@ -32,6 +32,7 @@ const EBPF_LAYERS: &[(&str, u32)] = &[
     ("verdict", 0),
     ("maps", 0),
     ("frame", 0),
+    ("mem", 0),
     ("packet", 1),
     ("stats", 1),
     ("node", 2),

@@ -46,7 +46,7 @@ pub fn ct_scratch(idx: u32) -> Option<&'static mut CtValue> {
     let p = CT_SCRATCH.get_ptr_mut(idx)?;
     // SAFETY: a valid per-CPU slot, used by one packet at a time (see above).
     let v = unsafe { &mut *p };
-    *v = CtValue::default();
+    crate::mem::zero(v);
     Some(v)
 }
 

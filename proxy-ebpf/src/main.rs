@@ -8,7 +8,7 @@
 //! its own layer or above, so no module imports one that calls it.
 //!
 //! - layer 0: `verdict` (verdict codes), `maps` (the pinned maps, `count`), `frame` (the
-//!   packet at either hook, TC or XDP, and checksum arithmetic);
+//!   packet at either hook, TC or XDP, and checksum arithmetic), `mem` (zeroing);
 //! - layer 1: `packet` (parsing, fragments), `stats` (per-frontend and per-backend
 //!   statistics);
 //! - layer 2: `node` (the node's addresses, the local-traffic detector);
@@ -35,6 +35,7 @@ mod frame;
 mod icmp;
 mod lb;
 mod maps;
+mod mem;
 mod nat;
 mod node;
 mod packet;

@@ -175,8 +175,9 @@ fn fib<F: Frame>(
     if ingress == LOOPBACK_IFINDEX {
         return 0;
     }
-    // SAFETY: a plain C struct; all-zero is a valid value.
-    let mut p: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    // A plain C struct; all-zero is a valid value.
+    let mut slot = core::mem::MaybeUninit::<bpf_fib_lookup>::uninit();
+    let p = crate::mem::zeroed_in(&mut slot);
     p.ifindex = ingress;
     if family == FAMILY_V4 {
         p.family = AF_INET;
@@ -188,7 +189,7 @@ fn fib<F: Frame>(
         p.__bindgen_anon_4.ipv6_dst = *dst;
     }
     if F::XDP {
-        return xdp_fib(ctx, family, &mut p, grow);
+        return xdp_fib(ctx, family, p, grow);
     }
     // With `tot_len` left zero the helper checks the skb against the egress device's
     // MTU and reports that MTU in `mtu_result`; a packet that grows gives its length to
@@ -201,7 +202,7 @@ fn fib<F: Frame>(
     let mut rc = unsafe {
         fib_lookup(
             ctx.ptr(),
-            &mut p,
+            p,
             core::mem::size_of::<bpf_fib_lookup>() as i32,
             BPF_FIB_LOOKUP_SKIP_NEIGH,
         )
@@ -213,7 +214,7 @@ fn fib<F: Frame>(
         rc = unsafe {
             fib_lookup(
                 ctx.ptr(),
-                &mut p,
+                p,
                 core::mem::size_of::<bpf_fib_lookup>() as i32,
                 0,
             )

@@ -4,7 +4,7 @@
 //! first use, and the agent's collector folds it into its frontend's `backend_id` 0 once
 //! the backend is gone, and removes it with its frontend.
 //!
-//! Layer 1. Owns: the `LB_STATS` accounting. May import: `maps`, `verdict`.
+//! Layer 1. Owns: the `LB_STATS` accounting. May import: `maps`, `verdict`, `mem`.
 
 use proxy_common::{LbStats, StatsKey};
 
@@ -36,31 +36,34 @@ pub fn connection(rev_nat_id: u32, backend_id: u32) {
 
 #[inline(always)]
 fn add(rev_nat_id: u32, backend_id: u32, dir: u8, packets: u64, len: u32, new: bool) {
-    let mut delta = LbStats {
-        conns: u64::from(new),
-        ..LbStats::default()
-    };
-    if dir == IN {
-        (delta.packets_in, delta.bytes_in) = (packets, u64::from(len));
-    } else {
-        (delta.packets_out, delta.bytes_out) = (packets, u64::from(len));
-    }
     let key = StatsKey {
         rev_nat_id,
         backend_id,
     };
-    match LB_STATS.get_ptr_mut(&key) {
+    let bytes = u64::from(len);
+    // The counts go straight into the entry: a delta built first would be zeroed by
+    // the compiler's byte-loop memset on every packet (see `mem`).
+    if let Some(v) = LB_STATS.get_ptr_mut(&key) {
         // SAFETY: this CPU's own value; nothing else runs on this CPU meanwhile.
-        Some(v) => unsafe {
-            (*v).conns += delta.conns;
-            (*v).packets_in += delta.packets_in;
-            (*v).bytes_in += delta.bytes_in;
-            (*v).packets_out += delta.packets_out;
-            (*v).bytes_out += delta.bytes_out;
-        },
-        // The first count: a full map loses it, never the packet.
-        None => {
-            let _ = LB_STATS.insert(&key, &delta, 0);
+        let v = unsafe { &mut *v };
+        v.conns += u64::from(new);
+        if dir == IN {
+            v.packets_in += packets;
+            v.bytes_in += bytes;
+        } else {
+            v.packets_out += packets;
+            v.bytes_out += bytes;
         }
+        return;
     }
+    // The first count: a full map loses it, never the packet.
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let first: &mut LbStats = crate::mem::zeroed_in(&mut slot);
+    first.conns = u64::from(new);
+    if dir == IN {
+        (first.packets_in, first.bytes_in) = (packets, bytes);
+    } else {
+        (first.packets_out, first.bytes_out) = (packets, bytes);
+    }
+    let _ = LB_STATS.insert(&key, first, 0);
 }

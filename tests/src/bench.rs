@@ -5,6 +5,7 @@
 
 pub mod maglev;
 pub mod schedulers;
+pub mod steady;
 pub mod throughput;
 pub mod xdp;
 

@@ -30,6 +30,8 @@ pub struct XdpPerPacket {
     pub xdp_pass_spread_ns: f64,
     pub tc_established_ns: f64,
     pub tc_established_spread_ns: f64,
+    /// The same paths in steady state (repeated runs behind a restoring front).
+    pub steady: super::steady::Steady,
 }
 
 impl XdpPerPacket {
@@ -84,11 +86,10 @@ pub(super) fn load_with_services(
         let prog: &mut Xdp = ebpf.program_mut(name).context("program")?.try_into()?;
         prog.load()?;
     }
-    let tc: &mut SchedClassifier = ebpf
-        .program_mut("tc_ingress")
-        .context("program")?
-        .try_into()?;
-    tc.load()?;
+    for name in ["tc_ingress", "tc_pass"] {
+        let tc: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
+        tc.load()?;
+    }
     let mut state = MapState::adopt(&maps)?;
     state.apply(&mut maps, &view_of(svcs)?)?;
     Ok((ebpf, maps))
@@ -167,6 +168,19 @@ fn measure(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
         new.push(mean_xdp("xdp_ingress", true)?);
         tcs.push(mean_tc()?);
     }
+    // Steady state: new flows from a client of their own (the single runs above used
+    // 192.0.2.99's ports).
+    let syn = packet::build_tcp("192.0.2.98:1024".parse()?, vip, TCP_SYN);
+    let steady = super::steady::measure(
+        &ebpf,
+        &super::steady::Packets {
+            ack: &ack,
+            syn: &syn,
+            uplink,
+        },
+        rounds,
+        runs.min(20_000),
+    )?;
     let spread = |v: &[f64]| {
         let (lo, hi) = v
             .iter()
@@ -183,5 +197,6 @@ fn measure(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
         xdp_new_flow_ns: median(&mut new),
         xdp_pass_ns: median(&mut pass),
         tc_established_ns: median(&mut tcs),
+        steady,
     })
 }
