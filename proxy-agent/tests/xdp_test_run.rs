@@ -556,3 +556,174 @@ fn dsr_counts_its_option_in_the_mtu_check() {
         assert_eq!(verdict, XDP_TX, "it fits without the option");
     });
 }
+
+/// As `node_port_dsr`, on the node's IPv6 address.
+fn node_port_dsr6(backends: &[&str]) -> Harness {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let mut view = NodeView::new();
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let (f, mut st) = frontend("2001:db8:a::10", 30080, proto, backends);
+        st.kind = FrontendKind::NodePort;
+        st.dsr = true;
+        view.insert(f, st);
+    }
+    h.apply(&view);
+    h
+}
+
+/// The packet carries DSR's IPv6 Destination Options header for `frontend` right after
+/// its base header, which names it as the next header and counts it in the payload
+/// length; the L4 protocol `next` follows it.
+fn assert_dsr_header6(out: &[u8], frontend: SocketAddr, next: u8) {
+    let std::net::IpAddr::V6(ip) = frontend.ip() else {
+        panic!("IPv6 only")
+    };
+    assert_eq!(out[20], 60, "next header: Destination Options");
+    let payload = usize::from(u16::from_be_bytes([out[18], out[19]]));
+    assert_eq!(
+        payload,
+        out.len() - 54,
+        "the payload length counts the header"
+    );
+    let mut hdr = vec![next, 2, 0x1b, 20];
+    hdr.extend(ip.octets());
+    hdr.extend(frontend.port().to_be_bytes());
+    hdr.extend([0, 0]);
+    assert_eq!(out[54..78], hdr[..], "the header names the frontend");
+}
+
+/// DSR over IPv6 at the client's node: the client's address kept, the frontend in a
+/// 24-byte Destination Options header — at XDP and at TC, TCP and UDP, the flow's next
+/// segment too; checksums valid behind the header.
+#[needs_root]
+#[test]
+fn dsr_over_ipv6_carries_the_frontend_in_a_destination_options_header() {
+    in_testbed(|uplink, _| {
+        let mut h = node_port_dsr6(&["[fd00:244:2::7]:8080"]);
+        let (frontend, backend) = (sa("[2001:db8:a::10]:30080"), sa("[fd00:244:2::7]:8080"));
+        let mut sent = 0;
+        for (i, tcp) in [true, false].into_iter().enumerate() {
+            let proto = if tcp { 6 } else { 17 };
+            let client = sa(&format!("[2001:db8:a::99]:{}", 40000 + i));
+            let pkt = packet(client, frontend, tcp);
+            let (verdict, out) = h.run_xdp(&pkt, uplink);
+            assert_eq!(verdict, XDP_TX, "tcp={tcp}");
+            assert_eq!(out[0..6], OTHER_NODE_MAC, "to the backend's node");
+            assert_eq!(ttl(&out), ttl(&pkt) - 1);
+            assert_eq!(out.len(), pkt.len() + 24, "24 bytes more");
+            let seen = inspect(&out);
+            assert_eq!(
+                (seen.src, seen.dst),
+                (client, backend),
+                "the client's address kept"
+            );
+            assert_dsr_header6(&out, frontend, proto);
+
+            let client = sa(&format!("[2001:db8:a::99]:{}", 41000 + i));
+            let pkt = packet(client, frontend, tcp);
+            let (verdict, out) = h.run(&pkt);
+            assert!(
+                verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+                "TC translates: {verdict}"
+            );
+            assert_eq!(out.len(), pkt.len() + 24, "24 bytes more");
+            let seen = inspect(&out);
+            assert_eq!((seen.src, seen.dst), (client, backend));
+            assert_dsr_header6(&out, frontend, proto);
+            sent += 2;
+        }
+        let client = sa("[2001:db8:a::99]:40000");
+        let (verdict, out) = h.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
+        assert_eq!(verdict, XDP_TX);
+        assert_eq!(inspect(&out).dst, backend);
+        assert_dsr_header6(&out, frontend, 6);
+        sent += 1;
+        assert_eq!(h.counter("dsr_sent"), sent);
+        assert_eq!(h.counter("snat"), 0, "nothing masqueraded");
+    });
+}
+
+/// The backend's node, IPv6: the header makes the flow's entries there, the packet goes
+/// on untouched, the backend's replies leave as the frontend with valid checksums, and
+/// the client's ACK completes the handshake there.
+#[needs_root]
+#[test]
+fn the_backend_node_learns_an_ipv6_flow_and_answers_as_the_frontend() {
+    in_testbed(|uplink, _| {
+        let mut entry = node_port_dsr6(&["[fd00:244:2::7]:8080"]);
+        let (client, frontend, backend) = (
+            sa("[2001:db8:a::99]:40000"),
+            sa("[2001:db8:a::10]:30080"),
+            sa("[fd00:244:2::7]:8080"),
+        );
+        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+        let mut node_b = Harness::new(&[]);
+        configure_node(&mut node_b, false);
+        let (verdict, out) = node_b.run(&syn);
+        assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
+        assert_eq!(out, syn, "untouched");
+        assert_eq!(node_b.counter("dsr_received"), 1);
+
+        let (_, out) = node_b.run(&tcp_with_flags(backend, client, 0x12));
+        let seen = inspect(&out);
+        assert_eq!((seen.src, seen.dst), (frontend, client), "as the frontend");
+        assert_eq!(node_b.counter("ct_reply_nat"), 1);
+
+        let (_, ack) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
+        let (verdict, out) = node_b.run(&ack);
+        assert_eq!((verdict, out), (TC_ACT_UNSPEC, ack));
+        assert_eq!(node_b.counter("dsr_received"), 1, "learnt once");
+        let entries = node_b.ct_entries();
+        assert_eq!(entries.len(), 2, "one flow, two entries");
+        assert!(
+            entries
+                .iter()
+                .all(|(k, _)| k.family == proxy_common::FAMILY_V6),
+            "an IPv6 flow"
+        );
+        assert_eq!(
+            node_b.maps.conntrack.iter().count(),
+            2,
+            "in the answered table"
+        );
+    });
+}
+
+/// IPv6's 24 bytes count in the MTU check: a datagram that fits the uplink as it came
+/// but not with the header is left to TC unchanged at XDP, and TC answers "packet too
+/// big" with the MTU less the header; without DSR it goes out at XDP.
+#[needs_root]
+#[test]
+fn dsr_over_ipv6_counts_its_header_in_the_mtu_check() {
+    in_testbed(|uplink, _| {
+        // UDP, 1490 bytes of IPv6: 10 under the MTU, 14 over it with the header.
+        let client = sa("[2001:db8:a::99]:40000");
+        let frontend = sa("[2001:db8:a::10]:30080");
+        let mut pkt = packet(client, frontend, false);
+        pkt.truncate(62);
+        pkt.resize(14 + 1490, 0x5a);
+        pkt[18..20].copy_from_slice(&1450u16.to_be_bytes());
+        pkt[58..60].copy_from_slice(&1450u16.to_be_bytes());
+        pkt[60..62].fill(0);
+        let pseudo = sum16(&pkt[22..54], 0) + 17 + 1450;
+        let c = fold(sum16(&pkt[54..], pseudo));
+        pkt[60..62].copy_from_slice(&c.to_be_bytes());
+        inspect(&pkt);
+        let mut dsr = node_port_dsr6(&["[fd00:244:2::7]:8080"]);
+        let (verdict, out) = dsr.run_xdp(&pkt, uplink);
+        assert_eq!((verdict, &out), (XDP_PASS, &pkt), "left to TC, unchanged");
+        assert_eq!(dsr.counter("xdp_to_tc"), 1);
+        let (verdict, out) = dsr.run_on(&pkt, uplink);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "TC answers, back out");
+        assert_eq!((out[20], out[54]), (58, 2), "ICMPv6 packet too big");
+        assert_eq!(
+            u32::from_be_bytes([out[58], out[59], out[60], out[61]]),
+            1476,
+            "the MTU less the header"
+        );
+        let mut snat = node_port(&[], &["[fd00:244:2::7]:8080"]);
+        let (verdict, _) = snat.run_xdp(&pkt, uplink);
+        assert_eq!(verdict, XDP_TX, "it fits without the header");
+    });
+}

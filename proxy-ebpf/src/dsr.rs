@@ -1,58 +1,105 @@
-//! Direct server return (IPv4). At the node a client sent to, a flow of a DSR frontend
-//! whose backend is on another node keeps the client's address: each of its packets,
-//! once translated to the backend, carries the frontend in an IP option
-//! (`proxy_common::dsr`). At the backend's node the option makes the flow's entries there
-//! — the client's tuple towards the frontend, and the backend's reply tuple — so the
-//! backend's replies leave that node as the frontend, straight to the client.
+//! Direct server return. At the node a client sent to, a flow of a DSR frontend whose
+//! backend is on another node keeps the client's address: each of its packets, once
+//! translated to the backend, carries the frontend — in an IPv4 option, or in an IPv6
+//! Destination Options header (`proxy_common::dsr`). At the backend's node that makes
+//! the flow's entries there — the client's tuple towards the frontend, and the backend's
+//! reply tuple — so the backend's replies leave that node as the frontend, straight to
+//! the client.
 //!
-//! Why an IP option, not IPIP or Geneve: the packet stays a routed packet between pod
+//! Why an option, not IPIP or Geneve: the packet stays a routed packet between pod
 //! networks, as every other (no tunnel device, no second header to route), the frontend
-//! travels in 8 bytes instead of 20 or more, and Linux skips an option it does not know,
-//! so the backend's stack needs nothing. The network between nodes must let IP options
-//! through, and let a node send packets with another node's address as source.
+//! travels in 8 bytes (IPv4) or 24 (IPv6) instead of 20 or 40 and more, and Linux skips
+//! an option it does not know, so the backend's stack needs nothing. The network between
+//! nodes must let IP options (IPv6: Destination Options headers) through, and let a node
+//! send packets with another node's address as source.
 //!
 //! Layer 4. Owns: pushing the option (`push`), learning a flow from it (`arrival`,
 //! `proxy_dsr_learn`, `ARRIVAL`). May import: layers 0-3.
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{
-    CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, DSR_OPT_LEN, counter,
-    dsr_option, parse_dsr_option,
+    CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, DSR_HDR6_LEN, DSR_OPT_LEN,
+    FAMILY_V4, FAMILY_V6, IPPROTO_DSTOPTS, PROTO_TCP, PROTO_UDP, counter, dsr_header6, dsr_option,
+    parse_dsr_header6, parse_dsr_option,
 };
 
 use crate::{
     conntrack::{self, SCRATCH_FORWARD, SCRATCH_REPLY, ct_scratch},
     frame::{Frame, csum},
     maps::count,
-    packet::{ETH_HLEN, IPV4_CSUM_OFF, Packet},
+    node::on_node,
+    packet::{ETH_HLEN, IPV4_CSUM_OFF, IPV6_HLEN, Packet},
     verdict::PASS_ON,
 };
 
-/// Bytes the option adds to every packet (the MTU checks count them).
-pub const OVERHEAD: u32 = DSR_OPT_LEN as u32;
-/// Where the option goes: right after the IPv4 base header.
+/// Where the IPv4 option goes: right after the base header.
 const OPT_OFF: usize = ETH_HLEN + 20;
+/// Where the IPv6 header goes: right after the base header.
+const HDR6_OFF: usize = ETH_HLEN + IPV6_HLEN;
+
+/// Whether the frame is IPv6 (read from the packet, not from a `Packet`: see `arrival`).
+#[inline(always)]
+fn is_v6<F: Frame>(ctx: &F) -> bool {
+    matches!(ctx.load::<u8>(ETH_HLEN), Ok(v) if v >> 4 == 6)
+}
+
+/// Bytes the option adds to every packet of the frame's family (the MTU checks count
+/// them).
+#[inline(always)]
+pub fn overhead<F: Frame>(ctx: &F) -> u32 {
+    if is_v6(ctx) {
+        u32::from(DSR_HDR6_LEN)
+    } else {
+        u32::from(DSR_OPT_LEN)
+    }
+}
 
 /// Whether a packet's flow may take direct server return: IPv4 without options of its
-/// own (room for ours), not a later fragment. Read from the packet, not from a `Packet`
+/// own (room for ours), not a later fragment; IPv6 with TCP or UDP right after the base
+/// header (no extension headers of its own). Read from the packet, not from a `Packet`
 /// (see `arrival`).
 #[inline(always)]
-pub fn fits<F: Frame>(ctx: &F) -> bool {
+fn fits<F: Frame>(ctx: &F) -> bool {
+    if is_v6(ctx) {
+        return matches!(ctx.load::<u8>(ETH_HLEN + 6), Ok(PROTO_TCP | PROTO_UDP));
+    }
     matches!(
         (ctx.load::<u8>(ETH_HLEN), ctx.load::<u16>(ETH_HLEN + 6)),
         (Ok(0x45), Ok(frag)) if u16::from_be(frag) & 0x1fff == 0
     )
 }
 
-/// The option for frontend `addr:port` (network order), into a packet already
-/// translated to its backend: 8 bytes after the base header, the header's length fields
-/// and checksum updated (the L4 checksum does not cover the IP header).
+/// Whether a new flow to `backend` takes direct server return: its packet `fits`, and
+/// the backend is on another node. (Its own frame: `new_flow`'s has no room left.)
 #[inline(never)]
-pub fn push<F: Frame>(ctx: &F, addr: u32, port: u16) -> Result<(), i32> {
-    let fail = |_| {
-        count(counter::REWRITE_FAILED);
-        crate::verdict::DROP
-    };
+pub fn applies<F: Frame>(ctx: &F, backend: &[u32; 4]) -> bool {
+    let family = if is_v6(ctx) { FAMILY_V6 } else { FAMILY_V4 };
+    fits(ctx) && !on_node(family, backend)
+}
+
+/// The option for the frontend `pkt` was sent to, into the packet already translated to
+/// its backend (`pkt` as parsed before that).
+#[inline(never)]
+pub fn push<F: Frame>(ctx: &F, pkt: &Packet) -> Result<(), i32> {
+    if is_v6(ctx) {
+        push_v6(ctx, pkt)
+    } else {
+        push_v4(ctx, pkt.daddr[0], pkt.dport)
+    }?;
+    count(counter::DSR_SENT);
+    Ok(())
+}
+
+fn push_failed(_: i64) -> i32 {
+    count(counter::REWRITE_FAILED);
+    crate::verdict::DROP
+}
+
+/// IPv4: 8 bytes after the base header, the header's length fields and checksum updated
+/// (the L4 checksum does not cover the IP header; the header still sums to zero, so a
+/// `CHECKSUM_COMPLETE` sum stays right).
+#[inline(always)]
+fn push_v4<F: Frame>(ctx: &F, addr: u32, port: u16) -> Result<(), i32> {
     // The version/IHL byte with TOS, and the total length: the words that change.
     let (Ok(word0), Ok(total), Ok(check)) = (
         ctx.load::<u16>(ETH_HLEN),
@@ -61,7 +108,8 @@ pub fn push<F: Frame>(ctx: &F, addr: u32, port: u16) -> Result<(), i32> {
     ) else {
         return Err(crate::verdict::DROP);
     };
-    ctx.grow_ipv4_header().map_err(fail)?;
+    ctx.grow_network_header::<{ ETH_HLEN + 20 }, { DSR_OPT_LEN as usize }>()
+        .map_err(push_failed)?;
     let opt = dsr_option(addr, port);
     // IHL is the low nibble of the first byte: two more 32-bit words.
     let b = word0.to_ne_bytes();
@@ -72,12 +120,43 @@ pub fn push<F: Frame>(ctx: &F, addr: u32, port: u16) -> Result<(), i32> {
     for i in 0..4 {
         d += csum::delta16(0, u16::from_ne_bytes([opt[2 * i], opt[2 * i + 1]]));
     }
-    ctx.store(ETH_HLEN, &new_word0).map_err(fail)?;
-    ctx.store(ETH_HLEN + 2, &new_total).map_err(fail)?;
-    ctx.store(OPT_OFF, &opt).map_err(fail)?;
+    ctx.store(ETH_HLEN, &new_word0).map_err(push_failed)?;
+    ctx.store(ETH_HLEN + 2, &new_total).map_err(push_failed)?;
+    ctx.store(OPT_OFF, &opt).map_err(push_failed)?;
     ctx.store(IPV4_CSUM_OFF, &csum::fixed(check, d))
-        .map_err(fail)?;
-    count(counter::DSR_SENT);
+        .map_err(push_failed)?;
+    Ok(())
+}
+
+/// IPv6: a 24-byte Destination Options header after the base header, which now names it
+/// as the next header and counts it in its payload length. No IP checksum, and the L4
+/// checksum's pseudo-header takes the upper-layer length, which stays: only a
+/// `CHECKSUM_COMPLETE` sum has to follow the new bytes.
+#[inline(always)]
+fn push_v6<F: Frame>(ctx: &F, pkt: &Packet) -> Result<(), i32> {
+    // The payload length, and the next header with the hop limit: the words that change.
+    let (Ok(payload), Ok(next_hop)) =
+        (ctx.load::<u16>(ETH_HLEN + 4), ctx.load::<u16>(ETH_HLEN + 6))
+    else {
+        return Err(crate::verdict::DROP);
+    };
+    ctx.grow_network_header::<{ ETH_HLEN + IPV6_HLEN }, { DSR_HDR6_LEN as usize }>()
+        .map_err(push_failed)?;
+    let b = next_hop.to_ne_bytes();
+    let new_next_hop = u16::from_ne_bytes([IPPROTO_DSTOPTS, b[1]]);
+    let new_payload = (u16::from_be(payload) + u16::from(DSR_HDR6_LEN)).to_be();
+    ctx.store(ETH_HLEN + 4, &new_payload).map_err(push_failed)?;
+    ctx.store(ETH_HLEN + 6, &new_next_hop)
+        .map_err(push_failed)?;
+    let mut d = csum::delta16(payload, new_payload) + csum::delta16(next_hop, new_next_hop);
+    // Word by word, straight into the packet (no 24 bytes on the shared stack); each
+    // joins the sum as if it went from zero.
+    let hdr = dsr_header6(b[0], pkt.daddr, pkt.dport);
+    for (i, w) in hdr.iter().enumerate() {
+        ctx.store(HDR6_OFF + 4 * i, w).map_err(push_failed)?;
+        d += u64::from(*w);
+    }
+    ctx.bytes_changed(d);
     Ok(())
 }
 
@@ -101,20 +180,15 @@ static ARRIVAL: PerCpuArray<Arrival, 1> = PerCpuArray::new();
 /// through translated it. `None`: no option of ours.
 #[inline(never)]
 pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
-    // IPv4 with room for the option: read from the packet, not from `pkt` (a check on
-    // `pkt`'s fields would narrow what the verifier knows of them in the caller, and
-    // every narrowing is one more walk of the whole pipeline after this).
-    let ver_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
-    if ver_ihl >> 4 != 4 || ver_ihl & 0x0f < 7 {
-        return None;
-    }
-    let opt: [u8; 8] = ctx.load(OPT_OFF).ok()?;
-    let (addr, port) = parse_dsr_option(&opt)?;
+    // The option, read from the packet, not from `pkt` (a check on `pkt`'s fields would
+    // narrow what the verifier knows of them in the caller, and every narrowing is one
+    // more walk of the whole pipeline after this).
+    let (addr, port) = found(ctx)?;
     let a = ARRIVAL.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, used by one packet at a time.
     let a = unsafe { &mut *a };
     a.pkt = Packet {
-        daddr: [addr, 0, 0, 0],
+        daddr: addr,
         dport: port,
         ..*pkt
     };
@@ -122,6 +196,30 @@ pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
     a.backend_port = pkt.dport;
     proxy_dsr_learn();
     Some(PASS_ON)
+}
+
+/// The frontend a packet's option names, if it carries one of ours: IPv4 with room for
+/// it after the base header, or IPv6 with our header first.
+#[inline(always)]
+fn found<F: Frame>(ctx: &F) -> Option<([u32; 4], u16)> {
+    let ver_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
+    if ver_ihl >> 4 == 6 {
+        if ctx.load::<u8>(ETH_HLEN + 6).ok()? != IPPROTO_DSTOPTS {
+            return None;
+        }
+        let first: u32 = ctx.load(HDR6_OFF).ok()?;
+        let addr: [u32; 4] = ctx.load(HDR6_OFF + 4).ok()?;
+        let last: u32 = ctx.load(HDR6_OFF + 20).ok()?;
+        let (_, addr, port) =
+            parse_dsr_header6(&[first, addr[0], addr[1], addr[2], addr[3], last])?;
+        return Some((addr, port));
+    }
+    if ver_ihl >> 4 != 4 || ver_ihl & 0x0f < 7 {
+        return None;
+    }
+    let opt: [u8; 8] = ctx.load(OPT_OFF).ok()?;
+    let (addr, port) = parse_dsr_option(&opt)?;
+    Some(([addr, 0, 0, 0], port))
 }
 
 /// `arrival`'s bookkeeping, on the flow in `ARRIVAL`: refreshed if known (its TCP state,

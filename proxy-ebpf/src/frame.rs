@@ -22,7 +22,7 @@ use aya_ebpf::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
         xdp_md,
     },
-    helpers::{bpf_xdp_adjust_head, bpf_xdp_load_bytes, bpf_xdp_store_bytes},
+    helpers::{bpf_csum_update, bpf_xdp_adjust_head, bpf_xdp_load_bytes, bpf_xdp_store_bytes},
     programs::{TcContext, XdpContext},
 };
 
@@ -60,16 +60,16 @@ pub trait Frame {
     fn l4_csum_diff(&self, off: usize, pseudo: u64, plain: u64, kind: CsumKind) -> Result<(), i64>;
     /// The skb, for what only TC can do (refusals, ICMP errors, the SCTP tail call).
     fn tc(&self) -> Option<&TcContext>;
-    /// Eight bytes of room right after the 20-byte IPv4 base header (for an option): the
-    /// Ethernet and base IP headers move ahead, the rest stays. Nothing else changes (the
-    /// caller writes the room and fixes the header's length fields and checksum).
-    fn grow_ipv4_header(&self) -> Result<(), i64>;
+    /// `ROOM` bytes of room right after the base IP header, which ends `BASE` bytes into
+    /// the frame (34 for IPv4, 54 for IPv6): the Ethernet and base IP headers move
+    /// ahead, the rest stays. Nothing else changes (the caller writes the room and fixes
+    /// the header's fields).
+    fn grow_network_header<const BASE: usize, const ROOM: usize>(&self) -> Result<(), i64>;
+    /// The frame's bytes changed by `diff` (a sum of `csum::delta`s) where no checksum
+    /// field in it makes up for the change (an IPv6 header's fields, an inserted header):
+    /// a `CHECKSUM_COMPLETE` skb's `skb->csum` follows. Other states, and XDP, need nothing.
+    fn bytes_changed(&self, diff: u64);
 }
-
-/// Ethernet plus the IPv4 base header: what `grow_ipv4_header` moves at XDP.
-const ETH_IPV4_BASE: usize = 34;
-/// The room `grow_ipv4_header` makes.
-const IPV4_ROOM: usize = 8;
 
 /// The skb's `data` and `data_end`, read afresh each time: volatile reads, so that LLVM
 /// never hands them to a non-inlined function as arguments (it promotes plain reads,
@@ -178,11 +178,37 @@ impl Frame for TcContext {
     }
 
     #[inline(always)]
-    fn grow_ipv4_header(&self) -> Result<(), i64> {
-        // BPF_ADJ_ROOM_NET opens the room after the base network header; a GSO packet's
-        // segment size shrinks by as much (no FIXED_GSO), so its segments still fit.
-        self.adjust_room(IPV4_ROOM as i32, BPF_ADJ_ROOM_NET, 0)
+    fn grow_network_header<const BASE: usize, const ROOM: usize>(&self) -> Result<(), i64> {
+        // BPF_ADJ_ROOM_NET opens the room after the base network header (the kernel
+        // knows its length by the family); a GSO packet's segment size shrinks by as
+        // much (no FIXED_GSO), so its segments still fit. The room is zeroes, which
+        // change no `skb->csum`.
+        self.adjust_room(ROOM as i32, BPF_ADJ_ROOM_NET, 0)
     }
+
+    #[inline(always)]
+    fn bytes_changed(&self, diff: u64) {
+        // Adds to `skb->csum` when the skb is CHECKSUM_COMPLETE; otherwise refuses,
+        // which is right: nothing else holds a sum of these bytes.
+        // SAFETY: a valid __sk_buff; no memory arguments.
+        let _ = unsafe {
+            bpf_csum_update(self.as_ptr() as *mut __sk_buff, u32::from(csum::fold(diff)))
+        };
+    }
+}
+
+/// The frame's `data` and `data_end`, read afresh each time, as `skb_data` and for the
+/// same reason.
+#[inline(always)]
+fn xdp_data(ctx: &XdpContext) -> usize {
+    // SAFETY: the context is a valid xdp_md; `data` is a plain readable field.
+    unsafe { core::ptr::read_volatile(&(*ctx.ctx).data) as usize }
+}
+
+#[inline(always)]
+fn xdp_data_end(ctx: &XdpContext) -> usize {
+    // SAFETY: as for `xdp_data`.
+    unsafe { core::ptr::read_volatile(&(*ctx.ctx).data_end) as usize }
 }
 
 impl Frame for XdpContext {
@@ -211,8 +237,8 @@ impl Frame for XdpContext {
             // SAFETY: initialised by the helper (rc == 0); T is plain data.
             return Ok(unsafe { v.assume_init() });
         }
-        let p = self.data() + off;
-        if p + core::mem::size_of::<T>() > self.data_end() {
+        let p = xdp_data(self) + off;
+        if p + core::mem::size_of::<T>() > xdp_data_end(self) {
             return Err(-1);
         }
         // SAFETY: inside the packet (checked above); T is plain data.
@@ -233,8 +259,8 @@ impl Frame for XdpContext {
             };
             return if rc < 0 { Err(rc) } else { Ok(()) };
         }
-        let p = self.data() + off;
-        if p + core::mem::size_of::<T>() > self.data_end() {
+        let p = xdp_data(self) + off;
+        if p + core::mem::size_of::<T>() > xdp_data_end(self) {
             return Err(-1);
         }
         // SAFETY: inside the packet (checked above), which XDP may write.
@@ -249,7 +275,7 @@ impl Frame for XdpContext {
 
     #[inline(always)]
     fn len(&self) -> u32 {
-        (self.data_end() - self.data()) as u32
+        (xdp_data_end(self) - xdp_data(self)) as u32
     }
 
     #[inline(always)]
@@ -282,26 +308,31 @@ impl Frame for XdpContext {
     }
 
     #[inline(always)]
-    fn grow_ipv4_header(&self) -> Result<(), i64> {
+    fn grow_network_header<const BASE: usize, const ROOM: usize>(&self) -> Result<(), i64> {
         // SAFETY: a valid xdp_md; the helper checks the headroom.
-        let rc = unsafe { bpf_xdp_adjust_head(self.ctx, -(IPV4_ROOM as i32)) };
+        let rc = unsafe { bpf_xdp_adjust_head(self.ctx, -(ROOM as i32)) };
         if rc != 0 {
             return Err(rc);
         }
-        let (data, end) = (self.data(), self.data_end());
-        if data + IPV4_ROOM + ETH_IPV4_BASE > end {
+        let (data, end) = (xdp_data(self), xdp_data_end(self));
+        if data + ROOM + BASE > end {
             return Err(-1);
         }
-        // Forward, word by word: the source lies IPV4_ROOM bytes after the destination.
+        // Forward, word by word: the source lies ROOM bytes after the destination.
         // SAFETY: both ranges lie inside the packet (checked above), which XDP may write.
         unsafe {
-            let (from, to) = ((data + IPV4_ROOM) as *const u8, data as *mut u8);
-            for i in 0..ETH_IPV4_BASE / 2 {
+            let (from, to) = ((data + ROOM) as *const u8, data as *mut u8);
+            for i in 0..BASE / 2 {
                 let w = (from.add(2 * i) as *const u16).read_unaligned();
                 (to.add(2 * i) as *mut u16).write_unaligned(w);
             }
         }
         Ok(())
+    }
+
+    #[inline(always)]
+    fn bytes_changed(&self, _diff: u64) {
+        // A frame has no checksum state: what the wire delivered, checksums complete.
     }
 }
 

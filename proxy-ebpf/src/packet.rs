@@ -1,5 +1,6 @@
 //! Reading a packet: the 5-tuple (and TCP flags) of TCP/UDP/SCTP over IPv4 or IPv6, with
-//! IPv4 fragments taking their ports from the datagram's first fragment.
+//! IPv4 fragments taking their ports from the datagram's first fragment, and IPv6's ports
+//! found behind direct server return's header.
 //!
 //! Layer 1. Owns: `Packet` and its parsing (at either hook), the header offsets and TCP
 //! flag bits, the skb's input interface, and the `FRAGMENTS` bookkeeping. May import:
@@ -7,7 +8,8 @@
 
 use aya_ebpf::{EbpfContext as _, bindings::__sk_buff, programs::TcContext};
 use proxy_common::{
-    CtKey, FAMILY_V4, FAMILY_V6, FragKey, FragPorts, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    CtKey, DSR_HDR6_LEN, FAMILY_V4, FAMILY_V6, FragKey, FragPorts, IPPROTO_DSTOPTS, PROTO_SCTP,
+    PROTO_TCP, PROTO_UDP, is_dsr_header6,
 };
 
 use crate::{frame::Frame, maps::FRAGMENTS};
@@ -20,7 +22,7 @@ pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
-const IPV6_HLEN: usize = 40;
+pub const IPV6_HLEN: usize = 40;
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
@@ -107,14 +109,26 @@ pub fn parse<F: Frame>(ctx: &F, pass: i32) -> Result<Option<Packet>, i32> {
         ETH_P_IPV6 => {
             // Extension headers (fragments among them) are not walked: such packets pass
             // untranslated. So does a header of another version (ipv6_rcv drops it).
+            // The one exception is direct server return's own header, first and alone
+            // before TCP or UDP (`dsr`): the backend's node reads the ports behind it.
             let version: u8 = ctx.load(ETH_HLEN).map_err(|_| pass)?;
             if version >> 4 != 6 {
                 return Ok(None);
             }
-            let proto: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| pass)?;
+            let mut proto: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| pass)?;
+            let mut l4_off = ETH_HLEN + IPV6_HLEN;
+            if proto == IPPROTO_DSTOPTS {
+                let first: u32 = ctx.load(l4_off).map_err(|_| pass)?;
+                let next = first.to_ne_bytes()[0];
+                if !is_dsr_header6(first) || (next != PROTO_TCP && next != PROTO_UDP) {
+                    return Ok(None);
+                }
+                proto = next;
+                l4_off += usize::from(DSR_HDR6_LEN);
+            }
             let s: [u32; 4] = ctx.load(IPV6_SADDR_OFF).map_err(|_| pass)?;
             let d: [u32; 4] = ctx.load(IPV6_DADDR_OFF).map_err(|_| pass)?;
-            (FAMILY_V6, proto, s, d, ETH_HLEN + IPV6_HLEN, false)
+            (FAMILY_V6, proto, s, d, l4_off, false)
         }
         _ => return Ok(None),
     };

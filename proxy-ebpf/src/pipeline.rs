@@ -35,7 +35,7 @@ use crate::{
     lb::{self, Client, NoBackend},
     maps::{NETFILTER_FLOWS, NODE_CONFIG, SOURCE_RANGES, count},
     nat::{self, Side, rewrite},
-    node::{is_node_address, lpm_key, on_node, origin},
+    node::{is_node_address, lpm_key, origin},
     packet::{self, Packet, parse},
     reject, route, stats,
     verdict::{DONE, DROP, PASS_ON, TO_TC, xdp_action},
@@ -352,8 +352,7 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
     entry.rev_nat_id = svc.rev_nat_id;
     // Direct server return: a client outside the node, a backend on another node. The
     // client's address is kept; the backend's node answers as the frontend.
-    let dsr =
-        svc.flags & SVC_F_DSR != 0 && !internal && dsr::fits(ctx) && !on_node(FAMILY_V4, &be.addr);
+    let dsr = svc.flags & SVC_F_DSR != 0 && !internal && dsr::applies(ctx, &be.addr);
     // An endpoint on the node's own address is delivered locally, where kube-proxy's
     // masquerade (in POSTROUTING) never applies: the client's address is kept, and the
     // endpoint's replies are translated on their way out (`egress`).
@@ -395,14 +394,14 @@ fn xdp_hop<F: Frame>(ctx: &F, pkt: &Packet) -> i64 {
         pkt,
         src,
         &entry.xlate_addr,
-        grow(entry.flags & CT_F_DSR != 0),
+        grow(ctx, entry.flags & CT_F_DSR != 0),
     )
 }
 
 /// The bytes a flow's packets gain before they leave (`route::lookup`'s `grow`).
 #[inline(always)]
-fn grow(dsr: bool) -> u32 {
-    if dsr { dsr::OVERHEAD } else { 0 }
+fn grow<F: Frame>(ctx: &F, dsr: bool) -> u32 {
+    if dsr { dsr::overhead(ctx) } else { 0 }
 }
 
 /// A direct-server-return packet, to `backend`: by the FIB with room for the option (at
@@ -419,7 +418,7 @@ fn dsr_send<F: Frame>(
     let hop = if F::XDP && hop_known {
         1
     } else {
-        route::lookup(ctx, pkt, &pkt.saddr, backend, dsr::OVERHEAD)
+        route::lookup(ctx, pkt, &pkt.saddr, backend, dsr::overhead(ctx))
     };
     if F::XDP && hop <= 0 {
         return Ok(TO_TC);
@@ -428,7 +427,7 @@ fn dsr_send<F: Frame>(
         return too_big(ctx, pkt, hop);
     }
     rewrite(ctx, pkt, Side::Destination, backend, port)?;
-    dsr::push(ctx, pkt.daddr[0], pkt.dport)?;
+    dsr::push(ctx, pkt)?;
     Ok(route::redirect(ctx, hop).code())
 }
 

@@ -101,10 +101,10 @@ pub fn too_big(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
 #[inline(never)]
 fn icmp_error(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
     let v4 = pkt.family == FAMILY_V4;
-    if v4 && pkt.l4_off != ETH_HLEN + 20 {
-        return Err(DROP); // IP options: not worth an error
-    }
     let ip_hlen = if v4 { 20 } else { 40 };
+    if pkt.l4_off != ETH_HLEN + ip_hlen {
+        return Err(DROP); // IP options, an extension header: not worth an error
+    }
     let quote = ip_hlen + if mtu == 0 { QUOTE_L4 } else { QUOTE_L4_TOO_BIG };
     let room = ip_hlen + ICMP_HLEN;
     // Cut to the quote first: that also ends a GSO packet's offload state, which
@@ -260,6 +260,9 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         ];
         fold(csum_diff(&pseudo)? as u64 + csum_diff(tcp.words())? as u64)
     } else {
+        if l4 != ETH_HLEN + 40 {
+            return Err(DROP); // an extension header (direct server return's): no reset
+        }
         ctx.store(ETH_HLEN + 4, &(TCP_HLEN as u16).to_be(), 0)
             .map_err(|_| DROP)?;
         ctx.store(ETH_HLEN + 7, &64u8, 0).map_err(|_| DROP)?;

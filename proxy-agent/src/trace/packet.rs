@@ -109,21 +109,21 @@ pub fn build(src: SocketAddr, dst: SocketAddr, protocol: Protocol) -> Vec<u8> {
         l4[8..12].copy_from_slice(&c.to_le_bytes());
     } else {
         let csum_off = if proto == PROTO_TCP { 16 } else { 6 };
-        let c = l4_checksum(&pkt, &l4);
+        let c = l4_checksum(&pkt, &l4, proto);
         l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
     }
     pkt.extend_from_slice(&l4);
     pkt
 }
 
-fn l4_checksum(pkt_with_ip: &[u8], l4: &[u8]) -> u16 {
+/// The L4 checksum of segment `l4` of protocol `proto` (not necessarily the IP header's
+/// next header: an IPv6 extension header may come between).
+fn l4_checksum(pkt_with_ip: &[u8], l4: &[u8], proto: u8) -> u16 {
     let v4 = pkt_with_ip[12..14] == [0x08, 0x00];
-    let (proto, pseudo) = if v4 {
-        let ip = &pkt_with_ip[14..34];
-        (ip[9], sum16(&ip[12..20], 0))
+    let pseudo = if v4 {
+        sum16(&pkt_with_ip[14 + 12..14 + 20], 0)
     } else {
-        let ip = &pkt_with_ip[14..54];
-        (ip[6], sum16(&ip[8..40], 0))
+        sum16(&pkt_with_ip[14 + 8..14 + 40], 0)
     };
     let acc = pseudo + u32::from(proto) + l4.len() as u32;
     let c = fold(sum16(l4, acc));
@@ -167,10 +167,32 @@ pub fn inspect(pkt: &[u8]) -> Result<Seen, String> {
         let d: [u8; 4] = ip[16..20].try_into().map_err(|_| "short".to_string())?;
         (s.into(), d.into(), 14 + ihl, ip[9])
     } else {
+        if pkt.len() < 54 + 8 {
+            return Err(format!("{} bytes: too short for IPv6", pkt.len()));
+        }
         let ip = &pkt[14..54];
         let s: [u8; 16] = ip[8..24].try_into().map_err(|_| "short".to_string())?;
         let d: [u8; 16] = ip[24..40].try_into().map_err(|_| "short".to_string())?;
-        (s.into(), d.into(), 54, ip[6])
+        let payload = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+        if payload > pkt.len() - 54 {
+            return Err(format!(
+                "IPv6 payload length {payload}, {} on the wire",
+                pkt.len() - 54
+            ));
+        }
+        // A Destination Options header (direct server return's) is stepped over.
+        let (mut next, mut off) = (ip[6], 54);
+        if next == 60 {
+            let len = pkt
+                .get(off + 1)
+                .map(|l| (usize::from(*l) + 1) * 8)
+                .ok_or("Destination Options header cut short")?;
+            if pkt.len() < off + len + 8 {
+                return Err("Destination Options header cut short".into());
+            }
+            (next, off) = (pkt[off], off + len);
+        }
+        (s.into(), d.into(), off, next)
     };
     let l4 = &pkt[l4_off..];
     if proto == PROTO_SCTP {
@@ -192,7 +214,7 @@ pub fn inspect(pkt: &[u8]) -> Result<Seen, String> {
         let mut zeroed = l4.to_vec();
         zeroed[csum_off] = 0;
         zeroed[csum_off + 1] = 0;
-        if l4_checksum(&pkt[..l4_off], &zeroed) != stored {
+        if l4_checksum(&pkt[..l4_off], &zeroed, proto) != stored {
             return Err("L4 checksum invalid".into());
         }
     }

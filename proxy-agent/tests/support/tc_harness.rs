@@ -51,22 +51,26 @@ impl Harness {
 
     /// Runs one packet; returns the verdict and the packet as the program left it.
     pub fn run(&self, packet: &[u8]) -> (u32, Vec<u8>) {
+        self.run_ingress(packet, None)
+    }
+
+    /// `run` as if the packet arrived on interface `ifindex` (of the calling thread's
+    /// network namespace): the FIB lookups start there.
+    pub fn run_on(&self, packet: &[u8], ifindex: u32) -> (u32, Vec<u8>) {
+        // A `struct __sk_buff` with only `ifindex` (offset 40) set.
+        let mut skb = [0u8; 192];
+        skb[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+        self.run_ingress(packet, Some(&skb))
+    }
+
+    fn run_ingress(&self, packet: &[u8], skb: Option<&[u8]>) -> (u32, Vec<u8>) {
         let prog: &SchedClassifier = self
             .ebpf
             .program("tc_ingress")
             .expect("program")
             .try_into()
             .expect("type");
-        let mut out = vec![0u8; packet.len() + 256];
-        let res = prog
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ..Default::default()
-            })
-            .expect("test_run");
-        out.truncate(res.data_size_out as usize);
-        (res.return_value, out)
+        test_run_tc(prog, packet, skb)
     }
 
     /// Runs one packet through the egress program (`tc_egress`, loaded on first use):
@@ -87,20 +91,10 @@ impl Harness {
         if prog.fd().is_err() {
             prog.load().expect("verifier accepts tc_egress");
         }
-        let mut out = vec![0u8; packet.len() + 256];
         // A `struct __sk_buff` with only `ingress_ifindex` (offset 36) set.
         let mut skb = [0u8; 192];
         skb[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
-        let res = prog
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ctx_in: Some(&skb),
-                ..Default::default()
-            })
-            .expect("test_run");
-        out.truncate(res.data_size_out as usize);
-        (res.return_value, out)
+        test_run_tc(prog, packet, Some(&skb))
     }
 
     /// Runs one packet through the XDP program (`xdp_ingress`, loaded on first use) as if
@@ -150,6 +144,21 @@ impl Harness {
             .map(|(_, v)| v)
             .expect("counter exists")
     }
+}
+
+/// One `BPF_PROG_TEST_RUN` of a classifier, with `skb` as its `struct __sk_buff` if given.
+fn test_run_tc(prog: &SchedClassifier, packet: &[u8], skb: Option<&[u8]>) -> (u32, Vec<u8>) {
+    let mut out = vec![0u8; packet.len() + 256];
+    let res = prog
+        .test_run(TestRunOptions {
+            data_in: Some(packet),
+            data_out: Some(&mut out),
+            ctx_in: skb,
+            ..Default::default()
+        })
+        .expect("test_run");
+    out.truncate(res.data_size_out as usize);
+    (res.return_value, out)
 }
 
 pub fn frontend(
