@@ -8,6 +8,10 @@
 //!   node-a 192.168.50.10  ─┼─ br0 (bridge ns)        node-a ── pod-a 10.244.1.2
 //!   node-b 192.168.50.11  ─┘                          node-b ── pod-b 10.244.2.2
 //! ```
+//!
+//! Every address has an IPv6 twin (`fd00:50::100`, `fd00:50::10`, `fd00:50::11`;
+//! `fd00:244:1::2`, `fd00:244:2::2`); the agents are given the nodes' IPv6 addresses only
+//! with `dual_stack` (so IPv4 tests count the frontends they always did).
 
 use std::{
     collections::BTreeMap,
@@ -28,6 +32,11 @@ pub const NODE_B: &str = "192.168.50.11";
 pub const CLIENT: &str = "192.168.50.100";
 pub const POD_A: &str = "10.244.1.2";
 pub const POD_B: &str = "10.244.2.2";
+pub const NODE_A6: &str = "fd00:50::10";
+pub const NODE_B6: &str = "fd00:50::11";
+pub const CLIENT6: &str = "fd00:50::100";
+pub const POD_A6: &str = "fd00:244:1::2";
+pub const POD_B6: &str = "fd00:244:2::2";
 /// Addresses "load balancers" send to node A (routed there from the client).
 pub const LB_IPS: [&str; 3] = ["203.0.113.50", "203.0.113.51", "203.0.113.7"];
 
@@ -52,6 +61,8 @@ pub struct MultiNode {
     bpffs: PathBuf,
     /// The agents' extra arguments (`start_agents_with`), kept for a restart.
     agent_args: Vec<String>,
+    /// Each agent is given its node's IPv6 address too (`dual_stack`).
+    dual_stack: bool,
 }
 
 impl MultiNode {
@@ -63,6 +74,7 @@ impl MultiNode {
             manifests: root.join("manifests"),
             bpffs: root.join("bpffs"),
             agent_args: Vec::new(),
+            dual_stack: false,
             root,
             id,
             namespaces: Vec::new(),
@@ -101,16 +113,40 @@ impl MultiNode {
         ip(&lan, "link set br0 up")?;
         let client_ns = self.add_ns("cl")?;
         // The client's LAN port; "load balancers" deliver their IPs to node A.
-        self.add_lan_port(&lan, "c", &client_ns, CLIENT)?;
+        self.add_lan_port(&lan, "c", &client_ns, CLIENT, CLIENT6)?;
         for lb in LB_IPS {
             ip(&client_ns, &format!("route add {lb}/32 via {NODE_A}"))?;
         }
-        for (name, addr, pod_net, pod, other_net, other) in [
-            ("a", NODE_A, "10.244.1", POD_A, "10.244.2.0/24", NODE_B),
-            ("b", NODE_B, "10.244.2", POD_B, "10.244.1.0/24", NODE_A),
+        for (name, addr, pod_net, pod, other_net, other, addr6, other6) in [
+            (
+                "a",
+                NODE_A,
+                "10.244.1",
+                POD_A,
+                "10.244.2.0/24",
+                NODE_B,
+                NODE_A6,
+                NODE_B6,
+            ),
+            (
+                "b",
+                NODE_B,
+                "10.244.2",
+                POD_B,
+                "10.244.1.0/24",
+                NODE_A,
+                NODE_B6,
+                NODE_A6,
+            ),
         ] {
+            let (pod_net6, pod6, other_net6) = if name == "a" {
+                ("fd00:244:1", POD_A6, "fd00:244:2::/64")
+            } else {
+                ("fd00:244:2", POD_B6, "fd00:244:1::/64")
+            };
             let node_ns = self.add_ns(&format!("n{name}"))?;
             for (k, v) in [
+                ("net.ipv6.conf.all.forwarding", "1"),
                 ("net.ipv4.ip_forward", "1"),
                 ("net.ipv4.conf.all.rp_filter", "0"),
                 ("net.ipv4.conf.default.rp_filter", "0"),
@@ -125,8 +161,9 @@ impl MultiNode {
                     &format!("{k}={v}"),
                 ])?;
             }
-            self.add_lan_port(&lan, name, &node_ns, addr)?;
+            self.add_lan_port(&lan, name, &node_ns, addr, addr6)?;
             ip(&node_ns, &format!("route add {other_net} via {other}"))?;
+            ip(&node_ns, &format!("-6 route add {other_net6} via {other6}"))?;
             // The pod behind this node.
             let pod_ns = self.add_ns(&format!("p{name}"))?;
             let pod_if = format!("p{name}{}", self.id);
@@ -135,10 +172,16 @@ impl MultiNode {
                 &format!("link add {pod_if} type veth peer name eth0 netns {pod_ns}"),
             )?;
             ip(&node_ns, &format!("addr add {pod_net}.1/24 dev {pod_if}"))?;
+            ip(
+                &node_ns,
+                &format!("-6 addr add {pod_net6}::1/64 dev {pod_if} nodad"),
+            )?;
             ip(&node_ns, &format!("link set {pod_if} up"))?;
             ip(&pod_ns, &format!("addr add {pod}/24 dev eth0"))?;
+            ip(&pod_ns, &format!("-6 addr add {pod6}/64 dev eth0 nodad"))?;
             ip(&pod_ns, "link set eth0 up")?;
             ip(&pod_ns, &format!("route add default via {pod_net}.1"))?;
+            ip(&pod_ns, &format!("-6 route add default via {pod_net6}::1"))?;
             let echo = Command::new("ip")
                 .args(["netns", "exec", &pod_ns])
                 .arg(helper_bin("e2e-echo"))
@@ -170,11 +213,22 @@ impl MultiNode {
             let ns = self.nodes[node].ns.clone();
             self.wait(&ns, &format!("{pod}:8080"))?;
         }
+        for (node, pod) in [("node-a", POD_B6), ("node-b", POD_A6)] {
+            let ns = self.nodes[node].ns.clone();
+            self.wait(&ns, &format!("[{pod}]:8080"))?;
+        }
         Ok(())
     }
 
-    /// A veth from `peer_ns` (`eth0`, `addr`/24) into the LAN bridge.
-    fn add_lan_port(&self, lan: &str, name: &str, peer_ns: &str, addr: &str) -> Result<()> {
+    /// A veth from `peer_ns` (`eth0`, `addr`/24 and `addr6`/64) into the LAN bridge.
+    fn add_lan_port(
+        &self,
+        lan: &str,
+        name: &str,
+        peer_ns: &str,
+        addr: &str,
+        addr6: &str,
+    ) -> Result<()> {
         let lan_if = format!("b{name}{}", self.id);
         let peer_if = if name == "c" {
             "eth0".to_string()
@@ -188,6 +242,10 @@ impl MultiNode {
         ip(lan, &format!("link set {lan_if} master br0"))?;
         ip(lan, &format!("link set {lan_if} up"))?;
         ip(peer_ns, &format!("addr add {addr}/24 dev {peer_if}"))?;
+        ip(
+            peer_ns,
+            &format!("-6 addr add {addr6}/64 dev {peer_if} nodad"),
+        )?;
         ip(peer_ns, &format!("link set {peer_if} up"))?;
         Ok(())
     }
@@ -217,6 +275,12 @@ impl MultiNode {
         fs::write(&tmp, yaml)?;
         fs::rename(tmp, self.manifests.join("services.yaml"))?;
         Ok(())
+    }
+
+    /// The agents started from now on are given their nodes' IPv6 addresses as well:
+    /// NodePorts on both families.
+    pub fn dual_stack(&mut self) {
+        self.dual_stack = true;
     }
 
     /// Starts both agents; returns once each has programmed `frontends` frontends.
@@ -457,9 +521,18 @@ impl MultiNode {
         let config = self.root.join("config.yaml");
         fs::write(
             &config,
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16\nminSyncPeriod: 20ms\n",
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.244.0.0/16,fd00:244::/48\nminSyncPeriod: 20ms\n",
         )?;
-        let addr = if name == "node-a" { NODE_A } else { NODE_B };
+        let (addr, addr6) = if name == "node-a" {
+            (NODE_A, NODE_A6)
+        } else {
+            (NODE_B, NODE_B6)
+        };
+        let node_ip6: &[&str] = if self.dual_stack {
+            &["--node-ip", addr6]
+        } else {
+            &[]
+        };
         let pins = self.bpffs.join(name);
         // Appended to, so a restart keeps the first life's lines.
         let log = fs::OpenOptions::new()
@@ -486,6 +559,7 @@ impl MultiNode {
                 "--node-ip",
                 addr,
             ])
+            .args(node_ip6)
             .args(&extra)
             .stdout(log.try_clone()?)
             .stderr(log)
