@@ -32,6 +32,9 @@ pub struct Steady {
     pub tc_established_spread_ns: f64,
     pub tc_new_flow_ns: f64,
     pub tc_new_flow_spread_ns: f64,
+    /// The backend's packet of the established flow (the reply direction), at TC.
+    pub tc_reply_ns: f64,
+    pub tc_reply_spread_ns: f64,
     pub tc_pass_ns: f64,
     pub tc_pass_spread_ns: f64,
 }
@@ -48,12 +51,18 @@ impl Steady {
     pub fn tc_new_flow_vs_pass(&self) -> f64 {
         self.tc_new_flow_ns / self.tc_pass_ns.max(1.0)
     }
+
+    pub fn tc_reply_vs_pass(&self) -> f64 {
+        self.tc_reply_ns / self.tc_pass_ns.max(1.0)
+    }
 }
 
 /// The packets: an established flow's `ack` (through both hooks; received on `uplink` at
-/// XDP), and a SYN template `syn` whose source port the front varies (TC only).
+/// XDP) and its backend's `reply` (TC only), and a SYN template `syn` whose source port
+/// the front varies (TC only).
 pub struct Packets<'a> {
     pub ack: &'a [u8],
+    pub reply: &'a [u8],
     pub syn: &'a [u8],
     pub uplink: u32,
 }
@@ -90,23 +99,29 @@ pub fn measure(ebpf: &Ebpf, p: &Packets<'_>, rounds: u32, repeat: u32) -> Result
         ("tc_pass", tc_fd("tc_pass")?),
         ("tc_ingress", tc_fd("tc_ingress")?),
     ];
-    let mut samples: [Vec<f64>; 5] = Default::default();
+    let mut samples: [Vec<f64>; 6] = Default::default();
     for round in 0..rounds.max(1) {
-        let mut order: Vec<usize> = (0..5).collect();
+        let mut order: Vec<usize> = (0..6).collect();
         if round % 2 == 1 {
             order.reverse();
         }
         for i in order {
-            // 0..4: the contenders on the established flow's packet; 4: new flows at TC.
+            // 0..4: the contenders on the established flow's packet; 4: new flows at TC;
+            // 5: the flow's reply at TC.
             let (name, fd) = &contenders[i.min(3)];
             let new_flows = i == 4;
+            let data = match i {
+                4 => p.syn,
+                5 => p.reply,
+                _ => p.ack,
+            };
             // Every new flow its own source port (the front has 60,000), over all rounds.
             let n = if new_flows {
                 repeat.min(59_000 / rounds.max(1))
             } else {
                 repeat
             };
-            let ns = run(&mut front, p, name, fd, new_flows, n)?;
+            let ns = run(&mut front, p.uplink, data, name, fd, new_flows, n)?;
             samples[i].push(ns);
         }
     }
@@ -116,7 +131,7 @@ pub fn measure(ebpf: &Ebpf, p: &Packets<'_>, rounds: u32, repeat: u32) -> Result
             .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
         hi - lo
     };
-    let [mut xp, mut xe, mut tp, mut te, mut tn] = samples;
+    let [mut xp, mut xe, mut tp, mut te, mut tn, mut tr] = samples;
     Ok(Steady {
         rounds: rounds.max(1),
         repeat,
@@ -125,6 +140,8 @@ pub fn measure(ebpf: &Ebpf, p: &Packets<'_>, rounds: u32, repeat: u32) -> Result
         tc_pass_spread_ns: spread(&tp),
         tc_established_spread_ns: spread(&te),
         tc_new_flow_spread_ns: spread(&tn),
+        tc_reply_spread_ns: spread(&tr),
+        tc_reply_ns: median(&mut tr),
         xdp_pass_ns: median(&mut xp),
         xdp_established_ns: median(&mut xe),
         tc_pass_ns: median(&mut tp),
@@ -136,14 +153,14 @@ pub fn measure(ebpf: &Ebpf, p: &Packets<'_>, rounds: u32, repeat: u32) -> Result
 /// One round of one contender: the mean of `repeat` runs, as the kernel times them.
 fn run(
     front: &mut Ebpf,
-    p: &Packets<'_>,
+    uplink: u32,
+    data: &[u8],
     contender: &str,
     fd: &ProgramFd,
     new_flows: bool,
     repeat: u32,
 ) -> Result<f64> {
     let xdp = contender.starts_with("xdp");
-    let data = if new_flows { p.syn } else { p.ack };
     let mut headers = [0u8; HEADERS];
     headers.copy_from_slice(data.get(..HEADERS).context("a short packet")?);
     Array::<_, [u8; HEADERS]>::try_from(front.map_mut("FRAME").context("FRAME")?)?
@@ -163,7 +180,7 @@ fn run(
             .try_into()?;
         let mut md = [0u8; 24];
         md[4..8].copy_from_slice(&(data.len() as u32).to_ne_bytes());
-        md[12..16].copy_from_slice(&p.uplink.to_ne_bytes());
+        md[12..16].copy_from_slice(&uplink.to_ne_bytes());
         prog.test_run(TestRunOptions {
             data_in: Some(data),
             data_out: Some(&mut out),
@@ -184,13 +201,14 @@ fn run(
         })?
     };
     // What each contender answers when it ran (the front's own failures answer XDP's
-    // ABORTED or TC's SHOT): the pass-through programs pass, ours translated the packet.
-    let dst = |b: &[u8]| b.get(30..34).map(<[u8]>::to_vec);
+    // ABORTED or TC's SHOT): the pass-through programs pass, ours translated the packet
+    // (an address changed).
+    let addrs = |b: &[u8]| b.get(26..34).map(<[u8]>::to_vec);
     let ran = match contender {
         "xdp_pass" => res.return_value == 2,
         "xdp_ingress" => res.return_value == 4,
         "tc_pass" => res.return_value == 0,
-        _ => dst(&out) != dst(data),
+        _ => addrs(&out) != addrs(data),
     };
     if !ran {
         bail!(

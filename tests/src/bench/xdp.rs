@@ -171,10 +171,12 @@ fn measure(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
     // Steady state: new flows from a client of their own (the single runs above used
     // 192.0.2.99's ports).
     let syn = packet::build_tcp("192.0.2.98:1024".parse()?, vip, TCP_SYN);
+    let reply = packet::build_tcp(backend, client, TCP_ACK);
     let steady = super::steady::measure(
         &ebpf,
         &super::steady::Packets {
             ack: &ack,
+            reply: &reply,
             syn: &syn,
             uplink,
         },

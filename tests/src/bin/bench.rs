@@ -608,7 +608,7 @@ fn print_per_packet(s: &Scale) {
     );
     let st = &x.steady;
     println!(
-        "  steady state (repeat {} behind a restoring front, medians of {} rounds, spread): XDP established {:.0} ns (±{:.0}) vs pass {:.0} ns (±{:.0}) = {:.2}x; TC established {:.0} ns (±{:.0}), new flow {:.0} ns (±{:.0}) vs pass {:.0} ns (±{:.0}) = {:.2}x / {:.2}x",
+        "  steady state (repeat {} behind a restoring front, medians of {} rounds, spread): XDP established {:.0} ns (±{:.0}) vs pass {:.0} ns (±{:.0}) = {:.2}x; TC established {:.0} ns (±{:.0}), its reply {:.0} ns (±{:.0}), new flow {:.0} ns (±{:.0}) vs pass {:.0} ns (±{:.0}) = {:.2}x / {:.2}x / {:.2}x",
         st.repeat,
         st.rounds,
         st.xdp_established_ns,
@@ -618,11 +618,14 @@ fn print_per_packet(s: &Scale) {
         st.xdp_established_vs_pass(),
         st.tc_established_ns,
         st.tc_established_spread_ns,
+        st.tc_reply_ns,
+        st.tc_reply_spread_ns,
         st.tc_new_flow_ns,
         st.tc_new_flow_spread_ns,
         st.tc_pass_ns,
         st.tc_pass_spread_ns,
         st.tc_established_vs_pass(),
+        st.tc_reply_vs_pass(),
         st.tc_new_flow_vs_pass()
     );
 }
