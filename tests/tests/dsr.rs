@@ -244,10 +244,20 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt(socket
 "#
     );
     let offloaded = tb.client_python(&upload).expect("the client's upload");
-    assert_eq!(
+    // At XDP node A's port sees the client's segments as frames, which XDP leaves to TC
+    // (too big with the option) and GRO merges again before TC: most of them. A segment
+    // GRO leaves alone (a flush between two) is a full-size DF frame that does not fit
+    // with the option, answered with 1,492, rightly (CI saw it once). So there either
+    // MTU is right, and what counts is that the upload completes.
+    let ok: &[&str] = if xdp {
+        &["pod-b pod-b 1500", "pod-b pod-b 1492"]
+    } else {
+        &["pod-b pod-b 1500"]
+    };
+    assert!(
+        ok.contains(&offloaded.trim()),
+        "with offload: greeted before and after the upload, at the client's MTU (IP_MTU): {}\n{}",
         offloaded.trim(),
-        "pod-b pod-b 1500",
-        "with offload: greeted before and after the upload, at the client's MTU (IP_MTU)\n{}",
         tb.log("node-a")
     );
     tb.in_client(&["ethtool", "-K", "eth0", "tso", "off", "gso", "off"])
