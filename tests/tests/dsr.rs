@@ -40,49 +40,103 @@ fn manifests6() -> String {
 /// The ClusterIP and the node-IP NodePort, each TCP and UDP.
 const FRONTENDS6: usize = 4;
 
-/// The testbed with its agents; `xdp`: the XDP program on the nodes' interfaces too
-/// (native, on veths readied for it), else the TC path alone. (The LAN ports' own
-/// pass-through program, which `XDP_TX` into a veth needs, lives as long as the guard.)
-fn testbed(xdp: bool) -> (MultiNode, Option<aya::Ebpf>) {
-    testbed_of(&manifests(), FRONTENDS, false, xdp)
-}
-
-/// `testbed` for the IPv6 Service, the agents dual-stack.
-fn testbed6(xdp: bool) -> (MultiNode, Option<aya::Ebpf>) {
-    testbed_of(&manifests6(), FRONTENDS6, true, xdp)
-}
-
-fn testbed_of(
-    manifests: &str,
+/// What a test needs of one family's Service: how its testbed starts, the addresses
+/// and port, what the client learns, and how much traffic it sends.
+struct Family {
+    manifests: fn() -> String,
     frontends: usize,
+    /// The agents given the nodes' IPv6 addresses too.
     dual_stack: bool,
-    xdp: bool,
-) -> (MultiNode, Option<aya::Ebpf>) {
+    /// `nft`'s name of the family ("ip", "ip6").
+    nft: &'static str,
+    node_a: &'static str,
+    client: &'static str,
+    port: u16,
+    /// The Service serves UDP too: datagrams are sent beside the TCP connections.
+    udp: bool,
+    /// Asks on the connection kept open through node A's agent restart.
+    session: usize,
+    /// Connections of the churn.
+    churn: u32,
+    /// `IP_MTU` / `IPV6_MTU` for Python's `getsockopt`, and `ip`'s route cache flush.
+    mtu_sockopt: &'static str,
+    flush: &'static [&'static str],
+    /// The MTU the client learns from node A: 1,500 less the option or header.
+    learned_mtu: u32,
+}
+
+const V4: Family = Family {
+    manifests,
+    frontends: FRONTENDS,
+    dual_stack: false,
+    nft: "ip",
+    node_a: NODE_A,
+    client: CLIENT,
+    port: PORT,
+    udp: false,
+    session: 60,
+    churn: 100_000,
+    mtu_sockopt: "socket.IPPROTO_IP, 14",
+    flush: &["ip", "route", "flush", "cache"],
+    learned_mtu: 1492,
+};
+
+const V6: Family = Family {
+    manifests: manifests6,
+    frontends: FRONTENDS6,
+    dual_stack: true,
+    nft: "ip6",
+    node_a: NODE_A6,
+    client: CLIENT6,
+    port: PORT6,
+    udp: true,
+    session: 40,
+    churn: 10_000,
+    mtu_sockopt: "socket.IPPROTO_IPV6, 24",
+    flush: &["ip", "-6", "route", "flush", "cache"],
+    learned_mtu: 1476,
+};
+
+impl Family {
+    /// The NodePort on node A, as the client dials it.
+    fn target(&self) -> String {
+        let ip: std::net::IpAddr = self.node_a.parse().expect("node A's address");
+        std::net::SocketAddr::new(ip, self.port).to_string()
+    }
+}
+
+/// The testbed with its agents for `family`'s Service; `xdp`: the XDP program on the
+/// nodes' interfaces too (native, on veths readied for it), else the TC path alone. (The
+/// LAN ports' own pass-through program, which `XDP_TX` into a veth needs, lives as long
+/// as the guard.)
+fn testbed(family: &Family, xdp: bool) -> (MultiNode, Option<aya::Ebpf>) {
     let mut tb = MultiNode::new().expect("testbed");
-    tb.write_manifests(manifests).expect("manifests");
-    if dual_stack {
+    tb.write_manifests(&(family.manifests)())
+        .expect("manifests");
+    if family.dual_stack {
         tb.dual_stack();
     }
     if !xdp {
-        tb.start_agents(frontends).expect("agents");
+        tb.start_agents(family.frontends).expect("agents");
         return (tb, None);
     }
     tb.prepare_for_xdp().expect("veths ready for XDP");
     let lan = tb.pass_on_lan_ports().expect("xdp_pass on the LAN ports");
-    tb.start_agents_with(frontends, &["--xdp", "native"])
+    tb.start_agents_with(family.frontends, &["--xdp", "native"])
         .expect("agents");
     (tb, Some(lan))
 }
 
-/// Counters on the LAN bridge of replies (TCP from port `PORT` to the client) by the
+/// Counters on the LAN bridge of replies (from `family`'s port to the client) by the
 /// bridge port they came in on: node A's, node B's (with node A's address).
-fn watch_replies(tb: &MultiNode) {
-    watch_replies_of(tb, "ip", NODE_A, CLIENT, PORT);
-}
-
-/// `watch_replies` for family `ip` ("ip", "ip6"), with node A's and the client's
-/// addresses of that family, replies from `port`.
-fn watch_replies_of(tb: &MultiNode, ip: &str, node_a: &str, client: &str, port: u16) {
+fn watch_replies(tb: &MultiNode, family: &Family) {
+    let Family {
+        nft: ip,
+        node_a,
+        client,
+        port,
+        ..
+    } = family;
     let rules = format!(
         "table bridge dsrwatch {{\n\
          counter from_a {{ }}\n\
@@ -116,45 +170,80 @@ fn replies(tb: &MultiNode, from: &str) -> u64 {
 #[needs_root]
 #[test]
 fn dsr_at_tc_keeps_the_client_address_and_replies_bypass_the_entry_node() {
-    dsr_end_to_end(false);
+    dsr_end_to_end(&V4, false);
 }
 
 #[needs_root]
 #[test]
 fn dsr_at_xdp_keeps_the_client_address_and_replies_bypass_the_entry_node() {
-    dsr_end_to_end(true);
+    dsr_end_to_end(&V4, true);
 }
 
-fn dsr_end_to_end(xdp: bool) {
-    let (mut tb, _lan_xdp) = testbed(xdp);
-    watch_replies(&tb);
+#[needs_root]
+#[test]
+fn dsr_over_ipv6_at_tc_keeps_the_client_address_and_replies_bypass_the_entry_node() {
+    dsr_end_to_end(&V6, false);
+}
+
+#[needs_root]
+#[test]
+fn dsr_over_ipv6_at_xdp_keeps_the_client_address_and_replies_bypass_the_entry_node() {
+    dsr_end_to_end(&V6, true);
+}
+
+/// 20 TCP connections (and over IPv6 10 UDP datagrams): the backend sees the client's
+/// own address, UDP's answers come from the frontend, and every reply leaves node B as
+/// node A (none through node A); a connection through node A's agent restart; the churn.
+fn dsr_end_to_end(family: &Family, xdp: bool) {
+    let (mut tb, _lan_xdp) = testbed(family, xdp);
+    watch_replies(&tb, family);
     let sent_at_xdp = |tb: &MultiNode| tb.counter("node-a", "xdp_tx");
     let xdp_before = sent_at_xdp(&tb);
-    let target = format!("{NODE_A}:{PORT}");
-    let a = tb
+    let target = family.target();
+    let logs = |tb: &MultiNode| format!("{}\n{}", tb.log("node-a"), tb.log("node-b"));
+    let tcp = tb
         .client(&["--target", &target, "--count", "20"])
         .expect("client");
-    assert!(
-        a.iter().all(|a| a.ok),
-        "{a:?}\n{}\n{}",
-        tb.log("node-a"),
-        tb.log("node-b")
-    );
-    for at in &a {
+    assert!(tcp.iter().all(|a| a.ok), "{tcp:?}\n{}", logs(&tb));
+    for at in &tcp {
         assert_eq!(at.backend.as_deref(), Some("pod-b"));
         assert_eq!(
             at.seen_as.as_deref(),
-            Some(CLIENT),
+            Some(family.client),
             "the client's own address"
         );
     }
+    let mut asked = 20;
+    if family.udp {
+        let udp = tb
+            .client(&["--target", &target, "--proto", "udp", "--count", "10"])
+            .expect("client");
+        assert!(udp.iter().all(|a| a.ok), "{udp:?}\n{}", logs(&tb));
+        for at in &udp {
+            assert_eq!(at.backend.as_deref(), Some("pod-b"));
+            assert_eq!(
+                at.seen_as.as_deref(),
+                Some(family.client),
+                "the client's own address"
+            );
+            assert_eq!(
+                at.peer.as_deref(),
+                Some(target.as_str()),
+                "answered as the frontend"
+            );
+        }
+        asked += 10;
+    }
     let (from_a, from_b) = (replies(&tb, "from_a"), replies(&tb, "from_b"));
     assert_eq!(from_a, 0, "no reply passed node A");
-    assert!(from_b >= 20, "replies came from node B as node A: {from_b}");
-    assert!(tb.counter("node-a", "dsr_sent") > 0);
+    assert!(
+        from_b >= asked,
+        "replies came from node B as node A: {from_b}"
+    );
+    assert!(tb.counter("node-a", "dsr_sent") >= asked);
     if xdp {
         assert!(
-            sent_at_xdp(&tb) - xdp_before >= 20,
+            sent_at_xdp(&tb) - xdp_before >= asked,
             "node A sent them at XDP, back out of the LAN port"
         );
     }
@@ -163,8 +252,8 @@ fn dsr_end_to_end(xdp: bool) {
         0,
         "node A translated no reply"
     );
-    assert!(tb.counter("node-b", "dsr_received") >= 20);
-    assert!(tb.counter("node-b", "ct_reply_nat") >= 20);
+    assert!(tb.counter("node-b", "dsr_received") >= asked);
+    assert!(tb.counter("node-b", "ct_reply_nat") >= asked);
 
     // A connection kept open, asking every 50 ms, while node A's agent is killed and
     // started again: not one answer missed.
@@ -174,7 +263,7 @@ fn dsr_end_to_end(xdp: bool) {
             &target,
             "--reuse-socket",
             "--count",
-            "60",
+            &family.session.to_string(),
             "--interval-ms",
             "50",
             "--timeout-ms",
@@ -182,17 +271,18 @@ fn dsr_end_to_end(xdp: bool) {
         ])
         .expect("client");
     thread::sleep(Duration::from_millis(500));
-    tb.restart_agent("node-a", FRONTENDS).expect("restart");
+    tb.restart_agent("node-a", family.frontends)
+        .expect("restart");
     let answers = session.finish().expect("session");
     // A broken flow shows as a failed attempt (the client then reconnects).
-    assert_eq!(answers.len(), 60, "{answers:?}");
+    assert_eq!(answers.len(), family.session, "{answers:?}");
     assert!(
         answers.iter().all(|a| a.ok),
         "one connection throughout, no answer missed: {answers:?}\n{}",
         tb.log("node-a")
     );
 
-    // 100,000 connections, each reset once up.
+    // The churn: connections each reset once up.
     let churn = tb
         .client(&[
             "--target",
@@ -200,13 +290,13 @@ fn dsr_end_to_end(xdp: bool) {
             "--proto",
             "tcp-churn",
             "--count",
-            "100000",
+            &family.churn.to_string(),
             "--timeout-ms",
             "5000",
         ])
         .expect("client");
     assert!(
-        churn.len() == 1 && churn[0].ok && churn[0].seq == 100_000,
+        churn.len() == 1 && churn[0].ok && churn[0].seq == family.churn,
         "{churn:?}"
     );
     assert_eq!(replies(&tb, "from_a"), 0, "still none through node A");
@@ -215,34 +305,44 @@ fn dsr_end_to_end(xdp: bool) {
 #[needs_root]
 #[test]
 fn dsr_at_tc_answers_too_big_with_room_for_its_option() {
-    too_big_with_room_for_the_option(false);
+    too_big_with_room_for_the_option(&V4, false);
 }
 
 #[needs_root]
 #[test]
 fn dsr_at_xdp_leaves_too_big_to_tc_which_answers_with_room_for_its_option() {
-    too_big_with_room_for_the_option(true);
+    too_big_with_room_for_the_option(&V4, true);
+}
+
+#[needs_root]
+#[test]
+fn dsr_over_ipv6_answers_too_big_with_room_for_its_header() {
+    too_big_with_room_for_the_option(&V6, false);
 }
 
 /// Every link is 1,500 bytes. With segmentation offload the client's segments travel
-/// as one GSO packet, and node A makes room for the option by shrinking its segments:
-/// the upload completes at the client's MTU. Without offload the client's full-size
-/// segments (don't-fragment) fit the LAN as sent, but not with the 8-byte option: node
-/// A answers "fragmentation needed" with 1,492 (at TC; XDP leaves them to TC
-/// unchanged, where GRO would merge them again unless it is off), the client learns it, and the 200 kB it sends reach the backend.
-fn too_big_with_room_for_the_option(xdp: bool) {
-    let (tb, _lan_xdp) = testbed(xdp);
+/// as one GSO packet, and node A makes room for the option (IPv6: header) by shrinking
+/// its segments: the upload completes at the client's MTU. Without offload the client's
+/// full-size segments (don't-fragment; every IPv6 packet) fit the LAN as sent, but not
+/// with the 8-byte option (24-byte header): node A answers "fragmentation needed"
+/// ("packet too big") with 1,492 (1,476) (at TC; XDP leaves them to TC unchanged, where
+/// GRO would merge them again unless it is off), the client learns it, and the 200 kB it
+/// sends reach the backend.
+fn too_big_with_room_for_the_option(family: &Family, xdp: bool) {
+    let (tb, _lan_xdp) = testbed(family, xdp);
+    let (node_a, port, sockopt) = (family.node_a, family.port, family.mtu_sockopt);
     let upload = format!(
         r#"
 import socket
-s = socket.create_connection(("{NODE_A}", {PORT}), timeout=10)
+s = socket.create_connection(("{node_a}", {port}), timeout=10)
 f = s.makefile("rb")
 first = f.readline()
 s.sendall(b"x" * 200000 + b"\n")
 second = f.readline()
-print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt(socket.IPPROTO_IP, 14))
+print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt({sockopt}))
 "#
     );
+    let learned = format!("pod-b pod-b {}", family.learned_mtu);
     let offloaded = tb.client_python(&upload).expect("the client's upload");
     // At XDP node A's port sees the client's segments as frames, which XDP leaves to TC
     // (too big with the option) and GRO merges again before TC: most of them. A segment
@@ -250,20 +350,19 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt(socket
     // with the option, answered with 1,492, rightly (CI saw it once). So there either
     // MTU is right, and what counts is that the upload completes.
     let ok: &[&str] = if xdp {
-        &["pod-b pod-b 1500", "pod-b pod-b 1492"]
+        &["pod-b pod-b 1500", &learned]
     } else {
         &["pod-b pod-b 1500"]
     };
     assert!(
         ok.contains(&offloaded.trim()),
-        "with offload: greeted before and after the upload, at the client's MTU (IP_MTU): {}\n{}",
+        "with offload: greeted before and after the upload, at the client's MTU: {}\n{}",
         offloaded.trim(),
         tb.log("node-a")
     );
     tb.in_client(&["ethtool", "-K", "eth0", "tso", "off", "gso", "off"])
         .expect("offload off");
-    tb.in_client(&["ip", "route", "flush", "cache"])
-        .expect("flush");
+    tb.in_client(family.flush).expect("flush");
     if xdp {
         // What XDP passes on would be merged again by GRO into one packet, whose
         // segments TC shrinks: this checks TC's answer to single frames.
@@ -276,7 +375,7 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt(socket
     let got = tb.client_python(&upload).expect("the client's upload");
     assert_eq!(
         got.trim(),
-        "pod-b pod-b 1492",
+        learned,
         "without offload: greeted before and after the upload, the MTU learned\n{}",
         tb.log("node-a")
     );
@@ -291,157 +390,4 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt(socket
             "XDP left it to TC"
         );
     }
-}
-
-#[needs_root]
-#[test]
-fn dsr_over_ipv6_at_tc_keeps_the_client_address_and_replies_bypass_the_entry_node() {
-    dsr6_end_to_end(false);
-}
-
-#[needs_root]
-#[test]
-fn dsr_over_ipv6_at_xdp_keeps_the_client_address_and_replies_bypass_the_entry_node() {
-    dsr6_end_to_end(true);
-}
-
-/// `dsr_end_to_end` over IPv6, TCP and UDP: the frontend rides in a Destination Options
-/// header; 10,000 connections.
-fn dsr6_end_to_end(xdp: bool) {
-    let (mut tb, _lan_xdp) = testbed6(xdp);
-    watch_replies_of(&tb, "ip6", NODE_A6, CLIENT6, PORT6);
-    let xdp_before = tb.counter("node-a", "xdp_tx");
-    let target = format!("[{NODE_A6}]:{PORT6}");
-    let logs = |tb: &MultiNode| format!("{}\n{}", tb.log("node-a"), tb.log("node-b"));
-    let tcp = tb
-        .client(&["--target", &target, "--count", "20"])
-        .expect("client");
-    assert!(tcp.iter().all(|a| a.ok), "{tcp:?}\n{}", logs(&tb));
-    for at in &tcp {
-        assert_eq!(at.backend.as_deref(), Some("pod-b"));
-        assert_eq!(
-            at.seen_as.as_deref(),
-            Some(CLIENT6),
-            "the client's own address"
-        );
-    }
-    let udp = tb
-        .client(&["--target", &target, "--proto", "udp", "--count", "10"])
-        .expect("client");
-    assert!(udp.iter().all(|a| a.ok), "{udp:?}\n{}", logs(&tb));
-    for at in &udp {
-        assert_eq!(at.backend.as_deref(), Some("pod-b"));
-        assert_eq!(
-            at.seen_as.as_deref(),
-            Some(CLIENT6),
-            "the client's own address"
-        );
-        assert_eq!(
-            at.peer.as_deref(),
-            Some(target.as_str()),
-            "answered as the frontend"
-        );
-    }
-    let (from_a, from_b) = (replies(&tb, "from_a"), replies(&tb, "from_b"));
-    assert_eq!(from_a, 0, "no reply passed node A");
-    assert!(from_b >= 30, "replies came from node B as node A: {from_b}");
-    assert!(tb.counter("node-a", "dsr_sent") >= 30);
-    assert_eq!(
-        tb.counter("node-a", "ct_reply_nat"),
-        0,
-        "node A translated no reply"
-    );
-    assert!(tb.counter("node-b", "dsr_received") >= 30);
-    assert!(tb.counter("node-b", "ct_reply_nat") >= 30);
-    if xdp {
-        assert!(
-            tb.counter("node-a", "xdp_tx") - xdp_before >= 30,
-            "node A sent them at XDP, back out of the LAN port"
-        );
-    }
-
-    // One connection throughout node A's agent restarting.
-    let session = tb
-        .spawn_client(&[
-            "--target",
-            &target,
-            "--reuse-socket",
-            "--count",
-            "40",
-            "--interval-ms",
-            "50",
-            "--timeout-ms",
-            "1000",
-        ])
-        .expect("client");
-    thread::sleep(Duration::from_millis(500));
-    tb.restart_agent("node-a", FRONTENDS6).expect("restart");
-    let answers = session.finish().expect("session");
-    assert_eq!(answers.len(), 40, "{answers:?}");
-    assert!(
-        answers.iter().all(|a| a.ok),
-        "one connection throughout, no answer missed: {answers:?}\n{}",
-        tb.log("node-a")
-    );
-
-    let churn = tb
-        .client(&[
-            "--target",
-            &target,
-            "--proto",
-            "tcp-churn",
-            "--count",
-            "10000",
-            "--timeout-ms",
-            "5000",
-        ])
-        .expect("client");
-    assert!(
-        churn.len() == 1 && churn[0].ok && churn[0].seq == 10_000,
-        "{churn:?}"
-    );
-    assert_eq!(replies(&tb, "from_a"), 0, "still none through node A");
-}
-
-/// `too_big_with_room_for_the_option` over IPv6, at TC: the client's full-size segments
-/// fit the LAN, not with the 24-byte header; node A answers "packet too big" with 1,476.
-#[needs_root]
-#[test]
-fn dsr_over_ipv6_answers_too_big_with_room_for_its_header() {
-    let (tb, _) = testbed6(false);
-    let upload = format!(
-        r#"
-import socket
-s = socket.create_connection(("{NODE_A6}", {PORT6}), timeout=10)
-f = s.makefile("rb")
-first = f.readline()
-s.sendall(b"x" * 200000 + b"\n")
-second = f.readline()
-print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt(socket.IPPROTO_IPV6, 24))
-"#
-    );
-    let offloaded = tb.client_python(&upload).expect("the client's upload");
-    assert_eq!(
-        offloaded.trim(),
-        "pod-b pod-b 1500",
-        "with offload: the upload completes at the client's MTU (IPV6_MTU)\n{}",
-        tb.log("node-a")
-    );
-    tb.in_client(&["ethtool", "-K", "eth0", "tso", "off", "gso", "off"])
-        .expect("offload off");
-    tb.in_client(&["ip", "-6", "route", "flush", "cache"])
-        .expect("flush");
-    let too_big_before = tb.counter("node-a", "too_big_sent");
-    let got = tb.client_python(&upload).expect("the client's upload");
-    assert_eq!(
-        got.trim(),
-        "pod-b pod-b 1476",
-        "without offload: the MTU learned\n{}",
-        tb.log("node-a")
-    );
-    assert!(
-        tb.counter("node-a", "too_big_sent") > too_big_before,
-        "node A's answer"
-    );
-    assert!(tb.counter("node-a", "dsr_sent") > 0, "through DSR");
 }
