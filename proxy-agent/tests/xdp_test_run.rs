@@ -374,19 +374,30 @@ fn reply_from_a_remote_backend_is_reverse_translated_at_xdp() {
     });
 }
 
-/// A harness as `node_port`'s (IPv4), its frontends in direct-server-return mode.
-fn node_port_dsr(backends: &[&str]) -> Harness {
+/// A harness as `node_port`'s, its frontends (on the node's address `node_ip`) in
+/// direct-server-return mode.
+fn node_port_dsr_on(node_ip: &str, backends: &[&str]) -> Harness {
     let mut h = Harness::new(&[]);
     configure_node(&mut h, false);
     let mut view = NodeView::new();
     for proto in [Protocol::Tcp, Protocol::Udp] {
-        let (f, mut st) = frontend("192.0.2.10", 30080, proto, backends);
+        let (f, mut st) = frontend(node_ip, 30080, proto, backends);
         st.kind = FrontendKind::NodePort;
         st.dsr = true;
         view.insert(f, st);
     }
     h.apply(&view);
     h
+}
+
+/// `node_port_dsr_on` the node's IPv4 address.
+fn node_port_dsr(backends: &[&str]) -> Harness {
+    node_port_dsr_on("192.0.2.10", backends)
+}
+
+/// `node_port_dsr_on` the node's IPv6 address.
+fn node_port_dsr6(backends: &[&str]) -> Harness {
+    node_port_dsr_on("2001:db8:a::10", backends)
 }
 
 /// The packet carries DSR's option for `frontend` right after its base header, and is
@@ -480,55 +491,89 @@ fn dsr_to_a_local_backend_is_plain_nat() {
     });
 }
 
-/// The backend's node: the option makes the flow's entries there, the packet goes on
-/// untouched (this node translates nothing of it), and the backend's replies leave as
-/// the frontend, to the client, straight out — with valid checksums; the client's
-/// ACK completes the handshake there (the flow is kept as established, not as new).
+/// The backend's node: the option (IPv6: header) makes the flow's entries there, the
+/// packet goes on untouched (this node translates nothing of it), and the backend's
+/// replies leave as the frontend, to the client, straight out — with valid checksums;
+/// the client's ACK completes the handshake there (the flow is kept as established, not
+/// as new).
 #[needs_root]
 #[test]
 fn the_backend_node_learns_the_flow_and_answers_as_the_frontend() {
     in_testbed(|uplink, _| {
-        let mut entry = node_port_dsr(&["10.244.2.7:8080"]);
-        let (client, frontend, backend) = (
-            sa("192.0.2.99:40000"),
-            sa("192.0.2.10:30080"),
-            sa("10.244.2.7:8080"),
-        );
-        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
-        // The backend's node has no Service of this frontend's: its own agent.
-        let mut node_b = Harness::new(&[]);
-        configure_node(&mut node_b, false);
-        let (verdict, out) = node_b.run(&syn);
-        assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
-        assert_eq!(out, syn, "untouched");
-        assert_eq!(node_b.counter("dsr_received"), 1);
-
-        let (_, out) = node_b.run(&tcp_with_flags(backend, client, 0x12));
-        let seen = inspect(&out);
-        assert_eq!((seen.src, seen.dst), (frontend, client), "as the frontend");
-        assert_eq!(node_b.counter("ct_reply_nat"), 1);
-
-        let (_, ack) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
-        let (verdict, out) = node_b.run(&ack);
-        assert_eq!((verdict, out), (TC_ACT_UNSPEC, ack));
-        assert_eq!(node_b.counter("dsr_received"), 1, "learnt once");
-        let entries = node_b.ct_entries();
-        assert_eq!(entries.len(), 2, "one flow, two entries");
-        let fwd = entries
-            .iter()
-            .find(|(k, _)| k.dir == proxy_common::CT_DIR_FORWARD)
-            .expect("forward entry");
-        assert_ne!(
-            fwd.1.flags & proxy_common::CT_F_ASSURED,
-            0,
-            "established after the handshake"
-        );
-        assert_eq!(
-            node_b.maps.conntrack.iter().count(),
-            2,
-            "in the answered table"
+        backend_node_learns(
+            node_port_dsr(&["10.244.2.7:8080"]),
+            uplink,
+            ("192.0.2.99:40000", "192.0.2.10:30080", "10.244.2.7:8080"),
         );
     });
+}
+
+#[needs_root]
+#[test]
+fn the_backend_node_learns_an_ipv6_flow_and_answers_as_the_frontend() {
+    in_testbed(|uplink, _| {
+        backend_node_learns(
+            node_port_dsr6(&["[fd00:244:2::7]:8080"]),
+            uplink,
+            (
+                "[2001:db8:a::99]:40000",
+                "[2001:db8:a::10]:30080",
+                "[fd00:244:2::7]:8080",
+            ),
+        );
+    });
+}
+
+/// The body of both: the entry node `entry` opens the flow at XDP, a second harness is
+/// the backend's node (which has no Service of this frontend's: its own agent).
+fn backend_node_learns(
+    mut entry: Harness,
+    uplink: u32,
+    (client, frontend, backend): (&str, &str, &str),
+) {
+    let (client, frontend, backend) = (sa(client), sa(frontend), sa(backend));
+    let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+    let mut node_b = Harness::new(&[]);
+    configure_node(&mut node_b, false);
+    let (verdict, out) = node_b.run(&syn);
+    assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
+    assert_eq!(out, syn, "untouched");
+    assert_eq!(node_b.counter("dsr_received"), 1);
+
+    let (_, out) = node_b.run(&tcp_with_flags(backend, client, 0x12));
+    let seen = inspect(&out);
+    assert_eq!((seen.src, seen.dst), (frontend, client), "as the frontend");
+    assert_eq!(node_b.counter("ct_reply_nat"), 1);
+
+    let (_, ack) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
+    let (verdict, out) = node_b.run(&ack);
+    assert_eq!((verdict, out), (TC_ACT_UNSPEC, ack));
+    assert_eq!(node_b.counter("dsr_received"), 1, "learnt once");
+    let entries = node_b.ct_entries();
+    assert_eq!(entries.len(), 2, "one flow, two entries");
+    let family = if client.is_ipv4() {
+        proxy_common::FAMILY_V4
+    } else {
+        proxy_common::FAMILY_V6
+    };
+    assert!(
+        entries.iter().all(|(k, _)| k.family == family),
+        "a flow of the client's family"
+    );
+    let fwd = entries
+        .iter()
+        .find(|(k, _)| k.dir == proxy_common::CT_DIR_FORWARD)
+        .expect("forward entry");
+    assert_ne!(
+        fwd.1.flags & proxy_common::CT_F_ASSURED,
+        0,
+        "established after the handshake"
+    );
+    assert_eq!(
+        node_b.maps.conntrack.iter().count(),
+        2,
+        "in the answered table"
+    );
 }
 
 /// The option's 8 bytes count in XDP's MTU check: a packet that fits the uplink as it
@@ -555,21 +600,6 @@ fn dsr_counts_its_option_in_the_mtu_check() {
         let (verdict, _) = snat.run_xdp(&pkt, uplink);
         assert_eq!(verdict, XDP_TX, "it fits without the option");
     });
-}
-
-/// As `node_port_dsr`, on the node's IPv6 address.
-fn node_port_dsr6(backends: &[&str]) -> Harness {
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    let mut view = NodeView::new();
-    for proto in [Protocol::Tcp, Protocol::Udp] {
-        let (f, mut st) = frontend("2001:db8:a::10", 30080, proto, backends);
-        st.kind = FrontendKind::NodePort;
-        st.dsr = true;
-        view.insert(f, st);
-    }
-    h.apply(&view);
-    h
 }
 
 /// The packet carries DSR's IPv6 Destination Options header for `frontend` right after
@@ -641,52 +671,6 @@ fn dsr_over_ipv6_carries_the_frontend_in_a_destination_options_header() {
         sent += 1;
         assert_eq!(h.counter("dsr_sent"), sent);
         assert_eq!(h.counter("snat"), 0, "nothing masqueraded");
-    });
-}
-
-/// The backend's node, IPv6: the header makes the flow's entries there, the packet goes
-/// on untouched, the backend's replies leave as the frontend with valid checksums, and
-/// the client's ACK completes the handshake there.
-#[needs_root]
-#[test]
-fn the_backend_node_learns_an_ipv6_flow_and_answers_as_the_frontend() {
-    in_testbed(|uplink, _| {
-        let mut entry = node_port_dsr6(&["[fd00:244:2::7]:8080"]);
-        let (client, frontend, backend) = (
-            sa("[2001:db8:a::99]:40000"),
-            sa("[2001:db8:a::10]:30080"),
-            sa("[fd00:244:2::7]:8080"),
-        );
-        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
-        let mut node_b = Harness::new(&[]);
-        configure_node(&mut node_b, false);
-        let (verdict, out) = node_b.run(&syn);
-        assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
-        assert_eq!(out, syn, "untouched");
-        assert_eq!(node_b.counter("dsr_received"), 1);
-
-        let (_, out) = node_b.run(&tcp_with_flags(backend, client, 0x12));
-        let seen = inspect(&out);
-        assert_eq!((seen.src, seen.dst), (frontend, client), "as the frontend");
-        assert_eq!(node_b.counter("ct_reply_nat"), 1);
-
-        let (_, ack) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
-        let (verdict, out) = node_b.run(&ack);
-        assert_eq!((verdict, out), (TC_ACT_UNSPEC, ack));
-        assert_eq!(node_b.counter("dsr_received"), 1, "learnt once");
-        let entries = node_b.ct_entries();
-        assert_eq!(entries.len(), 2, "one flow, two entries");
-        assert!(
-            entries
-                .iter()
-                .all(|(k, _)| k.family == proxy_common::FAMILY_V6),
-            "an IPv6 flow"
-        );
-        assert_eq!(
-            node_b.maps.conntrack.iter().count(),
-            2,
-            "in the answered table"
-        );
     });
 }
 
