@@ -1,10 +1,11 @@
 //! Direct server return's IPv4 option and IPv6 header: how the node a client sent to
 //! tells the backend's node which frontend the flow is for (the packet's own destination
-//! is already the backend). Eight bytes, right after the base header (`ihl` 5 → 7), on every packet of
-//! the flow, so a backend node that lost its entries (an agent restart) learns the flow
+//! is already the backend). It rides on every packet of the flow, right after the base
+//! header, so a backend node that lost its entries (an agent restart) learns the flow
 //! again from the next packet.
 //!
-//! `[type, length, port (2, network order), address (4, network order)]`. The type is
+//! IPv4: eight bytes (`ihl` 5 → 7), `[type, length, port (2, network order), address (4,
+//! network order)]`. The type is
 //! "copied" (bit 7: every fragment carries it), class 0, number 26 — the value Cilium's
 //! DSR uses, unassigned by IANA; Linux skips options it does not know, so a backend's
 //! stack accepts the packet as it is.
@@ -61,12 +62,12 @@ pub const DSR_HDR6_LEN: u8 = 24;
 
 /// The header's first word (`next`, its length, the option's type and length), as it
 /// lies in the packet.
-pub fn dsr_header6_first(next: u8) -> u32 {
+fn dsr_header6_first(next: u8) -> u32 {
     u32::from_ne_bytes([next, DSR_HDR6_LEN / 8 - 1, DSR_OPT6_TYPE, DSR_OPT6_DATA])
 }
 
 /// The header's last word: the port (network byte order) and two zero bytes.
-pub fn dsr_header6_last(port: u16) -> u32 {
+fn dsr_header6_last(port: u16) -> u32 {
     let p = port.to_ne_bytes();
     u32::from_ne_bytes([p[0], p[1], 0, 0])
 }
