@@ -5,10 +5,9 @@
 //! again from the next packet.
 //!
 //! IPv4: eight bytes (`ihl` 5 → 7), `[type, length, port (2, network order), address (4,
-//! network order)]`. The type is
-//! "copied" (bit 7: every fragment carries it), class 0, number 26 — the value Cilium's
-//! DSR uses, unassigned by IANA; Linux skips options it does not know, so a backend's
-//! stack accepts the packet as it is.
+//! network order)]`. The type is "copied" (bit 7: every fragment carries it), class 0,
+//! number 26 — the value Cilium's DSR uses, unassigned by IANA; Linux skips options it
+//! does not know, so a backend's stack accepts the packet as it is.
 
 // IPv4.
 
