@@ -117,33 +117,62 @@ impl MultiNode {
         for lb in LB_IPS {
             ip(&client_ns, &format!("route add {lb}/32 via {NODE_A}"))?;
         }
-        for (name, addr, pod_net, pod, other_net, other, addr6, other6) in [
-            (
-                "a",
-                NODE_A,
-                "10.244.1",
-                POD_A,
-                "10.244.2.0/24",
-                NODE_B,
-                NODE_A6,
-                NODE_B6,
-            ),
-            (
-                "b",
-                NODE_B,
-                "10.244.2",
-                POD_B,
-                "10.244.1.0/24",
-                NODE_A,
-                NODE_B6,
-                NODE_A6,
-            ),
-        ] {
-            let (pod_net6, pod6, other_net6) = if name == "a" {
-                ("fd00:244:1", POD_A6, "fd00:244:2::/64")
-            } else {
-                ("fd00:244:2", POD_B6, "fd00:244:1::/64")
-            };
+        // Each node's addresses, its pod network, and the other node's, in both families.
+        struct Net {
+            name: &'static str,
+            addr: &'static str,
+            pod_net: &'static str,
+            pod: &'static str,
+            other_net: &'static str,
+            other: &'static str,
+            addr6: &'static str,
+            pod_net6: &'static str,
+            pod6: &'static str,
+            other_net6: &'static str,
+            other6: &'static str,
+        }
+        let nets = [
+            Net {
+                name: "a",
+                addr: NODE_A,
+                pod_net: "10.244.1",
+                pod: POD_A,
+                other_net: "10.244.2.0/24",
+                other: NODE_B,
+                addr6: NODE_A6,
+                pod_net6: "fd00:244:1",
+                pod6: POD_A6,
+                other_net6: "fd00:244:2::/64",
+                other6: NODE_B6,
+            },
+            Net {
+                name: "b",
+                addr: NODE_B,
+                pod_net: "10.244.2",
+                pod: POD_B,
+                other_net: "10.244.1.0/24",
+                other: NODE_A,
+                addr6: NODE_B6,
+                pod_net6: "fd00:244:2",
+                pod6: POD_B6,
+                other_net6: "fd00:244:1::/64",
+                other6: NODE_A6,
+            },
+        ];
+        for Net {
+            name,
+            addr,
+            pod_net,
+            pod,
+            other_net,
+            other,
+            addr6,
+            pod_net6,
+            pod6,
+            other_net6,
+            other6,
+        } in nets
+        {
             let node_ns = self.add_ns(&format!("n{name}"))?;
             for (k, v) in [
                 ("net.ipv6.conf.all.forwarding", "1"),
