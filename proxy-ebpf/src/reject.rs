@@ -199,6 +199,9 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     let ack = u32::from_be(ctx.load::<u32>(l4 + 8).map_err(|_| DROP)?);
     let doff = usize::from(ctx.load::<u8>(l4 + 12).map_err(|_| DROP)? >> 4) * 4;
     let v4 = pkt.family == FAMILY_V4;
+    if l4 != ETH_HLEN + if v4 { 20 } else { 40 } {
+        return Err(DROP); // IP options, an extension header: not worth a reset
+    }
     let ip_payload = if v4 {
         let tot = usize::from(u16::from_be(
             ctx.load::<u16>(ETH_HLEN + 2).map_err(|_| DROP)?,
@@ -245,9 +248,6 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
             .map_err(|_| DROP)?;
         ctx.store(ETH_HLEN + 16, &pkt.saddr[0], 0)
             .map_err(|_| DROP)?;
-        if ihl != 20 {
-            return Err(DROP); // options: not worth a reset
-        }
         ctx.store(ETH_HLEN + 10, &0u16, 0).map_err(|_| DROP)?;
         let iph: [u32; 5] = ctx.load(ETH_HLEN).map_err(|_| DROP)?;
         let ip_csum = fold(csum_diff(&iph)?);
@@ -260,9 +260,6 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         ];
         fold(csum_diff(&pseudo)? as u64 + csum_diff(tcp.words())? as u64)
     } else {
-        if l4 != ETH_HLEN + 40 {
-            return Err(DROP); // an extension header (direct server return's): no reset
-        }
         ctx.store(ETH_HLEN + 4, &(TCP_HLEN as u16).to_be(), 0)
             .map_err(|_| DROP)?;
         ctx.store(ETH_HLEN + 7, &64u8, 0).map_err(|_| DROP)?;
