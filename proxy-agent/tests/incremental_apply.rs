@@ -528,3 +528,52 @@ fn a_first_programming_that_does_not_fit_fails_whole_frontends_only() {
         }
     }
 }
+
+/// One UDP frontend with `endpoints` (10.244.0.N:53).
+fn udp_view(endpoints: &[u8]) -> NodeView {
+    let mut view = NodeView::new();
+    let fe = Frontend {
+        ip: IpAddr::from([10, 96, 0, 10]),
+        port: 53,
+        protocol: Protocol::Udp,
+    };
+    let st = FrontendState::builder("ns/dns:dns", FrontendKind::ClusterIp)
+        .backend_set(BackendSet {
+            endpoints: endpoints
+                .iter()
+                .map(|n| SocketAddr::new(IpAddr::from([10, 244, 0, *n]), 53))
+                .collect(),
+            when_empty: WhenEmpty::Reject,
+        })
+        .build();
+    view.insert(fe, st);
+    view
+}
+
+/// The endpoints that left a UDP frontend are reported once (their connected sockets are
+/// destroyed); one that is back by the time they are taken is not: its sockets have a
+/// live backend again.
+#[needs_root]
+#[test]
+fn an_endpoint_that_left_a_udp_frontend_is_reported_unless_it_is_back() {
+    let (_obj, mut maps) = bpf::load_private(&[]).expect("load");
+    let mut state = MapState::adopt(&maps).expect("adopt");
+    state.apply(&mut maps, &udp_view(&[2, 3])).expect("apply");
+    assert!(state.take_left_udp().is_empty());
+
+    state.apply(&mut maps, &udp_view(&[2])).expect("apply");
+    let left = state.take_left_udp();
+    let addrs: Vec<[u32; 4]> = left.iter().map(|l| l.backend.addr).collect();
+    assert_eq!(
+        addrs,
+        vec![[u32::from_ne_bytes([10, 244, 0, 3]), 0, 0, 0]],
+        "{left:?}"
+    );
+    assert!(state.take_left_udp().is_empty(), "reported once");
+
+    // Leaves, and is back before the records are taken (a sync in between failed).
+    state.apply(&mut maps, &udp_view(&[3])).expect("apply");
+    state.apply(&mut maps, &udp_view(&[2, 3])).expect("apply");
+    let left = state.take_left_udp();
+    assert!(left.is_empty(), "both are members again: {left:?}");
+}

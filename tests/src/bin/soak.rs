@@ -206,18 +206,25 @@ struct Worker {
     expected: BTreeMap<String, u64>,
     /// Long-lived flows: answers after an idle gap on the same flow, same backend.
     idle_cycles: u64,
+    /// The first failures' timeline lines, repeated at the end where a CI log's tail
+    /// shows them.
+    first_failures: Vec<String>,
 }
 
 impl Worker {
     /// Counts a failure by `why` and puts it on the timeline (stderr) with `detail`.
     fn fail(&mut self, at: Instant, why: String, detail: &str) {
-        eprintln!(
+        let line = format!(
             "t={:.1}s FAILED {} {} {}: {why} {detail}",
             t(at),
             path_name(self.path),
             self.kind.name(),
             self.target
         );
+        eprintln!("{line}");
+        if self.first_failures.len() < 3 {
+            self.first_failures.push(line);
+        }
         *self.failures.entry(why).or_insert(0) += 1;
     }
 
@@ -544,6 +551,9 @@ struct Soak {
     restarts: u64,
     /// The last log lines of agents already killed (the testbed keeps the current one's).
     old_logs: String,
+    /// Every agent's lines about the connected UDP sockets it destroyed (debug), for a
+    /// failed run: which socket went, to which backend, when.
+    destroys: String,
     /// The fake API server, with `--source api`.
     api: Option<ApiFeed>,
     /// Which of `EXTRA_VIP4` the objects hold.
@@ -771,6 +781,7 @@ impl Soak {
         self.tb.kill_agent()?;
         // Only the end of each agent's log: a long run restarts it many times.
         let log = self.tb.agent_log();
+        self.destroys.push_str(&destroy_lines(&log));
         let lines: Vec<&str> = log.lines().collect();
         for l in &lines[lines.len().saturating_sub(40)..] {
             self.old_logs.push_str(l);
@@ -790,6 +801,17 @@ fn main() -> Result<()> {
     let args = Args::parse();
     // SAFETY: single-threaded at this point; the harness reads it to find the agent.
     unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
+    // The agents' log (they inherit it) also names each socket they destroy, which a
+    // failure's timeline is read against.
+    if std::env::var_os("RUST_LOG").is_none() {
+        // SAFETY: single-threaded still.
+        unsafe {
+            std::env::set_var(
+                "RUST_LOG",
+                "info,proxy_ebpf=trace,proxy_agent::dataplane::bpf::sockets=debug",
+            )
+        };
+    }
     test_support::require_root("the soak")?;
     // Ctrl-C and SIGTERM end the run early; the testbed is still removed on the way out.
     // SAFETY: the handler only stores to an atomic.
@@ -841,6 +863,7 @@ fn main() -> Result<()> {
         changes: 0,
         restarts: 0,
         old_logs: String::new(),
+        destroys: String::new(),
         api,
         extra: 0,
         faults: FaultLog::default(),
@@ -919,6 +942,7 @@ fn main() -> Result<()> {
                 failures: BTreeMap::new(),
                 expected: BTreeMap::new(),
                 idle_cycles: 0,
+                first_failures: Vec::new(),
             }));
             let pid = child.id();
             kill.0.push(pid);
@@ -1066,7 +1090,10 @@ fn main() -> Result<()> {
         bail!("interrupted after {:.0} s", ran.as_secs_f64());
     }
     if failed > 0 {
-        let log = format!("{}{}", soak.old_logs, soak.tb.agent_log());
+        let current = soak.tb.agent_log();
+        eprintln!("\nThe agents' connected UDP socket destroys:");
+        eprint!("{}{}", soak.destroys, destroy_lines(&current));
+        let log = format!("{}{}", soak.old_logs, current);
         let tail: Vec<&str> = log.lines().rev().take(40).collect();
         eprintln!("\nThe agents' last log lines:");
         for l in tail.iter().rev() {
@@ -1080,6 +1107,14 @@ fn main() -> Result<()> {
         bail!("{failed} failures");
     }
     Ok(())
+}
+
+/// An agent log's lines about connected UDP sockets destroyed (or not).
+fn destroy_lines(log: &str) -> String {
+    log.lines()
+        .filter(|l| l.contains("connected UDP socket"))
+        .map(|l| format!("{l}\n"))
+        .collect()
 }
 
 /// A line of the table.
@@ -1183,6 +1218,9 @@ fn report(
     for (k, n) in &kinds {
         println!("  {k}  ×{n}");
         why.push(format!("requests: {k}  ×{n}"));
+    }
+    for w in results {
+        why.extend(w.first_failures.iter().map(|l| format!("  {l}")));
     }
     println!(
         "expected events:{}",

@@ -34,10 +34,13 @@ use super::{netlink::Channel, writer::LeftUdp};
 /// sock_diag's destroy request (`linux/sock_diag.h`).
 const SOCK_DESTROY: u16 = 21;
 
-/// Cookies of the sockets that connect-time balancing connected, on behalf of a frontend,
-/// to an endpoint that has left that frontend. (Unconnected sockets need nothing: their
-/// next datagram is balanced again.)
-pub fn cookies_of(sock_lb: &BpfHashMap<MapData, u64, SockLb>, left: &[LeftUdp]) -> HashSet<u64> {
+/// The sockets that connect-time balancing connected, on behalf of a frontend, to an
+/// endpoint that has left that frontend: by cookie, the backend each is connected to.
+/// (Unconnected sockets need nothing: their next datagram is balanced again.)
+pub fn cookies_of(
+    sock_lb: &BpfHashMap<MapData, u64, SockLb>,
+    left: &[LeftUdp],
+) -> HashMap<u64, SocketAddr> {
     let left: HashSet<_> = left
         .iter()
         .map(|l| {
@@ -50,7 +53,7 @@ pub fn cookies_of(sock_lb: &BpfHashMap<MapData, u64, SockLb>, left: &[LeftUdp]) 
         })
         .collect();
     if left.is_empty() {
-        return HashSet::new();
+        return HashMap::new();
     }
     sock_lb
         .iter()
@@ -61,13 +64,26 @@ pub fn cookies_of(sock_lb: &BpfHashMap<MapData, u64, SockLb>, left: &[LeftUdp]) 
             let b = &v.connected;
             b.service_id != 0 && left.contains(&(b.rev_nat_id, b.addr, b.port, b.family))
         })
-        .map(|(cookie, _)| cookie)
+        .map(|(cookie, v)| {
+            let b = &v.connected;
+            (
+                cookie,
+                proxy_common::addr::socket_addr(b.addr, b.family, b.port),
+            )
+        })
         .collect()
+}
+
+/// Whether a socket sock_diag found connected to `peer` is still connected to `backend`,
+/// the peer its binding named when the bindings were read: one that connected again
+/// since (to a live backend) stays. An IPv6 socket shows an IPv4 backend mapped.
+fn still_connected_to(peer: SocketAddr, backend: SocketAddr) -> bool {
+    peer.port() == backend.port() && peer.ip().to_canonical() == backend.ip().to_canonical()
 }
 
 /// Destroys the connected UDP sockets with these cookies in the network namespaces of
 /// the processes under `cgroup`. Returns how many were destroyed.
-pub fn destroy(cgroup: &Path, cookies: &HashSet<u64>) -> Result<usize> {
+pub fn destroy(cgroup: &Path, cookies: &HashMap<u64, SocketAddr>) -> Result<usize> {
     if cookies.is_empty() {
         return Ok(0);
     }
@@ -128,22 +144,35 @@ fn namespaces_under(cgroup: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// In the calling thread (which it moves into the namespace at `netns`): finds the
-/// connected UDP sockets with one of `cookies` and destroys them.
-fn destroy_in(netns: &Path, cookies: &HashSet<u64>) -> Result<usize> {
+/// connected UDP sockets with one of `cookies`, still connected to the backend that
+/// left, and destroys them.
+fn destroy_in(netns: &Path, cookies: &HashMap<u64, SocketAddr>) -> Result<usize> {
     crate::netns::enter(netns)?;
     let mut diag = Diag::open()?;
     let mut destroyed = 0;
     for family in [AF_INET, AF_INET6] {
         for id in diag.connected_udp(family)? {
-            if !cookies.contains(&cookie(&id)) {
+            let peer = SocketAddr::new(id.destination_address, id.destination_port);
+            let (local_port, cookie) = (id.source_port, cookie(&id));
+            let Some(backend) = cookies.get(&cookie) else {
+                continue;
+            };
+            if !still_connected_to(peer, *backend) {
+                tracing::debug!(
+                    %peer,
+                    left = %backend,
+                    cookie,
+                    "connected UDP socket kept: it connected again since"
+                );
                 continue;
             }
-            let peer = SocketAddr::new(id.destination_address, id.destination_port);
             match diag.destroy(family, id) {
                 Ok(()) => {
                     destroyed += 1;
                     tracing::debug!(
                         backend = %peer,
+                        local_port,
+                        cookie,
                         "connected UDP socket of a removed backend destroyed"
                     );
                 }
@@ -218,5 +247,41 @@ impl Diag {
                 }),
             )
             .context("SOCK_DESTROY refused")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: &str) -> SocketAddr {
+        s.parse().expect("address")
+    }
+
+    #[test]
+    fn a_socket_still_at_the_left_backend_goes() {
+        assert!(still_connected_to(at("10.244.1.2:53"), at("10.244.1.2:53")));
+        assert!(still_connected_to(at("[fd00::2]:53"), at("[fd00::2]:53")));
+    }
+
+    #[test]
+    fn an_ipv6_socket_at_an_ipv4_backend_shows_it_mapped() {
+        assert!(still_connected_to(
+            at("[::ffff:10.244.1.2]:53"),
+            at("10.244.1.2:53")
+        ));
+    }
+
+    /// Connected again between reading the bindings and the destroy: to a live backend.
+    #[test]
+    fn a_socket_that_connected_again_since_stays() {
+        assert!(!still_connected_to(
+            at("10.244.1.3:53"),
+            at("10.244.1.2:53")
+        ));
+        assert!(!still_connected_to(
+            at("10.244.1.2:54"),
+            at("10.244.1.2:53")
+        ));
     }
 }

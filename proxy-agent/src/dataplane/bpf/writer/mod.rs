@@ -148,6 +148,8 @@ fn desired_entries<'a>(
 /// the same pod may still serve another Service).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeftUdp {
+    /// The frontend it left.
+    pub key: ServiceKey,
     pub rev_nat_id: u32,
     pub backend_id: u32,
     pub backend: Backend,
@@ -401,9 +403,25 @@ impl MapState {
     }
 
     /// The UDP endpoints that left a frontend since the last call (their connected
-    /// sockets and kernel conntrack entries may need clearing).
+    /// sockets and kernel conntrack entries may need clearing), less those whose address
+    /// the frontend has by now: one back since (a record kept past a failed sync), or one
+    /// that only changed state (active → terminating, a new id) must not cost a socket
+    /// its live backend.
     pub fn take_left_udp(&mut self) -> Vec<LeftUdp> {
-        std::mem::take(&mut self.left_udp)
+        let mut left = std::mem::take(&mut self.left_udp);
+        let same_endpoint = |a: &Backend, b: &Backend| {
+            (a.addr, a.port, a.family, a.proto) == (b.addr, b.port, b.family, b.proto)
+        };
+        left.retain(|l| {
+            self.services.get(&l.key).is_none_or(|p| {
+                !p.backend_ids.iter().any(|id| {
+                    self.backends
+                        .get(*id)
+                        .is_some_and(|b| same_endpoint(b, &l.backend))
+                })
+            })
+        });
+        left
     }
 
     /// Records the UDP endpoints of `old` (frontend `key`) that `now` no longer has.
@@ -414,6 +432,7 @@ impl MapState {
         for id in old.backend_ids.iter().filter(|id| !now.contains(id)) {
             if let Some(backend) = self.backends.get(*id) {
                 self.left_udp.push(LeftUdp {
+                    key,
                     rev_nat_id: old.value.rev_nat_id,
                     backend_id: *id,
                     backend: *backend,
