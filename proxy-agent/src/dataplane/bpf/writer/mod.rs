@@ -404,9 +404,8 @@ impl MapState {
 
     /// The UDP endpoints that left a frontend since the last call (their connected
     /// sockets and kernel conntrack entries may need clearing), less those whose address
-    /// the frontend has by now: one back since (a record kept past a failed sync), or one
-    /// that only changed state (active → terminating, a new id) must not cost a socket
-    /// its live backend.
+    /// the frontend has by now, under any id: one back since (a record kept past a
+    /// failed sync) must not cost a socket its live backend.
     pub fn take_left_udp(&mut self) -> Vec<LeftUdp> {
         let mut left = std::mem::take(&mut self.left_udp);
         let same_endpoint = |a: &Backend, b: &Backend| {
