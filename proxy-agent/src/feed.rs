@@ -177,6 +177,7 @@ async fn follow(
             unreadable: 0,
             api_validated: state.api_validated,
             nodes: Default::default(),
+            partial: false,
         };
         if tx.is_closed() {
             return Ok(Streamed::ReceiverGone);

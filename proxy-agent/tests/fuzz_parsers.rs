@@ -890,6 +890,7 @@ fn check_api_answers(
                     Duration::from_millis(20),
                 ),
                 all_nodes: false,
+                stream_first_list: false,
             },
             tx,
         ));

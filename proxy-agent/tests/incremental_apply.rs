@@ -577,3 +577,76 @@ fn an_endpoint_that_left_a_udp_frontend_is_reported_unless_it_is_back() {
     let left = state.take_left_udp();
     assert!(left.is_empty(), "both are members again: {left:?}");
 }
+
+/// The first programming staged while the lists arrive: partial views (first a third of
+/// the frontends with half their endpoints, then two thirds with all of them, and one
+/// frontend the final view no longer has) write no service entry at all; the apply of
+/// the whole view then leaves the maps exactly as an apply without staging, with nothing
+/// left behind, and a later stage (something is live now) writes nothing.
+#[needs_root]
+#[test]
+fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply() {
+    let full = many_frontends(6);
+    let keys: Vec<Frontend> = full.keys().copied().collect();
+    let mut first = NodeView::new();
+    for fe in &keys[..100] {
+        let mut st = full.get(fe).expect("frontend").clone();
+        let half: Vec<SocketAddr> = st.backends.endpoints.iter().take(3).collect();
+        st.backends.endpoints = half.into_iter().collect();
+        first.insert(*fe, st);
+    }
+    let gone = Frontend {
+        ip: IpAddr::from([10, 97, 0, 1]),
+        port: 53,
+        protocol: Protocol::Udp,
+    };
+    let gone_state = FrontendState::builder("ns/gone:dns", FrontendKind::ClusterIp)
+        .backend_set(BackendSet {
+            endpoints: [SocketAddr::from(([10, 245, 0, 1], 53))].into_iter().collect(),
+            when_empty: WhenEmpty::Reject,
+        })
+        .build();
+    first.insert(gone, gone_state);
+    let mut second = first.clone();
+    for fe in &keys[..200] {
+        second.insert(*fe, full.get(fe).expect("frontend").clone());
+    }
+
+    let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
+    let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
+    let mut a = MapState::adopt(&a_maps).expect("adopt");
+    let mut b = MapState::adopt(&b_maps).expect("adopt");
+    let mut staged_view = NodeView::new();
+    for partial in [&first, &second] {
+        let changed = staged_view.changed_frontends(partial);
+        let staged = a.stage(&mut a_maps, partial, &changed).expect("stage");
+        assert!(staged > 0, "something staged");
+        staged_view = partial.clone();
+        assert_eq!(
+            a_maps.services.keys().count(),
+            0,
+            "no service entry before the lists are complete"
+        );
+        assert!(a_maps.slots.keys().count() > 0, "slots written ahead");
+        assert!(a_maps.backends.keys().count() > 0, "backends written ahead");
+    }
+    let ra = a.apply(&mut a_maps, &full).expect("apply after staging");
+    let rb = b.apply(&mut b_maps, &full).expect("plain apply");
+    assert!(ra.failed.is_empty() && rb.failed.is_empty());
+    assert_eq!(ra.frontends_removed, 1, "the staged frontend the view lost");
+    let (ca, cb) = (contents(&a_maps), contents(&b_maps));
+    assert_eq!(ca.services.len(), 300);
+    assert_eq!(ca, cb, "as an apply without staging: nothing left behind");
+    assert!(
+        a.take_left_udp().is_empty(),
+        "a staged frontend served no flow: nothing to clear"
+    );
+    // Live now: a partial view must not touch it.
+    let changed: BTreeSet<Frontend> = keys[..10].iter().copied().collect();
+    assert_eq!(a.stage(&mut a_maps, &first, &changed).expect("stage"), 0);
+    assert_eq!(contents(&a_maps), cb);
+    // And the maps adopt exactly.
+    let mut adopted = MapState::adopt(&a_maps).expect("adopt");
+    let r = adopted.apply(&mut a_maps, &full).expect("again");
+    assert_eq!((r.frontends_written, r.frontends_removed), (0, 0));
+}

@@ -95,6 +95,8 @@ fn start_with_caps<D: Dataplane + Send + 'static>(
             node_name: "node-a".into(),
             label_selector: source::kube::label_selector(None),
             counters: status.api_counters(),
+            // As `proxy-agent run` has it.
+            stream_first_list: true,
             ..Default::default()
         },
         tx,

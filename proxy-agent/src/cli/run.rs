@@ -355,6 +355,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 node_name: node.name.clone(),
                 label_selector: source::kube::label_selector(cfg.service_proxy_name.as_deref()),
                 counters,
+                // The runner stages the first programming as the lists arrive.
+                stream_first_list: true,
                 ..Default::default()
             };
             let status = status.clone();

@@ -57,6 +57,15 @@ pub trait Dataplane {
         self.apply(view)
     }
 
+    /// The first programming ahead of its end, while the first lists still arrive: a
+    /// dataplane that can writes what the `changed` frontends of this partial `view` will
+    /// need, none of it reachable yet, so the first `apply` has less left to do. Nothing
+    /// is served from a partial view. Returns how many frontends it staged.
+    fn stage(&mut self, view: &NodeView, changed: &BTreeSet<Frontend>) -> anyhow::Result<usize> {
+        let _ = (view, changed);
+        Ok(0)
+    }
+
     /// The most endpoints one frontend can have here (the view refuses larger sets).
     fn max_endpoints(&self) -> usize {
         usize::MAX

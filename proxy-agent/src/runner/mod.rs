@@ -79,6 +79,48 @@ pub fn view_from_manifests(
     Ok(view)
 }
 
+/// A partial snapshot (the first lists, still arriving): the view updated with what it
+/// brought, and the dataplane stages it. Nothing is applied, reported or served; the
+/// first complete snapshot's apply compares everything as usual.
+fn stage<D: Dataplane>(
+    snapshot: &SharedSnapshot,
+    cfg: &ViewConfig,
+    dataplane: &mut D,
+    tracker: &mut Option<ViewTracker>,
+    tracked: &mut Option<SharedSnapshot>,
+    status: &Status,
+) {
+    let mut cfg = cfg.clone();
+    cfg.api_validated = snapshot.api_validated;
+    let t = tracker.get_or_insert_with(|| ViewTracker::new(snapshot.node.clone(), cfg.clone()));
+    let node_changed = t.set_node(&snapshot.node, &cfg);
+    let started = std::time::Instant::now();
+    let changes = match tracked.as_ref() {
+        Some(prev) if !node_changed => {
+            t.update(&snapshot.model, &prev.model.changes_to(&snapshot.model).services)
+        }
+        _ => t.rebuild(&snapshot.model),
+    };
+    *tracked = Some(SharedSnapshot::clone(snapshot));
+    // Logged and counted now: to the tracker they are not new any more.
+    for r in &changes.new_rejections {
+        tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
+    }
+    if !changes.new_rejections.is_empty() {
+        status.count_rejections(changes.new_rejections.len());
+    }
+    match dataplane.stage(t.view(), &changes.frontends) {
+        Ok(staged) => tracing::debug!(
+            staged,
+            frontends = t.view().len(),
+            took_ms = started.elapsed().as_millis() as u64,
+            "first programming staged ahead"
+        ),
+        // The apply writes everything then.
+        Err(e) => tracing::warn!(error = format!("{e:#}"), "staging the first programming failed"),
+    }
+}
+
 /// Steps of the audit per resync period: each compares about 1/`AUDIT_STEPS` of what is
 /// programmed (at 100k Services, a thousand frontends: milliseconds, not the seconds a
 /// whole pass takes), so no change waits long behind one.
@@ -172,6 +214,13 @@ pub async fn run<D: Dataplane>(
         let Some(snapshot) = source.borrow_and_update().clone() else {
             continue; // the source has not seen everything yet
         };
+        if snapshot.partial {
+            stage(&snapshot, &cfg, dataplane, &mut tracker, &mut tracked, &status);
+            continue;
+        }
+        // Trigger times count from the first complete snapshot on: before it, the
+        // first lists' objects, which changed nothing programmed.
+        let after_partial = tracked.as_ref().is_some_and(|s| s.partial);
         // Checks that repeat the API server's validation are for sources it did not
         // validate (a change of source rebuilds the view, as a change of settings does).
         cfg.api_validated = snapshot.api_validated;
@@ -194,7 +243,9 @@ pub async fn run<D: Dataplane>(
         let changes = match &tracked {
             Some(prev) => {
                 let model_changes = prev.model.changes_to(&snapshot.model);
-                programming.0.extend(model_changes.triggers);
+                if !after_partial {
+                    programming.0.extend(model_changes.triggers);
+                }
                 if node_changed {
                     t.rebuild(&snapshot.model)
                 } else {
@@ -203,7 +254,7 @@ pub async fn run<D: Dataplane>(
             }
             None => t.rebuild(&snapshot.model),
         };
-        let first = tracked.is_none();
+        let first = tracked.is_none() || after_partial;
         if first {
             tracing::info!(
                 frontends = t.view().len(),

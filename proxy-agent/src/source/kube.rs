@@ -391,6 +391,20 @@ impl Store {
         changed
     }
 
+    /// A partial snapshot can be published: the first lists are under way and this
+    /// node is known (its addresses decide the frontends).
+    pub fn partly_ready(&self) -> bool {
+        !self.ready() && self.node.is_some()
+    }
+
+    /// What the first lists brought so far (`Snapshot::partial`).
+    pub fn partial_snapshot(&self) -> Snapshot {
+        Snapshot {
+            partial: true,
+            ..self.snapshot()
+        }
+    }
+
     /// The model and this node, as the view needs them: the model shared, not copied.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
@@ -403,6 +417,7 @@ impl Store {
             unreadable: self.unreadable.len(),
             api_validated: true,
             nodes: self.all_nodes.clone().unwrap_or_default(),
+            partial: false,
         }
     }
 }
@@ -467,6 +482,16 @@ fn apply_to_model<K: Modelled>(
         watcher::Event::Init => {
             listing.begin();
             false
+        }
+        // The first list goes straight into the model (it holds none of this kind, so
+        // nothing can be gone): partial snapshots show it as it arrives.
+        watcher::Event::InitApply(Decoded::Ok(obj)) if !listing.listed => {
+            let r = ObjectRef::of(obj.meta());
+            let changed = K::insert(model, r.clone(), obj.info());
+            *changes += u64::from(changed);
+            listing.current().items += 1;
+            listing.current().kept.push(r);
+            changed
         }
         watcher::Event::InitApply(Decoded::Ok(obj)) => {
             listing.add(Ok((ObjectRef::of(obj.meta()), obj.info())));
@@ -596,7 +621,14 @@ pub struct KubeOptions {
     /// Watch every Node, not only this one (`proxy-agent serve`), and publish without
     /// waiting for this node's.
     pub all_nodes: bool,
+    /// Publish partial snapshots (`Snapshot::partial`, at most every
+    /// `PARTIAL_INTERVAL`) while the first lists arrive, for a runner that stages them.
+    pub stream_first_list: bool,
 }
+
+/// How often a partial snapshot is published during the first lists: each one is a
+/// view update and a batch of map writes, so not per page.
+const PARTIAL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Watches the API server and publishes a snapshot after the first full list of every
 /// resource, then after every change. Runs until the receiver is dropped.
@@ -611,6 +643,7 @@ pub async fn run(
         counters,
         backoff,
         all_nodes,
+        stream_first_list,
     } = opts;
     let cfg = watcher::Config::default();
     let selected = cfg.clone().labels(&label_selector);
@@ -657,6 +690,9 @@ pub async fn run(
         WAITING_LOG_INTERVAL,
     );
     let started = std::time::Instant::now();
+    // The first lists changed the model since the last partial snapshot.
+    let mut unpublished = false;
+    let mut last_partial = started;
     loop {
         let update = tokio::select! {
             update = updates.next() => update,
@@ -670,14 +706,32 @@ pub async fn run(
         // Errors are logged, counted and waited out by `recovery`.
         let Some(update) = update else { return };
         let changed = store.apply(update);
-        if store.ready() && tx.borrow().is_none() {
+        let nothing_complete = tx.borrow().as_ref().is_none_or(|s| s.partial);
+        if stream_first_list && nothing_complete && !store.ready() {
+            unpublished |= changed;
+            if unpublished
+                && store.partly_ready()
+                && last_partial.elapsed() >= PARTIAL_INTERVAL
+            {
+                unpublished = false;
+                last_partial = std::time::Instant::now();
+                if tx
+                    .send(Some(std::sync::Arc::new(store.partial_snapshot())))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            continue;
+        }
+        if store.ready() && nothing_complete {
             tracing::info!(
                 took_ms = started.elapsed().as_millis() as u64,
                 "Services, EndpointSlices and the Node listed"
             );
         }
         if store.ready()
-            && (changed || tx.borrow().is_none())
+            && (changed || nothing_complete)
             && tx
                 .send(Some(std::sync::Arc::new(store.snapshot())))
                 .is_err()
@@ -707,6 +761,49 @@ mod tests {
             changed |= store.apply(Update::Service(Box::new(watcher::Event::InitApply(obj))));
         }
         changed | store.apply(Update::Service(Box::new(watcher::Event::InitDone)))
+    }
+
+    /// The first list of a kind goes into the model item by item (partial snapshots show
+    /// it as it arrives, once this node is known); a later relist is buffered and
+    /// swapped in whole at its end, removing what it no longer holds.
+    #[test]
+    fn the_first_list_arrives_item_by_item_and_a_relist_is_swapped_in_whole() {
+        let item = |name: &str| {
+            let watcher::Event::Apply(obj) = svc(name, serde_json::json!([{"port": 80}])) else {
+                unreachable!()
+            };
+            Update::Service(Box::new(watcher::Event::InitApply(obj)))
+        };
+        let init = || Update::Service(Box::new(watcher::Event::Init));
+        let done = || Update::Service(Box::new(watcher::Event::InitDone));
+        let mut store = Store::new("node-a");
+        store.apply(init());
+        assert!(store.apply(item("a")), "a first-list item changes the model");
+        assert!(store.apply(item("b")));
+        assert_eq!(store.model.service_count(), 2);
+        assert!(!store.partly_ready(), "this node is not known yet");
+        let node = serde_json::json!({"metadata": {"name": "node-a"}});
+        let node: Node = serde_json::from_value(node).expect("a Node");
+        store.apply(Update::Node(Box::new(watcher::Event::Init)));
+        store.apply(Update::Node(Box::new(watcher::Event::InitApply(Decoded::Ok(node)))));
+        store.apply(Update::Node(Box::new(watcher::Event::InitDone)));
+        assert!(store.partly_ready());
+        let partial = store.partial_snapshot();
+        assert!(partial.partial);
+        assert_eq!(partial.model.service_count(), 2);
+        assert!(store.apply(done()), "the end of a first list");
+        assert_eq!(store.model.service_count(), 2);
+        assert_eq!(store.changes.services, 2, "each object counted once");
+        // A relist: buffered, so the model is whole until it ends.
+        store.apply(init());
+        assert!(!store.apply(item("b")));
+        assert_eq!(store.model.service_count(), 2, "a is still there mid-relist");
+        assert!(store.apply(done()));
+        assert_eq!(store.model.service_count(), 1, "a is gone with the relist");
+        assert!(store.partly_ready(), "the EndpointSlices are still to be listed");
+        store.apply(Update::Slice(Box::new(watcher::Event::Init)));
+        store.apply(Update::Slice(Box::new(watcher::Event::InitDone)));
+        assert!(store.ready() && !store.partly_ready(), "every first list ended");
     }
 
     /// An object that does not decode is named once, however often it is relisted; its

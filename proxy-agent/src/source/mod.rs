@@ -1,6 +1,8 @@
 //! Where Services and EndpointSlices come from. A source publishes `Snapshot`s of the
 //! cluster model (and this node) on a watch channel: `None` until its first complete
-//! view, so nothing is programmed from a partial one. It knows nothing of BPF.
+//! view, so nothing is programmed from a partial one — except, where asked, snapshots
+//! marked `partial` while the first lists arrive, which a dataplane may only stage
+//! (`Dataplane::stage`), never serve. It knows nothing of BPF.
 
 pub mod api_server;
 pub mod decoded;
@@ -30,6 +32,9 @@ pub struct Snapshot {
     /// Every Node, by name, when the source watches them all (`proxy-agent serve`);
     /// empty otherwise.
     pub nodes: imbl::OrdMap<String, NodeInfo>,
+    /// What the first lists brought so far, before they are complete: for staging a
+    /// first programming only (`KubeOptions::stream_first_list`).
+    pub partial: bool,
 }
 
 /// Object changes a source has seen since it started, counted as kube-proxy counts them

@@ -77,6 +77,9 @@ pub struct MapSet {
     /// While set, the writer's inserts (`put_*`) are held here and made in batches by
     /// `flush_staged`.
     pub staged: Option<super::batch::Staged>,
+    /// While set, service entries are not written at all (`put_service` does nothing):
+    /// a first programming ahead of its end writes only what they will point to.
+    pub withhold_services: bool,
 }
 
 /// The writer's inserts: made now, or staged for a batch.
@@ -101,7 +104,21 @@ impl MapSet {
     put!(put_weight, weights, MemberKey, u32);
     put!(put_member, members, MemberKey, u64);
     put!(put_rev_nat, rev_nat, u32, RevNatValue);
-    put!(put_service, services, ServiceKey, ServiceValue);
+
+    /// A service entry: the flip that makes a frontend visible (withheld while
+    /// `withhold_services` is set).
+    pub fn put_service(&mut self, key: &ServiceKey, value: &ServiceValue) -> Result<(), MapError> {
+        if self.withhold_services {
+            return Ok(());
+        }
+        match &mut self.staged {
+            Some(s) => {
+                s.services.push((*key, *value));
+                Ok(())
+            }
+            None => self.services.insert(key, value, 0),
+        }
+    }
 
     /// Makes the staged writes, in batches; stops staging. Everything a service entry
     /// points to is written first — the big maps (backends, slots, memberships: a million
@@ -326,6 +343,7 @@ impl MapSet {
             weights: typed!(map_names::WEIGHTS),
             lb_stats: typed!(map_names::LB_STATS),
             staged: None,
+            withhold_services: false,
         })
     }
 

@@ -441,6 +441,14 @@ impl Dataplane for BpfDataplane {
         self.apply_some(view, Some(changed))
     }
 
+    fn stage(
+        &mut self,
+        view: &NodeView,
+        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+    ) -> Result<usize> {
+        self.state.stage(&mut self.maps, view, changed)
+    }
+
     fn resync(&mut self) -> Result<()> {
         self.check_hooks();
         Ok(())
@@ -530,6 +538,14 @@ impl Dataplane for MapsDataplane<'_> {
         changed: &std::collections::BTreeSet<crate::model::Frontend>,
     ) -> Result<ApplyReport> {
         self.state.apply_changes(self.maps, view, Some(changed))
+    }
+
+    fn stage(
+        &mut self,
+        view: &NodeView,
+        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+    ) -> Result<usize> {
+        self.state.stage(self.maps, view, changed)
     }
 
     fn audit(&mut self, fraction: f64) -> Result<crate::dataplane::AuditReport> {

@@ -108,6 +108,7 @@ fn publish(
         // No API server has seen these files: the view checks what it would.
         api_validated: false,
         nodes: Default::default(),
+        partial: false,
     };
     tx.send_if_modified(|current| {
         let changed = current

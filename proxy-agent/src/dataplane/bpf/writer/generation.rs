@@ -77,7 +77,16 @@ impl MapState {
             }
             members::leave(maps, id, &old.backend_ids, &backend_ids)?;
         }
-        if let Some(old) = old {
+        // A staged frontend (never flipped) served nothing: no flow or socket used it.
+        let was_live = !self.unflipped.contains(&key);
+        if maps.withhold_services {
+            self.unflipped.insert(key);
+        } else {
+            self.unflipped.remove(&key);
+        }
+        if let Some(old) = old
+            && was_live
+        {
             self.note_left(key, old, &backend_ids);
         }
         self.hold(&backend_ids);

@@ -208,6 +208,9 @@ pub struct MapState {
     /// A first programming in batches failed: the retry goes one by one (and says which
     /// frontends do not fit).
     bulk_failed: bool,
+    /// Frontends staged ahead of a first programming (`stage`): everything written but
+    /// the service entry, which the next apply writes.
+    unflipped: HashSet<ServiceKey>,
 }
 
 impl MapState {
@@ -223,6 +226,56 @@ impl MapState {
             backend_slots: self.live_slots,
             backends: self.backends.len() as u64,
         }
+    }
+
+    /// Nothing is live: no service entry was written (a fresh node, or only `stage`s so
+    /// far), so a whole view can go in batches and a partial one can be staged.
+    fn nothing_live(&self) -> bool {
+        self.services.len() == self.unflipped.len() && !self.bulk_failed
+    }
+
+    /// A first programming ahead of its end, while the first lists are still arriving:
+    /// writes, in batches, everything the service entries of `view`'s `changed`
+    /// frontends will point to (backends, slots, Maglev tables, weights, memberships,
+    /// reverse-NAT entries, source ranges), but not the entries themselves, so no packet
+    /// and no connect reaches any of it yet and a partial view is never served. The next
+    /// `apply` compares everything as usual and writes the service entries. Only where
+    /// nothing is live: a restarted agent's adopted maps serve traffic, and a partial view
+    /// must not touch them. Returns the frontends staged (0: not staged). A frontend that
+    /// cannot be staged is left to the apply, which reports it.
+    pub fn stage(
+        &mut self,
+        maps: &mut MapSet,
+        view: &NodeView,
+        changed: &BTreeSet<Frontend>,
+    ) -> Result<usize> {
+        if !self.nothing_live() {
+            return Ok(0);
+        }
+        let desired =
+            desired_entries(changed.iter().filter_map(|fe| Some((fe, view.get(fe)?))));
+        maps.staged = Some(Default::default());
+        maps.withhold_services = true;
+        let mut staged = 0;
+        for (key, d) in &desired {
+            match self.write_frontend(maps, *key, d) {
+                Ok(Wrote::Nothing) => {}
+                Ok(_) => staged += 1,
+                Err(e) => tracing::debug!(frontend = %d.frontend, error = format!("{e:#}"),
+                    "not staged; the first apply writes it"),
+            }
+        }
+        maps.withhold_services = false;
+        if let Err(e) = maps.flush_staged() {
+            // As a failed first programming: read back what the kernel holds (no service
+            // entry), and let the apply go one by one.
+            *self = MapState {
+                bulk_failed: true,
+                ..MapState::adopt(maps)?
+            };
+            return Err(e.context("staging the first programming stopped"));
+        }
+        Ok(staged)
     }
 
     /// Applies `view`, comparing every frontend. A frontend that cannot be written (a
@@ -249,10 +302,7 @@ impl MapState {
         };
         self.members_fix.apply(maps)?;
         // The first programming of an empty node is written in batches.
-        let bulk = changed.is_none()
-            && self.services.is_empty()
-            && !self.bulk_failed
-            && desired.len() >= BULK_MIN;
+        let bulk = changed.is_none() && self.nothing_live() && desired.len() >= BULK_MIN;
         if bulk {
             maps.staged = Some(Default::default());
         }
@@ -286,6 +336,25 @@ impl MapState {
                         "could not program frontend; its previous entries stay");
                     report.failed.push(format!("{fe} ({svc}): {e:#}"));
                 }
+            }
+        }
+        // Staged frontends the loop found unchanged: their service entries now. (Those
+        // the view no longer has are removed below, never seen.)
+        let wanted: Vec<ServiceKey> = self
+            .unflipped
+            .iter()
+            .filter(|k| self.services.get(k).is_some_and(|p| p.seen == self.epoch))
+            .copied()
+            .collect();
+        for key in wanted {
+            let Some(p) = self.services.get(&key) else {
+                continue;
+            };
+            match maps.put_service(&key, &p.value) {
+                Ok(()) => {
+                    self.unflipped.remove(&key);
+                }
+                Err(e) => report.failed.push(format!("{key:?}: writing service entry: {e}")),
             }
         }
         if bulk && let Err(e) = maps.flush_staged() {
@@ -385,7 +454,10 @@ impl MapState {
         let Some(old) = self.services.remove(&key) else {
             return Ok(());
         };
-        self.note_left(key, &old, &[]);
+        // A staged frontend served nothing: no flow or socket can have used it.
+        if !self.unflipped.remove(&key) {
+            self.note_left(key, &old, &[]);
+        }
         self.release(&old.backend_ids);
         remove_ignoring_absent(maps.services.remove(&key))?;
         // The entry's own count: a torn adopted set lost some of its ids, not its slots.
