@@ -82,6 +82,8 @@ enum Applied {
     All(usize),
     /// Only these frontends.
     Only(Vec<String>),
+    /// Staged ahead (a partial snapshot): how many frontends were handed over.
+    Staged(usize),
 }
 
 impl Recording {
@@ -104,6 +106,19 @@ impl Dataplane for Recording {
         let only = changed.iter().map(ToString::to_string).collect();
         self.0.lock().expect("lock").push(Applied::Only(only));
         Ok(ApplyReport::default())
+    }
+
+    fn stage(
+        &mut self,
+        view: &NodeView,
+        changed: &std::collections::BTreeSet<proxy_agent::model::Frontend>,
+    ) -> anyhow::Result<usize> {
+        assert!(
+            changed.iter().all(|fe| view.get(fe).is_some()),
+            "staged frontends are the partial view's"
+        );
+        self.0.lock().expect("lock").push(Applied::Staged(changed.len()));
+        Ok(changed.len())
     }
 }
 
@@ -181,6 +196,79 @@ async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
         vec![
             Applied::All(2000),
             Applied::Only(vec!["10.96.4.235:80/TCP".into()])
+        ]
+    );
+    stop_tx.send(()).expect("stop");
+    task.await.expect("join").expect("run");
+}
+
+/// Partial snapshots (the first lists arriving) are only staged, each with the frontends
+/// it added; nothing is applied until the first complete snapshot, whose apply compares
+/// everything.
+#[tokio::test]
+async fn partial_snapshots_are_staged_and_only_the_complete_one_is_applied() {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let recording = Recording::default();
+    let mut dataplane = recording.clone();
+    let timing = Timing {
+        min_interval: Duration::from_millis(10),
+        resync: Duration::from_secs(600),
+        retry: Duration::from_millis(100),
+    };
+    let task = tokio::spawn(async move {
+        runner::run(
+            rx,
+            ViewConfig::default(),
+            &mut dataplane,
+            timing,
+            Status::default(),
+            async {
+                let _ = stop_rx.await;
+            },
+        )
+        .await
+    });
+    let wait_for = |n: usize| {
+        let recording = recording.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while recording.log().len() < n {
+                assert!(Instant::now() < deadline, "{:?}", recording.log());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    let mut snapshot = Snapshot {
+        partial: true,
+        ..Snapshot::default()
+    };
+    for i in 0..1000 {
+        snapshot.model.add_service(&service(i));
+        snapshot.model.add_slice(&slice(i, "10.244.0.1"));
+    }
+    tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
+    wait_for(1).await;
+    for i in 1000..1500 {
+        snapshot.model.add_service(&service(i));
+        snapshot.model.add_slice(&slice(i, "10.244.0.1"));
+    }
+    tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
+    wait_for(2).await;
+    for i in 1500..2000 {
+        snapshot.model.add_service(&service(i));
+        snapshot.model.add_slice(&slice(i, "10.244.0.1"));
+    }
+    snapshot.partial = false;
+    tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
+    wait_for(3).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        recording.log(),
+        vec![
+            Applied::Staged(1000),
+            Applied::Staged(500),
+            Applied::All(2000)
         ]
     );
     stop_tx.send(()).expect("stop");
