@@ -650,3 +650,35 @@ fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply()
     let r = adopted.apply(&mut a_maps, &full).expect("again");
     assert_eq!((r.frontends_written, r.frontends_removed), (0, 0));
 }
+
+/// An agent killed while it staged: the next one adopts maps with no service entry, stages
+/// again (reusing the ids the dead one used) and its first apply still leaves the maps as
+/// a plain apply does — memberships included — once its audit has removed what the dead
+/// agent staged and nobody names.
+#[needs_root]
+#[test]
+fn an_agent_killed_while_staging_leaves_nothing_its_successor_keeps() {
+    let full = many_frontends(4);
+    let mut half = NodeView::new();
+    for (fe, st) in full.iter().take(150) {
+        half.insert(*fe, st.clone());
+    }
+    let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
+    let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
+    let mut dead = MapState::adopt(&a_maps).expect("adopt");
+    let all_of_half: BTreeSet<Frontend> = half.keys().copied().collect();
+    dead.stage(&mut a_maps, &half, &all_of_half).expect("stage");
+    drop(dead);
+    let mut next = MapState::adopt(&a_maps).expect("adopt");
+    let all: BTreeSet<Frontend> = full.keys().copied().collect();
+    assert!(next.stage(&mut a_maps, &full, &all).expect("stage") > 0);
+    next.apply(&mut a_maps, &full).expect("apply");
+    for _ in 0..200 {
+        if next.audit_step(&mut a_maps, 0.05).expect("audit").pass_done {
+            break;
+        }
+    }
+    let mut plain = MapState::adopt(&b_maps).expect("adopt");
+    plain.apply(&mut b_maps, &full).expect("apply");
+    assert_eq!(contents(&a_maps), contents(&b_maps));
+}

@@ -254,6 +254,9 @@ impl MapState {
         }
         let desired =
             desired_entries(changed.iter().filter_map(|fe| Some((fe, view.get(fe)?))));
+        // Before any write: the memberships an earlier agent left (one killed while it
+        // staged) go now, not after ours reuse their ids.
+        self.members_fix.apply(maps)?;
         maps.staged = Some(Default::default());
         maps.withhold_services = true;
         let mut staged = 0;
