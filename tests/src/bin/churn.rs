@@ -191,6 +191,7 @@ async fn main() -> Result<()> {
             drain_s: args.drain_s,
             max_rss_mib: args.max_rss_mib,
             agent_args: args.agent_args.clone(),
+            log_dir: Some(args.out.clone()),
         };
         match run_one(&spec).await {
             Ok(run) => {
@@ -234,6 +235,8 @@ struct Spec {
     drain_s: f64,
     max_rss_mib: f64,
     agent_args: Vec<String>,
+    /// Where the agent's log is kept (`--out`).
+    log_dir: Option<PathBuf>,
 }
 
 /// The agent's process, its folder (bpffs mount, kubeconfig, config, log) and its
@@ -489,7 +492,15 @@ async fn measure(spec: &Spec, server: &FakeApiServer, run: &mut Run) -> Result<(
     let mut agent = Agent::start(&spec.agent, server, spec.max_rss_mib, &spec.agent_args)?;
     let outcome = measure_agent(spec, server, run, &mut agent, &mut population, started).await;
     agent.stop();
-    scan_log(run, &agent.log());
+    let log = agent.log();
+    scan_log(run, &log);
+    // Kept for a closer look (the `took_ms` of the lists, the view and each sync).
+    if let Some(dir) = &spec.log_dir {
+        let path = dir.join(format!("agent-{n}.log"));
+        if let Err(e) = fs::create_dir_all(dir).and_then(|()| fs::write(&path, &log)) {
+            println!("  the agent's log not kept at {}: {e}", path.display());
+        }
+    }
     outcome
 }
 
