@@ -291,11 +291,6 @@ impl Status {
         outcome: &anyhow::Result<ApplyReport>,
         no_local: std::collections::BTreeMap<(&'static str, &'static str), u64>,
     ) {
-        let empty = NodeView::new();
-        for line in diff_lines(previous.unwrap_or(&empty), view) {
-            // No subscriber is fine.
-            let _ = self.0.diffs.send(line);
-        }
         self.0.histograms.sync.observe(took.as_secs_f64());
         self.with(|s| {
             s.snapshot = Some(SharedSnapshot::clone(snapshot));
@@ -321,6 +316,15 @@ impl Status {
                 Err(_) => s.counters.syncs_failed += 1,
             }
         });
+        // After the counters: the maps hold the view already, and a first sync's
+        // lines (one per frontend, 100k of them) are made only for someone watching.
+        if self.0.diffs.receiver_count() > 0 {
+            let empty = NodeView::new();
+            for line in diff_lines(previous.unwrap_or(&empty), view) {
+                // A subscriber that went meanwhile is fine.
+                let _ = self.0.diffs.send(line);
+            }
+        }
     }
 
     /// One audit step: what it repaired is logged and counted; a pass that ends with
