@@ -602,7 +602,9 @@ fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply()
     };
     let gone_state = FrontendState::builder("ns/gone:dns", FrontendKind::ClusterIp)
         .backend_set(BackendSet {
-            endpoints: [SocketAddr::from(([10, 245, 0, 1], 53))].into_iter().collect(),
+            endpoints: [SocketAddr::from(([10, 245, 0, 1], 53))]
+                .into_iter()
+                .collect(),
             when_empty: WhenEmpty::Reject,
         })
         .build();

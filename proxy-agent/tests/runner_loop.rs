@@ -117,7 +117,10 @@ impl Dataplane for Recording {
             changed.iter().all(|fe| view.get(fe).is_some()),
             "staged frontends are the partial view's"
         );
-        self.0.lock().expect("lock").push(Applied::Staged(changed.len()));
+        self.0
+            .lock()
+            .expect("lock")
+            .push(Applied::Staged(changed.len()));
         Ok(changed.len())
     }
 }

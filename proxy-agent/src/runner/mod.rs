@@ -96,9 +96,10 @@ fn stage<D: Dataplane>(
     let node_changed = t.set_node(&snapshot.node, &cfg);
     let started = std::time::Instant::now();
     let changes = match tracked.as_ref() {
-        Some(prev) if !node_changed => {
-            t.update(&snapshot.model, &prev.model.changes_to(&snapshot.model).services)
-        }
+        Some(prev) if !node_changed => t.update(
+            &snapshot.model,
+            &prev.model.changes_to(&snapshot.model).services,
+        ),
         _ => t.rebuild(&snapshot.model),
     };
     *tracked = Some(SharedSnapshot::clone(snapshot));
@@ -117,7 +118,10 @@ fn stage<D: Dataplane>(
             "first programming staged ahead"
         ),
         // The apply writes everything then.
-        Err(e) => tracing::warn!(error = format!("{e:#}"), "staging the first programming failed"),
+        Err(e) => tracing::warn!(
+            error = format!("{e:#}"),
+            "staging the first programming failed"
+        ),
     }
 }
 
@@ -215,7 +219,14 @@ pub async fn run<D: Dataplane>(
             continue; // the source has not seen everything yet
         };
         if snapshot.partial {
-            stage(&snapshot, &cfg, dataplane, &mut tracker, &mut tracked, &status);
+            stage(
+                &snapshot,
+                &cfg,
+                dataplane,
+                &mut tracker,
+                &mut tracked,
+                &status,
+            );
             continue;
         }
         // Trigger times count from the first complete snapshot on: before it, the

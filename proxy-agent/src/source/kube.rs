@@ -709,10 +709,7 @@ pub async fn run(
         let nothing_complete = tx.borrow().as_ref().is_none_or(|s| s.partial);
         if stream_first_list && nothing_complete && !store.ready() {
             unpublished |= changed;
-            if unpublished
-                && store.partly_ready()
-                && last_partial.elapsed() >= PARTIAL_INTERVAL
-            {
+            if unpublished && store.partly_ready() && last_partial.elapsed() >= PARTIAL_INTERVAL {
                 unpublished = false;
                 last_partial = std::time::Instant::now();
                 if tx
@@ -778,14 +775,19 @@ mod tests {
         let done = || Update::Service(Box::new(watcher::Event::InitDone));
         let mut store = Store::new("node-a");
         store.apply(init());
-        assert!(store.apply(item("a")), "a first-list item changes the model");
+        assert!(
+            store.apply(item("a")),
+            "a first-list item changes the model"
+        );
         assert!(store.apply(item("b")));
         assert_eq!(store.model.service_count(), 2);
         assert!(!store.partly_ready(), "this node is not known yet");
         let node = serde_json::json!({"metadata": {"name": "node-a"}});
         let node: Node = serde_json::from_value(node).expect("a Node");
         store.apply(Update::Node(Box::new(watcher::Event::Init)));
-        store.apply(Update::Node(Box::new(watcher::Event::InitApply(Decoded::Ok(node)))));
+        store.apply(Update::Node(Box::new(watcher::Event::InitApply(
+            Decoded::Ok(node),
+        ))));
         store.apply(Update::Node(Box::new(watcher::Event::InitDone)));
         assert!(store.partly_ready());
         let partial = store.partial_snapshot();
@@ -797,13 +799,23 @@ mod tests {
         // A relist: buffered, so the model is whole until it ends.
         store.apply(init());
         assert!(!store.apply(item("b")));
-        assert_eq!(store.model.service_count(), 2, "a is still there mid-relist");
+        assert_eq!(
+            store.model.service_count(),
+            2,
+            "a is still there mid-relist"
+        );
         assert!(store.apply(done()));
         assert_eq!(store.model.service_count(), 1, "a is gone with the relist");
-        assert!(store.partly_ready(), "the EndpointSlices are still to be listed");
+        assert!(
+            store.partly_ready(),
+            "the EndpointSlices are still to be listed"
+        );
         store.apply(Update::Slice(Box::new(watcher::Event::Init)));
         store.apply(Update::Slice(Box::new(watcher::Event::InitDone)));
-        assert!(store.ready() && !store.partly_ready(), "every first list ended");
+        assert!(
+            store.ready() && !store.partly_ready(),
+            "every first list ended"
+        );
     }
 
     /// An object that does not decode is named once, however often it is relisted; its

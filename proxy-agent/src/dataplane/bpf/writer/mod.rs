@@ -252,8 +252,7 @@ impl MapState {
         if !self.nothing_live() {
             return Ok(0);
         }
-        let desired =
-            desired_entries(changed.iter().filter_map(|fe| Some((fe, view.get(fe)?))));
+        let desired = desired_entries(changed.iter().filter_map(|fe| Some((fe, view.get(fe)?))));
         // Before any write: the memberships an earlier agent left (one killed while it
         // staged) go now, not after ours reuse their ids.
         self.members_fix.apply(maps)?;
@@ -357,7 +356,9 @@ impl MapState {
                 Ok(()) => {
                     self.unflipped.remove(&key);
                 }
-                Err(e) => report.failed.push(format!("{key:?}: writing service entry: {e}")),
+                Err(e) => report
+                    .failed
+                    .push(format!("{key:?}: writing service entry: {e}")),
             }
         }
         if bulk && let Err(e) = maps.flush_staged() {
