@@ -73,9 +73,7 @@ pub fn view_from_manifests(
         tracing::warn!(error = %e, "skipping manifest");
     }
     let (view, rejected) = node_view(&model, node, cfg);
-    for r in &rejected {
-        tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
-    }
+    log_rejections(&rejected);
     Ok(view)
 }
 
@@ -104,9 +102,7 @@ fn stage<D: Dataplane>(
     };
     *tracked = Some(SharedSnapshot::clone(snapshot));
     // Logged and counted now: to the tracker they are not new any more.
-    for r in &changes.new_rejections {
-        tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
-    }
+    log_rejections(&changes.new_rejections);
     if !changes.new_rejections.is_empty() {
         status.count_rejections(changes.new_rejections.len());
     }
@@ -122,6 +118,12 @@ fn stage<D: Dataplane>(
             error = format!("{e:#}"),
             "staging the first programming failed"
         ),
+    }
+}
+
+fn log_rejections(rejections: &[crate::model::Rejection]) {
+    for r in rejections {
+        tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
     }
 }
 
@@ -281,9 +283,7 @@ pub async fn run<D: Dataplane>(
                 health_check_addresses(&snapshot.node, &cfg).as_deref(),
             );
         }
-        for r in &changes.new_rejections {
-            tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
-        }
+        log_rejections(&changes.new_rejections);
         let unreadable = if snapshot.unreadable != last_unreadable {
             last_unreadable = snapshot.unreadable;
             snapshot.unreadable as usize
