@@ -43,7 +43,7 @@ impl Entries {
 
     /// Appends `e`; its position.
     fn push(&mut self, e: Entry) -> u32 {
-        if self.len % PAGE == 0 && self.pages.len() == self.len / PAGE {
+        if self.len.is_multiple_of(PAGE) && self.pages.len() == self.len / PAGE {
             self.pages.push(Vec::with_capacity(PAGE));
         }
         let pos = self.len;
