@@ -9,7 +9,6 @@ mod support;
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
-    sync::Arc,
 };
 
 use proxy_agent::{
@@ -72,7 +71,7 @@ fn random_schedule(rng: &mut StdRng) -> Schedule {
             )
         })
         .collect();
-    Schedule::new(scheduler, Arc::new(weights), 251)
+    Schedule::new(scheduler, weights.into(), 251)
 }
 
 fn random_frontend(rng: &mut StdRng) -> Frontend {
@@ -453,7 +452,7 @@ fn many_frontends(n: u8) -> NodeView {
                 when_empty: WhenEmpty::Reject,
             })
             .schedule(if i % 3 == 0 {
-                Schedule::new(Scheduler::Mh, Arc::default(), 251)
+                Schedule::new(Scheduler::Mh, Default::default(), 251)
             } else {
                 Schedule::default()
             })

@@ -10,7 +10,6 @@ mod support;
 use std::{
     collections::{BTreeMap, HashMap},
     net::{IpAddr, SocketAddr},
-    sync::Arc,
 };
 
 use proxy_agent::{
@@ -34,7 +33,7 @@ fn service(scheduler: Scheduler, weights: &str, n: u8) -> (Frontend, FrontendSta
     let (fe, mut st) = tc_harness::frontend("10.96.0.10", 80, Protocol::Tcp, &refs);
     let (weights, problems) = parse_weights(weights);
     assert!(problems.is_empty(), "{problems:?}");
-    st.schedule = Schedule::new(scheduler, Arc::new(weights), DEFAULT_MAGLEV_TABLE_LEN);
+    st.schedule = Schedule::new(scheduler, weights.into(), DEFAULT_MAGLEV_TABLE_LEN);
     (fe, st)
 }
 

@@ -100,7 +100,6 @@ impl FrontendStateBuilder {
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::BTreeMap, sync::Arc};
 
     use super::*;
     use crate::model::schedule::Scheduler;
@@ -128,7 +127,7 @@ mod tests {
                 dsr: false,
             }
         );
-        let schedule = Schedule::new(Scheduler::ALL[1], Arc::new(BTreeMap::new()), 251);
+        let schedule = Schedule::new(Scheduler::ALL[1], Default::default(), 251);
         let range: ipnet::IpNet = "198.51.100.0/24".parse().expect("cidr");
         assert_eq!(
             FrontendState::builder("default/web:http", FrontendKind::NodePort)

@@ -63,7 +63,7 @@ pub struct ServiceInfo {
     /// The scheduler annotation (`None`: the node's).
     pub scheduler: Option<crate::model::schedule::Scheduler>,
     /// The weights annotation.
-    pub weights: Arc<std::collections::BTreeMap<IpAddr, u32>>,
+    pub weights: crate::model::schedule::Weights,
     /// The load-balancer mode annotation (`None`: the node's).
     pub lb_mode: Option<crate::model::lb_mode::LbMode>,
 }
@@ -303,7 +303,7 @@ impl ServiceInfo {
         }
         if let Some(text) = annotations.and_then(|a| a.get(schedule::WEIGHTS_ANNOTATION)) {
             let (weights, bad) = schedule::parse_weights(text);
-            info.weights = Arc::new(weights);
+            info.weights = weights.into();
             info.problems.extend(bad);
         }
         info
@@ -406,7 +406,8 @@ fn cluster_ips(
     if raw.iter().all(|ip| ip.is_empty() || *ip == "None") {
         return Ok(vec![]);
     }
-    let mut ips = Vec::new();
+    // Exact size: a pushed vector holds room for four (68 bytes for one address).
+    let mut ips = Vec::with_capacity(raw.len());
     for ip in raw {
         let parsed = sloppy::parse_ip(ip).map_err(|e| format!("invalid clusterIP {ip:?}: {e}"))?;
         if !is_unicast_service_ip(parsed) {

@@ -101,17 +101,58 @@ impl Scheduler {
     }
 }
 
+/// Endpoint address → weight, from the weights annotation; shared by a Service and its
+/// frontends. The default (no annotation: every Service but a few) is one empty map
+/// shared by all, where each Service and each programmed frontend allocated its own (8
+/// MiB at 100k Services).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct Weights(Arc<BTreeMap<IpAddr, u32>>);
+
+impl Weights {
+    pub fn new(w: BTreeMap<IpAddr, u32>) -> Self {
+        if w.is_empty() {
+            return Self::default();
+        }
+        Self(Arc::new(w))
+    }
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        static NONE: std::sync::OnceLock<Arc<BTreeMap<IpAddr, u32>>> = std::sync::OnceLock::new();
+        Self(Arc::clone(NONE.get_or_init(Arc::default)))
+    }
+}
+
+impl From<BTreeMap<IpAddr, u32>> for Weights {
+    fn from(w: BTreeMap<IpAddr, u32>) -> Self {
+        Self::new(w)
+    }
+}
+
+impl std::ops::Deref for Weights {
+    type Target = BTreeMap<IpAddr, u32>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
 /// How one frontend schedules new flows.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Schedule {
     pub scheduler: Scheduler,
     /// Endpoint address → weight, from the annotation; an address not here weighs 1.
     /// Shared by the frontends of one Service.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub weights: Arc<BTreeMap<IpAddr, u32>>,
+    #[serde(skip_serializing_if = "no_weights")]
+    pub weights: Weights,
     /// Maglev table length (hashing schedulers; 0 for the others).
     #[serde(skip_serializing_if = "is_zero")]
     pub table_len: u32,
+}
+
+fn no_weights(w: &Weights) -> bool {
+    w.is_empty()
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -119,7 +160,7 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl Schedule {
-    pub fn new(scheduler: Scheduler, weights: Arc<BTreeMap<IpAddr, u32>>, table_len: u32) -> Self {
+    pub fn new(scheduler: Scheduler, weights: Weights, table_len: u32) -> Self {
         Self {
             scheduler,
             weights,

@@ -136,7 +136,7 @@ pub fn service_view(
     let affinity = svc.affinity_timeout_s;
     let schedule = crate::model::schedule::Schedule::new(
         svc.scheduler.unwrap_or(cfg.scheduler),
-        Arc::clone(&svc.weights),
+        svc.weights.clone(),
         cfg.maglev_table_len,
     );
     for port in &svc.ports {

@@ -6,7 +6,6 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
@@ -230,7 +229,7 @@ pub fn service_from_wire(s: &v1::Service) -> Result<(ObjectRef, ServiceInfo), De
             .transpose()?,
         scheduler: choice_from_wire(&Scheduler::ALL, "scheduler", s.scheduler)?,
         lb_mode: choice_from_wire(&LbMode::ALL, "load-balancer mode", s.lb_mode)?,
-        weights: Arc::new(weights),
+        weights: weights.into(),
     };
     Ok((r, info))
 }

@@ -6,7 +6,6 @@
 use std::{
     hint::black_box,
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    sync::Arc,
     time::Instant,
 };
 
@@ -61,7 +60,7 @@ pub fn rebuild_times(backend_counts: &[usize], reps: u32) -> Result<Vec<MaglevRe
     for &n in backend_counts {
         let all = endpoints(n);
         for table_len in TABLE_LENS {
-            let schedule = Schedule::new(Scheduler::Mh, Arc::default(), table_len);
+            let schedule = Schedule::new(Scheduler::Mh, Default::default(), table_len);
             let mut table_ms = Vec::new();
             let mut entries = 0;
             for _ in 0..reps {

@@ -8,7 +8,6 @@ use std::{
     collections::BTreeSet,
     net::{Ipv4Addr, SocketAddr},
     ops::Range,
-    sync::Arc,
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -75,7 +74,7 @@ struct Measured {
 /// Every scheduler (hashing ones on the default Maglev table), then `mh` on the
 /// smallest and the largest table: the slot lookup's cost grows with the table.
 fn contenders() -> Vec<(String, Schedule)> {
-    let schedule = |s, len| Schedule::new(s, Arc::default(), len);
+    let schedule = |s, len| Schedule::new(s, Default::default(), len);
     let mut out: Vec<(String, Schedule)> = Scheduler::ALL
         .into_iter()
         .map(|s| (s.name().to_string(), schedule(s, DEFAULT_MAGLEV_TABLE_LEN)))

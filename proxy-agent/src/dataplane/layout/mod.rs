@@ -135,7 +135,6 @@ fn table_len_for(schedule: &Schedule, members: usize) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
     use super::*;
     use crate::model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, parse_weights};
@@ -149,7 +148,7 @@ mod tests {
     #[test]
     fn zero_weight_takes_no_slot() {
         let (w, _) = parse_weights("10.1.0.1=3, 10.1.0.2=0,bogus 10.1.0.3=999");
-        let s = Schedule::new(Scheduler::Rr, Arc::new(w), 0);
+        let s = Schedule::new(Scheduler::Rr, w.into(), 0);
         let fe: IpAddr = "10.96.0.1".parse().unwrap();
         assert_eq!(slots(&s, &eps(3), fe), vec![0, 2]);
         assert!(!s.weighted(&eps(3)), "rr ignores weights other than 0");
@@ -169,7 +168,7 @@ mod tests {
             .collect();
         let (w, problems) = parse_weights(&text.join(","));
         assert!(problems.is_empty(), "{problems:?}");
-        let s = Schedule::new(Scheduler::Wrr, Arc::new(w), 0);
+        let s = Schedule::new(Scheduler::Wrr, w.into(), 0);
         let fe: IpAddr = "10.96.0.1".parse().unwrap();
         let l = layout(&s, &endpoints, fe);
         assert_eq!(l.scaled_from, Some(255_500));
@@ -180,7 +179,7 @@ mod tests {
         );
         // Weights that fit are laid out as they are, and not said to be scaled.
         let (w, _) = parse_weights("10.1.0.1=256,10.1.0.2=255");
-        let small = layout(&Schedule::new(Scheduler::Wrr, Arc::new(w), 0), &eps(2), fe);
+        let small = layout(&Schedule::new(Scheduler::Wrr, w.into(), 0), &eps(2), fe);
         assert_eq!((small.slots.len(), small.scaled_from), (511, None));
     }
 
@@ -188,12 +187,12 @@ mod tests {
     fn wrr_slots_repeat_by_weight_and_dh_has_one_slot() {
         let (w, _) = parse_weights("10.1.0.1=3,10.1.0.2=1");
         let fe: IpAddr = "10.96.0.1".parse().unwrap();
-        let s = Schedule::new(Scheduler::Wrr, Arc::new(w.clone()), 0);
+        let s = Schedule::new(Scheduler::Wrr, w.clone().into(), 0);
         assert_eq!(slots(&s, &eps(2), fe), vec![0, 0, 0, 1]);
-        let dh = Schedule::new(Scheduler::Dh, Arc::new(w), DEFAULT_MAGLEV_TABLE_LEN);
+        let dh = Schedule::new(Scheduler::Dh, w.into(), DEFAULT_MAGLEV_TABLE_LEN);
         let one = slots(&dh, &eps(2), fe);
         assert_eq!(one.len(), 1);
-        let mh = Schedule::new(Scheduler::Mh, Arc::default(), DEFAULT_MAGLEV_TABLE_LEN);
+        let mh = Schedule::new(Scheduler::Mh, Default::default(), DEFAULT_MAGLEV_TABLE_LEN);
         assert_eq!(
             slots(&mh, &eps(2), fe).len(),
             DEFAULT_MAGLEV_TABLE_LEN as usize
