@@ -93,7 +93,7 @@ impl World {
             Change::RemoveService(idx) => {
                 m.remove_service(&ObjectRef {
                     namespace: "default".into(),
-                    name: format!("s{idx}"),
+                    name: format!("s{idx}").into(),
                 });
             }
             Change::Slice {
@@ -128,7 +128,7 @@ impl World {
             Change::RemoveSlice(idx) => {
                 m.remove_slice(&ObjectRef {
                     namespace: "default".into(),
-                    name: format!("e{idx}"),
+                    name: format!("e{idx}").into(),
                 });
             }
             Change::Node { idx, zone, ip } => {
@@ -408,7 +408,7 @@ fn measure_where_the_view_is_computed() {
         m.add_slice(&slice_of(i, c + 1));
         let sref = ObjectRef {
             namespace: "default".into(),
-            name: format!("s{i}"),
+            name: format!("s{i}").into(),
         };
         for tr in &mut trackers {
             frontends_changed += tr.update(&m, [&sref]).frontends.len();

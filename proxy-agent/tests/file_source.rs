@@ -40,7 +40,12 @@ fn start(path: &Path) -> watch::Receiver<Option<SharedSnapshot>> {
 fn names(rx: &watch::Receiver<Option<SharedSnapshot>>) -> Vec<String> {
     rx.borrow()
         .as_ref()
-        .map(|s| s.model.services().map(|(k, _)| k.name.clone()).collect())
+        .map(|s| {
+            s.model
+                .services()
+                .map(|(k, _)| k.name.to_string())
+                .collect()
+        })
         .unwrap_or_default()
 }
 

@@ -778,11 +778,8 @@ fn expected_model(
         namespace: o["metadata"]["namespace"]
             .as_str()
             .unwrap_or("default")
-            .to_string(),
-        name: o["metadata"]["name"]
-            .as_str()
-            .unwrap_or("<unnamed>")
-            .to_string(),
+            .into(),
+        name: o["metadata"]["name"].as_str().unwrap_or("<unnamed>").into(),
     };
     for o in services.iter().filter(|o| selected(o)) {
         match serde_json::from_value::<k8s_openapi::api::core::v1::Service>(o.clone()) {

@@ -383,7 +383,7 @@ mod tests {
                     3 => {
                         model.remove_service(&ObjectRef {
                             namespace: "ns".into(),
-                            name: svc,
+                            name: svc.into(),
                         });
                     }
                     4..=7 => {
@@ -393,7 +393,7 @@ mod tests {
                     _ => {
                         model.remove_slice(&ObjectRef {
                             namespace: "ns".into(),
-                            name: slice_name,
+                            name: slice_name.into(),
                         });
                     }
                 }

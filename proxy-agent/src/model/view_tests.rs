@@ -660,7 +660,7 @@ fn a_service_too_big_for_the_maps_is_refused_alone() {
         set(&["10.244.1.5:8080"])
     );
     assert_eq!(rejected.len(), 1, "{rejected:?}");
-    assert_eq!(rejected[0].object.name, "big");
+    assert_eq!(&*rejected[0].object.name, "big");
     assert!(
         rejected[0]
             .reason
@@ -706,7 +706,7 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
         assert!(
             rejected
                 .iter()
-                .any(|r| r.object.name == "bad" && r.reason.contains(needle)),
+                .any(|r| *r.object.name == *"bad" && r.reason.contains(needle)),
             "{spec}: {needle:?} not in {rejected:?}"
         );
         assert!(
@@ -775,7 +775,7 @@ fn a_bad_node_port_from_a_file_costs_that_node_port_alone() {
         );
     }
     assert_eq!(rejected.len(), 3, "{reasons:?}");
-    assert!(rejected.iter().all(|r| r.object.name == "np"));
+    assert!(rejected.iter().all(|r| *r.object.name == *"np"));
 }
 
 /// From the API server, a nodePort outside this node's `nodePortRange` is programmed: the
@@ -877,7 +877,7 @@ fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
             let shown = addr.parse::<std::net::IpAddr>().expect("ip").to_string();
             assert!(
                 rejected.iter().any(|r| r.kind == "EndpointSlice"
-                    && r.object.name == slice_name
+                    && *r.object.name == *slice_name
                     && r.reason
                         .starts_with(&format!("endpoint address {shown}: may not be"))),
                 "{addr} not refused: {rejected:?}"
@@ -938,7 +938,7 @@ fn special_external_and_load_balancer_ips_are_refused_by_name() {
     assert_eq!(vips, ["10.96.0.10", "198.51.100.1", "203.0.113.7"]);
     for ip in ["::1", "0.0.0.0", "169.254.1.1", "127.0.0.1", "224.0.0.1"] {
         assert!(
-            rejected.iter().any(|r| r.object.name == "a"
+            rejected.iter().any(|r| *r.object.name == *"a"
                 && r.reason.contains(&format!("{ip:?}: not a unicast address"))),
             "{ip} not refused: {rejected:?}"
         );

@@ -78,17 +78,14 @@ fn cidr_from_wire(c: &v1::Cidr) -> Result<ipnet::IpNet, DecodeError> {
 
 pub fn ref_to_wire(r: &ObjectRef) -> v1::ObjectRef {
     v1::ObjectRef {
-        namespace: r.namespace.clone(),
-        name: r.name.clone(),
+        namespace: r.namespace.to_string(),
+        name: r.name.to_string(),
     }
 }
 
 pub fn ref_from_wire(r: Option<&v1::ObjectRef>) -> Result<ObjectRef, DecodeError> {
     let r = r.ok_or(DecodeError::Missing("ref"))?;
-    Ok(ObjectRef {
-        namespace: r.namespace.clone(),
-        name: r.name.clone(),
-    })
+    Ok(ObjectRef::new(&r.namespace, &r.name))
 }
 
 fn protocol_to_wire(p: Option<Protocol>) -> i32 {
