@@ -10,7 +10,7 @@ use proxy_common::{
 };
 
 use super::{
-    MapState, Programmed, encode,
+    Extras, MapState, Programmed, encode,
     generation::{chunk_key, chunks},
 };
 use crate::dataplane::bpf::{batch, maps::MapSet, members};
@@ -106,15 +106,13 @@ impl MapState {
                 Programmed {
                     value,
                     complete,
-                    backend_ids,
+                    backend_ids: backend_ids.into(),
                     endpoints,
                     schedule: Schedule {
                         scheduler: encode::scheduler_of_code(value.scheduler).unwrap_or_default(),
                         ..Default::default()
                     },
-                    table,
-                    weights,
-                    ranges,
+                    extras: Extras::of(table, weights, ranges),
                     seen: 0,
                 },
             );

@@ -22,7 +22,7 @@ use proxy_common::{
 };
 
 use super::{
-    MapState, Programmed, adopt::adopt_table, encode::rev_nat_of, generation::Generation,
+    Extras, MapState, Programmed, adopt::adopt_table, encode::rev_nat_of, generation::Generation,
     remove_ignoring_absent,
 };
 use aya::maps::IterableMap as _;
@@ -244,7 +244,7 @@ impl MapState {
         }
         // As if no source range were written: all of them are written again.
         let old = Programmed {
-            ranges: Vec::new(),
+            extras: Extras::of(p.table().to_vec(), p.weights().to_vec(), Vec::new()),
             ..p.clone()
         };
         self.write_generation(
@@ -253,15 +253,15 @@ impl MapState {
             Some(&old),
             Generation {
                 id: p.value.id,
-                backend_ids: p.backend_ids.clone(),
+                backend_ids: p.backend_ids.to_vec(),
                 flags: p.value.flags,
                 timeout: p.value.affinity_timeout_s,
                 count: p.value.count,
                 scheduler: p.value.scheduler,
-                weights: p.weights.clone(),
-                table: p.table.clone(),
+                weights: p.weights().to_vec(),
+                table: p.table().to_vec(),
             },
-            &p.ranges,
+            p.ranges(),
         )?;
         // What the caller of a write fills in.
         if let Some(now) = self.services.get_mut(&key) {
@@ -302,14 +302,14 @@ fn entries_match(
             return false;
         }
     }
-    if !p.table.is_empty() && adopt_table(|k| maps.maglev.get(k, 0).ok(), &value) != p.table {
+    if !p.table().is_empty() && adopt_table(|k| maps.maglev.get(k, 0).ok(), &value) != p.table() {
         return false;
     }
     if maps.rev_nat.get(&value.rev_nat_id, 0).ok() != Some(rev_nat_of(&key)) {
         return false;
     }
     if value.flags & SVC_F_WEIGHTED != 0 {
-        for (backend_id, weight) in &p.weights {
+        for (backend_id, weight) in p.weights() {
             let k = MemberKey {
                 service_id: value.id,
                 backend_id: *backend_id,

@@ -10,7 +10,7 @@ use proxy_common::{
     ServiceValue,
 };
 
-use super::{MapState, Programmed, encode::range_key, remove_ignoring_absent};
+use super::{Extras, MapState, Programmed, encode::range_key, remove_ignoring_absent};
 use crate::dataplane::bpf::{maps::MapSet, members};
 use crate::model::{EndpointSet, schedule::Schedule};
 
@@ -52,7 +52,7 @@ impl MapState {
             maps.put_weight(&key, weight)
                 .context("writing a backend weight")?;
         }
-        let old_ids: &[u32] = old.map_or(&[], |o| o.backend_ids.as_slice());
+        let old_ids: &[u32] = old.map_or(&[], |o| &o.backend_ids);
         let joined = members::join(maps, id, &backend_ids, old_ids)?;
         let flipped = flip(maps, key, old, &value, &backend_ids, &table, ranges);
         if flipped.is_err() {
@@ -72,7 +72,7 @@ impl MapState {
         if let Some(old) = old {
             // The entry's own count: a torn adopted set lost some of its ids, not its slots.
             remove_generation(maps, &old.value, usize::from(old.value.count))?;
-            for net in old.ranges.iter().filter(|n| !ranges.contains(n)) {
+            for net in old.ranges().iter().filter(|n| !ranges.contains(n)) {
                 remove_ignoring_absent(maps.source_ranges.remove(&range_key(id, net)))?;
             }
             members::leave(maps, id, &old.backend_ids, &backend_ids)?;
@@ -90,18 +90,15 @@ impl MapState {
             self.note_left(key, old, &backend_ids);
         }
         self.hold(&backend_ids);
-        let ranges = ranges.to_vec();
         if let Some(old) = self.services.insert(
             key,
             Programmed {
                 value,
-                table,
-                backend_ids,
-                weights,
+                backend_ids: backend_ids.into(),
+                extras: Extras::of(table, weights, ranges.to_vec()),
                 endpoints: EndpointSet::default(), // filled by the caller, which has them
                 complete: false,
                 schedule: Schedule::default(),
-                ranges,
                 seen: self.epoch,
             },
         ) {
@@ -233,7 +230,7 @@ pub(super) fn flip(
     }
     maps.put_rev_nat(&id, &super::encode::rev_nat_of(&key))
         .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
-    let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges.as_slice());
+    let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges());
     for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {
         maps.source_ranges
             .insert(&range_key(id, net), &1, 0)
