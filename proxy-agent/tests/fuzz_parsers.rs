@@ -555,6 +555,7 @@ fn unicast(ip: IpAddr) -> bool {
 /// ExternalName, not headless, with ports (a Service without a spec must be refused).
 fn must_be_accounted(svc: &proxy_agent::model::ServiceInfo, cfg: &ViewConfig) -> bool {
     if svc
+        .rare
         .proxy_name
         .as_ref()
         .is_some_and(|l| cfg.service_proxy_name.as_deref() != Some(l.as_str()))
@@ -562,7 +563,7 @@ fn must_be_accounted(svc: &proxy_agent::model::ServiceInfo, cfg: &ViewConfig) ->
     {
         return false;
     }
-    if svc.invalid.is_some() {
+    if svc.rare.invalid.is_some() {
         return true;
     }
     !svc.ports.is_empty() && !svc.cluster_ips.is_empty()

@@ -34,22 +34,14 @@ pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
-/// One Service, as the view needs it.
+/// One Service, as the view needs it: what every Service has here, the rest in `rare`
+/// (96 bytes with its allocation, where one struct of every field took 256: 15 MiB at
+/// 100k Services).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ServiceInfo {
-    /// The `service.kubernetes.io/service-proxy-name` label, if any.
-    pub proxy_name: Option<String>,
-    /// The Service as a whole cannot be used (no spec, bad ports, bad cluster IPs): why.
-    pub invalid: Option<String>,
     pub external_name: bool,
     /// `clusterIPs` (or `clusterIP`); empty for a headless Service.
     pub cluster_ips: Vec<IpAddr>,
-    pub external_ips: Vec<IpAddr>,
-    /// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones.
-    pub lb_ips: Vec<IpAddr>,
-    pub source_ranges: Vec<ipnet::IpNet>,
-    /// Parts left out (a bad external IP, load-balancer IP or source range): why.
-    pub problems: Vec<String>,
     pub ports: Vec<PortInfo>,
     /// `type: NodePort` or `LoadBalancer`.
     pub node_port_type: bool,
@@ -59,6 +51,24 @@ pub struct ServiceInfo {
     pub external_policy_local: bool,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout_s: Option<u32>,
+    #[serde(flatten)]
+    pub rare: Rare,
+}
+
+/// What few Services have: labels and annotations of ours, external and load-balancer
+/// addresses, problems.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RareFields {
+    /// The `service.kubernetes.io/service-proxy-name` label, if any.
+    pub proxy_name: Option<String>,
+    /// The Service as a whole cannot be used (no spec, bad ports, bad cluster IPs): why.
+    pub invalid: Option<String>,
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones.
+    pub lb_ips: Vec<IpAddr>,
+    pub source_ranges: Vec<ipnet::IpNet>,
+    /// Parts left out (a bad external IP, load-balancer IP or source range): why.
+    pub problems: Vec<String>,
     pub health_check_node_port: Option<u16>,
     /// The scheduler annotation (`None`: the node's).
     pub scheduler: Option<crate::model::schedule::Scheduler>,
@@ -66,6 +76,61 @@ pub struct ServiceInfo {
     pub weights: crate::model::schedule::Weights,
     /// The load-balancer mode annotation (`None`: the node's).
     pub lb_mode: Option<crate::model::lb_mode::LbMode>,
+}
+
+/// `RareFields`, boxed only when some field is set: reads see the defaults through
+/// `Deref`; a write makes the box (`DerefMut`), and `settle` drops one left at the
+/// defaults.
+#[derive(Clone, Debug, Default)]
+pub struct Rare(Option<Box<RareFields>>);
+
+impl Rare {
+    pub fn new(fields: RareFields) -> Self {
+        let mut r = Self(Some(Box::new(fields)));
+        r.settle();
+        r
+    }
+
+    /// Drops a box that holds only defaults.
+    pub fn settle(&mut self) {
+        if self
+            .0
+            .as_deref()
+            .is_some_and(|f| *f == RareFields::default())
+        {
+            self.0 = None;
+        }
+    }
+}
+
+impl std::ops::Deref for Rare {
+    type Target = RareFields;
+    fn deref(&self) -> &RareFields {
+        static NONE: OnceLock<RareFields> = OnceLock::new();
+        self.0
+            .as_deref()
+            .unwrap_or_else(|| NONE.get_or_init(RareFields::default))
+    }
+}
+
+impl std::ops::DerefMut for Rare {
+    fn deref_mut(&mut self) -> &mut RareFields {
+        self.0.get_or_insert_with(Box::default)
+    }
+}
+
+impl PartialEq for Rare {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Rare {}
+
+impl Serialize for Rare {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        (**self).serialize(s)
+    }
 }
 
 /// One Service port.
@@ -238,31 +303,38 @@ impl ServiceInfo {
             .cloned();
         let Some(spec) = &svc.spec else {
             return Self {
-                proxy_name,
-                invalid: Some("no spec".into()),
+                rare: Rare::new(RareFields {
+                    proxy_name,
+                    invalid: Some("no spec".into()),
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
         };
         let mut ports: Vec<PortInfo> = spec.ports.iter().flatten().map(port_info).collect();
         let mut info = Self {
-            proxy_name,
             external_name: spec.type_.as_deref() == Some("ExternalName"),
             node_port_type: matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer")),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             external_policy_local: spec.external_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_s: affinity_timeout(spec),
+            ..Default::default()
+        };
+        let mut rare = RareFields {
+            proxy_name,
             health_check_node_port: spec
                 .health_check_node_port
                 .and_then(|p| u16::try_from(p).ok())
                 .filter(|p| *p != 0),
             ..Default::default()
         };
-        let whole = check_ports(&mut ports, spec.ports.iter().flatten(), &mut info.problems)
+        let whole = check_ports(&mut ports, spec.ports.iter().flatten(), &mut rare.problems)
             .and_then(|()| cluster_ips(spec.cluster_ips.as_ref(), spec.cluster_ip.as_ref()));
         match whole {
             Ok(ips) => info.cluster_ips = ips,
             Err(reason) => {
-                info.invalid = Some(reason);
+                rare.invalid = Some(reason);
+                info.rare = Rare::new(rare);
                 return info;
             }
         }
@@ -271,22 +343,22 @@ impl ServiceInfo {
         ports.shrink_to_fit();
         info.ports = ports;
         let (external_ips, bad) = parse_ips(spec.external_ips.iter().flatten(), "externalIP");
-        info.external_ips = external_ips;
-        info.problems.extend(bad);
+        rare.external_ips = external_ips;
+        rare.problems.extend(bad);
         let (lb_ips, bad) = parse_ips(load_balancer_ips(svc).iter(), "load-balancer IP");
-        info.lb_ips = lb_ips;
-        info.problems.extend(bad);
+        rare.lb_ips = lb_ips;
+        rare.problems.extend(bad);
         let (ranges, bad) = parse_cidrs(spec.load_balancer_source_ranges.iter().flatten());
-        info.source_ranges = ranges;
-        info.problems.extend(bad);
+        rare.source_ranges = ranges;
+        rare.problems.extend(bad);
         let annotations = svc.metadata.annotations.as_ref();
         if let Some(name) = annotations.and_then(|a| a.get(schedule::SCHEDULER_ANNOTATION)) {
             match schedule::Scheduler::parse(name) {
                 Ok((s, note)) => {
-                    info.scheduler = Some(s);
-                    info.problems.extend(note);
+                    rare.scheduler = Some(s);
+                    rare.problems.extend(note);
                 }
-                Err(e) => info.problems.push(format!(
+                Err(e) => rare.problems.push(format!(
                     "{}: {e}; the node's scheduler is used",
                     schedule::SCHEDULER_ANNOTATION
                 )),
@@ -294,8 +366,8 @@ impl ServiceInfo {
         }
         if let Some(text) = annotations.and_then(|a| a.get(lb_mode::LB_MODE_ANNOTATION)) {
             match text.parse() {
-                Ok(m) => info.lb_mode = Some(m),
-                Err(e) => info.problems.push(format!(
+                Ok(m) => rare.lb_mode = Some(m),
+                Err(e) => rare.problems.push(format!(
                     "{}: {e}; the node's mode is used",
                     lb_mode::LB_MODE_ANNOTATION
                 )),
@@ -303,9 +375,10 @@ impl ServiceInfo {
         }
         if let Some(text) = annotations.and_then(|a| a.get(schedule::WEIGHTS_ANNOTATION)) {
             let (weights, bad) = schedule::parse_weights(text);
-            info.weights = weights.into();
-            info.problems.extend(bad);
+            rare.weights = weights.into();
+            rare.problems.extend(bad);
         }
+        info.rare = Rare::new(rare);
         info
     }
 }
@@ -653,6 +726,36 @@ impl EndpointInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_plain_service_boxes_nothing_rare_and_reads_the_same() {
+        let plain: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "a", "namespace": "d"},
+            "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}
+        }))
+        .expect("a Service");
+        let info = ServiceInfo::from_k8s(&plain);
+        assert!(info.rare.0.is_none(), "no rare field set: no box");
+        assert!(info.rare.external_ips.is_empty() && info.rare.invalid.is_none());
+        let mut external = plain.clone();
+        if let Some(spec) = external.spec.as_mut() {
+            spec.external_ips = Some(vec!["192.0.2.1".into()]);
+        }
+        let info2 = ServiceInfo::from_k8s(&external);
+        assert!(info2.rare.0.is_some());
+        assert_eq!(info2.rare.external_ips, vec!["192.0.2.1".parse::<IpAddr>().unwrap()]);
+        // A box left at the defaults equals none, and settles to none.
+        let mut written = info.clone();
+        written.rare.problems.clear();
+        assert!(written.rare.0.is_some());
+        assert_eq!(written, info);
+        written.rare.settle();
+        assert!(written.rare.0.is_none());
+        // The rare fields serialize beside the others, as one struct did.
+        let json = serde_json::to_value(&info2).expect("serializes");
+        assert_eq!(json["external_ips"], serde_json::json!(["192.0.2.1"]));
+        assert_eq!(json["cluster_ips"], serde_json::json!(["10.96.0.1"]));
+    }
 
     #[test]
     fn node_names_are_four_bytes_interned_once_and_read_back() {

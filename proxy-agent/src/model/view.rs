@@ -92,7 +92,7 @@ pub fn service_view(
     }
     let slices: Vec<(&SliceKey, &SliceInfo)> = model.slices_of(sref).collect();
     out.health = health_check(sref, svc, &slices, node, cfg);
-    if let Some(reason) = &svc.invalid {
+    if let Some(reason) = &svc.rare.invalid {
         out.rejections.push(rejection(reason.clone()));
         return out;
     }
@@ -101,7 +101,7 @@ pub fn service_view(
         return out;
     }
     out.rejections
-        .extend(svc.problems.iter().cloned().map(rejection));
+        .extend(svc.rare.problems.iter().cloned().map(rejection));
     for (key, slice) in &slices {
         for addr in &slice.bad_addresses {
             out.rejections.push(Rejection {
@@ -127,7 +127,7 @@ pub fn service_view(
             }
         }
     }
-    let externally_accessible = !svc.external_ips.is_empty() || svc.node_port_type;
+    let externally_accessible = !svc.rare.external_ips.is_empty() || svc.node_port_type;
     let policies = Policies {
         internal_local: svc.internal_local,
         external_local: externally_accessible && svc.external_policy_local,
@@ -135,8 +135,8 @@ pub fn service_view(
     };
     let affinity = svc.affinity_timeout_s;
     let schedule = crate::model::schedule::Schedule::new(
-        svc.scheduler.unwrap_or(cfg.scheduler),
-        svc.weights.clone(),
+        svc.rare.scheduler.unwrap_or(cfg.scheduler),
+        svc.rare.weights.clone(),
         cfg.maglev_table_len,
     );
     for port in &svc.ports {
@@ -194,7 +194,11 @@ pub fn service_view(
                     let mut st = frontend_state(&service, kind, &sets, policies, affinity);
                     st.schedule = schedule.clone();
                     st.dsr = kind != FrontendKind::ClusterIp
-                        && svc.lb_mode.unwrap_or(cfg.lb_mode).direct_return(protocol);
+                        && svc
+                            .rare
+                            .lb_mode
+                            .unwrap_or(cfg.lb_mode)
+                            .direct_return(protocol);
                     if kind == FrontendKind::LoadBalancer {
                         st.source_ranges = lb_source_ranges(svc, node, v4);
                     }
@@ -206,8 +210,8 @@ pub fn service_view(
             // which this Service's own collisions are settled below.
             for (ips, kind) in [
                 (cips, FrontendKind::ClusterIp),
-                (family_ips(&svc.external_ips), FrontendKind::ExternalIp),
-                (family_ips(&svc.lb_ips), FrontendKind::LoadBalancer),
+                (family_ips(&svc.rare.external_ips), FrontendKind::ExternalIp),
+                (family_ips(&svc.rare.lb_ips), FrontendKind::LoadBalancer),
             ] {
                 for ip in ips {
                     let fe = Frontend {
@@ -252,6 +256,7 @@ pub fn service_view(
 /// `loadBalancerSourceRanges` of one family on a load-balancer frontend.
 fn lb_source_ranges(svc: &ServiceInfo, node: &NodeInfo, v4: bool) -> Vec<ipnet::IpNet> {
     let mut ranges: Vec<ipnet::IpNet> = svc
+        .rare
         .source_ranges
         .iter()
         .copied()
@@ -266,7 +271,8 @@ fn lb_source_ranges(svc: &ServiceInfo, node: &NodeInfo, v4: bool) -> Vec<ipnet::
         .any(|ip| ranges.iter().any(|n| n.contains(ip)));
     if node_admitted {
         ranges.extend(
-            svc.lb_ips
+            svc.rare
+                .lb_ips
                 .iter()
                 .filter(|ip| ip.is_ipv4() == v4)
                 .map(|ip| ipnet::IpNet::from(*ip)),
@@ -314,7 +320,7 @@ fn health_check(
     node: &NodeInfo,
     cfg: &ViewConfig,
 ) -> Option<(u16, HealthCheck)> {
-    let port = svc.health_check_node_port?;
+    let port = svc.rare.health_check_node_port?;
     if !svc.external_policy_local {
         return None;
     }
@@ -375,7 +381,7 @@ fn frontend_state(
 
 /// kube-proxy serves unlabelled Services; a labelled one only if it names this proxy.
 fn is_ours(svc: &ServiceInfo, cfg: &ViewConfig) -> bool {
-    match &svc.proxy_name {
+    match &svc.rare.proxy_name {
         None => true,
         Some(name) => cfg.service_proxy_name.as_deref() == Some(name.as_str()),
     }

@@ -13,8 +13,8 @@ use crate::model::{
     NodeInfo, ObjectRef, Protocol,
     lb_mode::LbMode,
     objects::{
-        EndpointInfo, Hints, NodeName, PortInfo, ServiceInfo, SliceInfo, SlicePort, TargetPort,
-        intern,
+        EndpointInfo, Hints, NodeName, PortInfo, Rare, RareFields, ServiceInfo, SliceInfo,
+        SlicePort, TargetPort, intern,
     },
     schedule::Scheduler,
 };
@@ -142,23 +142,30 @@ fn u16_from_wire(what: &'static str, v: u32) -> Result<u16, DecodeError> {
 pub fn service_to_wire(r: &ObjectRef, s: &ServiceInfo) -> v1::Service {
     v1::Service {
         r#ref: Some(ref_to_wire(r)),
-        proxy_name: s.proxy_name.clone(),
-        invalid: s.invalid.clone(),
+        proxy_name: s.rare.proxy_name.clone(),
+        invalid: s.rare.invalid.clone(),
         external_name: s.external_name,
         cluster_ips: s.cluster_ips.iter().copied().map(ip_to_wire).collect(),
-        external_ips: s.external_ips.iter().copied().map(ip_to_wire).collect(),
-        lb_ips: s.lb_ips.iter().copied().map(ip_to_wire).collect(),
-        source_ranges: s.source_ranges.iter().map(cidr_to_wire).collect(),
-        problems: s.problems.clone(),
+        external_ips: s
+            .rare
+            .external_ips
+            .iter()
+            .copied()
+            .map(ip_to_wire)
+            .collect(),
+        lb_ips: s.rare.lb_ips.iter().copied().map(ip_to_wire).collect(),
+        source_ranges: s.rare.source_ranges.iter().map(cidr_to_wire).collect(),
+        problems: s.rare.problems.clone(),
         ports: s.ports.iter().map(port_to_wire).collect(),
         node_port_type: s.node_port_type,
         internal_local: s.internal_local,
         external_policy_local: s.external_policy_local,
         affinity_timeout_s: s.affinity_timeout_s,
-        health_check_node_port: s.health_check_node_port.map(u32::from),
-        scheduler: choice_to_wire(&Scheduler::ALL, s.scheduler),
-        lb_mode: choice_to_wire(&LbMode::ALL, s.lb_mode),
+        health_check_node_port: s.rare.health_check_node_port.map(u32::from),
+        scheduler: choice_to_wire(&Scheduler::ALL, s.rare.scheduler),
+        lb_mode: choice_to_wire(&LbMode::ALL, s.rare.lb_mode),
         weights: s
+            .rare
             .weights
             .iter()
             .map(|(ip, w)| v1::Weight {
@@ -198,11 +205,9 @@ pub fn service_from_wire(s: &v1::Service) -> Result<(ObjectRef, ServiceInfo), De
             Ok((ip, w.weight))
         })
         .collect::<Result<BTreeMap<_, _>, DecodeError>>()?;
-    let info = ServiceInfo {
+    let rare = RareFields {
         proxy_name: s.proxy_name.clone(),
         invalid: s.invalid.clone(),
-        external_name: s.external_name,
-        cluster_ips: ips_from_wire(&s.cluster_ips)?,
         external_ips: ips_from_wire(&s.external_ips)?,
         lb_ips: ips_from_wire(&s.lb_ips)?,
         source_ranges: s
@@ -211,6 +216,17 @@ pub fn service_from_wire(s: &v1::Service) -> Result<(ObjectRef, ServiceInfo), De
             .map(cidr_from_wire)
             .collect::<Result<_, _>>()?,
         problems: s.problems.clone(),
+        health_check_node_port: s
+            .health_check_node_port
+            .map(|p| u16_from_wire("healthCheckNodePort", p))
+            .transpose()?,
+        scheduler: choice_from_wire(&Scheduler::ALL, "scheduler", s.scheduler)?,
+        lb_mode: choice_from_wire(&LbMode::ALL, "load-balancer mode", s.lb_mode)?,
+        weights: weights.into(),
+    };
+    let info = ServiceInfo {
+        external_name: s.external_name,
+        cluster_ips: ips_from_wire(&s.cluster_ips)?,
         ports: s
             .ports
             .iter()
@@ -220,13 +236,7 @@ pub fn service_from_wire(s: &v1::Service) -> Result<(ObjectRef, ServiceInfo), De
         internal_local: s.internal_local,
         external_policy_local: s.external_policy_local,
         affinity_timeout_s: s.affinity_timeout_s,
-        health_check_node_port: s
-            .health_check_node_port
-            .map(|p| u16_from_wire("healthCheckNodePort", p))
-            .transpose()?,
-        scheduler: choice_from_wire(&Scheduler::ALL, "scheduler", s.scheduler)?,
-        lb_mode: choice_from_wire(&LbMode::ALL, "load-balancer mode", s.lb_mode)?,
-        weights: weights.into(),
+        rare: Rare::new(rare),
     };
     Ok((r, info))
 }
