@@ -112,7 +112,7 @@ impl ClusterModel {
     pub fn insert_slice(&mut self, r: ObjectRef, slice: SliceInfo) -> bool {
         let key = SliceKey {
             namespace: r.namespace.clone(),
-            service: slice.service.as_deref().unwrap_or_default().into(),
+            service: slice.service.clone().unwrap_or_else(|| "".into()),
             name: r.name.clone(),
         };
         if self.slices.get(&key).is_some_and(|old| **old == slice) {

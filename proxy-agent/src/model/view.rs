@@ -471,7 +471,7 @@ fn endpoints_for<'a>(
                 continue;
             }
         };
-        for ep in &slice.endpoints {
+        for (i, ep) in slice.endpoints.iter().enumerate() {
             if ep.ip.is_ipv4() != v4 {
                 continue;
             }
@@ -484,8 +484,8 @@ fn endpoints_for<'a>(
                 serving: ep.serving,
                 terminating: ep.terminating,
                 local: ep.is_on(node),
-                zone_hints: ep.zone_hints(),
-                node_hints: ep.node_hints(),
+                zone_hints: slice.zone_hints(i),
+                node_hints: slice.node_hints(i),
             });
         }
     }

@@ -271,7 +271,7 @@ fn port_from_wire(p: &v1::ServicePort) -> Result<PortInfo, DecodeError> {
 pub fn slice_to_wire(r: &ObjectRef, s: &SliceInfo) -> v1::Slice {
     v1::Slice {
         r#ref: Some(ref_to_wire(r)),
-        service: s.service.clone(),
+        service: s.service.as_deref().map(str::to_string),
         family: (match s.ipv4 {
             None => v1::AddressFamily::Unspecified,
             Some(true) => v1::AddressFamily::Ipv4,
@@ -289,18 +289,19 @@ pub fn slice_to_wire(r: &ObjectRef, s: &SliceInfo) -> v1::Slice {
         endpoints: s
             .endpoints
             .iter()
-            .map(|e| v1::Endpoint {
+            .enumerate()
+            .map(|(i, e)| v1::Endpoint {
                 ip: Some(ip_to_wire(e.ip)),
                 ready: e.ready,
                 serving: e.serving,
                 terminating: e.terminating,
                 node: e.node.map(|n| n.as_str().to_string()),
-                has_hints: e.hints.is_some(),
-                hint_zones: e.zone_hints().iter().map(|z| z.to_string()).collect(),
-                hint_nodes: e.node_hints().iter().map(|n| n.to_string()).collect(),
+                has_hints: s.hints_of(i).is_some(),
+                hint_zones: s.zone_hints(i).iter().map(|z| z.to_string()).collect(),
+                hint_nodes: s.node_hints(i).iter().map(|n| n.to_string()).collect(),
             })
             .collect(),
-        bad_addresses: s.bad_addresses.clone(),
+        bad_addresses: s.bad_addresses.to_vec(),
         trigger_time_unix_nanos: s.trigger_time.and_then(|t| {
             let since = t.duration_since(UNIX_EPOCH).ok()?;
             i64::try_from(since.as_nanos()).ok()
@@ -332,24 +333,30 @@ pub fn slice_from_wire(s: &v1::Slice) -> Result<(ObjectRef, SliceInfo), DecodeEr
             })
         })
         .collect::<Result<_, DecodeError>>()?;
+    let mut hints: Vec<(u32, Hints)> = Vec::new();
     let endpoints = s
         .endpoints
         .iter()
-        .map(|e| {
+        .enumerate()
+        .map(|(i, e)| {
             let ip = ip_from_wire(e.ip.as_ref().ok_or(DecodeError::Missing("endpoint ip"))?)?;
-            Ok(EndpointInfo {
+            let ep = EndpointInfo {
                 ip,
                 ready: e.ready,
                 serving: e.serving,
                 terminating: e.terminating,
                 node: e.node.as_deref().map(NodeName::new),
-                hints: e.has_hints.then(|| {
-                    Box::new(Hints {
+            };
+            if e.has_hints {
+                hints.push((
+                    i as u32,
+                    Hints {
                         zones: e.hint_zones.iter().map(|z| intern(z)).collect(),
                         nodes: e.hint_nodes.iter().map(|n| intern(n)).collect(),
-                    })
-                }),
-            })
+                    },
+                ));
+            }
+            Ok(ep)
         })
         .collect::<Result<_, DecodeError>>()?;
     let trigger_time = match s.trigger_time_unix_nanos {
@@ -363,11 +370,12 @@ pub fn slice_from_wire(s: &v1::Slice) -> Result<(ObjectRef, SliceInfo), DecodeEr
         }
     };
     let info = SliceInfo {
-        service: s.service.clone(),
+        service: s.service.as_deref().map(std::sync::Arc::from),
         ipv4,
         ports,
         endpoints,
-        bad_addresses: s.bad_addresses.clone(),
+        bad_addresses: s.bad_addresses.clone().into(),
+        hints: hints.into(),
         trigger_time,
     };
     Ok((r, info))
