@@ -106,6 +106,9 @@ fn main() {
     let rss0 = rss_kib();
     let t = Instant::now();
     let mut m = model(services, endpoints);
+    // As the kube source does once each first list is in (`model::compact`).
+    m.compact_services();
+    m.compact_slices();
     let t_model = ms(t);
     let rss_model = rss_kib();
     let live_model = live_mib();
@@ -113,6 +116,8 @@ fn main() {
     let t = Instant::now();
     let mut tracker = ViewTracker::new(node.clone(), cfg.clone());
     tracker.rebuild(&m);
+    // As the runner does once its first programming is applied.
+    tracker.compact();
     let view = tracker.view().clone();
     let t_view = ms(t);
     let rss_view = rss_kib();

@@ -3,6 +3,7 @@
 //! view: one entry per frontend (VIP, port, protocol) with the backends each kind of
 //! traffic leads to. Plain data in, plain data out.
 
+mod compact;
 mod endpoint_set;
 mod endpoints;
 pub mod frontend_builder;
@@ -106,6 +107,17 @@ impl ClusterModel {
 
     pub fn remove_service(&mut self, r: &ObjectRef) -> bool {
         self.services.remove(r).is_some()
+    }
+
+    /// After a first list of Services: their map with fuller nodes (`compact`).
+    pub fn compact_services(&mut self) {
+        self.services = compact::ord_map(&self.services);
+    }
+
+    /// After a first list of EndpointSlices: their maps with fuller nodes (`compact`).
+    pub fn compact_slices(&mut self) {
+        self.slices = compact::ord_map(&self.slices);
+        self.slice_owners = compact::ord_map(&self.slice_owners);
     }
 
     /// Adds or replaces an EndpointSlice; `false` if the model already held it as it is.
@@ -577,6 +589,11 @@ impl NodeView {
 
     pub fn remove(&mut self, fe: &Frontend) -> Option<Arc<FrontendState>> {
         self.0.remove(fe)
+    }
+
+    /// With fuller nodes, after a first build (`compact`).
+    pub fn compact(&mut self) {
+        self.0 = compact::ord_map(&self.0);
     }
 
     pub fn get(&self, fe: &Frontend) -> Option<&FrontendState> {

@@ -133,6 +133,15 @@ impl ViewTracker {
         self.update(model, &all)
     }
 
+    /// The maps a first build filled in key order, with fuller nodes (`model::compact`):
+    /// std's B-trees build full nodes from sorted input. For the runner, once its first
+    /// programming is applied.
+    pub fn compact(&mut self) {
+        self.services = std::mem::take(&mut self.services).into_iter().collect();
+        self.claims = std::mem::take(&mut self.claims).into_iter().collect();
+        self.view.compact();
+    }
+
     /// Rebuilds the parts of `services` (those that changed, or went away).
     pub fn update<'a>(
         &mut self,

@@ -326,6 +326,10 @@ pub async fn run<D: Dataplane>(
             t.no_local_endpoints(),
         );
         applied = Some(view);
+        if first {
+            // Built in key order: see `model::compact`. After the apply, not before it.
+            t.compact();
+        }
         if let Ok(report) = &outcome {
             // Not retried: the dataplane can never hold them as they are. The rest of the
             // node is programmed, and stays healthy.

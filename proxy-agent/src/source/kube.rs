@@ -192,6 +192,8 @@ pub struct Store {
     /// Every Node (`KubeOptions::all_nodes`), and the relist under way.
     all_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
     relisting_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
+    /// The model's maps were rebuilt with fuller nodes after the first lists.
+    compacted: bool,
 }
 
 impl Store {
@@ -220,6 +222,18 @@ impl Store {
             && self.slices.listed
             && self.nodes.listed
             && (self.node.is_some() || self.all_nodes.is_some())
+    }
+
+    /// Once, after the first complete snapshot went out: the first lists arrived in key
+    /// order, which leaves the model's maps half empty (`model::compact`). Done here, not
+    /// when the lists end, so the runner programs that snapshot meanwhile; the runner's
+    /// next diff against it walks both versions once.
+    fn compact_once(&mut self) {
+        if !self.compacted {
+            self.compacted = true;
+            self.model.compact_services();
+            self.model.compact_slices();
+        }
     }
 
     /// What publishing still waits for, in words for the log.
@@ -734,6 +748,9 @@ pub async fn run(
                 .is_err()
         {
             return;
+        }
+        if store.ready() {
+            store.compact_once();
         }
     }
 }
