@@ -18,7 +18,7 @@ pub fn ord_map<K: Ord + Clone, V: Clone>(map: &imbl::OrdMap<K, V>) -> imbl::OrdM
 }
 
 /// Every index below `n` once, in a spread order: a stride coprime with `n`.
-fn spread(n: usize) -> impl Iterator<Item = usize> {
+pub fn spread(n: usize) -> impl Iterator<Item = usize> {
     let mut stride = ((n as f64 * 0.618) as usize) | 1;
     while n > 1 && gcd(stride, n) != 1 {
         stride += 2;

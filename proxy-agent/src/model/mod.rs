@@ -3,7 +3,7 @@
 //! view: one entry per frontend (VIP, port, protocol) with the backends each kind of
 //! traffic leads to. Plain data in, plain data out.
 
-mod compact;
+pub mod compact;
 mod endpoint_set;
 mod endpoints;
 pub mod frontend_builder;

@@ -327,8 +327,11 @@ pub async fn run<D: Dataplane>(
         );
         applied = Some(view);
         if first {
-            // Built in key order: see `model::compact`. After the apply, not before it.
+            // Built in key order: see `model::compact`. After the apply, not before it;
+            // the applied view is the compacted one (the same entries), so the next
+            // sync's diff against it stays in proportion to its changes.
             t.compact();
+            applied = Some(t.view().clone());
         }
         if let Ok(report) = &outcome {
             // Not retried: the dataplane can never hold them as they are. The rest of the

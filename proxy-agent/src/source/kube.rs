@@ -108,6 +108,38 @@ impl<T> Listing<T> {
     }
 }
 
+/// The first list's items buffered since the last flush, into the model; they stay
+/// `kept` (the list's own, when it is done).
+fn flush_first_list<K: Modelled>(
+    model: &mut ClusterModel,
+    listing: &mut Listing<K::Info>,
+    changes: &mut u64,
+) {
+    if listing.listed {
+        return;
+    }
+    let Some(relist) = listing.relist.as_mut() else {
+        return;
+    };
+    let fresh = std::mem::take(&mut relist.fresh);
+    relist.kept.extend(fresh.iter().map(|(r, _)| r.clone()));
+    *changes += insert_spread::<K>(model, fresh);
+}
+
+/// Inserts `items` (a list's, in key order) in a spread order: a B-tree filled in key
+/// order splits each node at its right end and leaves it half empty (`model::compact`).
+/// How many changed the model.
+fn insert_spread<K: Modelled>(model: &mut ClusterModel, items: Vec<(ObjectRef, K::Info)>) -> u64 {
+    let mut slots: Vec<Option<(ObjectRef, K::Info)>> = items.into_iter().map(Some).collect();
+    let mut changed = 0;
+    for i in crate::model::compact::spread(slots.len()) {
+        if let Some((r, info)) = slots[i].take() {
+            changed += u64::from(K::insert(model, r, info));
+        }
+    }
+    changed
+}
+
 /// How an object that did not decode is named: `namespace/name`, else its place in the
 /// list it came in.
 fn name_of(meta: &ObjectMeta, place: Option<usize>) -> String {
@@ -192,8 +224,6 @@ pub struct Store {
     /// Every Node (`KubeOptions::all_nodes`), and the relist under way.
     all_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
     relisting_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
-    /// The model's maps were rebuilt with fuller nodes after the first lists.
-    compacted: bool,
 }
 
 impl Store {
@@ -224,16 +254,19 @@ impl Store {
             && (self.node.is_some() || self.all_nodes.is_some())
     }
 
-    /// Once, after the first complete snapshot went out: the first lists arrived in key
-    /// order, which leaves the model's maps half empty (`model::compact`). Done here, not
-    /// when the lists end, so the runner programs that snapshot meanwhile; the runner's
-    /// next diff against it walks both versions once.
-    fn compact_once(&mut self) {
-        if !self.compacted {
-            self.compacted = true;
-            self.model.compact_services();
-            self.model.compact_slices();
-        }
+    /// Puts what the first lists brought since the last call into the model (before a
+    /// partial snapshot; `InitDone` puts the rest).
+    fn flush_first_lists(&mut self) {
+        flush_first_list::<Service>(
+            &mut self.model,
+            &mut self.services,
+            &mut self.changes.services,
+        );
+        flush_first_list::<EndpointSlice>(
+            &mut self.model,
+            &mut self.slices,
+            &mut self.changes.endpoint_slices,
+        );
     }
 
     /// What publishing still waits for, in words for the log.
@@ -412,7 +445,8 @@ impl Store {
     }
 
     /// What the first lists brought so far (`Snapshot::partial`).
-    pub fn partial_snapshot(&self) -> Snapshot {
+    pub fn partial_snapshot(&mut self) -> Snapshot {
+        self.flush_first_lists();
         Snapshot {
             partial: true,
             ..self.snapshot()
@@ -497,15 +531,12 @@ fn apply_to_model<K: Modelled>(
             listing.begin();
             false
         }
-        // The first list goes straight into the model (it holds none of this kind, so
-        // nothing can be gone): partial snapshots show it as it arrives.
+        // The first list goes into the model in batches, before each partial snapshot
+        // (`flush_first_list`; it holds none of this kind, so nothing can be gone):
+        // partial snapshots show it as it arrives.
         watcher::Event::InitApply(Decoded::Ok(obj)) if !listing.listed => {
-            let r = ObjectRef::of(obj.meta());
-            let changed = K::insert(model, r.clone(), obj.info());
-            *changes += u64::from(changed);
-            listing.current().items += 1;
-            listing.current().kept.push(r);
-            changed
+            listing.add(Ok((ObjectRef::of(obj.meta()), obj.info())));
+            true
         }
         watcher::Event::InitApply(Decoded::Ok(obj)) => {
             listing.add(Ok((ObjectRef::of(obj.meta()), obj.info())));
@@ -532,9 +563,7 @@ fn apply_to_model<K: Modelled>(
             for r in gone {
                 changed += u64::from(K::remove(model, &r));
             }
-            for (r, info) in relist.fresh {
-                changed += u64::from(K::insert(model, r, info));
-            }
+            changed += insert_spread::<K>(model, relist.fresh);
             *changes += changed;
             changed > 0 || first || unreadable_changed
         }
@@ -749,9 +778,6 @@ pub async fn run(
         {
             return;
         }
-        if store.ready() {
-            store.compact_once();
-        }
     }
 }
 
@@ -777,11 +803,11 @@ mod tests {
         changed | store.apply(Update::Service(Box::new(watcher::Event::InitDone)))
     }
 
-    /// The first list of a kind goes into the model item by item (partial snapshots show
-    /// it as it arrives, once this node is known); a later relist is buffered and
-    /// swapped in whole at its end, removing what it no longer holds.
+    /// The first list of a kind goes into the model in batches, one before each partial
+    /// snapshot (which show it as it arrives, once this node is known); a later relist is
+    /// buffered and swapped in whole at its end, removing what it no longer holds.
     #[test]
-    fn the_first_list_arrives_item_by_item_and_a_relist_is_swapped_in_whole() {
+    fn the_first_list_arrives_in_batches_and_a_relist_is_swapped_in_whole() {
         let item = |name: &str| {
             let watcher::Event::Apply(obj) = svc(name, serde_json::json!([{"port": 80}])) else {
                 unreachable!()
@@ -797,7 +823,7 @@ mod tests {
             "a first-list item changes the model"
         );
         assert!(store.apply(item("b")));
-        assert_eq!(store.model.service_count(), 2);
+        assert_eq!(store.model.service_count(), 0, "kept for the next batch");
         assert!(!store.partly_ready(), "this node is not known yet");
         let node = serde_json::json!({"metadata": {"name": "node-a"}});
         let node: Node = serde_json::from_value(node).expect("a Node");
@@ -810,9 +836,17 @@ mod tests {
         let partial = store.partial_snapshot();
         assert!(partial.partial);
         assert_eq!(partial.model.service_count(), 2);
+        assert!(store.apply(item("c")));
         assert!(store.apply(done()), "the end of a first list");
+        assert_eq!(store.model.service_count(), 3, "the last batch at the end");
+        assert_eq!(store.changes.services, 3, "each object counted once");
+        // Again without c, to go on as before.
+        store.apply(init());
+        store.apply(item("a"));
+        store.apply(item("b"));
+        store.apply(done());
         assert_eq!(store.model.service_count(), 2);
-        assert_eq!(store.changes.services, 2, "each object counted once");
+        assert_eq!(store.changes.services, 4, "c's removal counted too");
         // A relist: buffered, so the model is whole until it ends.
         store.apply(init());
         assert!(!store.apply(item("b")));
