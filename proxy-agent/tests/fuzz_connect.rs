@@ -251,7 +251,7 @@ fn check(objects: Vec<(Value, Value)>, targets: Vec<Target>) -> Result<(), TestC
         match frontend {
             Some((_, st)) => {
                 // Pods' traffic: the internal set where the policies make one.
-                let set = st.internal.as_ref().unwrap_or(&st.backends);
+                let set = st.internal.as_deref().unwrap_or(&st.backends);
                 let allowed: BTreeSet<SocketAddr> = set.endpoints.iter().collect();
                 if allowed.is_empty() {
                     prop_assert!(

@@ -602,7 +602,7 @@ fn checked_view(
                 st.service
             );
         }
-        for set in std::iter::once(&st.backends).chain(st.internal.as_ref()) {
+        for set in std::iter::once(&st.backends).chain(st.internal.as_deref()) {
             prop_assert!(set.endpoints.len() <= cfg.max_endpoints);
             for ep in &set.endpoints {
                 prop_assert!(ep.port() != 0, "{fe}: backend {ep} with port 0");

@@ -191,10 +191,10 @@ fn both_scopes_of_a_frontend_make_one_row() {
     let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &[BACKEND]);
     st.kind = FrontendKind::NodePort;
     st.external_local = true;
-    st.internal = Some(BackendSet {
+    st.internal = Some(Box::new(BackendSet {
         endpoints: [sa(BACKEND), sa("10.244.2.6:8080")].into(),
         when_empty: WhenEmpty::Reject,
-    });
+    }));
     h.apply(&NodeView::from([(np, st)]));
     let scopes = entries(&h);
     assert_eq!(scopes.len(), 2, "external and internal entries");

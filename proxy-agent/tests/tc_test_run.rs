@@ -335,10 +335,10 @@ fn two_scopes_pods_use_the_internal_set_outside_clients_the_external_one() {
     let (f, mut st) = frontend("203.0.113.7", 80, Protocol::Tcp, &["10.244.1.5:8080"]);
     st.kind = FrontendKind::ExternalIp;
     st.external_local = true;
-    st.internal = Some(BackendSet {
+    st.internal = Some(Box::new(BackendSet {
         endpoints: [sa("10.244.2.6:8080")].into(),
         when_empty: WhenEmpty::Reject,
-    });
+    }));
     h.apply(&NodeView::from([(f, st)]));
     assert_eq!(
         h.maps.services.iter().count(),
@@ -502,7 +502,7 @@ fn load_balancer_source_ranges_allow_and_drop() {
     configure_node(&mut h, false);
     let (lb, mut st) = frontend("203.0.113.50", 80, Protocol::Tcp, &["10.244.1.5:8080"]);
     st.kind = FrontendKind::LoadBalancer;
-    st.source_ranges = vec!["198.51.100.0/25".parse().expect("cidr")];
+    st.source_ranges = vec!["198.51.100.0/25".parse().expect("cidr")].into();
     h.apply(&NodeView::from([(lb, st.clone())]));
     let (verdict, out) = h.run(&packet(
         sa("198.51.100.7:40000"),
@@ -519,8 +519,9 @@ fn load_balancer_source_ranges_allow_and_drop() {
     assert_eq!(verdict, TC_ACT_SHOT, "outside the ranges: dropped");
     assert_eq!(h.counter("source_range_drop"), 1);
     // Widening the ranges is a map update, not a reload.
-    st.source_ranges
-        .push("198.51.100.128/25".parse().expect("cidr"));
+    let mut ranges = st.source_ranges.to_vec();
+    ranges.push("198.51.100.128/25".parse().expect("cidr"));
+    st.source_ranges = ranges.into();
     h.apply(&NodeView::from([(lb, st)]));
     let (verdict, _) = h.run(&packet(
         sa("198.51.100.200:40001"),

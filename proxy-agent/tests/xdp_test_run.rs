@@ -296,7 +296,7 @@ fn refusal_is_left_to_tc_and_denies_are_dropped_at_xdp() {
         configure_node(&mut h, false);
         let (lb, mut st) = frontend("203.0.113.50", 80, Protocol::Tcp, &["10.244.2.7:8080"]);
         st.kind = FrontendKind::LoadBalancer;
-        st.source_ranges = vec!["198.51.100.0/25".parse().expect("cidr")];
+        st.source_ranges = vec!["198.51.100.0/25".parse().expect("cidr")].into();
         let (empty, mut est) = frontend("192.0.2.10", 30081, Protocol::Tcp, &[]);
         est.kind = FrontendKind::NodePort;
         h.apply(&NodeView::from([(lb, st), (empty, est)]));

@@ -21,7 +21,7 @@ impl FrontendState {
             affinity_timeout_s: None,
             external_local: false,
             internal_local: false,
-            source_ranges: Vec::new(),
+            source_ranges: Box::default(),
             schedule: Schedule::default(),
             dsr: false,
         })
@@ -54,7 +54,7 @@ impl FrontendStateBuilder {
 
     /// The backends of traffic from pods and the node, when they differ (`None`: the same).
     pub fn internal(mut self, set: impl Into<Option<BackendSet>>) -> Self {
-        self.0.internal = set.into();
+        self.0.internal = set.into().map(Box::new);
         self
     }
 
@@ -122,7 +122,7 @@ mod tests {
                 affinity_timeout_s: None,
                 external_local: false,
                 internal_local: false,
-                source_ranges: Vec::new(),
+                source_ranges: Box::default(),
                 schedule: Schedule::default(),
                 dsr: false,
             }
@@ -145,11 +145,11 @@ mod tests {
                 service: "default/web:http".into(),
                 kind: FrontendKind::NodePort,
                 backends: set(&[a], WhenEmpty::Drop),
-                internal: Some(set(&[a, b], WhenEmpty::Reject)),
+                internal: Some(Box::new(set(&[a, b], WhenEmpty::Reject))),
                 affinity_timeout_s: Some(10_800),
                 external_local: true,
                 internal_local: true,
-                source_ranges: vec![range],
+                source_ranges: vec![range].into(),
                 schedule,
                 dsr: true,
             }

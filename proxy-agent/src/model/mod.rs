@@ -524,7 +524,9 @@ pub struct FrontendState {
     pub backends: BackendSet,
     /// The backends for traffic from pods and the node itself, when they differ
     /// (`externalTrafficPolicy: Local` short-circuits internal traffic to every endpoint).
-    pub internal: Option<BackendSet>,
+    /// Boxed: few frontends have one (`externalTrafficPolicy: Local`), and inline it
+    /// took 32 bytes in every frontend's state.
+    pub internal: Option<Box<BackendSet>>,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout_s: Option<u32>,
     /// `externalTrafficPolicy: Local` on an external frontend: outside clients keep their
@@ -533,7 +535,7 @@ pub struct FrontendState {
     /// `internalTrafficPolicy: Local` on a ClusterIP frontend: only this node's endpoints.
     pub internal_local: bool,
     /// `loadBalancerSourceRanges` (load-balancer frontends only); empty: everyone.
-    pub source_ranges: Vec<ipnet::IpNet>,
+    pub source_ranges: Box<[ipnet::IpNet]>,
     /// How new flows pick among the backends.
     pub schedule: schedule::Schedule,
     /// Direct server return (an external frontend): outside clients keep their address

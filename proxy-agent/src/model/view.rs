@@ -200,7 +200,7 @@ pub fn service_view(
                             .unwrap_or(cfg.lb_mode)
                             .direct_return(protocol);
                     if kind == FrontendKind::LoadBalancer {
-                        st.source_ranges = lb_source_ranges(svc, node, v4);
+                        st.source_ranges = lb_source_ranges(svc, node, v4).into();
                     }
                     Arc::new(st)
                 }))
@@ -369,11 +369,11 @@ fn frontend_state(
         service: service.to_string(),
         kind,
         backends,
-        internal,
+        internal: internal.map(Box::new),
         affinity_timeout_s: affinity,
         external_local: kind != FrontendKind::ClusterIp && policies.external_local,
         internal_local: kind == FrontendKind::ClusterIp && policies.internal_local,
-        source_ranges: Vec::new(),
+        source_ranges: Box::default(),
         schedule: Default::default(),
         dsr: false,
     }
