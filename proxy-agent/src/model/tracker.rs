@@ -94,7 +94,10 @@ impl Claims {
         let mut all = self.as_slice().to_vec();
         if let Err(at) = all.binary_search(r) {
             all.insert(at, r.clone());
-            *self = Claims::Many(all);
+            *self = match <[ObjectRef; 1]>::try_from(all) {
+                Ok([one]) => Claims::One(one),
+                Err(all) => Claims::Many(all),
+            };
         }
     }
 
@@ -355,6 +358,22 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn a_lone_claimant_is_held_without_a_vector() {
+        let a = ObjectRef::new("ns", "a");
+        let b = ObjectRef::new("ns", "b");
+        let mut c = Claims::One(a.clone());
+        c.remove(&a);
+        assert!(c.as_slice().is_empty());
+        c.add(&a);
+        assert!(matches!(c, Claims::One(_)), "back to one: {c:?}");
+        c.add(&b);
+        c.add(&b);
+        assert_eq!(c.as_slice(), &[a.clone(), b.clone()], "sorted, once each");
+        c.remove(&a);
+        assert!(matches!(&c, Claims::One(r) if *r == b));
+    }
     use crate::model::node_view;
 
     /// A random Service from small pools, so VIPs, NodePorts and slices collide.

@@ -332,6 +332,7 @@ pub async fn run<D: Dataplane>(
             // sync's diff against it stays in proportion to its changes.
             t.compact();
             applied = Some(t.view().clone());
+            status.replace_view(t.view());
         }
         if let Ok(report) = &outcome {
             // Not retried: the dataplane can never hold them as they are. The rest of the

@@ -282,6 +282,12 @@ impl Status {
         self.with(|s| s.counters.objects_rejected += n as u64);
     }
 
+    /// The view the last sync recorded, as the same entries in another tree (the
+    /// tracker's compaction): kept instead, so the old tree is not held beside it.
+    pub(crate) fn replace_view(&self, view: &NodeView) {
+        self.with(|s| s.view = view.clone());
+    }
+
     pub(crate) fn record_sync(
         &self,
         snapshot: &SharedSnapshot,
