@@ -8,7 +8,6 @@ mod endpoint_set;
 mod endpoints;
 pub mod frontend_builder;
 pub mod lb_mode;
-mod namespace;
 pub mod objects;
 pub mod schedule;
 pub mod sloppy;
@@ -58,7 +57,7 @@ impl ObjectRef {
     /// `namespace/name`, the namespace interned.
     pub fn new(namespace: &str, name: &str) -> Self {
         Self {
-            namespace: namespace::intern(namespace),
+            namespace: objects::intern(namespace),
             name: name.into(),
         }
     }

@@ -269,9 +269,13 @@ impl Serialize for NodeName {
     }
 }
 
-/// Node and zone names, shared by every endpoint that names them: a cluster has few of
-/// them and a million endpoints may repeat them. Never shrinks (bounded by the cluster's
-/// node and zone names).
+/// Past this many distinct names, new ones are no longer kept (each gets its own copy):
+/// the table never shrinks.
+const MAX_INTERNED: usize = 65_536;
+
+/// Namespaces, node and zone names, shared by every object and endpoint that names them:
+/// a cluster has few of them and a million endpoints may repeat them. Never shrinks
+/// (bounded by the cluster's names, and by `MAX_INTERNED`).
 pub fn intern(name: &str) -> Arc<str> {
     static NAMES: OnceLock<Mutex<HashSet<Arc<str>>>> = OnceLock::new();
     let mut names = NAMES
@@ -282,7 +286,9 @@ pub fn intern(name: &str) -> Arc<str> {
         return Arc::clone(n);
     }
     let n: Arc<str> = Arc::from(name);
-    names.insert(Arc::clone(&n));
+    if names.len() < MAX_INTERNED {
+        names.insert(Arc::clone(&n));
+    }
     n
 }
 
@@ -748,6 +754,15 @@ impl EndpointInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_name_is_one_string() {
+        let a = intern("kube-system");
+        let b = intern(&String::from("kube-system"));
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(&*a, "kube-system");
+        assert!(!Arc::ptr_eq(&a, &intern("default")));
+    }
 
     #[test]
     fn a_plain_service_boxes_nothing_rare_and_reads_the_same() {
