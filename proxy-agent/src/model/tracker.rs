@@ -11,7 +11,7 @@ use std::{
 use super::{
     ClusterModel, Frontend, FrontendState, HealthCheck, NodeInfo, NodeView, ObjectRef, Rejection,
     ViewConfig,
-    view::{ServiceView, service_view},
+    view::{ServiceView, frontend_in, service_view},
 };
 
 /// What an update changed.
@@ -66,10 +66,7 @@ impl Part {
 
     /// The state this Service wants for `fe`, if it wants `fe`.
     fn frontend(&self, fe: &Frontend) -> Option<&Arc<FrontendState>> {
-        self.frontends
-            .binary_search_by(|(f, _)| f.cmp(fe))
-            .ok()
-            .map(|i| &self.frontends[i].1)
+        frontend_in(&self.frontends, fe)
     }
 }
 
@@ -358,6 +355,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::model::node_view;
 
     #[test]
     fn a_lone_claimant_is_held_without_a_vector() {
@@ -374,7 +372,6 @@ mod tests {
         c.remove(&a);
         assert!(matches!(&c, Claims::One(r) if *r == b));
     }
-    use crate::model::node_view;
 
     /// A random Service from small pools, so VIPs, NodePorts and slices collide.
     fn service(rng: &mut StdRng, name: &str) -> Service {

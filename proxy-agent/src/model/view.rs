@@ -57,10 +57,7 @@ impl ServiceView {
 
     /// The state this Service wants for `fe`, if it wants `fe`.
     pub fn frontend(&self, fe: &Frontend) -> Option<&Arc<FrontendState>> {
-        self.frontends
-            .binary_search_by(|(f, _)| f.cmp(fe))
-            .ok()
-            .map(|i| &self.frontends[i].1)
+        frontend_in(&self.frontends, fe)
     }
 
     /// Adds or replaces the state for `fe`, keeping the order.
@@ -70,6 +67,17 @@ impl ServiceView {
             Err(i) => self.frontends.insert(i, (fe, st)),
         }
     }
+}
+
+/// `fe`'s state among a Service's `frontends`, sorted by frontend.
+pub(super) fn frontend_in<'a>(
+    frontends: &'a [(Frontend, Arc<FrontendState>)],
+    fe: &Frontend,
+) -> Option<&'a Arc<FrontendState>> {
+    frontends
+        .binary_search_by(|(f, _)| f.cmp(fe))
+        .ok()
+        .map(|i| &frontends[i].1)
 }
 
 /// One Service's part of the view: its frontends with the backends each kind of traffic
