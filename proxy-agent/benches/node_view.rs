@@ -10,7 +10,7 @@ use std::time::Instant;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
     dataplane::{Dataplane, bpf},
-    model::{ClusterModel, NodeInfo, ViewConfig, ViewTracker, node_view},
+    model::{ClusterModel, NodeInfo, ViewConfig, ViewTracker, compact, node_view},
 };
 use serde_json::json;
 
@@ -73,17 +73,33 @@ fn slice(i: usize, endpoints: usize, moved: Option<&str>) -> EndpointSlice {
     .expect("slice")
 }
 
+/// Objects a partial snapshot takes in at once while the first lists arrive (at 100k the
+/// kube source's 250 ms batches held a few thousand of each kind).
+const BATCH: usize = 5_000;
+
+/// The model as the kube source builds it from its first lists: sorted by name, as the
+/// API server lists them, a batch at a time, each in a spread order (`model::compact`).
 fn model(services: usize, endpoints: usize) -> ClusterModel {
     let mut m = ClusterModel::default();
-    for i in 0..services {
-        let name = format!("svc-{i}");
-        // 10.96.0.0/12, one ClusterIP each (a million of them fit).
-        let ip = std::net::Ipv4Addr::from(0x0a60_0001 + i as u32).to_string();
-        let svc: Service = serde_json::from_value(json!({"metadata": {"name": name, "namespace": "bench"},
-            "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}))
-        .expect("service");
-        m.add_service(&svc);
-        m.add_slice(&slice(i, endpoints, None));
+    let mut order: Vec<usize> = (0..services).collect();
+    order.sort_by_cached_key(|i| format!("svc-{i}"));
+    for batch in order.chunks(BATCH) {
+        let items: Vec<(Service, EndpointSlice)> = batch
+            .iter()
+            .map(|&i| {
+                let name = format!("svc-{i}");
+                // 10.96.0.0/12, one ClusterIP each (a million of them fit).
+                let ip = std::net::Ipv4Addr::from(0x0a60_0001 + i as u32).to_string();
+                let svc: Service = serde_json::from_value(json!({"metadata": {"name": name, "namespace": "bench"},
+                    "spec": {"clusterIP": ip, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}))
+                .expect("service");
+                (svc, slice(i, endpoints, None))
+            })
+            .collect();
+        compact::in_spread_order(items, |(svc, slice)| {
+            m.add_service(&svc);
+            m.add_slice(&slice);
+        });
     }
     m
 }
@@ -106,9 +122,6 @@ fn main() {
     let rss0 = rss_kib();
     let t = Instant::now();
     let mut m = model(services, endpoints);
-    // As the kube source does once each first list is in (`model::compact`).
-    m.compact_services();
-    m.compact_slices();
     let t_model = ms(t);
     let rss_model = rss_kib();
     let live_model = live_mib();

@@ -108,17 +108,6 @@ impl ClusterModel {
         self.services.remove(r).is_some()
     }
 
-    /// After a first list of Services: their map with fuller nodes (`compact`).
-    pub fn compact_services(&mut self) {
-        self.services = compact::ord_map(&self.services);
-    }
-
-    /// After a first list of EndpointSlices: their maps with fuller nodes (`compact`).
-    pub fn compact_slices(&mut self) {
-        self.slices = compact::ord_map(&self.slices);
-        self.slice_owners = compact::ord_map(&self.slice_owners);
-    }
-
     /// Adds or replaces an EndpointSlice; `false` if the model already held it as it is.
     pub fn insert_slice(&mut self, r: ObjectRef, slice: SliceInfo) -> bool {
         let key = SliceKey {

@@ -130,13 +130,10 @@ fn flush_first_list<K: Modelled>(
 /// order splits each node at its right end and leaves it half empty (`model::compact`).
 /// How many changed the model.
 fn insert_spread<K: Modelled>(model: &mut ClusterModel, items: Vec<(ObjectRef, K::Info)>) -> u64 {
-    let mut slots: Vec<Option<(ObjectRef, K::Info)>> = items.into_iter().map(Some).collect();
     let mut changed = 0;
-    for i in crate::model::compact::spread(slots.len()) {
-        if let Some((r, info)) = slots[i].take() {
-            changed += u64::from(K::insert(model, r, info));
-        }
-    }
+    crate::model::compact::in_spread_order(items, |(r, info)| {
+        changed += u64::from(K::insert(model, r, info));
+    });
     changed
 }
 
