@@ -43,7 +43,8 @@ impl Entries {
 
     /// Appends `e`; its position.
     fn push(&mut self, e: Entry) -> u32 {
-        if self.len.is_multiple_of(PAGE) && self.pages.len() == self.len / PAGE {
+        // Every page full (removals free a page when it empties): a new one.
+        if self.pages.len() == self.len / PAGE {
             self.pages.push(Vec::with_capacity(PAGE));
         }
         let pos = self.len;
