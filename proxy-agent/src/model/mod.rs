@@ -10,6 +10,7 @@ pub mod frontend_builder;
 pub mod lb_mode;
 pub mod objects;
 pub mod schedule;
+mod slice_endpoints;
 pub mod sloppy;
 mod tracker;
 mod view;

@@ -22,7 +22,7 @@ use k8s_openapi::{
 };
 use serde::Serialize;
 
-use super::{Protocol, sloppy};
+use super::{Protocol, slice_endpoints::SliceEndpoints, sloppy};
 use super::{lb_mode, schedule};
 
 /// Label that ties an EndpointSlice to its Service.
@@ -136,14 +136,24 @@ impl Serialize for Rare {
 /// One Service port.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PortInfo {
-    /// The port's name ("" when unnamed): how slices name their ports.
-    pub name: String,
-    /// The name, or the number when unnamed, for logs.
-    pub display: String,
+    /// The port's name ("" when unnamed): how slices name their ports. Interned: a
+    /// cluster's Services repeat a few names ("http", "dns").
+    pub name: Arc<str>,
     /// Port number and protocol, or why they are unusable.
     pub port: Result<(u16, Protocol), String>,
     pub node_port: Option<u16>,
     pub target_port: TargetPort,
+}
+
+impl PortInfo {
+    /// The name, or the number when unnamed, for logs.
+    pub fn display(&self) -> std::borrow::Cow<'_, str> {
+        match &self.port {
+            _ if !self.name.is_empty() => self.name.as_ref().into(),
+            Ok((n, _)) => n.to_string().into(),
+            Err(_) => "(invalid)".into(),
+        }
+    }
 }
 
 /// A Service port's `targetPort`.
@@ -164,7 +174,7 @@ pub struct SliceInfo {
     pub ipv4: Option<bool>,
     // Boxed slices: exact size, 8 bytes less each than a vector.
     pub ports: Box<[SlicePort]>,
-    pub endpoints: Box<[EndpointInfo]>,
+    pub endpoints: SliceEndpoints,
     /// Endpoint addresses that do not parse, as written.
     pub bad_addresses: Box<[String]>,
     /// Topology hints, by the index of their endpoint in `endpoints`, ascending: only
@@ -178,14 +188,15 @@ pub struct SliceInfo {
 /// One port of a slice.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SlicePort {
-    pub name: String,
+    /// Interned, as `PortInfo::name`.
+    pub name: Arc<str>,
     /// `None`: a protocol we do not proxy.
     pub protocol: Option<Protocol>,
     pub port: Option<i32>,
 }
 
 /// One endpoint: its first address (kube-proxy uses only that one) and conditions.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct EndpointInfo {
     pub ip: IpAddr,
     pub ready: bool,
@@ -393,14 +404,8 @@ impl ServiceInfo {
 }
 
 fn port_info(port: &ServicePort) -> PortInfo {
-    let name = port.name.clone().unwrap_or_default();
     PortInfo {
-        display: if name.is_empty() {
-            port.port.to_string()
-        } else {
-            name.clone()
-        },
-        name,
+        name: intern(port.name.as_deref().unwrap_or_default()),
         port: port_and_protocol(port),
         node_port: port
             .node_port
@@ -452,7 +457,7 @@ fn check_ports<'a>(
                     problems.push(format!(
                         "port {}: nodePort {n} out of range 1-65535; its NodePort is not \
                          programmed",
-                        port.display
+                        port.display()
                     ));
                     continue;
                 };
@@ -460,12 +465,12 @@ fn check_ports<'a>(
                     problems.push(format!(
                         "port {}: nodePort {n}/{protocol} given twice (port {first} has it); \
                          its NodePort is not programmed",
-                        port.display
+                        port.display()
                     ));
                     port.node_port = None;
                     continue;
                 }
-                node_ports.insert((n, protocol), port.display.clone());
+                node_ports.insert((n, protocol), port.display().into_owned());
             }
         }
     }
@@ -640,7 +645,7 @@ impl SliceInfo {
     pub fn from_k8s(slice: &EndpointSlice) -> Self {
         let mut bad_addresses = Vec::new();
         let mut hinted: Vec<(u32, Hints)> = Vec::new();
-        let mut endpoints: Vec<EndpointInfo> = slice
+        let endpoints: Vec<EndpointInfo> = slice
             .endpoints
             .iter()
             .filter_map(|ep| {
@@ -687,14 +692,12 @@ impl SliceInfo {
                 ep
             })
             .collect();
-        // Exact sizes (see `ServiceInfo::from_k8s`).
-        endpoints.shrink_to_fit();
         let mut ports: Vec<SlicePort> = slice
             .ports
             .iter()
             .flatten()
             .map(|p| SlicePort {
-                name: p.name.clone().unwrap_or_default(),
+                name: intern(p.name.as_deref().unwrap_or_default()),
                 protocol: protocol(p.protocol.as_deref()).ok(),
                 port: p.port,
             })

@@ -121,7 +121,7 @@ pub fn service_view(
         // What the API server refuses, from a source it did not validate: each endpoint
         // alone (endpoints_for leaves them out).
         if !cfg.api_validated {
-            for ep in &slice.endpoints {
+            for ep in slice.endpoints.iter() {
                 if let Some(why) = special_endpoint_ip(ep.ip) {
                     out.rejections.push(Rejection {
                         kind: "EndpointSlice",
@@ -155,14 +155,16 @@ pub fn service_view(
                 continue;
             }
         };
-        let service = format!("{sref}:{}", port.display);
+        let service = format!("{sref}:{}", port.display());
         let node_port = match port.node_port {
             Some(n) if !cfg.api_validated && !in_node_port_range(n, cfg.node_port_range) => {
                 out.rejections.push(rejection(format!(
                     "port {}: nodePort {n} outside the node-port range {}-{} \
                      (ebpf.nodePortRange, the API server's --service-node-port-range); \
                      its NodePort is not programmed",
-                    port.display, cfg.node_port_range.0, cfg.node_port_range.1
+                    port.display(),
+                    cfg.node_port_range.0,
+                    cfg.node_port_range.1
                 )));
                 None
             }
@@ -335,7 +337,7 @@ fn health_check(
     // Ready local endpoints, counted once per address (as kube-proxy counts them).
     let local: BTreeSet<IpAddr> = slices
         .iter()
-        .flat_map(|(_, s)| &s.endpoints)
+        .flat_map(|(_, s)| s.endpoints.iter())
         .filter(|ep| ep.ready && ep.is_on(&node.name))
         .filter(|ep| cfg.api_validated || special_endpoint_ip(ep.ip).is_none())
         .map(|ep| ep.ip)
@@ -512,7 +514,7 @@ fn slice_port(
     let matched = slice
         .ports
         .iter()
-        .find(|p| p.name == port_name && p.protocol == Some(protocol))?;
+        .find(|p| *p.name == *port_name && p.protocol == Some(protocol))?;
     let number = matched.port.or(match svc_port.target_port {
         TargetPort::Number(n) => Some(n),
         TargetPort::Named => None,

@@ -182,8 +182,9 @@ fn port_to_wire(p: &PortInfo) -> v1::ServicePort {
         Err(why) => (0, 0, Some(why.clone())),
     };
     v1::ServicePort {
-        name: p.name.clone(),
-        display: p.display.clone(),
+        name: p.name.to_string(),
+        // Derived on this side (`PortInfo::display`); still sent for older peers.
+        display: p.display().into_owned(),
         port,
         protocol,
         invalid,
@@ -253,8 +254,7 @@ fn port_from_wire(p: &v1::ServicePort) -> Result<PortInfo, DecodeError> {
         }
     };
     Ok(PortInfo {
-        name: p.name.clone(),
-        display: p.display.clone(),
+        name: intern(&p.name),
         port,
         node_port: p
             .node_port
@@ -281,7 +281,7 @@ pub fn slice_to_wire(r: &ObjectRef, s: &SliceInfo) -> v1::Slice {
             .ports
             .iter()
             .map(|p| v1::SlicePort {
-                name: p.name.clone(),
+                name: p.name.to_string(),
                 protocol: protocol_to_wire(p.protocol),
                 port: p.port,
             })
@@ -327,7 +327,7 @@ pub fn slice_from_wire(s: &v1::Slice) -> Result<(ObjectRef, SliceInfo), DecodeEr
         .iter()
         .map(|p| {
             Ok(SlicePort {
-                name: p.name.clone(),
+                name: intern(&p.name),
                 protocol: protocol_from_wire(p.protocol)?,
                 port: p.port,
             })
