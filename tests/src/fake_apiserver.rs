@@ -337,6 +337,13 @@ impl FakeApiServer {
         let addr = listener.local_addr().context("its address")?;
         let serving = match tls {
             None => tokio::spawn(async move {
+                use axum::serve::ListenerExt as _;
+                // As the real API server (Go's net package sets TCP_NODELAY): without it,
+                // a small watch event waits behind the client's delayed ACK (Nagle), and
+                // the churn's latencies gained ~35 ms of the stand-in's own.
+                let listener = listener.tap_io(|tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
                 let _ = axum::serve(listener, app).await;
             }),
             Some(acceptor) => tokio::spawn(serve_tls(listener, acceptor, app, shared.clone())),
@@ -1247,6 +1254,7 @@ async fn serve_tls(
         let Ok((tcp, _)) = listener.accept().await else {
             continue;
         };
+        let _ = tcp.set_nodelay(true); // as over plain HTTP, above
         let (acceptor, app, shared) = (acceptor.clone(), app.clone(), shared.clone());
         tokio::spawn(async move {
             let Ok(tls) = acceptor.accept(tcp).await else {
