@@ -11,6 +11,8 @@ use std::{
 
 use serde::Serialize;
 
+use super::narrow::{self, Narrow};
+
 /// Sorted, without repeats; cloning shares the addresses.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct EndpointSet(Addrs);
@@ -32,14 +34,7 @@ impl Default for EndpointSet {
 impl EndpointSet {
     /// `addrs`, sorted without repeats.
     fn from_set(addrs: Vec<SocketAddr>) -> Self {
-        let v4: Option<Vec<SocketAddrV4>> = addrs
-            .iter()
-            .map(|a| match a {
-                SocketAddr::V4(a) => Some(*a),
-                SocketAddr::V6(_) => None,
-            })
-            .collect();
-        Self(match v4 {
+        Self(match narrow::narrowed(&addrs) {
             Some(v4) => Addrs::V4(v4.into()),
             None => Addrs::Any(addrs.into()),
         })
@@ -56,8 +51,8 @@ impl EndpointSet {
 
     pub fn iter(&self) -> Iter<'_> {
         match &self.0 {
-            Addrs::V4(a) => Iter::V4(a.iter()),
-            Addrs::Any(a) => Iter::Any(a.iter()),
+            Addrs::V4(a) => Iter::Narrow(a.iter()),
+            Addrs::Any(a) => Iter::Wide(a.iter()),
         }
     }
 
@@ -93,31 +88,22 @@ impl EndpointSet {
 }
 
 /// The addresses of a set, in order.
-#[derive(Clone, Debug)]
-pub enum Iter<'a> {
-    V4(std::slice::Iter<'a, SocketAddrV4>),
-    Any(std::slice::Iter<'a, SocketAddr>),
-}
+pub type Iter<'a> = narrow::Iter<'a, SocketAddrV4>;
 
-impl Iterator for Iter<'_> {
-    type Item = SocketAddr;
+impl Narrow for SocketAddrV4 {
+    type Wide = SocketAddr;
 
-    fn next(&mut self) -> Option<SocketAddr> {
-        match self {
-            Iter::V4(i) => i.next().map(|a| SocketAddr::V4(*a)),
-            Iter::Any(i) => i.next().copied(),
+    fn narrow(wide: &SocketAddr) -> Option<Self> {
+        match wide {
+            SocketAddr::V4(a) => Some(*a),
+            SocketAddr::V6(_) => None,
         }
     }
 
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        match self {
-            Iter::V4(i) => i.size_hint(),
-            Iter::Any(i) => i.size_hint(),
-        }
+    fn widen(self) -> SocketAddr {
+        SocketAddr::V4(self)
     }
 }
-
-impl ExactSizeIterator for Iter<'_> {}
 
 impl FromIterator<SocketAddr> for EndpointSet {
     fn from_iter<I: IntoIterator<Item = SocketAddr>>(iter: I) -> Self {

@@ -8,6 +8,7 @@ mod endpoint_set;
 mod endpoints;
 pub mod frontend_builder;
 pub mod lb_mode;
+mod narrow;
 pub mod objects;
 pub mod schedule;
 mod slice_endpoints;

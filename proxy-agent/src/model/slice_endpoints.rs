@@ -7,7 +7,10 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use serde::{Serialize, ser::SerializeSeq};
 
-use super::objects::{EndpointInfo, NodeName};
+use super::{
+    narrow::{self, Narrow},
+    objects::{EndpointInfo, NodeName},
+};
 
 /// A slice's endpoints, in the slice's order.
 #[derive(Clone, PartialEq, Eq)]
@@ -32,8 +35,10 @@ const READY: u8 = 1;
 const SERVING: u8 = 2;
 const TERMINATING: u8 = 4;
 
-impl V4Endpoint {
-    fn of(ep: &EndpointInfo) -> Option<Self> {
+impl Narrow for V4Endpoint {
+    type Wide = EndpointInfo;
+
+    fn narrow(ep: &EndpointInfo) -> Option<Self> {
         let IpAddr::V4(ip) = ep.ip else {
             return None;
         };
@@ -47,7 +52,7 @@ impl V4Endpoint {
         })
     }
 
-    fn info(&self) -> EndpointInfo {
+    fn widen(self) -> EndpointInfo {
         EndpointInfo {
             ip: IpAddr::V4(Ipv4Addr::from(self.ip)),
             ready: self.conditions & READY != 0,
@@ -66,9 +71,8 @@ impl Default for SliceEndpoints {
 
 impl From<Vec<EndpointInfo>> for SliceEndpoints {
     fn from(eps: Vec<EndpointInfo>) -> Self {
-        let v4: Option<Box<[V4Endpoint]>> = eps.iter().map(V4Endpoint::of).collect();
-        Self(match v4 {
-            Some(v4) => Stored::V4(v4),
+        Self(match narrow::narrowed(&eps) {
+            Some(v4) => Stored::V4(v4.into()),
             None => Stored::Any(eps.into()),
         })
     }
@@ -94,44 +98,21 @@ impl SliceEndpoints {
 
     pub fn get(&self, i: usize) -> Option<EndpointInfo> {
         match &self.0 {
-            Stored::V4(e) => e.get(i).map(V4Endpoint::info),
+            Stored::V4(e) => e.get(i).map(|n| n.widen()),
             Stored::Any(e) => e.get(i).copied(),
         }
     }
 
     pub fn iter(&self) -> Iter<'_> {
         match &self.0 {
-            Stored::V4(e) => Iter::V4(e.iter()),
-            Stored::Any(e) => Iter::Any(e.iter()),
+            Stored::V4(e) => Iter::Narrow(e.iter()),
+            Stored::Any(e) => Iter::Wide(e.iter()),
         }
     }
 }
 
 /// The endpoints by value, in order.
-pub enum Iter<'a> {
-    V4(std::slice::Iter<'a, V4Endpoint>),
-    Any(std::slice::Iter<'a, EndpointInfo>),
-}
-
-impl Iterator for Iter<'_> {
-    type Item = EndpointInfo;
-
-    fn next(&mut self) -> Option<EndpointInfo> {
-        match self {
-            Iter::V4(i) => i.next().map(V4Endpoint::info),
-            Iter::Any(i) => i.next().copied(),
-        }
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        match self {
-            Iter::V4(i) => i.size_hint(),
-            Iter::Any(i) => i.size_hint(),
-        }
-    }
-}
-
-impl ExactSizeIterator for Iter<'_> {}
+pub type Iter<'a> = narrow::Iter<'a, V4Endpoint>;
 
 impl std::fmt::Debug for SliceEndpoints {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
