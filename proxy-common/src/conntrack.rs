@@ -1,5 +1,5 @@
 //! Connection tracking of the per-packet path (`CONNTRACK`, `CONNTRACK_NEW`,
-//! `NETFILTER_FLOWS`): keys, values, flags, timeouts and the partner of each entry.
+//! `NETFILTER_FLOWS`, `REPLY_PORTS`): keys, values, flags, timeouts and the partner of each entry.
 
 use crate::{PROTO_SCTP, PROTO_TCP};
 
@@ -38,6 +38,22 @@ pub const SNAT_PORT_MAX: u16 = 29_999;
 pub const CT_DIR_FORWARD: u8 = 0;
 /// `CtKey::dir`: a reply from the backend towards the client.
 pub const CT_DIR_REPLY: u8 = 1;
+
+/// `REPLY_PORTS`: ports an entry holds, a byte each (set once, never cleared: a plain
+/// store, no read-modify-write another CPU could race).
+pub const REPLY_PORTS_PER_ENTRY: usize = 64;
+
+/// Where source port `port_be` (network byte order) is marked in `REPLY_PORTS`: the
+/// entry, and the byte in it. A port is marked before any flow's reply entry with that
+/// source port (the backend's port) is written, so a packet from an unmarked port is no
+/// reply and skips that lookup.
+pub const fn reply_port_slot(port_be: u16) -> (u32, usize) {
+    let port = u16::from_be(port_be) as usize;
+    (
+        (port / REPLY_PORTS_PER_ENTRY) as u32,
+        port % REPLY_PORTS_PER_ENTRY,
+    )
+}
 
 /// Connection-tracking key of the per-packet path: the packet's own 5-tuple plus direction.
 #[repr(C)]

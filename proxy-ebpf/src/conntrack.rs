@@ -16,17 +16,17 @@
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     btf_maps::PerCpuArray,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
     macros::btf_map,
 };
 use proxy_common::{
     CT_DIR_REPLY, CT_F_ASSURED, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
     CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, ct_closed,
-    elapsed_ns, forward_key_of, reply_key_of,
+    elapsed_ns, forward_key_of, reply_key_of, reply_port_slot,
 };
 
 use crate::{
-    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, count},
+    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, REPLY_PORTS, count},
     packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
     verdict::DROP,
 };
@@ -56,6 +56,16 @@ pub fn scratch(idx: u32) -> Option<&'static mut CtValue> {
     let p = CT_SCRATCH.get_ptr_mut(idx)?;
     // SAFETY: as for `ct_scratch`.
     Some(unsafe { &mut *p })
+}
+
+/// The flows' clock: `CLOCK_MONOTONIC` at the kernel tick's resolution (the agent's
+/// collector reads the same clock, finer). The limits are seconds long, and the
+/// coarse read costs a fraction of `bpf_ktime_get_ns` (no clock source read: a
+/// paravirtual TSC in a VM) on every packet.
+#[inline(always)]
+pub fn now() -> u64 {
+    // SAFETY: no preconditions.
+    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 /// An entry found in one of the two tables.
@@ -234,13 +244,39 @@ fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
 /// its last packet.
 const CLOSED_TUPLE_HOLD_NS: u64 = 1_000_000_000;
 
+/// Whether a packet from source port `sport` may be a reply: some flow's reply tuple
+/// has (or had) that source port. When not, the reply probe (a lookup in each table,
+/// both missing) is skipped: a client's ephemeral port is rarely a backend's port.
+#[inline(always)]
+pub fn may_be_reply(sport: u16) -> bool {
+    let (idx, byte) = reply_port_slot(sport);
+    // (An index past the map cannot happen: 65,536 ports fill it exactly.)
+    REPLY_PORTS.get(idx).is_none_or(|ports| ports[byte] != 0)
+}
+
+/// Marks `sport` as a reply tuple's source port, before the entry is written (so a
+/// reply on another CPU that finds the entry finds the mark too). A byte store, no
+/// read-modify-write: marks by other CPUs in the same word are never lost.
+#[inline(always)]
+fn mark_reply_port(sport: u16) {
+    let (idx, byte) = reply_port_slot(sport);
+    if let Some(ports) = REPLY_PORTS.get_ptr_mut(idx) {
+        // SAFETY: map memory, valid for this program run; a byte store is atomic.
+        unsafe {
+            if (*ports)[byte] == 0 {
+                core::ptr::write_volatile(&mut (*ports)[byte], 1);
+            }
+        }
+    }
+}
+
 /// Claims reply tuple `key` for a new flow by writing its reply entry `value` into the
 /// table of new flows, unless a live flow holds the tuple. A closed or expired flow
 /// holding it gives it up (its entries go).
 #[inline(never)]
 pub fn claim(key: &CtKey, value: &CtValue) -> bool {
-    // SAFETY: no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = now();
+    mark_reply_port(key.sport);
     if let Some(old) = CONNTRACK.get_ptr_mut(key) {
         if !stale(key, old, false, now) {
             return false;
@@ -306,8 +342,7 @@ fn allocate_port(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
 /// (Few, scalar-or-pointer arguments: the verifier takes no stack-passed ones.)
 #[inline(never)]
 pub fn record(pkt: &Packet, fwd: &mut CtValue) -> Result<(), i32> {
-    // SAFETY: no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = now();
     fwd.last_seen_ns = now;
     let Some(reply) = ct_scratch(SCRATCH_REPLY) else {
         return Err(DROP); // unreachable: a valid index

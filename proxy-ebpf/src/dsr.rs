@@ -234,8 +234,7 @@ pub extern "C" fn proxy_dsr_learn() -> u32 {
     };
     // SAFETY: this CPU's slot, filled by `arrival` for this packet.
     let a = unsafe { &mut *a };
-    // SAFETY: no preconditions.
-    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    let now = conntrack::now();
     a.key = a.pkt.ct_key(CT_DIR_FORWARD);
     let key = &a.key;
     if let Some(entry) = conntrack::lookup(key) {

@@ -126,10 +126,11 @@ impl Frame for TcContext {
 
     #[inline(always)]
     fn linearize(&self, len: usize) {
-        if skb_data(self) + len <= skb_data_end(self) {
+        // Short packets (an ACK is 54 bytes) are linear whole: no helper call for them.
+        let len = (len as u32).min(TcContext::len(self));
+        if skb_data(self) + len as usize <= skb_data_end(self) {
             return;
         }
-        let len = (len as u32).min(TcContext::len(self));
         // A failure leaves the packet as it was: what lies beyond the linear part then
         // reads as missing, and the packet passes untranslated.
         let _ = self.pull_data(len);

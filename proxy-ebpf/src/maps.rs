@@ -18,7 +18,7 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
     FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, SctpPending,
-    ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c,
+    REPLY_PORTS_PER_ENTRY, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -74,6 +74,11 @@ pub static CONNTRACK: HashMap<CtKey, CtValue, { capacity::CONNTRACK as usize }> 
 #[btf_map]
 pub static CONNTRACK_NEW: LruHashMap<CtKey, CtValue, { capacity::CONNTRACK_NEW as usize }> =
     LruHashMap::new();
+
+/// The source ports reply tuples use, a byte each (`proxy_common::reply_port_slot`).
+#[btf_map]
+pub static REPLY_PORTS: Array<[u8; REPLY_PORTS_PER_ENTRY], { capacity::REPLY_PORTS as usize }> =
+    Array::new();
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

@@ -17,10 +17,7 @@
 //! the order of their steps (reply, established, new flow), source ranges and netfilter's
 //! flows. May import: layers 0-4 (every module but `sock` and `main`).
 
-use aya_ebpf::{
-    helpers::bpf_ktime_get_ns,
-    programs::{TcContext, XdpContext},
-};
+use aya_ebpf::programs::{TcContext, XdpContext};
 use proxy_common::{
     AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR, CT_F_REPLIED,
     CT_F_SNAT, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_DSR, SVC_F_SOURCE_RANGES,
@@ -83,8 +80,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
     if pkt.tail {
         return PASS_ON; // a later fragment of a local reply: not translated (ABI.md)
     }
-    // SAFETY: no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = conntrack::now();
     let verdict = match reply(ctx, &pkt, now, true) {
         Ok(Some(v)) | Err(v) => v,
         Ok(None) => PASS_ON,
@@ -120,9 +116,10 @@ pub fn xdp(ctx: &XdpContext) -> u32 {
 
 #[inline(always)]
 fn translate<F: Frame>(ctx: &F, pkt: &Packet) -> Result<i32, i32> {
-    // SAFETY: no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
-    if let Some(verdict) = reply(ctx, pkt, now, false)? {
+    let now = conntrack::now();
+    if conntrack::may_be_reply(pkt.sport)
+        && let Some(verdict) = reply(ctx, pkt, now, false)?
+    {
         return Ok(verdict);
     }
     if let Some(verdict) = established(ctx, pkt, now)? {

@@ -11,8 +11,8 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
-    LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, ServiceKey, ServiceValue, SockLb,
-    StatsKey, map_names,
+    LpmData, MaglevChunk, MemberKey, NodeConfig, REPLY_PORTS_PER_ENTRY, RevNatValue, ServiceKey,
+    ServiceValue, SockLb, StatsKey, map_names,
 };
 
 /// Each pinned map's memory as the kernel charges it (`memlock` of the map's fdinfo, in
@@ -60,6 +60,8 @@ pub struct MapSet {
     /// Answered flows (hash) and new ones (LRU).
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     pub conntrack_new: HashMap<MapData, CtKey, CtValue>,
+    /// The source ports reply tuples use, a byte each (`reply_port_slot`).
+    pub reply_ports: Array<MapData, [u8; REPLY_PORTS_PER_ENTRY]>,
     pub counters: PerCpuArray<MapData, u64>,
     pub node_config: Array<MapData, NodeConfig>,
     pub local_nets: LpmTrie<MapData, LpmData, u8>,
@@ -270,6 +272,12 @@ impl MapSet {
                 id(IterableMap::map(&self.conntrack_new))?,
             ),
             (
+                map_names::REPLY_PORTS,
+                id(IterableMap::<u32, [u8; REPLY_PORTS_PER_ENTRY]>::map(
+                    &self.reply_ports,
+                ))?,
+            ),
+            (
                 map_names::COUNTERS,
                 id(IterableMap::<u32, PerCpuValues<u64>>::map(&self.counters))?,
             ),
@@ -333,6 +341,7 @@ impl MapSet {
             members: typed!(map_names::MEMBERS),
             conntrack: typed!(map_names::CONNTRACK),
             conntrack_new: typed!(map_names::CONNTRACK_NEW),
+            reply_ports: typed!(map_names::REPLY_PORTS),
             counters: typed!(map_names::COUNTERS),
             node_config: typed!(map_names::NODE_CONFIG),
             local_nets: typed!(map_names::LOCAL_NETS),

@@ -20,6 +20,7 @@ pub(crate) mod netlink;
 mod options;
 mod pin_lock;
 pub mod program_log;
+pub mod reply_ports;
 mod sockets;
 pub mod stats;
 pub mod writer;
@@ -228,6 +229,17 @@ impl BpfDataplane {
                 error = format!("{e:#}"),
                 "the kernel's conntrack table is unreadable: connections kube-proxy translated before this start may break"
             );
+        }
+        // A reply-port filter new beside older flow tables (an upgrade): their live flows'
+        // ports marked before their replies meet the classifier.
+        let reply_ports_new = pins
+            .iter()
+            .zip(&pinned_before)
+            .any(|((name, _), before)| *name == map_names::REPLY_PORTS && !before);
+        if reply_ports_new {
+            let marked = reply_ports::mark_from_flows(&mut maps)
+                .context("marking the reply ports of the flows already tracked")?;
+            tracing::info!(marked, "reply-port filter made; ports of tracked flows marked");
         }
         let state = MapState::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
