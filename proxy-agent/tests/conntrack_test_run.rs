@@ -3,14 +3,18 @@
 //! is moved by ageing the entries, as if the flow had idled that long), closed flows
 //! give their tuple and masquerade port back, a SYN flood evicts no answered flow, a
 //! client port shared by two frontends keeps both flows apart, and the collector frees
-//! what expired. Root only.
+//! what expired, and a reply is probed for only from a port a flow's reply tuple uses
+//! (the reply-port filter, and its marks rebuilt from the flow tables). Root only.
 
 mod support;
 
 use std::net::SocketAddr;
 
 use proxy_agent::{
-    dataplane::bpf::conntrack_gc::{self, monotonic_ns},
+    dataplane::bpf::{
+        conntrack_gc::{self, monotonic_ns},
+        reply_ports,
+    },
     model::{FrontendKind, NodeView, Protocol},
 };
 use proxy_common::{CT_DIR_FORWARD, CT_DIR_REPLY, CtKey, CtValue, map_names};
@@ -510,4 +514,41 @@ fn a_flow_netfilter_translated_before_us_is_left_to_it() {
         "a SYN on the tuple: a new connection, ours"
     );
     assert_eq!(seg(&h, client, vip, ACK).2, be, "and then its segments too");
+}
+
+/// The reply-port filter: a flow marks its backend's port before its reply entry is
+/// written; a packet from an unmarked port is not probed as a reply. A filter emptied
+/// (as one made new beside older flow tables is) leaves the live flow's replies
+/// untranslated until the agent marks the ports of the tracked flows again.
+#[needs_root]
+#[test]
+fn replies_are_probed_only_from_marked_ports_and_the_marks_rebuild_from_the_flows() {
+    let (mut h, client, vip, be) = one_clusterip();
+    let port = |a: SocketAddr| a.port().to_be();
+    assert!(!reply_ports::marked(&h.maps.reply_ports, port(be)).expect("read"));
+    assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
+    assert!(reply_ports::marked(&h.maps.reply_ports, port(be)).expect("read"));
+    assert!(
+        !reply_ports::marked(&h.maps.reply_ports, port(client)).expect("read"),
+        "a client's port is no reply tuple's source port"
+    );
+    assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
+    assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
+
+    // The marks gone (a filter made new while this flow lives): its reply is not
+    // looked up, so it leaves untranslated.
+    for idx in 0..proxy_common::capacity::REPLY_PORTS {
+        h.maps
+            .reply_ports
+            .set(idx, &[0u8; proxy_common::REPLY_PORTS_PER_ENTRY], 0)
+            .expect("clear");
+    }
+    let (_, src, _) = seg(&h, be, client, ACK);
+    assert_eq!(src, be, "no mark: no reply probe");
+
+    // The start's pass over the flow tables marks the flow's port again.
+    let marked = reply_ports::mark_from_flows(&mut h.maps).expect("mark");
+    assert_eq!(marked, 1, "one reply tuple's source port");
+    assert_eq!(seg(&h, be, client, ACK), (TC_ACT_OK, vip, client));
+    assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
 }

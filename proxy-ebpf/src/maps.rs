@@ -17,8 +17,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
-    FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, RevNatValue, SctpPending,
-    REPLY_PORTS_PER_ENTRY, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c,
+    FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, REPLY_PORTS_PER_ENTRY,
+    RevNatValue, SctpPending, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter,
+    crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;

@@ -80,6 +80,10 @@ pub fn egress(ctx: &TcContext) -> i32 {
     if pkt.tail {
         return PASS_ON; // a later fragment of a local reply: not translated (ABI.md)
     }
+    // Most of what the node sends is its own traffic, from ports no reply tuple uses.
+    if !conntrack::may_be_reply(pkt.sport) {
+        return PASS_ON;
+    }
     let now = conntrack::now();
     let verdict = match reply(ctx, &pkt, now, true) {
         Ok(Some(v)) | Err(v) => v,

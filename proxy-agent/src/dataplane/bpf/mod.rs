@@ -239,7 +239,10 @@ impl BpfDataplane {
         if reply_ports_new {
             let marked = reply_ports::mark_from_flows(&mut maps)
                 .context("marking the reply ports of the flows already tracked")?;
-            tracing::info!(marked, "reply-port filter made; ports of tracked flows marked");
+            tracing::info!(
+                marked,
+                "reply-port filter made; ports of tracked flows marked"
+            );
         }
         let state = MapState::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
