@@ -3,8 +3,9 @@
 //! is moved by ageing the entries, as if the flow had idled that long), closed flows
 //! give their tuple and masquerade port back, a SYN flood evicts no answered flow, a
 //! client port shared by two frontends keeps both flows apart, and the collector frees
-//! what expired, and a reply is probed for only from a port a flow's reply tuple uses
-//! (the reply-port filter, and its marks rebuilt from the flow tables). Root only.
+//! what expired, and the port filters: a reply is probed for only from a port a flow's
+//! reply tuple uses, a flow or service looked for only on a port a frontend uses, and
+//! both filters' marks rebuilt from the tables. Root only.
 
 mod support;
 
@@ -13,7 +14,7 @@ use std::net::SocketAddr;
 use proxy_agent::{
     dataplane::bpf::{
         conntrack_gc::{self, monotonic_ns},
-        reply_ports,
+        port_filters::{self, Fresh, marked},
     },
     model::{FrontendKind, NodeView, Protocol},
 };
@@ -516,6 +517,15 @@ fn a_flow_netfilter_translated_before_us_is_left_to_it() {
     assert_eq!(seg(&h, client, vip, ACK).2, be, "and then its segments too");
 }
 
+/// Every byte of a port filter cleared, as in a filter made new.
+fn clear(filter: &mut port_filters::PortFilter) {
+    for idx in 0..proxy_common::capacity::REPLY_PORTS {
+        filter
+            .set(idx, &[0u8; proxy_common::PORTS_PER_ENTRY], 0)
+            .expect("clear");
+    }
+}
+
 /// The reply-port filter: a flow marks its backend's port before its reply entry is
 /// written; a packet from an unmarked port is not probed as a reply. A filter emptied
 /// (as one made new beside older flow tables is) leaves the live flow's replies
@@ -525,11 +535,11 @@ fn a_flow_netfilter_translated_before_us_is_left_to_it() {
 fn replies_are_probed_only_from_marked_ports_and_the_marks_rebuild_from_the_flows() {
     let (mut h, client, vip, be) = one_clusterip();
     let port = |a: SocketAddr| a.port().to_be();
-    assert!(!reply_ports::marked(&h.maps.reply_ports, port(be)).expect("read"));
+    assert!(!marked(&h.maps.reply_ports, port(be)).expect("read"));
     assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
-    assert!(reply_ports::marked(&h.maps.reply_ports, port(be)).expect("read"));
+    assert!(marked(&h.maps.reply_ports, port(be)).expect("read"));
     assert!(
-        !reply_ports::marked(&h.maps.reply_ports, port(client)).expect("read"),
+        !marked(&h.maps.reply_ports, port(client)).expect("read"),
         "a client's port is no reply tuple's source port"
     );
     assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
@@ -537,18 +547,73 @@ fn replies_are_probed_only_from_marked_ports_and_the_marks_rebuild_from_the_flow
 
     // The marks gone (a filter made new while this flow lives): its reply is not
     // looked up, so it leaves untranslated.
-    for idx in 0..proxy_common::capacity::REPLY_PORTS {
-        h.maps
-            .reply_ports
-            .set(idx, &[0u8; proxy_common::REPLY_PORTS_PER_ENTRY], 0)
-            .expect("clear");
-    }
+    clear(&mut h.maps.reply_ports);
     let (_, src, _) = seg(&h, be, client, ACK);
     assert_eq!(src, be, "no mark: no reply probe");
 
-    // The start's pass over the flow tables marks the flow's port again.
-    let marked = reply_ports::mark_from_flows(&mut h.maps).expect("mark");
-    assert_eq!(marked, 1, "one reply tuple's source port");
+    // The start's pass over the tables marks the flow's port again.
+    let fresh = Fresh {
+        reply_ports: true,
+        frontend_ports: false,
+    };
+    let marked_now = port_filters::mark_from_tables(&mut h.maps, fresh).expect("mark");
+    assert_eq!(marked_now, (1, 0), "one reply tuple's source port");
     assert_eq!(seg(&h, be, client, ACK), (TC_ACT_OK, vip, client));
     assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
+}
+
+/// The frontend-port filter: the agent marks a frontend's port before its service entry;
+/// a packet to an unmarked port passes without a flow or service lookup. A frontend's
+/// removal keeps its mark, so its live flow goes on; an emptied filter (one made new)
+/// is filled again from the service entries and the flows' forward entries.
+#[needs_root]
+#[test]
+fn frontend_ports_are_marked_before_their_services_and_kept_for_live_flows() {
+    let (mut h, client, vip, be) = one_clusterip();
+    let port = |a: SocketAddr| a.port().to_be();
+    assert!(marked(&h.maps.frontend_ports, port(vip)).expect("read"));
+    assert!(!marked(&h.maps.frontend_ports, 81u16.to_be()).expect("read"));
+    assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
+    assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
+    assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
+
+    // Emptied: the VIP's packets are no longer looked at at all.
+    clear(&mut h.maps.frontend_ports);
+    let other = sa("10.244.0.3:40001");
+    assert_eq!(seg(&h, other, vip, SYN), (TC_ACT_UNSPEC, other, vip));
+    assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_UNSPEC, client, vip));
+    let fresh = Fresh {
+        reply_ports: false,
+        frontend_ports: true,
+    };
+    let marked_now = port_filters::mark_from_tables(&mut h.maps, fresh).expect("mark");
+    assert_eq!(
+        marked_now,
+        (0, 1),
+        "the frontend's port, from its entry and its flow"
+    );
+    assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
+
+    // The frontend removed: its port stays marked, and its established flow keeps its
+    // backend (kube-proxy's conntrack does the same).
+    h.apply(&NodeView::new());
+    assert!(marked(&h.maps.frontend_ports, port(vip)).expect("read"));
+    assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
+    assert_eq!(seg(&h, be, client, ACK), (TC_ACT_OK, vip, client));
+
+    // Without the flow entries either, only the service entries fill it: a live flow
+    // whose frontend is gone would pass untranslated, hence the flows' pass.
+    clear(&mut h.maps.frontend_ports);
+    for table in [&mut h.maps.conntrack, &mut h.maps.conntrack_new] {
+        let keys: Vec<CtKey> = table.keys().filter_map(Result::ok).collect();
+        for k in keys {
+            table.remove(&k).expect("remove");
+        }
+    }
+    let marked_now = port_filters::mark_from_tables(&mut h.maps, fresh).expect("mark");
+    assert_eq!(
+        marked_now,
+        (0, 0),
+        "no service entry and no flow: nothing to mark"
+    );
 }

@@ -1,5 +1,5 @@
 //! Connection tracking of the per-packet path (`CONNTRACK`, `CONNTRACK_NEW`,
-//! `NETFILTER_FLOWS`, `REPLY_PORTS`): keys, values, flags, timeouts and the partner of each entry.
+//! `NETFILTER_FLOWS`, the port filters): keys, values, flags, timeouts and the partner of each entry.
 
 use crate::{PROTO_SCTP, PROTO_TCP};
 
@@ -39,20 +39,19 @@ pub const CT_DIR_FORWARD: u8 = 0;
 /// `CtKey::dir`: a reply from the backend towards the client.
 pub const CT_DIR_REPLY: u8 = 1;
 
-/// `REPLY_PORTS`: ports an entry holds, a byte each (set once, never cleared: a plain
-/// store, no read-modify-write another CPU could race).
-pub const REPLY_PORTS_PER_ENTRY: usize = 64;
+/// The port filters (`REPLY_PORTS`, `FRONTEND_PORTS`): ports an entry holds, a byte each
+/// (set once, never cleared: a plain store, no read-modify-write another CPU could race).
+pub const PORTS_PER_ENTRY: usize = 64;
 
-/// Where source port `port_be` (network byte order) is marked in `REPLY_PORTS`: the
-/// entry, and the byte in it. A port is marked before any flow's reply entry with that
+/// Where port `port_be` (network byte order) is marked in a port filter: the entry, and
+/// the byte in it. `REPLY_PORTS`: a port is marked before any flow's reply entry with that
 /// source port (the backend's port) is written, so a packet from an unmarked port is no
-/// reply and skips that lookup.
-pub const fn reply_port_slot(port_be: u16) -> (u32, usize) {
+/// reply and skips that lookup. `FRONTEND_PORTS`: a port is marked before any service
+/// entry with that port is written, so a packet to an unmarked port is for no frontend
+/// and no flow of ours.
+pub const fn port_slot(port_be: u16) -> (u32, usize) {
     let port = u16::from_be(port_be) as usize;
-    (
-        (port / REPLY_PORTS_PER_ENTRY) as u32,
-        port % REPLY_PORTS_PER_ENTRY,
-    )
+    ((port / PORTS_PER_ENTRY) as u32, port % PORTS_PER_ENTRY)
 }
 
 /// Connection-tracking key of the per-packet path: the packet's own 5-tuple plus direction.

@@ -81,9 +81,12 @@ maps! {
     /// Flows not answered yet (LRU: a flood of new flows only evicts its own kind); a
     /// quarter of the answered table by default.
     CONNTRACK_NEW(32_768);
-    /// The source ports flows' reply tuples use (`reply_port_slot`): a byte per port.
-    /// A packet from a port never marked is no reply, and skips that probe.
+    /// The source ports flows' reply tuples use (`port_slot`): a byte per port. A packet
+    /// from a port never marked is no reply, and skips that probe.
     REPLY_PORTS(1_024);
+    /// The ports frontends use (`port_slot`): a byte per port. A packet to a port never
+    /// marked is for no frontend and no flow of ours, and passes after two array reads.
+    FRONTEND_PORTS(1_024);
     /// Per-CPU counters, one per `counter` index.
     COUNTERS(crate::counter::COUNT);
     NODE_CONFIG(1);

@@ -22,7 +22,7 @@ use aya_ebpf::{
 use proxy_common::{
     CT_DIR_REPLY, CT_F_ASSURED, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
     CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, ct_closed,
-    elapsed_ns, forward_key_of, reply_key_of, reply_port_slot,
+    elapsed_ns, forward_key_of, port_slot, reply_key_of,
 };
 
 use crate::{
@@ -249,7 +249,7 @@ const CLOSED_TUPLE_HOLD_NS: u64 = 1_000_000_000;
 /// both missing) is skipped: a client's ephemeral port is rarely a backend's port.
 #[inline(always)]
 pub fn may_be_reply(sport: u16) -> bool {
-    let (idx, byte) = reply_port_slot(sport);
+    let (idx, byte) = port_slot(sport);
     // (An index past the map cannot happen: 65,536 ports fill it exactly.)
     REPLY_PORTS.get(idx).is_none_or(|ports| ports[byte] != 0)
 }
@@ -259,7 +259,7 @@ pub fn may_be_reply(sport: u16) -> bool {
 /// read-modify-write: marks by other CPUs in the same word are never lost.
 #[inline(always)]
 fn mark_reply_port(sport: u16) {
-    let (idx, byte) = reply_port_slot(sport);
+    let (idx, byte) = port_slot(sport);
     if let Some(ports) = REPLY_PORTS.get_ptr_mut(idx) {
         // SAFETY: map memory, valid for this program run; a byte store is atomic.
         unsafe {

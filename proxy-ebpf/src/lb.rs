@@ -18,12 +18,12 @@ use core::{
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, BackendSlotKey, MAGLEV_CHUNK, MemberKey,
     SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_TWO_SCOPES,
-    SVC_F_WEIGHTED, ServiceKey, ServiceValue, counter, sched, sched_hash,
+    SVC_F_WEIGHTED, ServiceKey, ServiceValue, counter, port_slot, sched, sched_hash,
 };
 
 use crate::maps::{
-    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, MAGLEV, MEMBERS, RR_CURSORS, SERVICES,
-    WEIGHTS, count,
+    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, FRONTEND_PORTS, MAGLEV, MEMBERS, RR_CURSORS,
+    SERVICES, WEIGHTS, count,
 };
 
 /// Why no backend was chosen for a packet or connection addressed to a service.
@@ -43,6 +43,16 @@ pub struct Client {
     pub port: u16,
 }
 
+/// Whether some frontend has (or had) port `dport` (network byte order): when not, a
+/// packet to it is for no service, and no flow of ours (a flow's packets go to its
+/// frontend's port, marked before the frontend existed and never cleared).
+#[inline(always)]
+pub fn may_be_frontend(dport: u16) -> bool {
+    let (idx, byte) = port_slot(dport);
+    // (An index past the map cannot happen: 65,536 ports fill it exactly.)
+    FRONTEND_PORTS.get(idx).is_none_or(|ports| ports[byte] != 0)
+}
+
 /// Finds the service entry for a frontend. Internal traffic (from pods or the node itself)
 /// uses the internal scope when the service has one (its backends differ from the
 /// external view, e.g. `externalTrafficPolicy: Local`).
@@ -54,7 +64,19 @@ pub fn lookup_service(
     family: u8,
     internal: bool,
 ) -> Option<ServiceValue> {
-    let mut key = ServiceKey {
+    let svc = lookup_frontend(addr, port, proto, family)?;
+    Some(if internal {
+        internal_scope(svc, addr, port, proto, family)
+    } else {
+        svc
+    })
+}
+
+/// The frontend's entry as outside clients see it (`lookup_service` without the scope):
+/// enough to know a packet is for a service before asking where it comes from.
+#[inline(always)]
+pub fn lookup_frontend(addr: [u32; 4], port: u16, proto: u8, family: u8) -> Option<ServiceValue> {
+    let key = ServiceKey {
         addr,
         port,
         proto,
@@ -63,13 +85,32 @@ pub fn lookup_service(
         _pad: [0; 3],
     };
     // SAFETY: the value is copied out at once.
-    let svc = unsafe { *SERVICES.get(&key)? };
-    if !internal || svc.flags & SVC_F_TWO_SCOPES == 0 {
-        return Some(svc);
+    unsafe { SERVICES.get(&key).copied() }
+}
+
+/// The entry internal traffic uses for frontend `svc` (found by `lookup_frontend`): its
+/// internal scope's when it has two.
+#[inline(always)]
+pub fn internal_scope(
+    svc: ServiceValue,
+    addr: [u32; 4],
+    port: u16,
+    proto: u8,
+    family: u8,
+) -> ServiceValue {
+    if svc.flags & SVC_F_TWO_SCOPES == 0 {
+        return svc;
     }
-    key.scope = SCOPE_INTERNAL;
-    // SAFETY: as above.
-    unsafe { SERVICES.get(&key).copied() }.or(Some(svc))
+    let key = ServiceKey {
+        addr,
+        port,
+        proto,
+        family,
+        scope: SCOPE_INTERNAL,
+        _pad: [0; 3],
+    };
+    // SAFETY: the value is copied out at once.
+    unsafe { SERVICES.get(&key).copied() }.unwrap_or(svc)
 }
 
 /// Picks a backend for a new connection to `svc`: the client's affinity entry while it is
@@ -95,8 +136,13 @@ pub fn select_backend(
         kind: client.kind,
         _pad: [0; 2],
     };
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    // The clock only for affinity's timestamps (a clock read is not free in a VM).
+    let now = if affinity {
+        // SAFETY: bpf_ktime_get_ns has no preconditions.
+        unsafe { bpf_ktime_get_ns() }
+    } else {
+        0
+    };
     if affinity {
         // SAFETY: the value is copied out at once.
         if let Some(aff) = unsafe { AFFINITY.get(&aff_key).copied() } {

@@ -17,9 +17,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
-    FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, REPLY_PORTS_PER_ENTRY,
-    RevNatValue, SctpPending, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter,
-    crc32c,
+    FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue,
+    SctpPending, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -76,9 +75,14 @@ pub static CONNTRACK: HashMap<CtKey, CtValue, { capacity::CONNTRACK as usize }> 
 pub static CONNTRACK_NEW: LruHashMap<CtKey, CtValue, { capacity::CONNTRACK_NEW as usize }> =
     LruHashMap::new();
 
-/// The source ports reply tuples use, a byte each (`proxy_common::reply_port_slot`).
+/// The source ports reply tuples use, a byte each (`proxy_common::port_slot`).
 #[btf_map]
-pub static REPLY_PORTS: Array<[u8; REPLY_PORTS_PER_ENTRY], { capacity::REPLY_PORTS as usize }> =
+pub static REPLY_PORTS: Array<[u8; PORTS_PER_ENTRY], { capacity::REPLY_PORTS as usize }> =
+    Array::new();
+
+/// The ports frontends use, a byte each (`proxy_common::port_slot`); the agent's.
+#[btf_map]
+pub static FRONTEND_PORTS: Array<[u8; PORTS_PER_ENTRY], { capacity::FRONTEND_PORTS as usize }> =
     Array::new();
 
 #[btf_map]

@@ -11,7 +11,7 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
-    LpmData, MaglevChunk, MemberKey, NodeConfig, REPLY_PORTS_PER_ENTRY, RevNatValue, ServiceKey,
+    LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue, ServiceKey,
     ServiceValue, SockLb, StatsKey, map_names,
 };
 
@@ -60,8 +60,13 @@ pub struct MapSet {
     /// Answered flows (hash) and new ones (LRU).
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     pub conntrack_new: HashMap<MapData, CtKey, CtValue>,
-    /// The source ports reply tuples use, a byte each (`reply_port_slot`).
-    pub reply_ports: Array<MapData, [u8; REPLY_PORTS_PER_ENTRY]>,
+    /// The source ports reply tuples use, a byte each (`port_slot`).
+    pub reply_ports: Array<MapData, [u8; PORTS_PER_ENTRY]>,
+    /// The ports frontends use, a byte each (`port_slot`): marked by `put_service`.
+    pub frontend_ports: Array<MapData, [u8; PORTS_PER_ENTRY]>,
+    /// The ports this handle has seen marked in `frontend_ports` (one bit each), so a
+    /// service entry costs no extra syscall for a port already marked.
+    frontend_ports_known: Box<[u64; 1024]>,
     pub counters: PerCpuArray<MapData, u64>,
     pub node_config: Array<MapData, NodeConfig>,
     pub local_nets: LpmTrie<MapData, LpmData, u8>,
@@ -113,6 +118,9 @@ impl MapSet {
         if self.withhold_services {
             return Ok(());
         }
+        // The port's mark first: the classifier looks a packet's service up only when
+        // its port is marked.
+        self.mark_frontend_port(key.port)?;
         match &mut self.staged {
             Some(s) => {
                 s.services.push((*key, *value));
@@ -120,6 +128,19 @@ impl MapSet {
             }
             None => self.services.insert(key, value, 0),
         }
+    }
+
+    /// Marks frontend port `port_be` (network byte order) in `FRONTEND_PORTS`, unless this
+    /// handle knows it is marked. (The agent is the map's one writer.)
+    pub fn mark_frontend_port(&mut self, port_be: u16) -> Result<(), MapError> {
+        let port = usize::from(u16::from_be(port_be));
+        let (word, bit) = (port / 64, 1u64 << (port % 64));
+        if self.frontend_ports_known[word] & bit != 0 {
+            return Ok(());
+        }
+        super::port_filters::mark(&mut self.frontend_ports, [port_be])?;
+        self.frontend_ports_known[word] |= bit;
+        Ok(())
     }
 
     /// Makes the staged writes, in batches; stops staging. Everything a service entry
@@ -273,8 +294,14 @@ impl MapSet {
             ),
             (
                 map_names::REPLY_PORTS,
-                id(IterableMap::<u32, [u8; REPLY_PORTS_PER_ENTRY]>::map(
+                id(IterableMap::<u32, [u8; PORTS_PER_ENTRY]>::map(
                     &self.reply_ports,
+                ))?,
+            ),
+            (
+                map_names::FRONTEND_PORTS,
+                id(IterableMap::<u32, [u8; PORTS_PER_ENTRY]>::map(
+                    &self.frontend_ports,
                 ))?,
             ),
             (
@@ -342,6 +369,8 @@ impl MapSet {
             conntrack: typed!(map_names::CONNTRACK),
             conntrack_new: typed!(map_names::CONNTRACK_NEW),
             reply_ports: typed!(map_names::REPLY_PORTS),
+            frontend_ports: typed!(map_names::FRONTEND_PORTS),
+            frontend_ports_known: Box::new([0; 1024]),
             counters: typed!(map_names::COUNTERS),
             node_config: typed!(map_names::NODE_CONFIG),
             local_nets: typed!(map_names::LOCAL_NETS),

@@ -19,8 +19,8 @@ mod members;
 pub(crate) mod netlink;
 mod options;
 mod pin_lock;
+pub mod port_filters;
 pub mod program_log;
-pub mod reply_ports;
 mod sockets;
 pub mod stats;
 pub mod writer;
@@ -230,18 +230,25 @@ impl BpfDataplane {
                 "the kernel's conntrack table is unreadable: connections kube-proxy translated before this start may break"
             );
         }
-        // A reply-port filter new beside older flow tables (an upgrade): their live flows'
-        // ports marked before their replies meet the classifier.
-        let reply_ports_new = pins
-            .iter()
-            .zip(&pinned_before)
-            .any(|((name, _), before)| *name == map_names::REPLY_PORTS && !before);
-        if reply_ports_new {
-            let marked = reply_ports::mark_from_flows(&mut maps)
-                .context("marking the reply ports of the flows already tracked")?;
+        // Port filters new beside older tables (an upgrade): the ports those tables use
+        // marked before their packets meet the classifier.
+        let made_new = |map: &str| {
+            pins.iter()
+                .zip(&pinned_before)
+                .any(|((name, _), before)| *name == map && !before)
+        };
+        let fresh = port_filters::Fresh {
+            reply_ports: made_new(map_names::REPLY_PORTS),
+            frontend_ports: made_new(map_names::FRONTEND_PORTS),
+        };
+        let (reply, frontend) = port_filters::mark_from_tables(&mut maps, fresh)
+            .context("marking the ports the tables already use in the port filters")?;
+        if fresh.reply_ports || fresh.frontend_ports {
             tracing::info!(
-                marked,
-                "reply-port filter made; ports of tracked flows marked"
+                ?fresh,
+                reply,
+                frontend,
+                "port filters made; ports in use marked"
             );
         }
         let state = MapState::adopt(&maps)?;
