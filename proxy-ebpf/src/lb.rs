@@ -64,19 +64,7 @@ pub fn lookup_service(
     family: u8,
     internal: bool,
 ) -> Option<ServiceValue> {
-    let svc = lookup_frontend(addr, port, proto, family)?;
-    Some(if internal {
-        internal_scope(svc, addr, port, proto, family)
-    } else {
-        svc
-    })
-}
-
-/// The frontend's entry as outside clients see it (`lookup_service` without the scope):
-/// enough to know a packet is for a service before asking where it comes from.
-#[inline(always)]
-pub fn lookup_frontend(addr: [u32; 4], port: u16, proto: u8, family: u8) -> Option<ServiceValue> {
-    let key = ServiceKey {
+    let mut key = ServiceKey {
         addr,
         port,
         proto,
@@ -85,32 +73,13 @@ pub fn lookup_frontend(addr: [u32; 4], port: u16, proto: u8, family: u8) -> Opti
         _pad: [0; 3],
     };
     // SAFETY: the value is copied out at once.
-    unsafe { SERVICES.get(&key).copied() }
-}
-
-/// The entry internal traffic uses for frontend `svc` (found by `lookup_frontend`): its
-/// internal scope's when it has two.
-#[inline(always)]
-pub fn internal_scope(
-    svc: ServiceValue,
-    addr: [u32; 4],
-    port: u16,
-    proto: u8,
-    family: u8,
-) -> ServiceValue {
-    if svc.flags & SVC_F_TWO_SCOPES == 0 {
-        return svc;
+    let svc = unsafe { *SERVICES.get(&key)? };
+    if !internal || svc.flags & SVC_F_TWO_SCOPES == 0 {
+        return Some(svc);
     }
-    let key = ServiceKey {
-        addr,
-        port,
-        proto,
-        family,
-        scope: SCOPE_INTERNAL,
-        _pad: [0; 3],
-    };
-    // SAFETY: the value is copied out at once.
-    unsafe { SERVICES.get(&key).copied() }.unwrap_or(svc)
+    key.scope = SCOPE_INTERNAL;
+    // SAFETY: as above.
+    unsafe { SERVICES.get(&key).copied() }.or(Some(svc))
 }
 
 /// Picks a backend for a new connection to `svc`: the client's affinity entry while it is

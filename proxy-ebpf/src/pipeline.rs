@@ -304,17 +304,11 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
     let Some(cfg) = NODE_CONFIG.get(0) else {
         return Ok(Some(PASS_ON)); // unreachable: index 0 of a one-entry array
     };
-    // Most packets that reach here are for no service at all (pod to pod): they leave
-    // after one lookup, before the origin's two.
-    let Some(svc) = lb::lookup_frontend(pkt.daddr, pkt.dport, pkt.proto, pkt.family) else {
-        return Ok(Some(PASS_ON));
-    };
     let origin = origin(pkt, cfg);
     let internal = origin.pod || origin.node;
-    let svc = if internal {
-        lb::internal_scope(svc, pkt.daddr, pkt.dport, pkt.proto, pkt.family)
-    } else {
-        svc
+    let Some(svc) = lb::lookup_service(pkt.daddr, pkt.dport, pkt.proto, pkt.family, internal)
+    else {
+        return Ok(Some(PASS_ON));
     };
     count(counter::SVC_HIT);
     if svc.flags & SVC_F_SOURCE_RANGES != 0 && !source_allowed(svc.id, pkt) {
