@@ -585,11 +585,12 @@ fn print_scale(s: &Scale) {
 fn print_per_packet(s: &Scale) {
     let pp = &s.per_packet;
     println!(
-        "  per packet (BPF_PROG_TEST_RUN): established {:.0} ns, new flow {:.0} ns, reply {:.0} ns, not for a Service {:.0} ns, pass-through {:.0} ns ({:.2}x / {:.2}x / {:.2}x / {:.2}x)",
+        "  per packet (BPF_PROG_TEST_RUN): established {:.0} ns, new flow {:.0} ns, reply {:.0} ns, not for a Service {:.0} ns (on a frontend's port {:.0} ns), pass-through {:.0} ns ({:.2}x / {:.2}x / {:.2}x / {:.2}x)",
         pp.established_ns,
         pp.new_flow_ns,
         pp.reply_ns,
         pp.other_ns,
+        pp.other_frontend_port_ns,
         pp.pass_through_ns,
         pp.established_ns / pp.pass_through_ns.max(1.0),
         pp.new_flow_ns / pp.pass_through_ns.max(1.0),
