@@ -542,8 +542,25 @@ fn replies_are_probed_only_from_marked_ports_and_the_marks_rebuild_from_the_flow
         !marked(&h.maps.reply_ports, port(client)).expect("read"),
         "a client's port is no reply tuple's source port"
     );
+    let frontend_node = |h: &Harness| {
+        h.ct_entries()
+            .iter()
+            .find(|(k, _)| k.dir == CT_DIR_REPLY)
+            .map(|(_, v)| v.frontend_node)
+    };
+    assert_eq!(
+        frontend_node(&h),
+        Some(0),
+        "not known before the first reply"
+    );
     assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
+    assert_eq!(
+        frontend_node(&h),
+        Some(proxy_common::CT_NODE_NO),
+        "the first reply learns the ClusterIP is no node address, for the next ones"
+    );
     assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
+    assert_eq!(seg(&h, be, client, ACK), (TC_ACT_OK, vip, client));
 
     // The marks gone (a filter made new while this flow lives): its reply is not
     // looked up, so it leaves untranslated.
@@ -615,5 +632,42 @@ fn frontend_ports_are_marked_before_their_services_and_kept_for_live_flows() {
         marked_now,
         (0, 0),
         "no service entry and no flow: nothing to mark"
+    );
+}
+
+/// A frontend on the node's own address (an eTP Local NodePort, its outside client kept):
+/// the first reply learns so into the reply entry, and every reply, first or later,
+/// leaves as the NodePort.
+#[needs_root]
+#[test]
+fn replies_of_a_node_address_frontend_learn_it_once() {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.1.5:8080"]);
+    st.kind = FrontendKind::NodePort;
+    st.external_local = true;
+    h.apply(&NodeView::from([(np, st)]));
+    let (client, nodeport, be) = (
+        sa("198.51.100.7:41000"),
+        sa("192.0.2.10:30080"),
+        sa("10.244.1.5:8080"),
+    );
+    assert_eq!(seg(&h, client, nodeport, SYN).2, be);
+    let frontend_node = |h: &Harness| {
+        h.ct_entries()
+            .iter()
+            .find(|(k, _)| k.dir == CT_DIR_REPLY)
+            .map(|(_, v)| v.frontend_node)
+    };
+    assert_eq!(frontend_node(&h), Some(0));
+    let (_, src, dst) = seg(&h, be, client, SYN_ACK);
+    assert_eq!((src, dst), (nodeport, client));
+    assert_eq!(frontend_node(&h), Some(proxy_common::CT_NODE_YES));
+    assert_eq!(seg(&h, client, nodeport, ACK).2, be);
+    let (_, src, dst) = seg(&h, be, client, ACK);
+    assert_eq!(
+        (src, dst),
+        (nodeport, client),
+        "a later reply, from what was learnt"
     );
 }

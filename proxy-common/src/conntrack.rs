@@ -99,8 +99,18 @@ pub struct CtValue {
     pub xlate_port: u16,
     /// `CT_F_*`.
     pub flags: u8,
-    pub _pad: [u8; 3],
+    /// Reply entries: whether the frontend is one of the node's addresses (`CT_NODE_*`),
+    /// learnt at the flow's first reply so later ones skip that lookup; 0 until then (and
+    /// in forward entries).
+    pub frontend_node: u8,
+    pub _pad: [u8; 2],
 }
+
+/// `CtValue::frontend_node`: the frontend is one of the node's addresses (its replies
+/// leave by the FIB).
+pub const CT_NODE_YES: u8 = 1;
+/// `CtValue::frontend_node`: the frontend is not one of the node's addresses.
+pub const CT_NODE_NO: u8 = 2;
 
 /// The key of a forward entry's partner: the tuple the backend's replies carry.
 pub fn reply_key_of(fwd_key: &CtKey, fwd: &CtValue) -> CtKey {

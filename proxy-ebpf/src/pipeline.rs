@@ -20,8 +20,8 @@
 use aya_ebpf::programs::{TcContext, XdpContext};
 use proxy_common::{
     AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR, CT_F_REPLIED,
-    CT_F_SNAT, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_DSR, SVC_F_SOURCE_RANGES,
-    counter,
+    CT_F_SNAT, CT_NODE_NO, CT_NODE_YES, CtValue, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    SVC_F_DSR, SVC_F_SOURCE_RANGES, counter,
 };
 
 use crate::{
@@ -179,7 +179,7 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     let dst = if snat { client } else { pkt.daddr };
     // At XDP every reply leaves by the FIB, or goes to TC before anything changed. (A
     // direct-server-return reply, as another node's frontend, goes through the stack.)
-    let redirect = F::XDP || (!egress && (snat || is_node_address(pkt.family, &frontend)));
+    let redirect = F::XDP || (!egress && (snat || frontend_is_node(entry.value, pkt, &frontend)));
     let hop = if redirect {
         route::lookup(ctx, pkt, &frontend, &dst, 0)
     } else {
@@ -215,6 +215,27 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
         return Ok(Some(route::redirect(ctx, hop).code()));
     }
     Ok(Some(DONE))
+}
+
+/// Whether a flow's frontend (`frontend`, from its reply entry `reply`) is one of the
+/// node's addresses: looked up at the flow's first reply, then read from the entry.
+/// (The node's addresses seldom change; a flow keeps what it learnt, as it keeps its
+/// backend.)
+#[inline(always)]
+fn frontend_is_node(reply: *mut CtValue, pkt: &Packet, frontend: &[u32; 4]) -> bool {
+    // SAFETY: map memory, valid for this program run; a racy store of the same answer
+    // from two CPUs is harmless.
+    let known = unsafe { (*reply).frontend_node };
+    match known {
+        CT_NODE_YES => true,
+        CT_NODE_NO => false,
+        _ => {
+            let node = is_node_address(pkt.family, frontend);
+            // SAFETY: as above.
+            unsafe { (*reply).frontend_node = if node { CT_NODE_YES } else { CT_NODE_NO } };
+            node
+        }
+    }
 }
 
 /// A packet of a flow we already translated keeps its backend while the flow lives.
@@ -440,7 +461,7 @@ fn dsr_send<F: Frame>(
 /// this way, so the client's own next packet (its ACK after the SYN, a UDP flow's
 /// second datagram) is what makes the flow established here.
 #[inline(never)]
-fn dsr_seen<F: Frame>(ctx: &F, pkt: &Packet, ct: &mut proxy_common::CtValue, new: bool, now: u64) {
+fn dsr_seen<F: Frame>(ctx: &F, pkt: &Packet, ct: &mut CtValue, new: bool, now: u64) {
     ct.last_seen_ns = now;
     ct.flags |= conntrack::segment_flags(pkt, false);
     stats::account(ct.rev_nat_id, ct.backend_id, stats::IN, ctx.len(), false);
