@@ -141,6 +141,14 @@ impl Bench {
                 }
             };
         }
+        // The frontend ports' marks with the entries: the classifier looks a service up
+        // only on a marked port (`port_filters`).
+        for idx in 0..proxy_common::capacity::FRONTEND_PORTS {
+            let ports = live.frontend_ports.get(&idx, 0)?;
+            if ports.iter().any(|b| *b != 0) {
+                maps.frontend_ports.set(idx, &ports, 0)?;
+            }
+        }
         copy!(services);
         copy!(slots);
         copy!(backends);
