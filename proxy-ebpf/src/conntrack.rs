@@ -10,7 +10,8 @@
 //!
 //! Layer 3. Owns: the flow entries (`CONNTRACK`, `CONNTRACK_NEW`: lookup, state bits,
 //! expiry, promotion, removal), the claims on reply tuples and the masquerade port
-//! allocation that retries them, and `CT_SCRATCH`. May import: layers 0-2 (`maps`,
+//! allocation that retries them, the reply-port marks (`REPLY_PORTS`: set and read),
+//! the flows' clock, and `CT_SCRATCH`. May import: layers 0-2 (`maps`,
 //! `verdict`, `packet`, `stats`, `node`); never `nat`, which may use it.
 
 use aya_ebpf::{

@@ -1,9 +1,9 @@
 //! Service lookup and backend selection, shared by the connect-time and per-packet paths
 //! so both choose from the same maps with the same rules.
 //!
-//! Layer 3. Owns: service lookup, the schedulers, backend selection, session affinity, the
-//! active-connection counts, and `LC_SCRATCH`. May import: layers 0-2 (`maps`, `verdict`,
-//! `packet`, `stats`, `node`).
+//! Layer 3. Owns: service lookup (and the frontend-port filter before it), the
+//! schedulers, backend selection, session affinity, the active-connection counts, and
+//! `LC_SCRATCH`. May import: layers 0-2 (`maps`, `verdict`, `packet`, `stats`, `node`).
 
 use aya_ebpf::{
     btf_maps::PerCpuArray,

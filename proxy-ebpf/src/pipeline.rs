@@ -14,8 +14,9 @@
 //! opens and finds the same conntrack entries.
 //!
 //! Layer 5, an entry pipeline. Owns: the programs' bodies (`ingress`, `egress`, `xdp`) and
-//! the order of their steps (reply, established, new flow), source ranges and netfilter's
-//! flows. May import: layers 0-4 (every module but `sock` and `main`).
+//! the order of their steps (reply, the frontend-port filter, established, new flow),
+//! source ranges and netfilter's flows. May import: layers 0-4 (every module but `sock`
+//! and `main`).
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use proxy_common::{
