@@ -517,6 +517,19 @@ fn a_flow_netfilter_translated_before_us_is_left_to_it() {
     assert_eq!(seg(&h, client, vip, ACK).2, be, "and then its segments too");
 }
 
+/// A socket address's port as the maps hold it (network byte order).
+fn port_be(a: SocketAddr) -> u16 {
+    a.port().to_be()
+}
+
+/// The flow's reply entry's `frontend_node` (the one flow in the tables).
+fn reply_frontend_node(h: &Harness) -> Option<u8> {
+    h.ct_entries()
+        .iter()
+        .find(|(k, _)| k.dir == CT_DIR_REPLY)
+        .map(|(_, v)| v.frontend_node)
+}
+
 /// Every byte of a port filter cleared, as in a filter made new.
 fn clear(filter: &mut port_filters::PortFilter) {
     for idx in 0..proxy_common::capacity::REPLY_PORTS {
@@ -534,28 +547,21 @@ fn clear(filter: &mut port_filters::PortFilter) {
 #[test]
 fn replies_are_probed_only_from_marked_ports_and_the_marks_rebuild_from_the_flows() {
     let (mut h, client, vip, be) = one_clusterip();
-    let port = |a: SocketAddr| a.port().to_be();
-    assert!(!marked(&h.maps.reply_ports, port(be)).expect("read"));
+    assert!(!marked(&h.maps.reply_ports, port_be(be)).expect("read"));
     assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
-    assert!(marked(&h.maps.reply_ports, port(be)).expect("read"));
+    assert!(marked(&h.maps.reply_ports, port_be(be)).expect("read"));
     assert!(
-        !marked(&h.maps.reply_ports, port(client)).expect("read"),
+        !marked(&h.maps.reply_ports, port_be(client)).expect("read"),
         "a client's port is no reply tuple's source port"
     );
-    let frontend_node = |h: &Harness| {
-        h.ct_entries()
-            .iter()
-            .find(|(k, _)| k.dir == CT_DIR_REPLY)
-            .map(|(_, v)| v.frontend_node)
-    };
     assert_eq!(
-        frontend_node(&h),
+        reply_frontend_node(&h),
         Some(0),
         "not known before the first reply"
     );
     assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
     assert_eq!(
-        frontend_node(&h),
+        reply_frontend_node(&h),
         Some(proxy_common::CT_NODE_NO),
         "the first reply learns the ClusterIP is no node address, for the next ones"
     );
@@ -587,8 +593,7 @@ fn replies_are_probed_only_from_marked_ports_and_the_marks_rebuild_from_the_flow
 #[test]
 fn frontend_ports_are_marked_before_their_services_and_kept_for_live_flows() {
     let (mut h, client, vip, be) = one_clusterip();
-    let port = |a: SocketAddr| a.port().to_be();
-    assert!(marked(&h.maps.frontend_ports, port(vip)).expect("read"));
+    assert!(marked(&h.maps.frontend_ports, port_be(vip)).expect("read"));
     assert!(!marked(&h.maps.frontend_ports, 81u16.to_be()).expect("read"));
     assert_eq!(seg(&h, client, vip, SYN), (TC_ACT_OK, client, be));
     assert_eq!(seg(&h, be, client, SYN_ACK), (TC_ACT_OK, vip, client));
@@ -614,7 +619,7 @@ fn frontend_ports_are_marked_before_their_services_and_kept_for_live_flows() {
     // The frontend removed: its port stays marked, and its established flow keeps its
     // backend (kube-proxy's conntrack does the same).
     h.apply(&NodeView::new());
-    assert!(marked(&h.maps.frontend_ports, port(vip)).expect("read"));
+    assert!(marked(&h.maps.frontend_ports, port_be(vip)).expect("read"));
     assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
     assert_eq!(seg(&h, be, client, ACK), (TC_ACT_OK, vip, client));
 
@@ -653,16 +658,10 @@ fn replies_of_a_node_address_frontend_learn_it_once() {
         sa("10.244.1.5:8080"),
     );
     assert_eq!(seg(&h, client, nodeport, SYN).2, be);
-    let frontend_node = |h: &Harness| {
-        h.ct_entries()
-            .iter()
-            .find(|(k, _)| k.dir == CT_DIR_REPLY)
-            .map(|(_, v)| v.frontend_node)
-    };
-    assert_eq!(frontend_node(&h), Some(0));
+    assert_eq!(reply_frontend_node(&h), Some(0));
     let (_, src, dst) = seg(&h, be, client, SYN_ACK);
     assert_eq!((src, dst), (nodeport, client));
-    assert_eq!(frontend_node(&h), Some(proxy_common::CT_NODE_YES));
+    assert_eq!(reply_frontend_node(&h), Some(proxy_common::CT_NODE_YES));
     assert_eq!(seg(&h, client, nodeport, ACK).2, be);
     let (_, src, dst) = seg(&h, be, client, ACK);
     assert_eq!(

@@ -27,7 +27,7 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, REPLY_PORTS, count},
+    maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, REPLY_PORTS, count, port_marked},
     packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
     verdict::DROP,
 };
@@ -250,9 +250,7 @@ const CLOSED_TUPLE_HOLD_NS: u64 = 1_000_000_000;
 /// both missing) is skipped: a client's ephemeral port is rarely a backend's port.
 #[inline(always)]
 pub fn may_be_reply(sport: u16) -> bool {
-    let (idx, byte) = port_slot(sport);
-    // (An index past the map cannot happen: 65,536 ports fill it exactly.)
-    REPLY_PORTS.get(idx).is_none_or(|ports| ports[byte] != 0)
+    port_marked(&REPLY_PORTS, sport)
 }
 
 /// Marks `sport` as a reply tuple's source port, before the entry is written (so a

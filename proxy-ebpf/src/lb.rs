@@ -18,12 +18,12 @@ use core::{
 use proxy_common::{
     AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, BackendSlotKey, MAGLEV_CHUNK, MemberKey,
     SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_TWO_SCOPES,
-    SVC_F_WEIGHTED, ServiceKey, ServiceValue, counter, port_slot, sched, sched_hash,
+    SVC_F_WEIGHTED, ServiceKey, ServiceValue, counter, sched, sched_hash,
 };
 
 use crate::maps::{
     ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, FRONTEND_PORTS, MAGLEV, MEMBERS, RR_CURSORS,
-    SERVICES, WEIGHTS, count,
+    SERVICES, WEIGHTS, count, port_marked,
 };
 
 /// Why no backend was chosen for a packet or connection addressed to a service.
@@ -48,9 +48,7 @@ pub struct Client {
 /// frontend's port, marked before the frontend existed and never cleared).
 #[inline(always)]
 pub fn may_be_frontend(dport: u16) -> bool {
-    let (idx, byte) = port_slot(dport);
-    // (An index past the map cannot happen: 65,536 ports fill it exactly.)
-    FRONTEND_PORTS.get(idx).is_none_or(|ports| ports[byte] != 0)
+    port_marked(&FRONTEND_PORTS, dport)
 }
 
 /// Finds the service entry for a frontend. Internal traffic (from pods or the node itself)

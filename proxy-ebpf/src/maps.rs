@@ -2,10 +2,10 @@
 //! the agent pins them under its bpffs folder (and re-adopts them on restart); a private
 //! load (tests, `trace`) gets fresh unpinned maps.
 //!
-//! Layer 0 (a leaf). Owns: the maps the agent pins (`proxy_common::map::ALL`, no other)
-//! and `count` (`COUNTERS`). A map each load makes afresh (a per-CPU scratch value, a rate
-//! limiter's tokens) lives beside the one module that uses it instead. May import: no crate
-//! module.
+//! Layer 0 (a leaf). Owns: the maps the agent pins (`proxy_common::map::ALL`, no other),
+//! `count` (`COUNTERS`) and `port_marked` (the port filters' read). A map each load makes
+//! afresh (a per-CPU scratch value, a rate limiter's tokens) lives beside the one module
+//! that uses it instead. May import: no crate module.
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
@@ -18,7 +18,7 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
     FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue,
-    SctpPending, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c,
+    SctpPending, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c, port_slot,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -84,6 +84,15 @@ pub static REPLY_PORTS: Array<[u8; PORTS_PER_ENTRY], { capacity::REPLY_PORTS as 
 #[btf_map]
 pub static FRONTEND_PORTS: Array<[u8; PORTS_PER_ENTRY], { capacity::FRONTEND_PORTS as usize }> =
     Array::new();
+
+/// Whether `port` (network byte order) is marked in a port filter (`REPLY_PORTS`,
+/// `FRONTEND_PORTS`). An index past the map cannot happen (65,536 ports fill it
+/// exactly); were it to, the answer is "marked", which costs only a lookup.
+#[inline(always)]
+pub fn port_marked<const N: usize>(filter: &Array<[u8; PORTS_PER_ENTRY], N>, port: u16) -> bool {
+    let (idx, byte) = port_slot(port);
+    filter.get(idx).is_none_or(|ports| ports[byte] != 0)
+}
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

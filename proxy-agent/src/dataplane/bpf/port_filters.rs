@@ -11,10 +11,10 @@
 //! Layer: the BPF dataplane's maps. Owns: reading and writing the filters' bytes. May
 //! import: `maps`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, btree_map::Entry};
 
 use aya::maps::{Array, MapData, MapError};
-use proxy_common::{CT_DIR_FORWARD, CT_DIR_REPLY, PORTS_PER_ENTRY, port_slot};
+use proxy_common::{CT_DIR_FORWARD, CT_DIR_REPLY, CtKey, PORTS_PER_ENTRY, port_slot};
 
 use super::MapSet;
 
@@ -31,17 +31,14 @@ pub struct Fresh {
 /// source ports; service entries' ports and forward entries' destination ports (a flow
 /// outlives its frontend). Returns the ports marked (reply, frontend).
 pub fn mark_from_tables(maps: &mut MapSet, fresh: Fresh) -> Result<(usize, usize), MapError> {
-    let flow_keys = |maps: &MapSet| {
-        let mut keys = Vec::new();
-        for table in [&maps.conntrack, &maps.conntrack_new] {
-            // An entry deleted while the walk passes it (the collector, an LRU eviction)
-            // is gone with its flow: nothing to mark.
-            keys.extend(table.keys().filter_map(Result::ok));
-        }
-        keys
-    };
-    let keys = if fresh.reply_ports || fresh.frontend_ports {
-        flow_keys(maps)
+    // Both tables walked once, and only when a filter is new. An entry deleted while the
+    // walk passes it (the collector, an LRU eviction) is gone with its flow: nothing to
+    // mark.
+    let keys: Vec<CtKey> = if fresh.reply_ports || fresh.frontend_ports {
+        [&maps.conntrack, &maps.conntrack_new]
+            .into_iter()
+            .flat_map(|table| table.keys().filter_map(Result::ok))
+            .collect()
     } else {
         Vec::new()
     };
@@ -73,8 +70,8 @@ pub fn mark(map: &mut PortFilter, ports: impl IntoIterator<Item = u16>) -> Resul
     for port in ports {
         let (idx, byte) = port_slot(port);
         let entry = match entries.entry(idx) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(v) => v.insert(map.get(&idx, 0)?),
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(v) => v.insert(map.get(&idx, 0)?),
         };
         if entry[byte] == 0 {
             entry[byte] = 1;
