@@ -4,7 +4,9 @@
 //! scopes of a frontend make one row; a backend behind two frontends counts under each
 //! apart, as IPVS counts a real server per virtual service; the collector recounts
 //! `ACTIVE_CONNS` from live flows, folds a removed backend's counts into its frontend's
-//! and drops those of removed frontends. Root only.
+//! and drops those of removed frontends. An answered flow counts in its own entries,
+//! and its counts survive whoever removes them: the programs, the collector, the
+//! writer clearing a removed UDP backend's flows. Root only.
 
 mod support;
 
@@ -18,7 +20,7 @@ use proxy_agent::{
     model::{BackendSet, FrontendKind, NodeView, Protocol, WhenEmpty},
     trace::packet::{fold, sum16},
 };
-use proxy_common::{ServiceValue, StatsKey};
+use proxy_common::{CT_DIR_FORWARD, CtKey, CtValue, ServiceValue, StatsKey};
 use support::tc_harness::*;
 use test_support::needs_root;
 
@@ -276,8 +278,8 @@ fn the_collector_recounts_active_connections_and_drops_stats_of_removed_entries(
     let folded = pair_stats(&h, svc.rev_nat_id, 0).expect("the frontend's removed backends");
     assert_eq!(
         (folded.conns, folded.packets_in),
-        (1, 3),
-        "the flow and its RST"
+        (1, 2),
+        "the flow's packets before it was answered (its RST counts in its live entry)"
     );
     let rows = stats::read(&h.maps).expect("read");
     assert_eq!(rows.len(), 1);
@@ -326,5 +328,236 @@ fn a_backend_of_two_frontends_counts_under_each_apart() {
         conns,
         [(sa(VIP), 2, 2), (sa("10.96.0.11:80"), 1, 1)],
         "(frontend, its connections, the backend's under it)"
+    );
+}
+
+/// The answered flows' entries holding counts, with their keys.
+fn counting_entries(h: &Harness) -> Vec<(CtKey, CtValue)> {
+    h.maps
+        .conntrack
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, v)| v.packets > 0)
+        .collect()
+}
+
+fn only_backend(h: &Harness) -> u32 {
+    h.maps
+        .backends
+        .keys()
+        .next()
+        .expect("one backend")
+        .expect("key")
+}
+
+/// `one_flow`, then more packets both ways once the flow is answered: they count in the
+/// flow's entries, not in its pair's `LB_STATS` entry, and every reader adds them.
+fn answered_flow() -> (Harness, Totals, Totals) {
+    let (h, before) = one_flow();
+    assert!(
+        h.maps.conntrack_new.keys().next().is_none(),
+        "the flow moved to the answered table"
+    );
+    let a = run_ok(&h, &tcp_data(sa(CLIENT), sa(VIP), PSH_ACK, 300));
+    let b = run_ok(&h, &tcp_data(sa(CLIENT), sa(VIP), PSH_ACK, 7));
+    let c = run_ok(&h, &tcp_data(sa(BACKEND), sa(CLIENT), PSH_ACK, 1000));
+    let answered = Totals {
+        packets_in: 2,
+        bytes_in: a + b,
+        packets_out: 1,
+        bytes_out: c,
+        ..Totals::default()
+    };
+    let mut total = before;
+    total += answered;
+    (h, before, total)
+}
+
+#[needs_root]
+#[test]
+fn an_answered_flow_counts_in_its_entries_and_every_reader_adds_them() {
+    let (h, before, total) = answered_flow();
+    let [svc] = entries(&h)[..] else {
+        panic!("one service entry")
+    };
+    let backend_id = only_backend(&h);
+    assert_eq!(
+        pair_stats(&h, svc.rev_nat_id, backend_id),
+        Some(before),
+        "the pair's entry holds only the packets before the flow was answered"
+    );
+    let mut held: Vec<(u8, u64, u64)> = counting_entries(&h)
+        .iter()
+        .map(|(k, v)| (k.dir, v.packets, v.bytes))
+        .collect();
+    held.sort_unstable();
+    assert_eq!(
+        held,
+        [
+            (CT_DIR_FORWARD, 2, total.bytes_in - before.bytes_in),
+            (1, 1, total.bytes_out - before.bytes_out)
+        ],
+        "(direction, packets, bytes) in the flow's two entries"
+    );
+    let rows = stats::read(&h.maps).expect("read");
+    assert_eq!(rows[0].stats, total, "dump --stats: the frontend");
+    assert_eq!(rows[0].backends[0].stats, total, "and its backend");
+    let totals = stats::frontend_totals(&h.maps).expect("totals");
+    assert_eq!(
+        totals.values().copied().collect::<Vec<_>>(),
+        [total],
+        "/metrics"
+    );
+}
+
+/// The programs remove a flow (a SYN reopening it after its RST): its entries' counts
+/// go to the pair first.
+#[needs_root]
+#[test]
+fn a_flow_the_programs_remove_leaves_its_counts_to_its_pair() {
+    let (h, _, mut total) = answered_flow();
+    let [svc] = entries(&h)[..] else {
+        panic!("one service entry")
+    };
+    let backend_id = only_backend(&h);
+    let rst = run_ok(&h, &tcp_with_flags(sa(CLIENT), sa(VIP), RST));
+    let syn = run_ok(&h, &tcp_with_flags(sa(CLIENT), sa(VIP), SYN));
+    total += Totals {
+        conns: 1,
+        packets_in: 2,
+        bytes_in: rst + syn,
+        ..Totals::default()
+    };
+    assert!(
+        counting_entries(&h).is_empty(),
+        "the old flow's entries are gone, the new one is unanswered"
+    );
+    assert_eq!(
+        pair_stats(&h, svc.rev_nat_id, backend_id),
+        Some(total),
+        "everything in the pair's entry now"
+    );
+    assert_eq!(stats::read(&h.maps).expect("read")[0].stats, total);
+}
+
+/// The collector expires the flow: its entries' counts go to the pair's `ended` entry
+/// (the agent's own), the totals unchanged; once the backend leaves, they fold into the
+/// frontend's removed backends with the rest.
+#[needs_root]
+#[test]
+fn a_flow_the_collector_expires_keeps_its_counts() {
+    let (mut h, before, total) = answered_flow();
+    let [svc] = entries(&h)[..] else {
+        panic!("one service entry")
+    };
+    let backend_id = only_backend(&h);
+    let a_day_later = monotonic_ns() + 86_400_000_000_000;
+    let st = conntrack_gc::collect(&mut h.maps, a_day_later).expect("collect");
+    assert_eq!(st.collected, 2, "both entries expired");
+    assert!(h.maps.conntrack.keys().next().is_none());
+    let ended = StatsKey::ended(svc.rev_nat_id, backend_id);
+    let held: Totals = h
+        .maps
+        .lb_stats
+        .get(&ended, 0)
+        .expect("the pair's ended entry")
+        .iter()
+        .sum();
+    let mut moved = total;
+    moved.conns -= before.conns;
+    moved.packets_in -= before.packets_in;
+    moved.bytes_in -= before.bytes_in;
+    moved.packets_out -= before.packets_out;
+    moved.bytes_out -= before.bytes_out;
+    assert_eq!(held, moved, "what the entries held");
+    let rows = stats::read(&h.maps).expect("read");
+    assert_eq!(rows[0].stats, total, "the totals unchanged");
+    assert_eq!(rows[0].backends[0].stats, total);
+
+    // The backend leaves: its pair and its ended entry fold into the frontend's.
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.10",
+        80,
+        Protocol::Tcp,
+        &["10.244.2.6:8080"],
+    )]));
+    conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert!(h.maps.lb_stats.get(&ended, 0).is_err(), "folded and gone");
+    assert_eq!(
+        pair_stats(&h, svc.rev_nat_id, 0),
+        Some(total),
+        "the frontend's removed backends"
+    );
+    assert_eq!(stats::read(&h.maps).expect("read")[0].stats, total);
+
+    // The frontend goes: nothing left.
+    h.apply(&NodeView::new());
+    conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!(h.maps.lb_stats.keys().count(), 0, "LB_STATS emptied");
+}
+
+/// A UDP backend leaves its frontend: the writer clears its flows at once (kube-proxy's
+/// conntrack flush), their counts kept in the pair's `ended` entry.
+#[needs_root]
+#[test]
+fn a_udp_flow_the_writer_clears_keeps_its_counts() {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    let dns = "10.96.0.53:53";
+    let (backend, other) = ("10.244.1.5:5353", "10.244.2.6:5353");
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.53",
+        53,
+        Protocol::Udp,
+        &[backend],
+    )]));
+    let query = run_ok(&h, &packet(sa(CLIENT), sa(dns), false));
+    let answer = run_ok(&h, &packet(sa(backend), sa(CLIENT), false));
+    // Answered (a UDP flow is, at its first reply): these count in its entries.
+    let q2 = run_ok(&h, &packet(sa(CLIENT), sa(dns), false));
+    let a2 = run_ok(&h, &packet(sa(backend), sa(CLIENT), false));
+    assert_eq!(counting_entries(&h).len(), 2, "both entries count");
+    let total = Totals {
+        conns: 1,
+        packets_in: 2,
+        bytes_in: query + q2,
+        packets_out: 2,
+        bytes_out: answer + a2,
+    };
+    let [svc] = entries(&h)[..] else {
+        panic!("one service entry")
+    };
+    let backend_id = only_backend(&h);
+    assert_eq!(stats::read(&h.maps).expect("read")[0].stats, total);
+
+    h.apply(&NodeView::from([frontend(
+        "10.96.0.53",
+        53,
+        Protocol::Udp,
+        &[other],
+    )]));
+    assert!(
+        h.maps.conntrack.keys().next().is_none(),
+        "the flow was cleared"
+    );
+    let ended: Totals = h
+        .maps
+        .lb_stats
+        .get(&StatsKey::ended(svc.rev_nat_id, backend_id), 0)
+        .expect("the pair's ended entry")
+        .iter()
+        .sum();
+    assert_eq!(
+        (ended.packets_in, ended.packets_out, ended.bytes_in, ended.bytes_out),
+        (1, 1, q2, a2),
+        "the packets after the flow was answered"
+    );
+    assert_eq!(
+        stats::frontend_totals(&h.maps)
+            .expect("totals")
+            .into_values()
+            .collect::<Vec<_>>(),
+        [total],
+        "the frontend's totals unchanged"
     );
 }

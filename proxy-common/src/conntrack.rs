@@ -104,6 +104,15 @@ pub struct CtValue {
     /// in forward entries).
     pub frontend_node: u8,
     pub _pad: [u8; 2],
+    /// Entries of answered flows (`CONNTRACK`): packets and bytes of this entry's
+    /// direction (forward: client to backend; reply: back) since the flow was answered,
+    /// added atomically by the programs. Whoever removes the entry folds them into
+    /// `LB_STATS` (the programs into the pair's entry, the agent into its
+    /// [`StatsKey::ended`](crate::StatsKey::ended) one); the statistics add the live
+    /// entries' to those. Unanswered flows count in `LB_STATS` directly (an LRU
+    /// eviction would lose counts held here); their entries keep 0.
+    pub packets: u64,
+    pub bytes: u64,
 }
 
 /// `CtValue::frontend_node`: the frontend is one of the node's addresses (its replies
@@ -249,7 +258,7 @@ mod tests {
     #[test]
     fn layout_is_stable() {
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 56);
+        assert_eq!(size_of::<CtValue>(), 72);
         assert_eq!(size_of::<CtTimeouts>(), 28);
         // The kernel rejects hash values aligned above 8 bytes.
         assert!(align_of::<CtValue>() <= 8);
@@ -259,7 +268,7 @@ mod tests {
     #[test]
     fn no_implicit_padding() {
         assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
-        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3);
+        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3 + 8 + 8);
     }
 
     /// Each TCP state ages by its own limit, as netfilter's do; zero means the default.

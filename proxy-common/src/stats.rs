@@ -13,6 +13,10 @@ pub struct StatsKey {
     pub backend_id: u32,
 }
 
+/// `StatsKey::rev_nat_id`'s top bit: an [`StatsKey::ended`] entry (frontend ids are
+/// far below it).
+pub const STATS_ENDED: u32 = 1 << 31;
+
 impl StatsKey {
     /// A frontend's counts of backends no longer programmed.
     pub const fn retired(rev_nat_id: u32) -> Self {
@@ -20,6 +24,28 @@ impl StatsKey {
             rev_nat_id,
             backend_id: 0,
         }
+    }
+
+    /// The pair's counts of answered flows the agent removed (the collector's expired
+    /// flows, a removed UDP backend's): written by the agent alone, so its
+    /// read-modify-write races with no program. Summed with the pair's own entry.
+    pub const fn ended(rev_nat_id: u32, backend_id: u32) -> Self {
+        StatsKey {
+            rev_nat_id: rev_nat_id | STATS_ENDED,
+            backend_id,
+        }
+    }
+
+    /// The pair an entry counts for (an `ended` entry's, too).
+    pub const fn pair(self) -> Self {
+        StatsKey {
+            rev_nat_id: self.rev_nat_id & !STATS_ENDED,
+            backend_id: self.backend_id,
+        }
+    }
+
+    pub const fn is_ended(self) -> bool {
+        self.rev_nat_id & STATS_ENDED != 0
     }
 }
 

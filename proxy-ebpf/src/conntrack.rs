@@ -29,6 +29,7 @@ use proxy_common::{
 use crate::{
     maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, REPLY_PORTS, count, port_marked},
     packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
+    stats,
     verdict::DROP,
 };
 
@@ -96,14 +97,33 @@ fn lookup_in(key: &CtKey, new: bool) -> Option<*mut CtValue> {
     }
 }
 
+/// Removes entry `key`; an answered flow's counts go to its pair first. (Already gone —
+/// another CPU, the collector — is fine.)
 #[inline(always)]
 fn remove_in(key: &CtKey, new: bool) {
-    // Already gone (another CPU, the collector) is fine.
-    let _ = if new {
-        CONNTRACK_NEW.remove(key)
+    if new {
+        let _ = CONNTRACK_NEW.remove(key);
+        return;
+    }
+    if let Some(v) = CONNTRACK.get_ptr(key) {
+        stats::fold(v, key.dir);
+    }
+    let _ = CONNTRACK.remove(key);
+}
+
+/// Counts a packet of `len` bytes going `dir` (`stats::IN`, `OUT`) on the flow whose
+/// entry of that direction is `entry`: in the entry once the flow is answered, in its
+/// pair's `LB_STATS` entry before (an LRU eviction would lose counts held in the entry).
+#[inline(always)]
+pub fn account(entry: &Entry, dir: u8, len: u32) {
+    if entry.new {
+        // SAFETY: map memory, valid for this program run.
+        let (rev_nat_id, backend_id) =
+            unsafe { ((*entry.value).rev_nat_id, (*entry.value).backend_id) };
+        stats::account(rev_nat_id, backend_id, dir, len, false);
     } else {
-        CONNTRACK.remove(key)
-    };
+        stats::answered(entry.value, len);
+    }
 }
 
 /// Whether the flow (its forward entry) has idled past the limit of its state.
@@ -280,7 +300,7 @@ pub fn claim(key: &CtKey, value: &CtValue) -> bool {
         if !stale(key, old, false, now) {
             return false;
         }
-        let _ = CONNTRACK.remove(key);
+        remove_in(key, false);
         count(counter::CT_REUSED);
     }
     if CONNTRACK_NEW

@@ -197,10 +197,7 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     if assured {
         fwd.flags |= CT_F_ASSURED;
     }
-    // SAFETY: as above.
-    let (rev_nat_id, backend_id) =
-        unsafe { ((*entry.value).rev_nat_id, (*entry.value).backend_id) };
-    stats::account(rev_nat_id, backend_id, stats::OUT, ctx.len(), false);
+    conntrack::account(&entry, stats::OUT, ctx.len());
     if entry.new && assured {
         conntrack::promote(&key);
     }
@@ -289,7 +286,7 @@ fn established<F: Frame>(ctx: &F, pkt: &Packet, now: u64) -> Result<Option<i32>,
     rewrite(ctx, pkt, Side::Destination, &ct.xlate_addr, ct.xlate_port)?;
     ct.last_seen_ns = now;
     ct.flags |= conntrack::segment_flags(pkt, false);
-    stats::account(ct.rev_nat_id, ct.backend_id, stats::IN, ctx.len(), false);
+    conntrack::account(&entry, stats::IN, ctx.len());
     // The client's ACK of the backend's SYN-ACK: the handshake is complete, the flow
     // moves to the answered table.
     let assure = entry.new && conntrack::completes_handshake(pkt, ct.flags);
@@ -465,7 +462,11 @@ fn dsr_send<F: Frame>(
 fn dsr_seen<F: Frame>(ctx: &F, pkt: &Packet, ct: &mut CtValue, new: bool, now: u64) {
     ct.last_seen_ns = now;
     ct.flags |= conntrack::segment_flags(pkt, false);
-    stats::account(ct.rev_nat_id, ct.backend_id, stats::IN, ctx.len(), false);
+    let entry = conntrack::Entry {
+        value: core::ptr::from_mut(ct),
+        new,
+    };
+    conntrack::account(&entry, stats::IN, ctx.len());
     if new && !pkt.is_syn() {
         ct.flags |= CT_F_REPLIED | CT_F_ASSURED;
         conntrack::promote_forward(&pkt.ct_key(CT_DIR_FORWARD), ct);

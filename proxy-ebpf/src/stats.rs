@@ -2,11 +2,17 @@
 //! connections, and packets and bytes each way. One per-CPU entry per pair, so a packet
 //! counts with one lookup (the agent sums a frontend's pairs); an entry is made on its
 //! first use, and the agent's collector folds it into its frontend's `backend_id` 0 once
-//! the backend is gone, and removes it with its frontend.
+//! the backend is gone, and removes it with its frontend. An answered flow's packets
+//! count in its own conntrack entries instead (`answered`: the entry is in hand, the
+//! pair's lookup is spared on every packet), folded in here when the programs remove
+//! the entry (`fold`).
 //!
-//! Layer 1. Owns: the `LB_STATS` accounting. May import: `maps`, `verdict`, `mem`.
+//! Layer 1. Owns: the `LB_STATS` accounting and the counts in answered flows' entries.
+//! May import: `maps`, `verdict`, `mem`.
 
-use proxy_common::{LbStats, StatsKey};
+use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
+
+use proxy_common::{CT_DIR_FORWARD, CtValue, LbStats, StatsKey};
 
 use crate::maps::LB_STATS;
 
@@ -24,7 +30,36 @@ pub fn account(rev_nat_id: u32, backend_id: u32, dir: u8, len: u32, new: bool) {
     if rev_nat_id == 0 {
         return;
     }
-    add(rev_nat_id, backend_id, dir, 1, len, new);
+    add(rev_nat_id, backend_id, dir, 1, u64::from(len), new);
+}
+
+/// Counts one packet of `len` bytes on an answered flow's entry `ct` (of the packet's
+/// direction). Atomic: both directions, and one direction's packets on two CPUs, may
+/// meet in one flow.
+#[inline(always)]
+pub fn answered(ct: *mut CtValue, len: u32) {
+    // SAFETY: map memory, valid for this program run; both fields are 8-byte aligned
+    // (`CtValue` is, and they sit at 56 and 64).
+    // (The intrinsic: `AtomicU64::fetch_add` is not built for this target; an unused
+    // result makes it one `lock xadd`.)
+    unsafe {
+        atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*ct).packets, 1);
+        atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*ct).bytes, u64::from(len));
+    }
+}
+
+/// Folds the counts of answered-flow entry `ct` (keyed in direction `dir`, a
+/// `CT_DIR_*`) into its pair, as the entry is removed.
+#[inline(never)]
+pub fn fold(ct: *const CtValue, dir: u8) {
+    // SAFETY: map memory, valid for this program run.
+    let (rev_nat_id, backend_id, packets, bytes) =
+        unsafe { ((*ct).rev_nat_id, (*ct).backend_id, (*ct).packets, (*ct).bytes) };
+    if rev_nat_id == 0 || packets == 0 {
+        return;
+    }
+    let dir = if dir == CT_DIR_FORWARD { IN } else { OUT };
+    add(rev_nat_id, backend_id, dir, packets, bytes, false);
 }
 
 /// A new connection the connect-time hooks scheduled (its packets never pass a
@@ -35,12 +70,11 @@ pub fn connection(rev_nat_id: u32, backend_id: u32) {
 }
 
 #[inline(always)]
-fn add(rev_nat_id: u32, backend_id: u32, dir: u8, packets: u64, len: u32, new: bool) {
+fn add(rev_nat_id: u32, backend_id: u32, dir: u8, packets: u64, bytes: u64, new: bool) {
     let key = StatsKey {
         rev_nat_id,
         backend_id,
     };
-    let bytes = u64::from(len);
     // The counts go straight into the entry: a delta built first would be zeroed by
     // the compiler's byte-loop memset on every packet (see `mem`).
     if let Some(v) = LB_STATS.get_ptr_mut(&key) {

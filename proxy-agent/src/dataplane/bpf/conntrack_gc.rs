@@ -14,6 +14,7 @@ use proxy_common::{
 
 use super::{
     maps::{MapSet, is_absent},
+    stats::Ended,
     writer::remove_ignoring_absent,
 };
 
@@ -113,12 +114,22 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
         .context("reading NODE_CONFIG")?
         .timeouts;
     let mut stats = CtStats::default();
-    let (left, cap, collected) = collect_table(&mut maps.conntrack, &timeouts, now_ns)
-        .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
+    // The counts of the answered flows' entries this pass removes (the unanswered
+    // ones' count in `LB_STATS` already).
+    let mut ended = Ended::default();
+    let (left, cap, collected) =
+        collect_table(&mut maps.conntrack, &timeouts, now_ns, &mut ended)
+            .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
     (stats.answered, stats.answered_capacity) = (left, cap);
     stats.collected += collected;
-    let (left, cap, collected) = collect_table(&mut maps.conntrack_new, &timeouts, now_ns)
-        .with_context(|| format!("collecting {}", map_names::CONNTRACK_NEW))?;
+    super::stats::fold_ended(maps, ended).context("keeping the counts of removed flows")?;
+    let (left, cap, collected) = collect_table(
+        &mut maps.conntrack_new,
+        &timeouts,
+        now_ns,
+        &mut Ended::default(),
+    )
+    .with_context(|| format!("collecting {}", map_names::CONNTRACK_NEW))?;
     (stats.new, stats.new_capacity) = (left, cap);
     stats.collected += collected;
     recount_active(maps, &timeouts, now_ns).context("recounting active connections")?;
@@ -163,11 +174,13 @@ fn recount_active(maps: &mut MapSet, timeouts: &CtTimeouts, now: u64) -> Result<
     Ok(())
 }
 
-/// Returns (entries left, capacity, entries removed).
+/// Returns (entries left, capacity, entries removed); the removed entries' counts go to
+/// `ended`.
 fn collect_table(
     table: &mut HashMap<MapData, CtKey, CtValue>,
     timeouts: &CtTimeouts,
     now: u64,
+    ended: &mut Ended,
 ) -> Result<(u64, u64, u64)> {
     use aya::maps::IterableMap as _;
     let capacity = u64::from(table.map().info()?.max_entries());
@@ -201,12 +214,12 @@ fn collect_table(
                 continue;
             }
             let reply = reply_key_of(&key, &value);
-            removed += remove(table, &key)?;
+            removed += remove(table, &key, &value, ended)?;
             // The reply entry goes only if it still names this flow.
             if let Ok(r) = table.get(&reply, 0)
                 && forward_key_of(&reply, &r) == key
             {
-                removed += remove(table, &reply)?;
+                removed += remove(table, &reply, &r, ended)?;
             }
         } else {
             let fwd_key = forward_key_of(&key, &value);
@@ -215,7 +228,7 @@ fn collect_table(
                 .is_ok_and(|f| reply_key_of(&fwd_key, &f) == key && !expired(&f, key.proto));
             // The entry read again may be a new flow's, written since the snapshot.
             if !partnered && elapsed_ns(now, value.last_seen_ns) > ORPHAN_GRACE_NS {
-                removed += remove(table, &key)?;
+                removed += remove(table, &key, &value, ended)?;
             }
         }
     }
@@ -223,9 +236,19 @@ fn collect_table(
     Ok((left, capacity, removed))
 }
 
-fn remove(table: &mut HashMap<MapData, CtKey, CtValue>, key: &CtKey) -> Result<u64> {
+/// Removes entry `key` (last read as `value`), its counts noted in `ended`. (A packet
+/// counted between that read and the removal is lost: the flow had idled past its limit.)
+fn remove(
+    table: &mut HashMap<MapData, CtKey, CtValue>,
+    key: &CtKey,
+    value: &CtValue,
+    ended: &mut Ended,
+) -> Result<u64> {
     match table.remove(key) {
-        Ok(()) => Ok(1),
+        Ok(()) => {
+            ended.add(key, value);
+            Ok(1)
+        }
         Err(e) if is_absent(&e) => Ok(0),
         Err(e) => Err(e).context("removing a conntrack entry"),
     }

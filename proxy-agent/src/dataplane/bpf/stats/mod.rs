@@ -1,7 +1,13 @@
 //! Per-frontend and per-backend statistics as `ipvsadm -Ln --stats` shows them: the
 //! programs' per-CPU counts per (frontend, backend) pair (`LB_STATS`) summed — a
-//! frontend's over its pairs, its removed backends' folded-in counts included — and the
-//! two scopes of a frontend merged into one row, as one IPVS virtual service.
+//! frontend's over its pairs, its removed backends' folded-in counts included — with
+//! the counts answered flows hold in their own entries (`CONNTRACK`) and those the agent
+//! folded from the entries it removed (`StatsKey::ended`), and the two scopes of a
+//! frontend merged into one row, as one IPVS virtual service.
+//!
+//! A flow's counts move from its entries to `LB_STATS` as the entries go; a read that
+//! meets the move half-way may miss or repeat them once (as it may meet the fold of a
+//! removed backend's pair).
 
 mod table;
 
@@ -14,8 +20,8 @@ use std::{
 use anyhow::{Context as _, Result};
 use aya::maps::{MapError, PerCpuValues};
 use proxy_common::{
-    BackendSlotKey, LbStats, MemberKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SVC_F_WEIGHTED,
-    ServiceValue, StatsKey, map_names,
+    BackendSlotKey, CT_DIR_FORWARD, CtKey, CtValue, LbStats, MemberKey, PROTO_SCTP, PROTO_TCP,
+    PROTO_UDP, SVC_F_WEIGHTED, ServiceValue, StatsKey, map_names,
 };
 use serde::Serialize;
 
@@ -57,6 +63,84 @@ impl AddAssign<Totals> for Totals {
             bytes_out: t.bytes_out,
         };
     }
+}
+
+impl Totals {
+    /// What an answered flow's entry (keyed `key`) counted: one direction's packets and
+    /// bytes.
+    pub fn of_entry(key: &CtKey, v: &CtValue) -> Self {
+        if key.dir == CT_DIR_FORWARD {
+            Totals {
+                packets_in: v.packets,
+                bytes_in: v.bytes,
+                ..Totals::default()
+            }
+        } else {
+            Totals {
+                packets_out: v.packets,
+                bytes_out: v.bytes,
+                ..Totals::default()
+            }
+        }
+    }
+}
+
+/// Counts of removed flow entries, per pair, for [`fold_ended`].
+#[derive(Debug, Default)]
+pub struct Ended(HashMap<StatsKey, Totals>);
+
+impl Ended {
+    /// Notes the counts of an answered flow's entry (`key`, `v`) the agent removed.
+    pub fn add(&mut self, key: &CtKey, v: &CtValue) {
+        if v.packets == 0 || v.rev_nat_id == 0 {
+            return;
+        }
+        let pair = StatsKey {
+            rev_nat_id: v.rev_nat_id,
+            backend_id: v.backend_id,
+        };
+        *self.0.entry(pair).or_default() += Totals::of_entry(key, v);
+    }
+}
+
+/// The agent's read-modify-writes of the `LB_STATS` entries only it writes (`retired`,
+/// `ended`): the collector's thread and the map writer's both fold, one at a time.
+static AGENT_FOLDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Adds the counts of flow entries the agent removed to their pairs' `ended` entries.
+pub fn fold_ended(maps: &mut MapSet, ended: Ended) -> Result<()> {
+    if ended.0.is_empty() {
+        return Ok(());
+    }
+    let _one_at_a_time = AGENT_FOLDS.lock().unwrap_or_else(|e| e.into_inner());
+    for (pair, t) in ended.0 {
+        add_to(maps, StatsKey::ended(pair.rev_nat_id, pair.backend_id), t)?;
+    }
+    Ok(())
+}
+
+/// Adds `t` to agent-written entry `key` (its first CPU's value; the readers sum CPUs).
+fn add_to(maps: &mut MapSet, key: StatsKey, t: Totals) -> Result<()> {
+    let cpus = aya::util::nr_cpus()
+        .map_err(|(_, e)| e)
+        .context("counting CPUs")?
+        .get() as usize;
+    let mut sum: Vec<LbStats> = match present(maps.lb_stats.get(&key, 0))
+        .with_context(|| format!("reading {} {key:?}", map_names::LB_STATS))?
+    {
+        Some(v) => v.to_vec(),
+        None => vec![LbStats::default(); cpus],
+    };
+    let first = sum.first_mut().context("no CPU values")?;
+    first.conns = first.conns.wrapping_add(t.conns);
+    first.packets_in = first.packets_in.wrapping_add(t.packets_in);
+    first.bytes_in = first.bytes_in.wrapping_add(t.bytes_in);
+    first.packets_out = first.packets_out.wrapping_add(t.packets_out);
+    first.bytes_out = first.bytes_out.wrapping_add(t.bytes_out);
+    let sum = PerCpuValues::try_from(sum).context("per-CPU values")?;
+    maps.lb_stats
+        .insert(&key, sum, 0)
+        .with_context(|| format!("writing {} {key:?}", map_names::LB_STATS))
 }
 
 impl<'a> std::iter::Sum<&'a LbStats> for Totals {
@@ -177,12 +261,25 @@ pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
     Ok(rows)
 }
 
-/// Every pair's counts, summed over CPUs.
+/// Every pair's counts, summed over CPUs, with its `ended` entry's and its answered
+/// flows' live entries'.
 fn pair_totals(maps: &MapSet) -> Result<HashMap<StatsKey, Totals>> {
-    let mut out = HashMap::new();
+    let mut out: HashMap<StatsKey, Totals> = HashMap::new();
     for entry in maps.lb_stats.iter() {
         let (key, per_cpu) = entry.with_context(|| format!("reading {}", map_names::LB_STATS))?;
-        out.insert(key, per_cpu.iter().sum::<Totals>());
+        *out.entry(key.pair()).or_default() += per_cpu.iter().sum::<Totals>();
+    }
+    let live = super::batch::read_all(&maps.conntrack)
+        .with_context(|| format!("reading {}", map_names::CONNTRACK))?;
+    for (key, v) in &live {
+        if v.packets == 0 || v.rev_nat_id == 0 {
+            continue;
+        }
+        let pair = StatsKey {
+            rev_nat_id: v.rev_nat_id,
+            backend_id: v.backend_id,
+        };
+        *out.entry(pair).or_default() += Totals::of_entry(key, v);
     }
     Ok(out)
 }
@@ -216,16 +313,18 @@ pub fn frontend_totals(maps: &MapSet) -> Result<BTreeMap<Frontend, Totals>> {
 }
 
 /// The collector's part (every pass): the pairs of removed frontends go; a removed
-/// backend's pair under a live frontend is folded into the frontend's
-/// [`StatsKey::retired`] entry and goes, so the frontend's totals keep its counts (as
-/// IPVS keeps a virtual service's when a real server goes). A flow of the removed backend
-/// that goes on makes its pair again, folded at the next pass. The programs never write
-/// `backend_id` 0, so the fold's read-modify-write races with nothing.
+/// backend's pair (and its `ended` entry) under a live frontend is folded into the
+/// frontend's [`StatsKey::retired`] entry and goes, so the frontend's totals keep its
+/// counts (as IPVS keeps a virtual service's when a real server goes). A flow of the
+/// removed backend that goes on makes its pair again, folded at the next pass. The
+/// programs never write `backend_id` 0, so the fold's read-modify-write races with
+/// nothing.
 pub fn fold_removed(maps: &mut MapSet) -> Result<()> {
     let keys: Vec<StatsKey> = maps.lb_stats.keys().filter_map(Result::ok).collect();
     if keys.is_empty() {
         return Ok(());
     }
+    let _one_at_a_time = AGENT_FOLDS.lock().unwrap_or_else(|e| e.into_inner());
     // The live ids in a few batch reads, not a lookup per pair (a million at 100k).
     let frontends: HashSet<u32> = super::batch::read_all(&maps.rev_nat)
         .with_context(|| format!("reading {}", map_names::REV_NAT))?
@@ -238,11 +337,12 @@ pub fn fold_removed(maps: &mut MapSet) -> Result<()> {
         .map(|(id, _)| id)
         .collect();
     for key in keys {
-        if !frontends.contains(&key.rev_nat_id) {
+        let pair = key.pair();
+        if !frontends.contains(&pair.rev_nat_id) {
             remove_ignoring_absent(maps.lb_stats.remove(&key))?;
             continue;
         }
-        if key.backend_id == 0 || backends.contains(&key.backend_id) {
+        if pair.backend_id == 0 || backends.contains(&pair.backend_id) {
             continue;
         }
         let Some(counts) = present(maps.lb_stats.get(&key, 0))
@@ -250,22 +350,8 @@ pub fn fold_removed(maps: &mut MapSet) -> Result<()> {
         else {
             continue;
         };
-        let retired = StatsKey::retired(key.rev_nat_id);
-        let mut sum: Vec<LbStats> = match present(maps.lb_stats.get(&retired, 0))? {
-            Some(v) => v.to_vec(),
-            None => vec![LbStats::default(); counts.len()],
-        };
-        for (s, c) in sum.iter_mut().zip(counts.iter()) {
-            s.conns = s.conns.wrapping_add(c.conns);
-            s.packets_in = s.packets_in.wrapping_add(c.packets_in);
-            s.bytes_in = s.bytes_in.wrapping_add(c.bytes_in);
-            s.packets_out = s.packets_out.wrapping_add(c.packets_out);
-            s.bytes_out = s.bytes_out.wrapping_add(c.bytes_out);
-        }
-        let sum = PerCpuValues::try_from(sum).context("per-CPU values")?;
-        maps.lb_stats
-            .insert(&retired, sum, 0)
-            .with_context(|| format!("writing {} {retired:?}", map_names::LB_STATS))?;
+        let counts: Totals = counts.iter().sum();
+        add_to(maps, StatsKey::retired(pair.rev_nat_id), counts)?;
         remove_ignoring_absent(maps.lb_stats.remove(&key))?;
     }
     Ok(())

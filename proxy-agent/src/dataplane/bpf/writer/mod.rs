@@ -11,7 +11,7 @@ use std::{
     net::SocketAddr,
 };
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use aya::maps::MapError;
 use proxy_common::{
     Backend, CtValue, PROTO_UDP, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_DSR,
@@ -20,7 +20,7 @@ use proxy_common::{
 };
 use rustc_hash::FxHashMap;
 
-use super::{maps::MapSet, members};
+use super::{maps::MapSet, members, stats::Ended};
 
 mod adopt;
 mod audit;
@@ -465,6 +465,8 @@ impl MapState {
             .collect();
         if !pairs.is_empty() {
             let mut cleared = 0;
+            // The answered flows' counts (the unanswered count in `LB_STATS`).
+            let mut ended = Ended::default();
             let is_stale = |v: &CtValue| pairs.contains(&(v.rev_nat_id, v.backend_id));
             for table in [&mut maps.conntrack, &mut maps.conntrack_new] {
                 let stale: Vec<_> = table
@@ -477,12 +479,21 @@ impl MapState {
                     // Read again: since the walk the programs may have replaced the flow
                     // on this tuple (its backend id deleted a step earlier) with a new
                     // one, which must not go too.
-                    if table.get(key, 0).is_ok_and(|v| is_stale(&v)) {
-                        remove_ignoring_absent(table.remove(key))?;
+                    if let Ok(v) = table.get(key, 0)
+                        && is_stale(&v)
+                    {
+                        match table.remove(key) {
+                            Ok(()) => ended.add(key, &v),
+                            // Gone meanwhile: whoever removed it kept its counts.
+                            Err(e) if super::maps::is_absent(&e) => continue,
+                            Err(e) => return Err(e.into()),
+                        }
                         cleared += 1;
                     }
                 }
             }
+            super::stats::fold_ended(maps, ended)
+                .context("keeping the counts of the cleared flows")?;
             if cleared > 0 {
                 tracing::debug!(entries = cleared, "flows of removed backends cleared");
             }
