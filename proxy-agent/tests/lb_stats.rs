@@ -548,7 +548,12 @@ fn a_udp_flow_the_writer_clears_keeps_its_counts() {
         .iter()
         .sum();
     assert_eq!(
-        (ended.packets_in, ended.packets_out, ended.bytes_in, ended.bytes_out),
+        (
+            ended.packets_in,
+            ended.packets_out,
+            ended.bytes_in,
+            ended.bytes_out
+        ),
         (1, 1, q2, a2),
         "the packets after the flow was answered"
     );

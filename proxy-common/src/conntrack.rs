@@ -268,7 +268,10 @@ mod tests {
     #[test]
     fn no_implicit_padding() {
         assert_eq!(size_of::<CtKey>(), 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1);
-        assert_eq!(size_of::<CtValue>(), 8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3 + 8 + 8);
+        assert_eq!(
+            size_of::<CtValue>(),
+            8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3 + 8 + 8
+        );
     }
 
     /// Each TCP state ages by its own limit, as netfilter's do; zero means the default.

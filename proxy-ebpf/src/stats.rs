@@ -53,8 +53,14 @@ pub fn answered(ct: *mut CtValue, len: u32) {
 #[inline(never)]
 pub fn fold(ct: *const CtValue, dir: u8) {
     // SAFETY: map memory, valid for this program run.
-    let (rev_nat_id, backend_id, packets, bytes) =
-        unsafe { ((*ct).rev_nat_id, (*ct).backend_id, (*ct).packets, (*ct).bytes) };
+    let (rev_nat_id, backend_id, packets, bytes) = unsafe {
+        (
+            (*ct).rev_nat_id,
+            (*ct).backend_id,
+            (*ct).packets,
+            (*ct).bytes,
+        )
+    };
     if rev_nat_id == 0 || packets == 0 {
         return;
     }

@@ -117,9 +117,8 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
     // The counts of the answered flows' entries this pass removes (the unanswered
     // ones' count in `LB_STATS` already).
     let mut ended = Ended::default();
-    let (left, cap, collected) =
-        collect_table(&mut maps.conntrack, &timeouts, now_ns, &mut ended)
-            .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
+    let (left, cap, collected) = collect_table(&mut maps.conntrack, &timeouts, now_ns, &mut ended)
+        .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
     (stats.answered, stats.answered_capacity) = (left, cap);
     stats.collected += collected;
     super::stats::fold_ended(maps, ended).context("keeping the counts of removed flows")?;
