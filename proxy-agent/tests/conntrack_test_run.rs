@@ -5,7 +5,8 @@
 //! client port shared by two frontends keeps both flows apart, and the collector frees
 //! what expired, and the port filters: a reply is probed for only from a port a flow's
 //! reply tuple uses, a flow or service looked for only on a port a frontend uses, and
-//! both filters' marks rebuilt from the tables. Root only.
+//! both filters' marks rebuilt from the tables; an answered flow's replies go alone (one
+//! lookup) until it closes, and keep it alive by themselves. Root only.
 
 mod support;
 
@@ -28,16 +29,13 @@ const ACK: u8 = 0x10;
 const FIN_ACK: u8 = 0x11;
 const RST: u8 = 0x04;
 
-/// Moves every flow's clock back by `secs`, as if it had idled that long.
+/// Moves every flow's clock back by `secs`, as if it had idled that long (both entries:
+/// replies that go alone stamp their own).
 fn age(h: &mut Harness, secs: u64) {
     let d = secs * 1_000_000_000;
     for table in [&mut h.maps.conntrack, &mut h.maps.conntrack_new] {
-        let fwd: Vec<(CtKey, CtValue)> = table
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, _)| k.dir == CT_DIR_FORWARD)
-            .collect();
-        for (k, mut v) in fwd {
+        let all: Vec<(CtKey, CtValue)> = table.iter().filter_map(Result::ok).collect();
+        for (k, mut v) in all {
             v.last_seen_ns = v.last_seen_ns.wrapping_sub(d);
             table.insert(&k, &v, 0).expect("age an entry");
         }
@@ -668,5 +666,110 @@ fn replies_of_a_node_address_frontend_learn_it_once() {
         (src, dst),
         (nodeport, client),
         "a later reply, from what was learnt"
+    );
+}
+
+/// The answered flow's two entries: (forward, reply).
+fn answered_pair(h: &Harness) -> (CtValue, CtValue) {
+    let all: Vec<(CtKey, CtValue)> = h.maps.conntrack.iter().filter_map(Result::ok).collect();
+    let find = |dir| {
+        all.iter()
+            .find(|(k, _)| k.dir == dir)
+            .map(|(_, v)| *v)
+            .expect("an entry of that direction")
+    };
+    (find(CT_DIR_FORWARD), find(CT_DIR_REPLY))
+}
+
+const S: u64 = 1_000_000_000;
+
+/// A reply that changes no state goes alone: translated from its entry, which it
+/// stamps, the forward entry untouched; such replies alone keep the flow alive past its
+/// forward entry's stamp, for the programs and for the collector.
+#[needs_root]
+#[test]
+fn replies_go_alone_and_keep_their_flow_alive() {
+    let (mut h, client, vip, be) = one_clusterip();
+    seg(&h, client, vip, SYN);
+    seg(&h, be, client, SYN_ACK);
+    seg(&h, client, vip, ACK);
+    assert_eq!(counts(&h), (2, 0), "answered");
+
+    age(&mut h, 100);
+    let (fwd, _) = answered_pair(&h);
+    assert_eq!(seg(&h, be, client, ACK), (TC_ACT_OK, vip, client));
+    let (f, r) = answered_pair(&h);
+    assert_eq!(
+        f.last_seen_ns, fwd.last_seen_ns,
+        "the forward entry untouched"
+    );
+    assert!(
+        r.last_seen_ns > f.last_seen_ns + 90 * S,
+        "the reply stamped its own entry"
+    );
+
+    // Only the server speaks for most of a day, then the client is silent past the
+    // established limit (24 h) by its own stamp: the flow lives on.
+    age(&mut h, 86_000);
+    assert_eq!(
+        seg(&h, be, client, ACK).1,
+        vip,
+        "the server, after 86,000 s"
+    );
+    age(&mut h, 1_000);
+    let st = conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!(st.collected, 0, "alive by its replies: {st:?}");
+    assert_eq!(
+        seg(&h, client, vip, ACK),
+        (TC_ACT_OK, client, be),
+        "the client, 87,100 s after its last packet, keeps its backend"
+    );
+    assert_eq!(h.counter("ct_reused"), 0, "the same flow, not a new one");
+    let (f, _) = answered_pair(&h);
+    assert!(
+        f.last_seen_ns > monotonic_ns() - 10 * S,
+        "the forward entry stamped again"
+    );
+
+    // Both silent past the limit: gone.
+    age(&mut h, 86_500);
+    let st = conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!((st.collected, st.answered), (2, 0), "{st:?}");
+}
+
+/// A FIN from either side marks both entries; the closing flow's replies take the
+/// forward entry's state and limit again (every reply stamps it).
+#[needs_root]
+#[test]
+fn a_closing_flows_replies_no_longer_go_alone() {
+    let (mut h, client, vip, be) = one_clusterip();
+    seg(&h, client, vip, SYN);
+    seg(&h, be, client, SYN_ACK);
+    seg(&h, client, vip, ACK);
+    let fin = proxy_common::CT_F_FIN_ORIG;
+    assert_eq!(answered_pair(&h).1.flags & fin, 0);
+    assert_eq!(seg(&h, client, vip, FIN_ACK).2, be);
+    let (f, r) = answered_pair(&h);
+    assert_ne!(f.flags & fin, 0, "the forward entry's state");
+    assert_ne!(r.flags & fin, 0, "and the reply entry's");
+
+    age(&mut h, 100);
+    assert_eq!(seg(&h, be, client, ACK).1, vip);
+    let (f, _) = answered_pair(&h);
+    assert!(
+        f.last_seen_ns > monotonic_ns() - 10 * S,
+        "the reply stamped the forward entry"
+    );
+    // The server's FIN, then netfilter's TIME_WAIT (120 s) by the forward entry.
+    seg(&h, be, client, FIN_ACK);
+    let (f, r) = answered_pair(&h);
+    let fin_reply = proxy_common::CT_F_FIN_REPLY;
+    assert_ne!(f.flags & fin_reply, 0);
+    assert_ne!(r.flags & fin_reply, 0);
+    age(&mut h, 121);
+    assert_eq!(
+        seg(&h, be, client, ACK).0,
+        TC_ACT_UNSPEC,
+        "TIME_WAIT over: the late reply is not translated"
     );
 }

@@ -84,7 +84,9 @@ pub struct CtKey {
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtValue {
-    /// Forward entries: `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the flow's last packet.
+    /// `CLOCK_MONOTONIC` of the entry's last packet: forward entries, any packet of the
+    /// flow's but an answered flow's replies that go alone; reply entries, those (and
+    /// the flow's start). The flow's is the later ([`flow_last_seen`]).
     pub last_seen_ns: u64,
     pub backend_id: u32,
     pub rev_nat_id: u32,
@@ -120,6 +122,17 @@ pub struct CtValue {
 pub const CT_NODE_YES: u8 = 1;
 /// `CtValue::frontend_node`: the frontend is not one of the node's addresses.
 pub const CT_NODE_NO: u8 = 2;
+
+/// A flow's last packet, by its forward entry `fwd` and, if known, its reply entry
+/// `reply`: an answered flow's replies that change no state stamp only their own entry
+/// (one lookup per reply), so the later stamp of the two counts.
+#[inline(always)]
+pub fn flow_last_seen(fwd: &CtValue, reply: Option<&CtValue>) -> u64 {
+    match reply {
+        Some(r) if r.last_seen_ns > fwd.last_seen_ns => r.last_seen_ns,
+        _ => fwd.last_seen_ns,
+    }
+}
 
 /// The key of a forward entry's partner: the tuple the backend's replies carry.
 pub fn reply_key_of(fwd_key: &CtKey, fwd: &CtValue) -> CtKey {

@@ -23,12 +23,12 @@ use aya_ebpf::{
 use proxy_common::{
     CT_DIR_REPLY, CT_F_ASSURED, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
     CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, ct_closed,
-    elapsed_ns, forward_key_of, port_slot, reply_key_of,
+    elapsed_ns, flow_last_seen, forward_key_of, port_slot, reply_key_of,
 };
 
 use crate::{
     maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, REPLY_PORTS, count, port_marked},
-    packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST},
+    packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     stats,
     verdict::DROP,
 };
@@ -126,14 +126,82 @@ pub fn account(entry: &Entry, dir: u8, len: u32) {
     }
 }
 
-/// Whether the flow (its forward entry) has idled past the limit of its state.
+/// Whether a flow in state `flags` last seen at `last_seen_ns` has idled past its limit.
 #[inline(always)]
-pub fn expired(fwd: &CtValue, proto: u8, now: u64) -> bool {
+fn idle_past(proto: u8, flags: u8, last_seen_ns: u64, now: u64) -> bool {
     let t = NODE_CONFIG
         .get(0)
         .map(|c| c.timeouts)
         .unwrap_or(CtTimeouts::DEFAULT);
-    t.expired(proto, fwd.flags, fwd.last_seen_ns, now)
+    t.expired(proto, flags, last_seen_ns, now)
+}
+
+/// Whether the flow has idled past the limit of its state, by its forward entry `fwd`
+/// and, for an answered flow, its reply entry `reply` (replies that go alone stamp only
+/// theirs: `reply_alone`).
+#[inline(always)]
+pub fn expired(fwd: &CtValue, reply: Option<&CtValue>, proto: u8, now: u64) -> bool {
+    idle_past(proto, fwd.flags, flow_last_seen(fwd, reply), now)
+}
+
+/// `expired`, from the forward side (entry `fwd` at `key`): the reply entry is looked up
+/// only when the forward entry's own stamp has run out — and then lends it its later one.
+#[inline(never)]
+pub fn forward_expired(key: &CtKey, fwd: *mut CtValue, new: bool, now: u64) -> bool {
+    // SAFETY: map memory, valid for this program run; a racy stamp is harmless.
+    let f = unsafe { &mut *fwd };
+    if !idle_past(key.proto, f.flags, f.last_seen_ns, now) {
+        return false;
+    }
+    if new {
+        return true; // replies of an unanswered flow stamp the forward entry
+    }
+    let Some(reply) = CONNTRACK.get_ptr(&reply_key_of(key, f)) else {
+        return true;
+    };
+    // SAFETY: as above.
+    let last = unsafe { (*reply).last_seen_ns };
+    if idle_past(key.proto, f.flags, last, now) {
+        return true;
+    }
+    f.last_seen_ns = last;
+    false
+}
+
+/// The state bits a flow's reply entry carries besides `CT_F_SNAT`: a closing flow's
+/// replies take its forward entry's state and limit.
+const CLOSING: u8 = CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST;
+
+/// A forward packet's state bits `bits` (FIN, RST) for the flow's reply entry too (its
+/// forward entry `fwd` at `key`), so the replies stop going alone. Looked up only for
+/// such packets.
+#[inline(never)]
+pub fn closing_to_reply(key: &CtKey, fwd: *const CtValue, new: bool, bits: u8) {
+    // SAFETY: map memory, valid for this program run.
+    let reply_key = reply_key_of(key, unsafe { &*fwd });
+    if let Some(r) = lookup_in(&reply_key, new) {
+        // SAFETY: as above; a racy store of a state bit is harmless.
+        unsafe { (*r).flags |= bits };
+    }
+}
+
+/// Whether a reply may go alone — translated from its reply entry `reply` (in the table
+/// of answered flows), stamping only that entry, its forward entry not looked up: it
+/// changes no state (no SYN, FIN or RST) and its flow is live by the reply entry's own
+/// stamp, at an established flow's limit; its flow is not closing (no FIN or RST seen:
+/// `closing_to_reply`). Anything else takes the forward entry's state and limit.
+#[inline(always)]
+pub fn reply_alone(pkt: &Packet, reply: &CtValue, now: u64) -> bool {
+    let changes_state =
+        pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) != 0;
+    !changes_state
+        && reply.flags & CLOSING == 0
+        && !idle_past(
+            pkt.proto,
+            CT_F_REPLIED | CT_F_ASSURED,
+            reply.last_seen_ns,
+            now,
+        )
 }
 
 /// The state bits a TCP segment adds to its flow (FIN by direction, RST).
@@ -156,8 +224,17 @@ pub fn segment_flags(pkt: &Packet, reply: bool) -> u8 {
 /// expired, a SYN reopens a closed TCP connection (netfilter reopens from TIME_WAIT and
 /// CLOSE), or a UDP flow's backend is gone.
 #[inline(always)]
-pub fn over(pkt: &Packet, fwd: &CtValue, now: u64, backend_gone: bool) -> bool {
-    expired(fwd, pkt.proto, now) || (pkt.is_syn() && ct_closed(fwd.flags)) || backend_gone
+pub fn over(
+    key: &CtKey,
+    pkt: &Packet,
+    fwd: *mut CtValue,
+    new: bool,
+    now: u64,
+    backend_gone: bool,
+) -> bool {
+    // SAFETY: map memory, valid for this program run.
+    let flags = unsafe { (*fwd).flags };
+    forward_expired(key, fwd, new, now) || (pkt.is_syn() && ct_closed(flags)) || backend_gone
 }
 
 /// Removes a flow: its forward entry `key` and the reply entry it names.
@@ -251,10 +328,11 @@ fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
     }
     // A closed flow keeps its tuple for a moment: its last ACK (or a retransmitted FIN)
     // must still find it, or the backend's socket lingers in LAST_ACK and answers the
-    // next flow's SYN on the same tuple with a challenge ACK.
-    let closed_long_enough =
-        ct_closed(f.flags) && elapsed_ns(now, f.last_seen_ns) > CLOSED_TUPLE_HOLD_NS;
-    if expired(f, key.proto, now) || closed_long_enough {
+    // next flow's SYN on the same tuple with a challenge ACK. (The reply entry's stamp
+    // counts too: replies may go alone.)
+    let last = flow_last_seen(f, Some(r));
+    let closed_long_enough = ct_closed(f.flags) && elapsed_ns(now, last) > CLOSED_TUPLE_HOLD_NS;
+    if expired(f, Some(r), key.proto, now) || closed_long_enough {
         remove_in(&fwd_key, new);
         return true;
     }

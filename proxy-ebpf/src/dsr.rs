@@ -238,18 +238,22 @@ pub extern "C" fn proxy_dsr_learn() -> u32 {
     a.key = a.pkt.ct_key(CT_DIR_FORWARD);
     let key = &a.key;
     if let Some(entry) = conntrack::lookup(key) {
-        // SAFETY: map memory, valid for this program run (RCU).
-        let ct = unsafe { &mut *entry.value };
-        if !conntrack::over(&a.pkt, ct, now, false) {
+        if !conntrack::over(key, &a.pkt, entry.value, entry.new, now, false) {
+            // SAFETY: map memory, valid for this program run (RCU).
+            let ct = unsafe { &mut *entry.value };
             ct.last_seen_ns = now;
-            ct.flags |= conntrack::segment_flags(&a.pkt, false);
+            let bits = conntrack::segment_flags(&a.pkt, false);
+            if bits != 0 {
+                ct.flags |= bits;
+                conntrack::closing_to_reply(key, ct, entry.new, bits);
+            }
             if entry.new && conntrack::completes_handshake(&a.pkt, ct.flags) {
                 ct.flags |= CT_F_ASSURED;
                 conntrack::promote_forward(key, ct);
             }
             return 1;
         }
-        conntrack::forget(key, ct, entry.new);
+        conntrack::forget(key, entry.value, entry.new);
     }
     // As `conntrack::record` keeps a client's source — but a clash on the reply tuple
     // is left alone: this node may not change the client's tuple. (Not `record` itself:

@@ -21,8 +21,8 @@
 use aya_ebpf::programs::{TcContext, XdpContext};
 use proxy_common::{
     AFFINITY_BY_ADDR, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR, CT_F_REPLIED,
-    CT_F_SNAT, CT_NODE_NO, CT_NODE_YES, CtValue, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
-    SVC_F_DSR, SVC_F_SOURCE_RANGES, counter,
+    CT_F_SNAT, CT_NODE_NO, CT_NODE_YES, CtKey, CtValue, FAMILY_V4, PROTO_SCTP, PROTO_TCP,
+    PROTO_UDP, SVC_F_DSR, SVC_F_SOURCE_RANGES, counter,
 };
 
 use crate::{
@@ -150,22 +150,25 @@ fn translate<F: Frame>(ctx: &F, pkt: &Packet) -> Result<i32, i32> {
 /// destination when the flow was masqueraded. The reply counts for the flow's state
 /// (answered, FIN, RST) and keeps it alive, whichever side speaks. `egress`: a reply the
 /// node itself sends (an endpoint on its own address), already on its way out.
+/// An answered flow's reply that changes no state goes alone (`conntrack::reply_alone`):
+/// one lookup, its forward entry untouched.
 #[inline(never)]
 fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Option<i32>, i32> {
     let key = pkt.ct_key(CT_DIR_REPLY);
     let Some(entry) = conntrack::lookup(&key) else {
         return Ok(None);
     };
-    let fwd = conntrack::partner(&key, entry.value, entry.new);
-    if fwd.is_null() {
-        return Ok(None);
-    }
     // SAFETY: entries stay valid memory during this program run (RCU); racy stores of
-    // the timestamp and state bits are harmless.
-    let fwd = unsafe { &mut *fwd };
-    if conntrack::expired(fwd, pkt.proto, now) {
-        return Ok(None);
-    }
+    // the timestamps and state bits are harmless.
+    let alone = !entry.new && conntrack::reply_alone(pkt, unsafe { &*entry.value }, now);
+    let fwd = if alone {
+        core::ptr::null_mut()
+    } else {
+        match flow_of_reply(&key, &entry, pkt.proto, now) {
+            Some(fwd) => fwd,
+            None => return Ok(None),
+        }
+    };
     // SAFETY: as above; the fields are copied out before the entry can move.
     let (frontend, frontend_port, snat, client, client_port) = unsafe {
         let r = &*entry.value;
@@ -189,13 +192,25 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     if F::XDP && hop <= 0 {
         return Ok(Some(TO_TC));
     }
-    fwd.last_seen_ns = now;
-    fwd.flags |= CT_F_REPLIED | conntrack::segment_flags(pkt, true);
+    if !entry.new {
+        // SAFETY: as above.
+        unsafe { (*entry.value).last_seen_ns = now };
+    }
     // A TCP flow is assured by the client's ACK of this SYN-ACK (see `established`):
     // a spoofed SYN that the backend answers must not reach the answered table.
     let assured = pkt.proto != PROTO_TCP;
-    if assured {
-        fwd.flags |= CT_F_ASSURED;
+    if !fwd.is_null() {
+        // SAFETY: as above.
+        let fwd = unsafe { &mut *fwd };
+        let bits = conntrack::segment_flags(pkt, true);
+        fwd.last_seen_ns = now;
+        fwd.flags |= CT_F_REPLIED | bits;
+        // (The reply entry keeps them too: a closing flow's replies stop going alone.)
+        // SAFETY: as above.
+        unsafe { (*entry.value).flags |= bits };
+        if assured {
+            fwd.flags |= CT_F_ASSURED;
+        }
     }
     conntrack::account(&entry, stats::OUT, ctx.len());
     if entry.new && assured {
@@ -213,6 +228,29 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
         return Ok(Some(route::redirect(ctx, hop).code()));
     }
     Ok(Some(DONE))
+}
+
+/// The live forward entry of reply entry `entry` (at `key`), or `None`: gone, another
+/// flow's, or expired.
+#[inline(always)]
+fn flow_of_reply(
+    key: &CtKey,
+    entry: &conntrack::Entry,
+    proto: u8,
+    now: u64,
+) -> Option<*mut CtValue> {
+    let fwd = conntrack::partner(key, entry.value, entry.new);
+    if fwd.is_null() {
+        return None;
+    }
+    // SAFETY: map memory, valid for this program run (RCU).
+    let (f, r) = unsafe { (&*fwd, &*entry.value) };
+    // An answered flow's replies may have gone alone: the reply entry's stamp counts.
+    let reply = if entry.new { None } else { Some(r) };
+    if conntrack::expired(f, reply, proto, now) {
+        return None;
+    }
+    Some(fwd)
 }
 
 /// Whether a flow's frontend (`frontend`, from its reply entry `reply`) is one of the
@@ -243,20 +281,22 @@ fn established<F: Frame>(ctx: &F, pkt: &Packet, now: u64) -> Result<Option<i32>,
     let Some(entry) = conntrack::lookup(&key) else {
         return Ok(None);
     };
-    // A reference into the map, not a copy: the BPF stack is small. Other CPUs only
-    // touch `last_seen_ns` and `flags` of a live entry.
-    // SAFETY: the pointer stays valid memory for the program's run (RCU).
-    let ct = unsafe { &mut *entry.value };
     // TCP and SCTP keep their backend to the end (a terminating pod finishes its
     // connections); a UDP flow whose backend is gone is balanced again.
-    let backend_gone = pkt.proto == PROTO_UDP && lb::backend(ct.backend_id).is_none();
-    if conntrack::over(pkt, ct, now, backend_gone) {
+    // SAFETY: the pointer stays valid memory for the program's run (RCU).
+    let backend_gone =
+        pkt.proto == PROTO_UDP && lb::backend(unsafe { (*entry.value).backend_id }).is_none();
+    if conntrack::over(&key, pkt, entry.value, entry.new, now, backend_gone) {
         if pkt.is_syn() {
             count(counter::CT_REUSED);
         }
-        conntrack::forget(&key, ct, entry.new);
+        conntrack::forget(&key, entry.value, entry.new);
         return Ok(None); // balanced again as a new flow
     }
+    // A reference into the map, not a copy: the BPF stack is small. Other CPUs only
+    // touch `last_seen_ns`, `flags` and the counts of a live entry.
+    // SAFETY: as above.
+    let ct = unsafe { &mut *entry.value };
     if ct.flags & CT_F_DSR != 0 {
         let verdict = dsr_send(ctx, pkt, &ct.xlate_addr, ct.xlate_port, false)?;
         if verdict != TO_TC {
@@ -285,7 +325,11 @@ fn established<F: Frame>(ctx: &F, pkt: &Packet, now: u64) -> Result<Option<i32>,
     }
     rewrite(ctx, pkt, Side::Destination, &ct.xlate_addr, ct.xlate_port)?;
     ct.last_seen_ns = now;
-    ct.flags |= conntrack::segment_flags(pkt, false);
+    let bits = conntrack::segment_flags(pkt, false);
+    if bits != 0 {
+        ct.flags |= bits;
+        conntrack::closing_to_reply(&key, ct, entry.new, bits);
+    }
     conntrack::account(&entry, stats::IN, ctx.len());
     // The client's ACK of the backend's SYN-ACK: the handshake is complete, the flow
     // moves to the answered table.

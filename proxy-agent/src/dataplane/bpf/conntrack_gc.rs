@@ -8,8 +8,8 @@ use std::{collections::HashMap as StdHashMap, path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData};
 use proxy_common::{
-    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_closed, elapsed_ns, forward_key_of,
-    map_names, reply_key_of,
+    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_closed, elapsed_ns, flow_last_seen,
+    forward_key_of, map_names, reply_key_of,
 };
 
 use super::{
@@ -143,11 +143,12 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
 fn recount_active(maps: &mut MapSet, timeouts: &CtTimeouts, now: u64) -> Result<()> {
     let mut open: StdHashMap<u32, u64> = StdHashMap::new();
     for table in [&maps.conntrack, &maps.conntrack_new] {
-        for (key, v) in table.iter().filter_map(Result::ok) {
+        let entries: StdHashMap<CtKey, CtValue> = table.iter().filter_map(Result::ok).collect();
+        for (key, v) in &entries {
             let closing = key.proto == PROTO_TCP && ct_closed(v.flags);
             if key.dir == CT_DIR_FORWARD
                 && !closing
-                && !timeouts.expired(key.proto, v.flags, v.last_seen_ns, now)
+                && !flow_expired(timeouts, key, v, reply_in(&entries, key, v), now)
             {
                 *open.entry(v.backend_id).or_default() += 1;
             }
@@ -173,6 +174,30 @@ fn recount_active(maps: &mut MapSet, timeouts: &CtTimeouts, now: u64) -> Result<
     Ok(())
 }
 
+/// Whether the flow of forward entry `fwd` (at `key`, its reply entry `reply` if found)
+/// has idled past its state's limit: by the later stamp of the two.
+fn flow_expired(
+    timeouts: &CtTimeouts,
+    key: &CtKey,
+    fwd: &CtValue,
+    reply: Option<&CtValue>,
+    now: u64,
+) -> bool {
+    timeouts.expired(key.proto, fwd.flags, flow_last_seen(fwd, reply), now)
+}
+
+/// The reply entry of forward entry `fwd` (at `key`) in `entries`, if it names this flow.
+fn reply_in<'a>(
+    entries: &'a StdHashMap<CtKey, CtValue>,
+    key: &CtKey,
+    fwd: &CtValue,
+) -> Option<&'a CtValue> {
+    let reply = reply_key_of(key, fwd);
+    entries
+        .get(&reply)
+        .filter(|r| forward_key_of(&reply, r) == *key)
+}
+
 /// Returns (entries left, capacity, entries removed); the removed entries' counts go to
 /// `ended`.
 fn collect_table(
@@ -184,19 +209,20 @@ fn collect_table(
     use aya::maps::IterableMap as _;
     let capacity = u64::from(table.map().info()?.max_entries());
     let entries: StdHashMap<CtKey, CtValue> = table.iter().filter_map(Result::ok).collect();
-    let expired = |v: &CtValue, proto| timeouts.expired(proto, v.flags, v.last_seen_ns, now);
+    let expired =
+        |key: &CtKey, f: &CtValue, r: Option<&CtValue>| flow_expired(timeouts, key, f, r, now);
     let mut doomed = Vec::new();
     for (key, value) in &entries {
         if key.dir == CT_DIR_FORWARD {
-            if expired(value, key.proto) {
+            if expired(key, value, reply_in(&entries, key, value)) {
                 doomed.push(*key);
             }
             continue;
         }
         let fwd_key = forward_key_of(key, value);
-        let partnered = entries
-            .get(&fwd_key)
-            .is_some_and(|f| reply_key_of(&fwd_key, f) == *key && !expired(f, key.proto));
+        let partnered = entries.get(&fwd_key).is_some_and(|f| {
+            reply_key_of(&fwd_key, f) == *key && !expired(&fwd_key, f, Some(value))
+        });
         if !partnered && elapsed_ns(now, value.last_seen_ns) > ORPHAN_GRACE_NS {
             doomed.push(*key);
         }
@@ -209,22 +235,24 @@ fn collect_table(
             continue;
         };
         if key.dir == CT_DIR_FORWARD {
-            if !expired(&value, key.proto) {
+            let reply = reply_key_of(&key, &value);
+            // The reply entry goes only if it still names this flow.
+            let r = table
+                .get(&reply, 0)
+                .ok()
+                .filter(|r| forward_key_of(&reply, r) == key);
+            if !expired(&key, &value, r.as_ref()) {
                 continue;
             }
-            let reply = reply_key_of(&key, &value);
             removed += remove(table, &key, &value, ended)?;
-            // The reply entry goes only if it still names this flow.
-            if let Ok(r) = table.get(&reply, 0)
-                && forward_key_of(&reply, &r) == key
-            {
+            if let Some(r) = r {
                 removed += remove(table, &reply, &r, ended)?;
             }
         } else {
             let fwd_key = forward_key_of(&key, &value);
-            let partnered = table
-                .get(&fwd_key, 0)
-                .is_ok_and(|f| reply_key_of(&fwd_key, &f) == key && !expired(&f, key.proto));
+            let partnered = table.get(&fwd_key, 0).is_ok_and(|f| {
+                reply_key_of(&fwd_key, &f) == key && !expired(&fwd_key, &f, Some(&value))
+            });
             // The entry read again may be a new flow's, written since the snapshot.
             if !partnered && elapsed_ns(now, value.last_seen_ns) > ORPHAN_GRACE_NS {
                 removed += remove(table, &key, &value, ended)?;
