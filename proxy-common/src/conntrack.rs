@@ -128,8 +128,10 @@ pub const CT_NODE_NO: u8 = 2;
 /// (one lookup per reply), so the later stamp of the two counts.
 #[inline(always)]
 pub fn flow_last_seen(fwd: &CtValue, reply: Option<&CtValue>) -> u64 {
+    // Compared as `elapsed_ns` does, by the signed difference: stamps near a wrap of the
+    // clock (a flow aged past the clock's start, in tests) still order right.
     match reply {
-        Some(r) if r.last_seen_ns > fwd.last_seen_ns => r.last_seen_ns,
+        Some(r) if (r.last_seen_ns.wrapping_sub(fwd.last_seen_ns) as i64) > 0 => r.last_seen_ns,
         _ => fwd.last_seen_ns,
     }
 }
@@ -285,6 +287,24 @@ mod tests {
             size_of::<CtValue>(),
             8 + 4 + 4 + 16 + 16 + 2 + 2 + 1 + 3 + 8 + 8
         );
+    }
+
+    /// The later of a flow's two stamps, across the clock's wrap too.
+    #[test]
+    fn a_flows_last_packet_is_the_later_stamp_of_its_entries() {
+        let at = |t: u64| CtValue {
+            last_seen_ns: t,
+            ..CtValue::default()
+        };
+        assert_eq!(flow_last_seen(&at(5), Some(&at(9))), 9);
+        assert_eq!(flow_last_seen(&at(9), Some(&at(5))), 9);
+        assert_eq!(flow_last_seen(&at(9), None), 9);
+        assert_eq!(
+            flow_last_seen(&at(u64::MAX - 3), Some(&at(2))),
+            2,
+            "after the wrap"
+        );
+        assert_eq!(flow_last_seen(&at(2), Some(&at(u64::MAX - 3))), 2);
     }
 
     /// Each TCP state ages by its own limit, as netfilter's do; zero means the default.

@@ -12,9 +12,15 @@
 
 use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
 
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{CT_DIR_FORWARD, CtValue, LbStats, StatsKey};
 
 use crate::maps::LB_STATS;
+
+/// Per-CPU room for a pair's first counts while they are built. (Not pinned: each load
+/// has its own.)
+#[btf_map]
+static STATS_SCRATCH: PerCpuArray<LbStats, 1> = PerCpuArray::new();
 
 /// Client to backend.
 pub const IN: u8 = 0;
@@ -96,9 +102,15 @@ fn add(rev_nat_id: u32, backend_id: u32, dir: u8, packets: u64, bytes: u64, new:
         }
         return;
     }
-    // The first count: a full map loses it, never the packet.
-    let mut slot = core::mem::MaybeUninit::uninit();
-    let first: &mut LbStats = crate::mem::zeroed_in(&mut slot);
+    // The first count: a full map loses it, never the packet. Built in this CPU's
+    // scratch slot, not on the stack: `fold` runs at the bottom of the deepest call
+    // chain (a masquerade port claim retiring a stale flow), under the 512-byte limit.
+    let Some(first) = STATS_SCRATCH.get_ptr_mut(0) else {
+        return; // unreachable: index 0 of a one-entry array
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let first = unsafe { &mut *first };
+    crate::mem::zero(first);
     first.conns = u64::from(new);
     if dir == IN {
         (first.packets_in, first.bytes_in) = (packets, bytes);
