@@ -146,16 +146,19 @@ pub fn expired(fwd: &CtValue, reply: Option<&CtValue>, proto: u8, now: u64) -> b
 
 /// `expired`, from the forward side (entry `fwd` at `key`): the reply entry is looked up
 /// only when the forward entry's own stamp has run out — and then lends it its later one.
-#[inline(never)]
+#[inline(always)]
 pub fn forward_expired(key: &CtKey, fwd: *mut CtValue, new: bool, now: u64) -> bool {
+    // SAFETY: map memory, valid for this program run.
+    let (flags, last) = unsafe { ((*fwd).flags, (*fwd).last_seen_ns) };
+    // (Replies of an unanswered flow stamp the forward entry.)
+    idle_past(key.proto, flags, last, now) && (new || expired_by_reply(key, fwd, now))
+}
+
+/// `forward_expired`'s rare part, in a frame of its own (the reply's key).
+#[inline(never)]
+fn expired_by_reply(key: &CtKey, fwd: *mut CtValue, now: u64) -> bool {
     // SAFETY: map memory, valid for this program run; a racy stamp is harmless.
     let f = unsafe { &mut *fwd };
-    if !idle_past(key.proto, f.flags, f.last_seen_ns, now) {
-        return false;
-    }
-    if new {
-        return true; // replies of an unanswered flow stamp the forward entry
-    }
     let Some(reply) = CONNTRACK.get_ptr(&reply_key_of(key, f)) else {
         return true;
     };
