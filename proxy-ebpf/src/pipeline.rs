@@ -161,14 +161,15 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     // SAFETY: entries stay valid memory during this program run (RCU); racy stores of
     // the timestamps and state bits are harmless.
     let alone = !entry.new && conntrack::reply_alone(pkt, unsafe { &*entry.value }, now);
-    let fwd = if alone {
-        core::ptr::null_mut()
-    } else {
-        match flow_of_reply(&key, &entry, pkt.proto, now) {
-            Some(fwd) => fwd,
-            None => return Ok(None),
-        }
-    };
+    // The state first, so one path follows for both kinds (the verifier walks it once);
+    // at XDP a reply left to TC is stamped twice, which changes nothing.
+    if !alone && !reply_state(&key, &entry, pkt, now) {
+        return Ok(None);
+    }
+    if !entry.new {
+        // SAFETY: as above.
+        unsafe { (*entry.value).last_seen_ns = now };
+    }
     // SAFETY: as above; the fields are copied out before the entry can move.
     let (frontend, frontend_port, snat, client, client_port) = unsafe {
         let r = &*entry.value;
@@ -192,28 +193,10 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     if F::XDP && hop <= 0 {
         return Ok(Some(TO_TC));
     }
-    if !entry.new {
-        // SAFETY: as above.
-        unsafe { (*entry.value).last_seen_ns = now };
-    }
+    conntrack::account(&entry, stats::OUT, ctx.len());
     // A TCP flow is assured by the client's ACK of this SYN-ACK (see `established`):
     // a spoofed SYN that the backend answers must not reach the answered table.
-    let assured = pkt.proto != PROTO_TCP;
-    if !fwd.is_null() {
-        // SAFETY: as above.
-        let fwd = unsafe { &mut *fwd };
-        let bits = conntrack::segment_flags(pkt, true);
-        fwd.last_seen_ns = now;
-        fwd.flags |= CT_F_REPLIED | bits;
-        // (The reply entry keeps them too: a closing flow's replies stop going alone.)
-        // SAFETY: as above.
-        unsafe { (*entry.value).flags |= bits };
-        if assured {
-            fwd.flags |= CT_F_ASSURED;
-        }
-    }
-    conntrack::account(&entry, stats::OUT, ctx.len());
-    if entry.new && assured {
+    if entry.new && pkt.proto != PROTO_TCP {
         conntrack::promote(&key);
     }
     if hop < 0 {
@@ -228,6 +211,29 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
         return Ok(Some(route::redirect(ctx, hop).code()));
     }
     Ok(Some(DONE))
+}
+
+/// A reply that does not go alone counts for its flow's state: the forward entry (live,
+/// this flow's) stamped and marked answered, a FIN or RST in both entries, a flow other
+/// than TCP assured. `false`: no live flow has this reply entry.
+#[inline(never)]
+fn reply_state(key: &CtKey, entry: &conntrack::Entry, pkt: &Packet, now: u64) -> bool {
+    let Some(fwd) = flow_of_reply(key, entry, pkt.proto, now) else {
+        return false;
+    };
+    // SAFETY: map memory, valid for this program run (RCU); racy stores of the stamp
+    // and state bits are harmless.
+    let fwd = unsafe { &mut *fwd };
+    let bits = conntrack::segment_flags(pkt, true);
+    fwd.last_seen_ns = now;
+    fwd.flags |= CT_F_REPLIED | bits;
+    if pkt.proto != PROTO_TCP {
+        fwd.flags |= CT_F_ASSURED;
+    }
+    // (The reply entry keeps them too: a closing flow's replies stop going alone.)
+    // SAFETY: as above.
+    unsafe { (*entry.value).flags |= bits };
+    true
 }
 
 /// The live forward entry of reply entry `entry` (at `key`), or `None`: gone, another
