@@ -163,7 +163,15 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     let alone = !entry.new && conntrack::reply_alone(pkt, unsafe { &*entry.value }, now);
     // The state first, so one path follows for both kinds (the verifier walks it once);
     // at XDP a reply left to TC is stamped twice, which changes nothing.
-    if !alone && !reply_state(&key, &entry, pkt, now) {
+    if !alone
+        && !reply_state(
+            &key,
+            entry.value,
+            entry.new,
+            conntrack::segment_flags(pkt, true),
+            now,
+        )
+    {
         return Ok(None);
     }
     if !entry.new {
@@ -214,20 +222,22 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
 }
 
 /// A reply that does not go alone counts for its flow's state: the forward entry (live,
-/// this flow's) stamped and marked answered, a FIN or RST in both entries, a flow other
-/// than TCP assured. `false`: no live flow has this reply entry.
+/// this flow's) stamped and marked answered, its segment's FIN or RST (`bits`) in both
+/// entries, a flow other than TCP assured. `false`: no live flow has this reply entry.
+/// (Five scalar or pointer arguments, no packet — LLVM would pass its fields apart: the
+/// verifier takes no stack-passed ones.)
 #[inline(never)]
-fn reply_state(key: &CtKey, entry: &conntrack::Entry, pkt: &Packet, now: u64) -> bool {
-    let Some(fwd) = flow_of_reply(key, entry, pkt.proto, now) else {
+fn reply_state(key: &CtKey, reply: *mut CtValue, new: bool, bits: u8, now: u64) -> bool {
+    let entry = conntrack::Entry { value: reply, new };
+    let Some(fwd) = flow_of_reply(key, &entry, key.proto, now) else {
         return false;
     };
     // SAFETY: map memory, valid for this program run (RCU); racy stores of the stamp
     // and state bits are harmless.
     let fwd = unsafe { &mut *fwd };
-    let bits = conntrack::segment_flags(pkt, true);
     fwd.last_seen_ns = now;
     fwd.flags |= CT_F_REPLIED | bits;
-    if pkt.proto != PROTO_TCP {
+    if key.proto != PROTO_TCP {
         fwd.flags |= CT_F_ASSURED;
     }
     // (The reply entry keeps them too: a closing flow's replies stop going alone.)
