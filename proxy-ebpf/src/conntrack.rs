@@ -335,7 +335,7 @@ fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
     // counts too: replies may go alone.)
     let last = flow_last_seen(f, Some(r));
     let closed_long_enough = ct_closed(f.flags) && elapsed_ns(now, last) > CLOSED_TUPLE_HOLD_NS;
-    if expired(f, Some(r), key.proto, now) || closed_long_enough {
+    if idle_past(key.proto, f.flags, last, now) || closed_long_enough {
         remove_in(&fwd_key, new);
         return true;
     }
