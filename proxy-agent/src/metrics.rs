@@ -408,7 +408,11 @@ fn ours(r: &mut Registry, status: &Status, options: RenderOptions<'_>) {
         );
         match crate::dataplane::bpf::stats::frontend_totals(&maps) {
             Ok(totals) if options.service_metrics => {
-                service_stats::register(r, &totals, &status.view());
+                // One exporter per process: what its scrapes showed, per Service port.
+                static HIGH_WATER: std::sync::Mutex<service_stats::HighWater> =
+                    std::sync::Mutex::new(service_stats::HighWater::new());
+                let mut high = HIGH_WATER.lock().unwrap_or_else(|e| e.into_inner());
+                service_stats::register(r, &totals, &status.view(), &mut high);
             }
             Ok(_) => {}
             Err(e) => tracing::debug!(error = format!("{e:#}"), "no Service statistics"),

@@ -16,14 +16,55 @@ use crate::{
     model::{Frontend, NodeView},
 };
 
+/// The counts last exported per Service port, so a scrape never shows less than the one
+/// before: a read may miss a flow's counts once while they move from its conntrack
+/// entries to `LB_STATS` (or a removed backend's into its frontend's), and Prometheus
+/// takes any decrease for a counter reset. A Service port gone from the view starts
+/// over.
+#[derive(Debug, Default)]
+pub(super) struct HighWater(BTreeMap<String, Totals>);
+
+impl HighWater {
+    pub(super) const fn new() -> Self {
+        HighWater(BTreeMap::new())
+    }
+
+    /// `now`, each count raised to what was last exported; remembered for the next.
+    fn hold(&mut self, now: BTreeMap<&str, Totals>) -> BTreeMap<String, Totals> {
+        let next: BTreeMap<String, Totals> = now
+            .into_iter()
+            .map(|(service, t)| {
+                let held = match self.0.get(service) {
+                    Some(h) => Totals {
+                        conns: t.conns.max(h.conns),
+                        packets_in: t.packets_in.max(h.packets_in),
+                        packets_out: t.packets_out.max(h.packets_out),
+                        bytes_in: t.bytes_in.max(h.bytes_in),
+                        bytes_out: t.bytes_out.max(h.bytes_out),
+                    },
+                    None => t,
+                };
+                (service.to_string(), held)
+            })
+            .collect();
+        self.0.clone_from(&next);
+        next
+    }
+}
+
 /// Registers the three counter families from per-frontend totals. Frontends not in
 /// `view` (removed, their counts not yet collected) are left out.
-pub(super) fn register(r: &mut Registry, totals: &BTreeMap<Frontend, Totals>, view: &NodeView) {
+pub(super) fn register(
+    r: &mut Registry,
+    totals: &BTreeMap<Frontend, Totals>,
+    view: &NodeView,
+    high: &mut HighWater,
+) {
     let conns = Family::<Labels, Counter>::default();
     let packets = Family::<Labels, Counter>::default();
     let bytes = Family::<Labels, Counter>::default();
-    for (service, t) in by_service_port(totals, view) {
-        let labels = service_port_labels(service);
+    for (service, t) in high.hold(by_service_port(totals, view)) {
+        let labels = service_port_labels(&service);
         conns.get_or_create(&labels).inc_by(t.conns);
         for (direction, p, b) in [
             ("in", t.packets_in, t.bytes_in),
@@ -130,14 +171,7 @@ mod tests {
             (frontend("10.96.0.10", 443), totals(5, 500)),
             (frontend("10.96.0.99", 53), totals(9, 900)),
         ]);
-        let mut r = Registry::default();
-        register(
-            r.sub_registry_with_prefix("proxy_agent"),
-            &per_frontend,
-            &view,
-        );
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &r).expect("encode");
+        let text = render(&per_frontend, &view, &mut HighWater::new());
         for line in [
             "# TYPE proxy_agent_service_connections counter",
             "proxy_agent_service_connections_total{namespace=\"shop\",service=\"web\",port=\"http\"} 3",
@@ -149,6 +183,60 @@ mod tests {
             assert!(text.contains(line), "{line} missing:\n{text}");
         }
         assert!(!text.contains("900"), "a frontend out of the view:\n{text}");
+    }
+
+    fn render(
+        per_frontend: &BTreeMap<Frontend, Totals>,
+        view: &NodeView,
+        high: &mut HighWater,
+    ) -> String {
+        let mut r = Registry::default();
+        register(
+            r.sub_registry_with_prefix("proxy_agent"),
+            per_frontend,
+            view,
+            high,
+        );
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).expect("encode");
+        text
+    }
+
+    /// A read that misses counts on the move shows what the scrape before showed, never
+    /// less; the counts go on from there. A Service port that left the view starts over.
+    #[test]
+    fn a_scrape_never_shows_less_than_the_one_before() {
+        let view = NodeView::from([(
+            frontend("10.96.0.10", 80),
+            state("shop/web:http", FrontendKind::ClusterIp),
+        )]);
+        let at =
+            |conns, bytes| BTreeMap::from([(frontend("10.96.0.10", 80), totals(conns, bytes))]);
+        let conns = |text: &str| {
+            text.lines()
+                .find(|l| l.starts_with("proxy_agent_service_connections_total{"))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<u64>().ok())
+                .expect("the series")
+        };
+        let bytes_in = |text: &str| {
+            text.lines()
+                .find(|l| l.starts_with("proxy_agent_service_bytes_total{") && l.contains("\"in\""))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<u64>().ok())
+                .expect("the series")
+        };
+        let mut high = HighWater::new();
+        let first = render(&at(5, 500), &view, &mut high);
+        assert_eq!((conns(&first), bytes_in(&first)), (5, 500));
+        let dip = render(&at(5, 300), &view, &mut high);
+        assert_eq!((conns(&dip), bytes_in(&dip)), (5, 500), "held:\n{dip}");
+        let on = render(&at(6, 700), &view, &mut high);
+        assert_eq!((conns(&on), bytes_in(&on)), (6, 700));
+        // Gone from the view, then back with fresh counts.
+        render(&BTreeMap::new(), &NodeView::new(), &mut high);
+        let again = render(&at(1, 10), &view, &mut high);
+        assert_eq!((conns(&again), bytes_in(&again)), (1, 10), "started over");
     }
 
     #[test]
