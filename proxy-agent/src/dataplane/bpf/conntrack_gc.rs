@@ -12,11 +12,7 @@ use proxy_common::{
     forward_key_of, map_names, reply_key_of,
 };
 
-use super::{
-    maps::{MapSet, is_absent},
-    stats::Ended,
-    writer::remove_ignoring_absent,
-};
+use super::{maps::MapSet, stats::Ended, writer::remove_ignoring_absent};
 
 /// How often the collector runs.
 pub const INTERVAL: Duration = Duration::from_secs(10);
@@ -244,9 +240,9 @@ fn collect_table(
             if !expired(&key, &value, r.as_ref()) {
                 continue;
             }
-            removed += remove(table, &key, &value, ended)?;
+            removed += ended.remove(table, &key, &value)?;
             if let Some(r) = r {
-                removed += remove(table, &reply, &r, ended)?;
+                removed += ended.remove(table, &reply, &r)?;
             }
         } else {
             let fwd_key = forward_key_of(&key, &value);
@@ -255,28 +251,10 @@ fn collect_table(
             });
             // The entry read again may be a new flow's, written since the snapshot.
             if !partnered && elapsed_ns(now, value.last_seen_ns) > ORPHAN_GRACE_NS {
-                removed += remove(table, &key, &value, ended)?;
+                removed += ended.remove(table, &key, &value)?;
             }
         }
     }
     let left = (entries.len() as u64).saturating_sub(removed);
     Ok((left, capacity, removed))
-}
-
-/// Removes entry `key` (last read as `value`), its counts noted in `ended`. (A packet
-/// counted between that read and the removal is lost: the flow had idled past its limit.)
-fn remove(
-    table: &mut HashMap<MapData, CtKey, CtValue>,
-    key: &CtKey,
-    value: &CtValue,
-    ended: &mut Ended,
-) -> Result<u64> {
-    match table.remove(key) {
-        Ok(()) => {
-            ended.add(key, value);
-            Ok(1)
-        }
-        Err(e) if is_absent(&e) => Ok(0),
-        Err(e) => Err(e).context("removing a conntrack entry"),
-    }
 }

@@ -55,34 +55,47 @@ impl AddAssign<&LbStats> for Totals {
 
 impl AddAssign<Totals> for Totals {
     fn add_assign(&mut self, t: Totals) {
-        *self += &LbStats {
+        *self += &LbStats::from(t);
+    }
+}
+
+impl From<Totals> for LbStats {
+    fn from(t: Totals) -> Self {
+        LbStats {
             conns: t.conns,
             packets_in: t.packets_in,
             bytes_in: t.bytes_in,
             packets_out: t.packets_out,
             bytes_out: t.bytes_out,
-        };
+        }
     }
 }
 
-impl Totals {
-    /// What an answered flow's entry (keyed `key`) counted: one direction's packets and
-    /// bytes.
-    pub fn of_entry(key: &CtKey, v: &CtValue) -> Self {
-        if key.dir == CT_DIR_FORWARD {
-            Totals {
-                packets_in: v.packets,
-                bytes_in: v.bytes,
-                ..Totals::default()
-            }
-        } else {
-            Totals {
-                packets_out: v.packets,
-                bytes_out: v.bytes,
-                ..Totals::default()
-            }
-        }
+/// What an answered flow's entry (keyed `key`) counted — one direction's packets and
+/// bytes — and the pair it counts for; `None` when it holds nothing to add (no packets
+/// yet, or no frontend: direct server return's flows at the backend's node).
+fn entry_counts(key: &CtKey, v: &CtValue) -> Option<(StatsKey, Totals)> {
+    if v.packets == 0 || v.rev_nat_id == 0 {
+        return None;
     }
+    let pair = StatsKey {
+        rev_nat_id: v.rev_nat_id,
+        backend_id: v.backend_id,
+    };
+    let t = if key.dir == CT_DIR_FORWARD {
+        Totals {
+            packets_in: v.packets,
+            bytes_in: v.bytes,
+            ..Totals::default()
+        }
+    } else {
+        Totals {
+            packets_out: v.packets,
+            bytes_out: v.bytes,
+            ..Totals::default()
+        }
+    };
+    Some((pair, t))
 }
 
 /// Counts of removed flow entries, per pair, for [`fold_ended`].
@@ -90,16 +103,26 @@ impl Totals {
 pub struct Ended(HashMap<StatsKey, Totals>);
 
 impl Ended {
-    /// Notes the counts of an answered flow's entry (`key`, `v`) the agent removed.
-    pub fn add(&mut self, key: &CtKey, v: &CtValue) {
-        if v.packets == 0 || v.rev_nat_id == 0 {
-            return;
+    /// Removes flow entry `key` (last read as `value`) from `table`, its counts noted;
+    /// returns the entries removed (0: gone meanwhile, and whoever removed it kept its
+    /// counts). A packet counted between that read and the removal is lost: the agent
+    /// removes only flows that idled past their limit or whose backend left.
+    pub fn remove(
+        &mut self,
+        table: &mut aya::maps::HashMap<aya::maps::MapData, CtKey, CtValue>,
+        key: &CtKey,
+        value: &CtValue,
+    ) -> Result<u64> {
+        match table.remove(key) {
+            Ok(()) => {
+                if let Some((pair, t)) = entry_counts(key, value) {
+                    *self.0.entry(pair).or_default() += t;
+                }
+                Ok(1)
+            }
+            Err(e) if is_absent(&e) => Ok(0),
+            Err(e) => Err(e).context("removing a conntrack entry"),
         }
-        let pair = StatsKey {
-            rev_nat_id: v.rev_nat_id,
-            backend_id: v.backend_id,
-        };
-        *self.0.entry(pair).or_default() += Totals::of_entry(key, v);
     }
 }
 
@@ -132,11 +155,9 @@ fn add_to(maps: &mut MapSet, key: StatsKey, t: Totals) -> Result<()> {
         None => vec![LbStats::default(); cpus],
     };
     let first = sum.first_mut().context("no CPU values")?;
-    first.conns = first.conns.wrapping_add(t.conns);
-    first.packets_in = first.packets_in.wrapping_add(t.packets_in);
-    first.bytes_in = first.bytes_in.wrapping_add(t.bytes_in);
-    first.packets_out = first.packets_out.wrapping_add(t.packets_out);
-    first.bytes_out = first.bytes_out.wrapping_add(t.bytes_out);
+    let mut added: Totals = std::iter::once(&*first).sum();
+    added += t;
+    *first = LbStats::from(added);
     let sum = PerCpuValues::try_from(sum).context("per-CPU values")?;
     maps.lb_stats
         .insert(&key, sum, 0)
@@ -271,15 +292,8 @@ fn pair_totals(maps: &MapSet) -> Result<HashMap<StatsKey, Totals>> {
     }
     let live = super::batch::read_all(&maps.conntrack)
         .with_context(|| format!("reading {}", map_names::CONNTRACK))?;
-    for (key, v) in &live {
-        if v.packets == 0 || v.rev_nat_id == 0 {
-            continue;
-        }
-        let pair = StatsKey {
-            rev_nat_id: v.rev_nat_id,
-            backend_id: v.backend_id,
-        };
-        *out.entry(pair).or_default() += Totals::of_entry(key, v);
+    for (pair, t) in live.iter().filter_map(|(key, v)| entry_counts(key, v)) {
+        *out.entry(pair).or_default() += t;
     }
     Ok(out)
 }

@@ -482,13 +482,7 @@ impl MapState {
                     if let Ok(v) = table.get(key, 0)
                         && is_stale(&v)
                     {
-                        match table.remove(key) {
-                            Ok(()) => ended.add(key, &v),
-                            // Gone meanwhile: whoever removed it kept its counts.
-                            Err(e) if super::maps::is_absent(&e) => continue,
-                            Err(e) => return Err(e.into()),
-                        }
-                        cleared += 1;
+                        cleared += ended.remove(table, key, &v)?;
                     }
                 }
             }
