@@ -175,11 +175,21 @@ fn expired_by_reply(key: &CtKey, fwd: *mut CtValue, now: u64) -> bool {
 /// replies take its forward entry's state and limit.
 const CLOSING: u8 = CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST;
 
-/// A forward packet's state bits `bits` (FIN, RST) for the flow's reply entry too (its
-/// forward entry `fwd` at `key`), so the replies stop going alone. Looked up only for
-/// such packets.
+/// A forward packet's state bits (FIN, RST) on its flow's forward entry `fwd` (at
+/// `key`), and on the reply entry too, so the replies stop going alone.
+#[inline(always)]
+pub fn forward_segment(key: &CtKey, pkt: &Packet, fwd: &mut CtValue, new: bool) {
+    let bits = segment_flags(pkt, false);
+    if bits != 0 {
+        fwd.flags |= bits;
+        closing_to_reply(key, fwd, new, bits);
+    }
+}
+
+/// `forward_segment`'s part for the reply entry, in a frame of its own (the reply's
+/// key): looked up only for packets with such bits.
 #[inline(never)]
-pub fn closing_to_reply(key: &CtKey, fwd: *const CtValue, new: bool, bits: u8) {
+fn closing_to_reply(key: &CtKey, fwd: *const CtValue, new: bool, bits: u8) {
     // SAFETY: map memory, valid for this program run.
     let reply_key = reply_key_of(key, unsafe { &*fwd });
     if let Some(r) = lookup_in(&reply_key, new) {

@@ -242,11 +242,7 @@ pub extern "C" fn proxy_dsr_learn() -> u32 {
             // SAFETY: map memory, valid for this program run (RCU).
             let ct = unsafe { &mut *entry.value };
             ct.last_seen_ns = now;
-            let bits = conntrack::segment_flags(&a.pkt, false);
-            if bits != 0 {
-                ct.flags |= bits;
-                conntrack::closing_to_reply(key, ct, entry.new, bits);
-            }
+            conntrack::forward_segment(key, &a.pkt, ct, entry.new);
             if entry.new && conntrack::completes_handshake(&a.pkt, ct.flags) {
                 ct.flags |= CT_F_ASSURED;
                 conntrack::promote_forward(key, ct);

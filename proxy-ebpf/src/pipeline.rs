@@ -228,13 +228,17 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
 /// verifier takes no stack-passed ones.)
 #[inline(never)]
 fn reply_state(key: &CtKey, reply: *mut CtValue, new: bool, bits: u8, now: u64) -> bool {
-    let entry = conntrack::Entry { value: reply, new };
-    let Some(fwd) = flow_of_reply(key, &entry, key.proto, now) else {
+    let fwd = conntrack::partner(key, reply, new);
+    if fwd.is_null() {
         return false;
-    };
+    }
     // SAFETY: map memory, valid for this program run (RCU); racy stores of the stamp
     // and state bits are harmless.
-    let fwd = unsafe { &mut *fwd };
+    let (fwd, r) = unsafe { (&mut *fwd, &*reply) };
+    // An answered flow's replies may have gone alone: the reply entry's stamp counts.
+    if conntrack::expired(fwd, if new { None } else { Some(r) }, key.proto, now) {
+        return false;
+    }
     fwd.last_seen_ns = now;
     fwd.flags |= CT_F_REPLIED | bits;
     if key.proto != PROTO_TCP {
@@ -242,31 +246,8 @@ fn reply_state(key: &CtKey, reply: *mut CtValue, new: bool, bits: u8, now: u64) 
     }
     // (The reply entry keeps them too: a closing flow's replies stop going alone.)
     // SAFETY: as above.
-    unsafe { (*entry.value).flags |= bits };
+    unsafe { (*reply).flags |= bits };
     true
-}
-
-/// The live forward entry of reply entry `entry` (at `key`), or `None`: gone, another
-/// flow's, or expired.
-#[inline(always)]
-fn flow_of_reply(
-    key: &CtKey,
-    entry: &conntrack::Entry,
-    proto: u8,
-    now: u64,
-) -> Option<*mut CtValue> {
-    let fwd = conntrack::partner(key, entry.value, entry.new);
-    if fwd.is_null() {
-        return None;
-    }
-    // SAFETY: map memory, valid for this program run (RCU).
-    let (f, r) = unsafe { (&*fwd, &*entry.value) };
-    // An answered flow's replies may have gone alone: the reply entry's stamp counts.
-    let reply = if entry.new { None } else { Some(r) };
-    if conntrack::expired(f, reply, proto, now) {
-        return None;
-    }
-    Some(fwd)
 }
 
 /// Whether a flow's frontend (`frontend`, from its reply entry `reply`) is one of the
@@ -341,11 +322,7 @@ fn established<F: Frame>(ctx: &F, pkt: &Packet, now: u64) -> Result<Option<i32>,
     }
     rewrite(ctx, pkt, Side::Destination, &ct.xlate_addr, ct.xlate_port)?;
     ct.last_seen_ns = now;
-    let bits = conntrack::segment_flags(pkt, false);
-    if bits != 0 {
-        ct.flags |= bits;
-        conntrack::closing_to_reply(&key, ct, entry.new, bits);
-    }
+    conntrack::forward_segment(&key, pkt, ct, entry.new);
     conntrack::account(&entry, stats::IN, ctx.len());
     // The client's ACK of the backend's SYN-ACK: the handshake is complete, the flow
     // moves to the answered table.
