@@ -669,6 +669,17 @@ fn replies_of_a_node_address_frontend_learn_it_once() {
     );
 }
 
+/// `one_clusterip` with the client's flow through it answered (its handshake done: both
+/// entries in the answered table).
+fn answered_clusterip() -> (Harness, SocketAddr, SocketAddr, SocketAddr) {
+    let (h, client, vip, be) = one_clusterip();
+    seg(&h, client, vip, SYN);
+    seg(&h, be, client, SYN_ACK);
+    seg(&h, client, vip, ACK);
+    assert_eq!(counts(&h), (2, 0), "answered");
+    (h, client, vip, be)
+}
+
 /// The answered flow's two entries: (forward, reply).
 fn answered_pair(h: &Harness) -> (CtValue, CtValue) {
     let all: Vec<(CtKey, CtValue)> = h.maps.conntrack.iter().filter_map(Result::ok).collect();
@@ -689,11 +700,7 @@ const S: u64 = 1_000_000_000;
 #[needs_root]
 #[test]
 fn replies_go_alone_and_keep_their_flow_alive() {
-    let (mut h, client, vip, be) = one_clusterip();
-    seg(&h, client, vip, SYN);
-    seg(&h, be, client, SYN_ACK);
-    seg(&h, client, vip, ACK);
-    assert_eq!(counts(&h), (2, 0), "answered");
+    let (mut h, client, vip, be) = answered_clusterip();
 
     age(&mut h, 100);
     let (fwd, _) = answered_pair(&h);
@@ -742,10 +749,7 @@ fn replies_go_alone_and_keep_their_flow_alive() {
 #[needs_root]
 #[test]
 fn a_closing_flows_replies_no_longer_go_alone() {
-    let (mut h, client, vip, be) = one_clusterip();
-    seg(&h, client, vip, SYN);
-    seg(&h, be, client, SYN_ACK);
-    seg(&h, client, vip, ACK);
+    let (mut h, client, vip, be) = answered_clusterip();
     let fin = proxy_common::CT_F_FIN_ORIG;
     assert_eq!(answered_pair(&h).1.flags & fin, 0);
     assert_eq!(seg(&h, client, vip, FIN_ACK).2, be);

@@ -97,17 +97,18 @@ fn pair_stats(h: &Harness, rev_nat_id: u32, backend_id: u32) -> Option<Totals> {
         .map(|per_cpu| per_cpu.iter().sum())
 }
 
+/// The node with one ClusterIP (`ip`:`port`) and its one backend.
+fn one_frontend(ip: &str, port: u16, protocol: Protocol, backend: &str) -> Harness {
+    let mut h = Harness::new(&[]);
+    configure_node(&mut h, false);
+    h.apply(&NodeView::from([frontend(ip, port, protocol, &[backend])]));
+    h
+}
+
 /// A ClusterIP, one client's TCP flow through it: SYN, SYN-ACK, data. Returns the
 /// harness and what the flow's packets should have added up to.
 fn one_flow() -> (Harness, Totals) {
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
-    h.apply(&NodeView::from([frontend(
-        "10.96.0.10",
-        80,
-        Protocol::Tcp,
-        &[BACKEND],
-    )]));
+    let h = one_frontend("10.96.0.10", 80, Protocol::Tcp, BACKEND);
     let syn = run_ok(&h, &tcp_with_flags(sa(CLIENT), sa(VIP), SYN));
     let syn_ack = run_ok(&h, &tcp_with_flags(sa(BACKEND), sa(CLIENT), SYN_ACK));
     let data = run_ok(&h, &tcp_data(sa(CLIENT), sa(VIP), PSH_ACK, 100));
@@ -501,16 +502,9 @@ fn a_flow_the_collector_expires_keeps_its_counts() {
 #[needs_root]
 #[test]
 fn a_udp_flow_the_writer_clears_keeps_its_counts() {
-    let mut h = Harness::new(&[]);
-    configure_node(&mut h, false);
     let dns = "10.96.0.53:53";
     let (backend, other) = ("10.244.1.5:5353", "10.244.2.6:5353");
-    h.apply(&NodeView::from([frontend(
-        "10.96.0.53",
-        53,
-        Protocol::Udp,
-        &[backend],
-    )]));
+    let mut h = one_frontend("10.96.0.53", 53, Protocol::Udp, backend);
     let query = run_ok(&h, &packet(sa(CLIENT), sa(dns), false));
     let answer = run_ok(&h, &packet(sa(backend), sa(CLIENT), false));
     // Answered (a UDP flow is, at its first reply): these count in its entries.
