@@ -43,10 +43,6 @@ impl StatsKey {
             backend_id: self.backend_id,
         }
     }
-
-    pub const fn is_ended(self) -> bool {
-        self.rev_nat_id & STATS_ENDED != 0
-    }
 }
 
 /// Connections, packets and bytes of one `StatsKey`. Per CPU; the agent sums.
