@@ -246,22 +246,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;
     tracing::info!(cgroup = ?opts.cgroup, interfaces = ?cfg.interfaces, "starting");
-    let mut dataplane = BpfDataplane::start(&opts)?;
-    {
-        let mut ebpf = dataplane
-            .ebpf
-            .lock()
-            .map_err(|_| anyhow::anyhow!("the BPF object's lock is poisoned"))?;
-        bpf::program_log::spawn(&mut ebpf);
-    }
-    if let Some(follower) = dataplane.take_interface_follower() {
-        tokio::spawn(async move {
-            // Interfaces already served keep their classifier; new ones wait for a restart.
-            if let Err(e) = follower.run().await {
-                tracing::error!(error = format!("{e:#}"), "no longer following interfaces");
-            }
-        });
-    }
     let timing = Timing {
         min_interval: cfg.min_sync_period,
         resync: cfg.sync_period.max(Duration::from_secs(1)),
@@ -374,6 +358,24 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 source::kube::run(client, opts, tx).await
             });
         }
+    }
+    // After the source is under way: its lists (seconds at 100k Services) arrive while
+    // the programs load and the maps are made; the runner stages them from then on.
+    let mut dataplane = BpfDataplane::start(&opts)?;
+    {
+        let mut ebpf = dataplane
+            .ebpf
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the BPF object's lock is poisoned"))?;
+        bpf::program_log::spawn(&mut ebpf);
+    }
+    if let Some(follower) = dataplane.take_interface_follower() {
+        tokio::spawn(async move {
+            // Interfaces already served keep their classifier; new ones wait for a restart.
+            if let Err(e) = follower.run().await {
+                tracing::error!(error = format!("{e:#}"), "no longer following interfaces");
+            }
+        });
     }
     use proxy_agent::http_server::Endpoints;
     for (addr, endpoints) in [

@@ -154,6 +154,14 @@ impl MapSet {
         let Some(s) = self.staged.take() else {
             return Ok(());
         };
+        tracing::debug!(
+            backends = s.backends.len(),
+            slots = s.slots.len(),
+            members = s.members.len(),
+            rev_nat = s.rev_nat.len(),
+            services = s.services.len(),
+            "writing staged entries in batches"
+        );
         type Failure = (&'static str, usize, usize, std::io::Error);
         // How far each map got, in the order below, for the roll-back.
         let mut written = [0usize; 7];
