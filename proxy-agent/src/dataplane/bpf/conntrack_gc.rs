@@ -113,21 +113,24 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
     // The counts of the answered flows' entries this pass removes (the unanswered
     // ones' count in `LB_STATS` already).
     let mut ended = Ended::default();
-    let (left, cap, collected) = collect_table(&mut maps.conntrack, &timeouts, now_ns, &mut ended)
-        .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
-    (stats.answered, stats.answered_capacity) = (left, cap);
+    let (answered, cap, collected) =
+        collect_table(&mut maps.conntrack, &timeouts, now_ns, &mut ended)
+            .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
+    (stats.answered, stats.answered_capacity) = (answered.len() as u64, cap);
     stats.collected += collected;
     super::stats::fold_ended(maps, ended).context("keeping the counts of removed flows")?;
-    let (left, cap, collected) = collect_table(
+    let (new, cap, collected) = collect_table(
         &mut maps.conntrack_new,
         &timeouts,
         now_ns,
         &mut Ended::default(),
     )
     .with_context(|| format!("collecting {}", map_names::CONNTRACK_NEW))?;
-    (stats.new, stats.new_capacity) = (left, cap);
+    (stats.new, stats.new_capacity) = (new.len() as u64, cap);
     stats.collected += collected;
-    recount_active(maps, &timeouts, now_ns).context("recounting active connections")?;
+    // From the tables as this pass left them: each is read once a pass.
+    recount_active(maps, [&answered, &new], &timeouts, now_ns)
+        .context("recounting active connections")?;
     super::stats::fold_removed(maps).context("removing statistics of removed entries")?;
     Ok(stats)
 }
@@ -136,21 +139,27 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
 /// per-packet path that are not closing (as IPVS's ActiveConn) and connected sockets of
 /// the connect-time path. The programs add one per new connection at once; closed ones
 /// leave the counts here, every pass.
-fn recount_active(maps: &mut MapSet, timeouts: &CtTimeouts, now: u64) -> Result<()> {
+fn recount_active(
+    maps: &mut MapSet,
+    tables: [&Snapshot; 2],
+    timeouts: &CtTimeouts,
+    now: u64,
+) -> Result<()> {
     let mut open: StdHashMap<u32, u64> = StdHashMap::new();
-    for table in [&maps.conntrack, &maps.conntrack_new] {
-        let entries: StdHashMap<CtKey, CtValue> = table.iter().filter_map(Result::ok).collect();
-        for (key, v) in &entries {
+    for entries in tables {
+        for (key, v) in entries {
             let closing = key.proto == PROTO_TCP && ct_closed(v.flags);
             if key.dir == CT_DIR_FORWARD
                 && !closing
-                && !flow_expired(timeouts, key, v, reply_in(&entries, key, v), now)
+                && !flow_expired(timeouts, key, v, reply_in(entries, key, v), now)
             {
                 *open.entry(v.backend_id).or_default() += 1;
             }
         }
     }
-    for (_, sock) in maps.sock_lb.iter().filter_map(Result::ok) {
+    let sockets = super::batch::read_all(&maps.sock_lb)
+        .with_context(|| format!("reading {}", map_names::SOCK_LB))?;
+    for (_, sock) in sockets {
         if sock.connected.service_id != 0 {
             *open.entry(sock.connected.backend_id).or_default() += 1;
         }
@@ -183,28 +192,27 @@ fn flow_expired(
 }
 
 /// The reply entry of forward entry `fwd` (at `key`) in `entries`, if it names this flow.
-fn reply_in<'a>(
-    entries: &'a StdHashMap<CtKey, CtValue>,
-    key: &CtKey,
-    fwd: &CtValue,
-) -> Option<&'a CtValue> {
+fn reply_in<'a>(entries: &'a Snapshot, key: &CtKey, fwd: &CtValue) -> Option<&'a CtValue> {
     let reply = reply_key_of(key, fwd);
     entries
         .get(&reply)
         .filter(|r| forward_key_of(&reply, r) == *key)
 }
 
-/// Returns (entries left, capacity, entries removed); the removed entries' counts go to
-/// `ended`.
+/// A flow table as one batch read saw it.
+type Snapshot = StdHashMap<CtKey, CtValue>;
+
+/// Returns the entries left (as last read), the capacity and how many entries were
+/// removed; the removed entries' counts go to `ended`.
 fn collect_table(
     table: &mut HashMap<MapData, CtKey, CtValue>,
     timeouts: &CtTimeouts,
     now: u64,
     ended: &mut Ended,
-) -> Result<(u64, u64, u64)> {
+) -> Result<(Snapshot, u64, u64)> {
     use aya::maps::IterableMap as _;
     let capacity = u64::from(table.map().info()?.max_entries());
-    let entries: StdHashMap<CtKey, CtValue> = table.iter().filter_map(Result::ok).collect();
+    let mut entries: Snapshot = super::batch::read_all(table)?.into_iter().collect();
     let expired =
         |key: &CtKey, f: &CtValue, r: Option<&CtValue>| flow_expired(timeouts, key, f, r, now);
     let mut doomed = Vec::new();
@@ -224,10 +232,12 @@ fn collect_table(
         }
     }
     let mut removed = 0;
+    // The snapshot follows: what is removed leaves it, what is read again replaces it.
     for key in doomed {
         // Read again: a packet may have revived the flow, or a new flow taken the tuple,
         // since the snapshot.
         let Ok(value) = table.get(&key, 0) else {
+            entries.remove(&key);
             continue;
         };
         if key.dir == CT_DIR_FORWARD {
@@ -238,11 +248,17 @@ fn collect_table(
                 .ok()
                 .filter(|r| forward_key_of(&reply, r) == key);
             if !expired(&key, &value, r.as_ref()) {
+                entries.insert(key, value);
+                if let Some(r) = r {
+                    entries.insert(reply, r);
+                }
                 continue;
             }
             removed += ended.remove(table, &key, &value)?;
+            entries.remove(&key);
             if let Some(r) = r {
                 removed += ended.remove(table, &reply, &r)?;
+                entries.remove(&reply);
             }
         } else {
             let fwd_key = forward_key_of(&key, &value);
@@ -252,9 +268,11 @@ fn collect_table(
             // The entry read again may be a new flow's, written since the snapshot.
             if !partnered && elapsed_ns(now, value.last_seen_ns) > ORPHAN_GRACE_NS {
                 removed += ended.remove(table, &key, &value)?;
+                entries.remove(&key);
+            } else {
+                entries.insert(key, value);
             }
         }
     }
-    let left = (entries.len() as u64).saturating_sub(removed);
-    Ok((left, capacity, removed))
+    Ok((entries, capacity, removed))
 }
