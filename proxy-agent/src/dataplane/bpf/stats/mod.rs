@@ -339,17 +339,10 @@ pub fn fold_removed(maps: &mut MapSet) -> Result<()> {
         return Ok(());
     }
     let _one_at_a_time = AGENT_FOLDS.lock().unwrap_or_else(|e| e.into_inner());
-    // The live ids in a few batch reads, not a lookup per pair (a million at 100k).
-    let frontends: HashSet<u32> = super::batch::read_all(&maps.rev_nat)
-        .with_context(|| format!("reading {}", map_names::REV_NAT))?
-        .into_iter()
-        .map(|(id, _)| id)
-        .collect();
-    let backends: HashSet<u32> = super::batch::read_all(&maps.backends)
-        .with_context(|| format!("reading {}", map_names::BACKENDS))?
-        .into_iter()
-        .map(|(id, _)| id)
-        .collect();
+    let frontends = live_ids(&maps.rev_nat, keys.iter().map(|k| k.pair().rev_nat_id))
+        .with_context(|| format!("reading {}", map_names::REV_NAT))?;
+    let backends = live_ids(&maps.backends, keys.iter().map(|k| k.pair().backend_id))
+        .with_context(|| format!("reading {}", map_names::BACKENDS))?;
     for key in keys {
         let pair = key.pair();
         if !frontends.contains(&pair.rev_nat_id) {
@@ -369,6 +362,33 @@ pub fn fold_removed(maps: &mut MapSet) -> Result<()> {
         remove_ignoring_absent(maps.lb_stats.remove(&key))?;
     }
     Ok(())
+}
+
+/// Pairs' ids up to this many are looked up one by one; more, and the map is read whole
+/// in batches. Few pairs are the common case (only pairs with traffic have entries), and
+/// reading a million backends at 100k Services every pass was a CPU burst of its own.
+const POINT_LOOKUPS_MAX: usize = 16_384;
+
+/// Which of `ids` are keys of `map`.
+fn live_ids<V: aya::Pod>(
+    map: &aya::maps::HashMap<aya::maps::MapData, u32, V>,
+    ids: impl Iterator<Item = u32>,
+) -> Result<HashSet<u32>> {
+    let wanted: HashSet<u32> = ids.collect();
+    if wanted.len() > POINT_LOOKUPS_MAX {
+        return Ok(super::batch::read_all(map)?
+            .into_iter()
+            .map(|(id, _)| id)
+            .filter(|id| wanted.contains(id))
+            .collect());
+    }
+    let mut live = HashSet::new();
+    for id in wanted {
+        if present(map.get(&id, 0))?.is_some() {
+            live.insert(id);
+        }
+    }
+    Ok(live)
 }
 
 /// Backend ids of a service entry's live slots, with the number of slots each fills.
@@ -464,6 +484,21 @@ fn scheduler_name(code: u8) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test_support::needs_root]
+    #[test]
+    fn live_ids_agree_looked_up_one_by_one_and_read_whole() {
+        use aya::maps::{HashMap as BpfHashMap, MapData};
+        let mut m = BpfHashMap::<MapData, u32, u64>::create(40_000, 0).expect("a private map");
+        let entries: Vec<(u32, u64)> = (0..30_000u32).map(|k| (k * 2, 1)).collect();
+        super::super::batch::write_all(&mut m, &entries).expect("write");
+        // Even ids are keys, odd ones not: few asked, then more than the point limit.
+        for asked in [10u32, POINT_LOOKUPS_MAX as u32 * 2] {
+            let live = live_ids(&m, 0..asked).expect("live ids");
+            let expected: HashSet<u32> = (0..asked).filter(|id| id % 2 == 0).collect();
+            assert_eq!(live, expected, "{asked} ids asked");
+        }
+    }
 
     #[test]
     fn per_cpu_values_and_rows_add_up() {
