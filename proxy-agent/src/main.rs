@@ -15,6 +15,13 @@ use proxy_agent::{config::DEFAULT_METRICS_ADDR, dataplane::bpf::DEFAULT_PIN_DIR,
 #[global_allocator]
 static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// jemalloc's options (read before `main`). Its background thread gives freed pages
+/// back on time: without it they go back only as the agent allocates again, so an
+/// agent idle after its first programming kept what that left (at 100k Services an RSS
+/// of 285 MiB where 235 MiB were live, 2026-12-06).
+#[unsafe(export_name = "_rjem_malloc_conf")]
+static MALLOC_CONF: &[u8; 23] = b"background_thread:true\0";
+
 /// How long blocking work still under way may hold the agent's exit.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 

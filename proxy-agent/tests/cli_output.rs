@@ -154,3 +154,32 @@ fn output_commands_still_print_everything_to_a_reader_that_stays() {
             .is_some_and(|l| l.contains("default/s4999:http"))
     );
 }
+
+/// jemalloc runs with its background thread (the binary's embedded options): freed pages
+/// go back to the system on time, not only when the process allocates again, so an
+/// idle agent's RSS is what it holds (an agent idle after its first programming of 100k
+/// Services showed 285 MiB, 235 MiB with the thread). Seen in the process's threads.
+#[test]
+fn the_allocator_gives_memory_back_from_a_background_thread() {
+    let addr = debug_endpoint();
+    let mut child: Child = Command::new(agent_bin())
+        .args(["watch", "--debug-addr", &addr])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("proxy-agent");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("a line");
+    let threads: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", child.id()))
+        .expect("the agent's threads")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        threads.iter().any(|t| t.starts_with("jemalloc_bg_thd")),
+        "no jemalloc background thread among {threads:?}"
+    );
+}
