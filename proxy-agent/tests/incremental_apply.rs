@@ -579,14 +579,29 @@ fn an_endpoint_that_left_a_udp_frontend_is_reported_unless_it_is_back() {
 
 /// The first programming staged while the lists arrive: partial views (first a third of
 /// the frontends with half their endpoints, then two thirds with all of them, and one
-/// frontend the final view no longer has) write no service entry at all; the apply of
+/// frontend the final view no longer has, and one whose Service came without endpoints
+/// yet, which waits for the apply) write no service entry at all; the apply of
 /// the whole view then leaves the maps exactly as an apply without staging, with nothing
 /// left behind, and a later stage (something is live now) writes nothing.
 #[needs_root]
 #[test]
 fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply() {
-    let full = many_frontends(6);
+    let mut full = many_frontends(6);
     let keys: Vec<Frontend> = full.keys().copied().collect();
+    let waiting = Frontend {
+        ip: IpAddr::from([10, 97, 0, 2]),
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    let waiting_state = |endpoints: &[SocketAddr]| {
+        FrontendState::builder("ns/waiting:http", FrontendKind::ClusterIp)
+            .backends(endpoints.iter().copied())
+            .build()
+    };
+    full.insert(
+        waiting,
+        waiting_state(&[SocketAddr::from(([10, 245, 0, 2], 80))]),
+    );
     let mut first = NodeView::new();
     for fe in &keys[..100] {
         let mut st = full.get(fe).expect("frontend").clone();
@@ -608,6 +623,7 @@ fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply()
         })
         .build();
     first.insert(gone, gone_state);
+    first.insert(waiting, waiting_state(&[]));
     let mut second = first.clone();
     for fe in &keys[..200] {
         second.insert(*fe, full.get(fe).expect("frontend").clone());
@@ -622,6 +638,11 @@ fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply()
         let changed = staged_view.changed_frontends(partial);
         let staged = a.stage(&mut a_maps, partial, &changed).expect("stage");
         assert!(staged > 0, "something staged");
+        let with_endpoints = changed.iter().filter(|fe| **fe != waiting).count();
+        assert_eq!(
+            staged, with_endpoints,
+            "all but the frontend with no endpoint yet"
+        );
         staged_view = partial.clone();
         assert_eq!(
             a_maps.services.keys().count(),
@@ -636,7 +657,7 @@ fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply()
     assert!(ra.failed.is_empty() && rb.failed.is_empty());
     assert_eq!(ra.frontends_removed, 1, "the staged frontend the view lost");
     let (ca, cb) = (contents(&a_maps), contents(&b_maps));
-    assert_eq!(ca.services.len(), 300);
+    assert_eq!(ca.services.len(), 301);
     assert_eq!(ca, cb, "as an apply without staging: nothing left behind");
     assert!(
         a.take_left_udp().is_empty(),

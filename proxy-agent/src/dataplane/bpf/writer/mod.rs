@@ -291,7 +291,20 @@ impl MapState {
         if !self.nothing_live() {
             return Ok(0);
         }
-        let desired = desired_entries(changed.iter().filter_map(|fe| Some((fe, view.get(fe)?))));
+        // A frontend with no endpoint yet (its Service listed, its slices not yet) waits
+        // for the first apply: staged now, most would be written again a page later.
+        let desired = desired_entries(
+            changed
+                .iter()
+                .filter_map(|fe| Some((fe, view.get(fe)?)))
+                .filter(|(_, st)| {
+                    !st.backends.endpoints.is_empty()
+                        || st
+                            .internal
+                            .as_ref()
+                            .is_some_and(|i| !i.endpoints.is_empty())
+                }),
+        );
         // Before any write: the memberships an earlier agent left (one killed while it
         // staged) go now, not after ours reuse their ids.
         self.members_fix.apply(maps)?;
