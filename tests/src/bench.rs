@@ -25,13 +25,26 @@ use proxy_agent::{
     trace::packet,
 };
 
-/// The measured Service: its VIP, port and the three backend pods (nginx on 8081).
+/// The measured Service: its VIP, port and backend pods (nginx on 8081).
 pub const VIP: &str = "10.96.0.10";
 pub const BACKEND_PORT: u16 = 8081;
+/// The pod the direct contender connects to: the measured Service's first endpoint.
+pub const DIRECT_POD: usize = 1;
+
+/// How many of the testbed's three pods the measured Service has (`bench
+/// --measured-endpoints`).
+pub static MEASURED_ENDPOINTS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(3);
 
 pub fn measured_endpoints() -> Vec<String> {
-    (0..3)
-        .map(|i| format!("{}:{BACKEND_PORT}", crate::Testbed::backend_ip4(i)))
+    let n = MEASURED_ENDPOINTS
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .clamp(1, 3);
+    (0..n)
+        .map(|i| {
+            let pod = (DIRECT_POD + i) % 3;
+            format!("{}:{BACKEND_PORT}", crate::Testbed::backend_ip4(pod))
+        })
         .collect()
 }
 

@@ -180,10 +180,18 @@ pub fn nft_one_change(svcs: &[(String, Vec<String>)], changed: usize) -> String 
     let picks: Vec<String> = (0..n)
         .map(|j| format!("{j} : goto endpoint-{changed}-{j}"))
         .collect();
-    format!(
-        "flush chain ip kube-proxy service-{changed}\nadd rule ip kube-proxy service-{changed} ip daddr {vip} tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade\nadd rule ip kube-proxy service-{changed} numgen random mod {n} vmap {{ {} }}\n",
-        picks.join(", ")
-    )
+    let mut out = format!(
+        "flush chain ip kube-proxy service-{changed}\nadd rule ip kube-proxy service-{changed} ip daddr {vip} tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade\n"
+    );
+    // Its last endpoint gone, the chain picks none (kube-proxy then rejects through its
+    // no-endpoint map).
+    if n > 0 {
+        out.push_str(&format!(
+            "add rule ip kube-proxy service-{changed} numgen random mod {n} vmap {{ {} }}\n",
+            picks.join(", ")
+        ));
+    }
+    out
 }
 
 /// What kube-proxy's iptables mode adds besides the Service chains (`iptables_rules`),
@@ -299,4 +307,31 @@ pub fn restore(ns: &str, tool: &str, args: &[&str], file: &Path) -> Result<()> {
         bail!("{tool} in {ns}: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The change drops the Service's last endpoint: the chain picks none, and `nft`
+    /// gets no `numgen … mod 0` (a syntax error). With more, it picks among those left.
+    #[test]
+    fn one_nft_change_picks_among_the_endpoints_left() {
+        let svc = |n: usize| {
+            vec![(
+                "10.96.0.10".to_string(),
+                (0..n).map(|i| format!("10.244.0.{i}:8081")).collect(),
+            )]
+        };
+        let last_one = nft_one_change(&svc(1), 0);
+        assert!(!last_one.contains("numgen"), "{last_one}");
+        assert!(last_one.contains("flush chain ip kube-proxy service-0"));
+        let of_three = nft_one_change(&svc(3), 0);
+        assert!(
+            of_three.contains(
+                "numgen random mod 2 vmap { 0 : goto endpoint-0-0, 1 : goto endpoint-0-1 }"
+            ),
+            "{of_three}"
+        );
+    }
 }

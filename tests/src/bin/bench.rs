@@ -54,6 +54,10 @@ struct Args {
     /// side-by-side and per-packet figures, without the schedulers and throughput runs.
     #[arg(long, value_delimiter = ',')]
     services: Vec<usize>,
+    /// Endpoints of the measured Service, of the testbed's three nginx pods (its first is
+    /// the pod the direct contender connects to).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=3))]
+    measured_endpoints: u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -264,7 +268,7 @@ fn wrk(bed: &Bed, secs: u32) -> Result<WrkResult> {
     let target = match bed.contender {
         Contender::Direct => format!(
             "http://{}:{}/",
-            Testbed::backend_ip4(1),
+            Testbed::backend_ip4(bench::DIRECT_POD),
             bench::BACKEND_PORT
         ),
         _ => format!("http://{}:80/", bench::VIP),
@@ -296,6 +300,10 @@ fn main() -> Result<()> {
     // SAFETY: single-threaded here; the harness reads it to find the agent.
     unsafe { std::env::set_var("PROXY_AGENT_BIN", &args.agent) };
     test_support::require_root("the benchmark")?;
+    bench::MEASURED_ENDPOINTS.store(
+        usize::from(args.measured_endpoints),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let (scales, secs, rounds, runs): (Vec<usize>, u32, u32, u32) = if args.quick {
         (vec![1, 100], 1, 5, 2_000)
     } else {
