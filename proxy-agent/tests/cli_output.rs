@@ -82,22 +82,28 @@ fn agent_bin() -> std::path::PathBuf {
         .map_or_else(|| env!("CARGO_BIN_EXE_proxy-agent").into(), Into::into)
 }
 
-/// Runs `proxy-agent ARGS` with its stdout piped; the reader reads `lines` lines (0: none)
-/// and goes away. Returns the exit status's code and stderr, failing past 20 s.
-fn closed_early(args: &[&str], lines: usize) -> (Option<i32>, String) {
+/// Starts `proxy-agent ARGS` with stdout and stderr piped and reads `lines` lines of its
+/// output (0: none); the child and the reader, to go on or go away.
+fn started(args: &[&str], lines: usize) -> (Child, BufReader<std::process::ChildStdout>) {
     let mut child: Child = Command::new(agent_bin())
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("proxy-agent");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut reader = BufReader::new(stdout);
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     for _ in 0..lines {
         let mut line = String::new();
         reader.read_line(&mut line).expect("a line");
         assert!(!line.is_empty(), "{args:?}: output ended early");
     }
+    (child, reader)
+}
+
+/// Runs `proxy-agent ARGS` with its stdout piped; the reader reads `lines` lines (0: none)
+/// and goes away. Returns the exit status's code and stderr, failing past 20 s.
+fn closed_early(args: &[&str], lines: usize) -> (Option<i32>, String) {
+    let (mut child, reader) = started(args, lines);
     drop(reader);
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
@@ -162,15 +168,7 @@ fn output_commands_still_print_everything_to_a_reader_that_stays() {
 #[test]
 fn the_allocator_gives_memory_back_from_a_background_thread() {
     let addr = debug_endpoint();
-    let mut child: Child = Command::new(agent_bin())
-        .args(["watch", "--debug-addr", &addr])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("proxy-agent");
-    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("a line");
+    let (mut child, _reader) = started(&["watch", "--debug-addr", &addr], 1);
     let threads: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", child.id()))
         .expect("the agent's threads")
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())

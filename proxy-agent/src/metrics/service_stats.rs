@@ -212,19 +212,23 @@ mod tests {
         )]);
         let at =
             |conns, bytes| BTreeMap::from([(frontend("10.96.0.10", 80), totals(conns, bytes))]);
-        let conns = |text: &str| {
+        // The value of the first series line `is` picks.
+        let value = |text: &str, is: &dyn Fn(&str) -> bool| {
             text.lines()
-                .find(|l| l.starts_with("proxy_agent_service_connections_total{"))
+                .find(|l| is(l))
                 .and_then(|l| l.rsplit(' ').next())
                 .and_then(|v| v.parse::<u64>().ok())
                 .expect("the series")
         };
+        let conns = |text: &str| {
+            value(text, &|l| {
+                l.starts_with("proxy_agent_service_connections_total{")
+            })
+        };
         let bytes_in = |text: &str| {
-            text.lines()
-                .find(|l| l.starts_with("proxy_agent_service_bytes_total{") && l.contains("\"in\""))
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<u64>().ok())
-                .expect("the series")
+            value(text, &|l| {
+                l.starts_with("proxy_agent_service_bytes_total{") && l.contains("\"in\"")
+            })
         };
         let mut high = HighWater::new();
         let first = render(&at(5, 500), &view, &mut high);
