@@ -188,6 +188,18 @@ pub struct WrkResult {
     pub errors: u64,
 }
 
+/// The mean of runs of equal length: rates and latency percentiles averaged, errors
+/// summed.
+pub fn mean_of(rs: &[WrkResult]) -> WrkResult {
+    let k = rs.len().max(1) as f64;
+    WrkResult {
+        requests_per_s: rs.iter().map(|r| r.requests_per_s).sum::<f64>() / k,
+        p50_ms: rs.iter().map(|r| r.p50_ms).sum::<f64>() / k,
+        p99_ms: rs.iter().map(|r| r.p99_ms).sum::<f64>() / k,
+        errors: rs.iter().map(|r| r.errors).sum(),
+    }
+}
+
 fn duration_ms(s: &str) -> Option<f64> {
     let s = s.trim();
     let (num, unit) = s.split_at(s.find(|c: char| c.is_alphabetic())?);
@@ -442,5 +454,19 @@ mod tests {
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(&mut []), 0.0);
+    }
+
+    #[test]
+    fn a_rounds_slices_average_and_their_errors_add_up() {
+        let r = |rate, p99, errors| WrkResult {
+            requests_per_s: rate,
+            p50_ms: 0.2,
+            p99_ms: p99,
+            errors,
+        };
+        let m = mean_of(&[r(20_000.0, 4.0, 1), r(18_000.0, 2.0, 2)]);
+        assert_eq!(m.requests_per_s, 19_000.0);
+        assert_eq!(m.p99_ms, 3.0);
+        assert_eq!(m.errors, 3);
     }
 }

@@ -362,34 +362,34 @@ fn main() -> Result<()> {
         }
         let mut sums: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
         let mut per_round = Vec::new();
-        // Interleaved: every contender once per round, the order reversed every other
-        // round, so a slow spell of the machine falls on all of them.
+        // Interleaved: each contender's `secs` in a round come as 1-second slices, the
+        // contenders taking turns and the order reversed every other slice, so a slow
+        // spell of the machine (seconds long on a VM) falls on all of them — with one
+        // 5-second run each, a spell at a reversal fell on one contender's two runs.
         for round in 0..rounds {
             scale.load.push(bench::load_average());
+            let mut slices: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
+            for slice in 0..secs {
+                let order: Vec<&Bed> = if (round * secs + slice) % 2 == 0 {
+                    beds.iter().collect()
+                } else {
+                    beds.iter().rev().collect()
+                };
+                for b in order {
+                    let r = wrk(b, 1).with_context(|| format!("{:?} at {n}", b.contender))?;
+                    slices.entry(format!("{:?}", b.contender)).or_default().push(r);
+                }
+            }
             let mut this_round = BTreeMap::new();
-            let order: Vec<&Bed> = if round % 2 == 0 {
-                beds.iter().collect()
-            } else {
-                beds.iter().rev().collect()
-            };
-            for b in order {
-                let r = wrk(b, secs).with_context(|| format!("{:?} at {n}", b.contender))?;
-                this_round.insert(format!("{:?}", b.contender), r.requests_per_s);
-                sums.entry(format!("{:?}", b.contender))
-                    .or_default()
-                    .push(r);
+            for (name, rs) in slices {
+                let r = bench::mean_of(&rs);
+                this_round.insert(name.clone(), r.requests_per_s);
+                sums.entry(name).or_default().push(r);
             }
             per_round.push(this_round);
         }
         for (name, rs) in sums {
-            let k = rs.len() as f64;
-            let mean = WrkResult {
-                requests_per_s: rs.iter().map(|r| r.requests_per_s).sum::<f64>() / k,
-                p50_ms: rs.iter().map(|r| r.p50_ms).sum::<f64>() / k,
-                p99_ms: rs.iter().map(|r| r.p99_ms).sum::<f64>() / k,
-                errors: rs.iter().map(|r| r.errors).sum(),
-            };
-            scale.wrk.insert(name, mean);
+            scale.wrk.insert(name, bench::mean_of(&rs));
         }
         let (summary, warnings) = bench::ratio_summary(&per_round, "Direct");
         scale.ratio = summary.iter().map(|(k, r)| (k.clone(), r.median)).collect();
