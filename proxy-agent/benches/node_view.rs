@@ -109,11 +109,10 @@ fn ms(t: Instant) -> f64 {
 }
 
 fn main() {
-    let services: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(10_000);
-    let endpoints = 10;
+    // Positional: Services [10,000], then endpoints per Service [10].
+    let mut numbers = std::env::args().skip(1).filter_map(|a| a.parse().ok());
+    let services: usize = numbers.next().unwrap_or(10_000);
+    let endpoints: usize = numbers.next().unwrap_or(10);
     let node = NodeInfo {
         name: "node-0".into(),
         ..Default::default()
