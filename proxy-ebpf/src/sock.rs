@@ -60,6 +60,10 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
         132 => PROTO_SCTP,
         _ => return ALLOW,
     };
+    // A port no frontend uses: no service lookup (most of a pod's own connections).
+    if !lb::may_be_frontend(port) {
+        return ALLOW;
+    }
     let (addr, svc_family, mapped) = unmap(read_addr(ctx, family), family);
     // Sockets belong to pods or the node itself: internal traffic.
     let Some(svc) = lb::lookup_service(addr, port, proto, svc_family, true) else {
@@ -248,7 +252,10 @@ fn frontend_of(entry: *mut SockLb, addr: [u32; 4], port: u16, family: u8) -> Opt
 pub fn forget(ctx: &SockContext) -> i32 {
     // SAFETY: valid context pointer for this program type.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let _ = SOCK_LB.remove(&cookie);
+    // Most sockets have no entry: a lookup is lock-free, a delete takes the bucket's lock.
+    if SOCK_LB.get_ptr(&cookie).is_some() {
+        let _ = SOCK_LB.remove(&cookie);
+    }
     ALLOW
 }
 
