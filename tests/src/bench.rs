@@ -188,6 +188,13 @@ pub struct WrkResult {
     pub errors: u64,
 }
 
+/// `items` in turn `turn`'s order: rotated left by `turn`, so over `items.len()` turns
+/// each takes every place once, and the last of one turn is never the first of the next.
+pub fn rotated<T>(items: &[T], turn: usize) -> Vec<&T> {
+    let k = turn % items.len().max(1);
+    items[k..].iter().chain(&items[..k]).collect()
+}
+
 /// The mean of runs of equal length: rates and latency percentiles averaged, errors
 /// summed.
 pub fn mean_of(rs: &[WrkResult]) -> WrkResult {
@@ -454,6 +461,25 @@ mod tests {
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(&mut []), 0.0);
+    }
+
+    #[test]
+    fn turns_rotate_so_no_contender_runs_twice_in_a_row() {
+        let items = ["a", "b", "c", "d", "e"];
+        let mut places = [[0; 5]; 5];
+        let mut last = None;
+        for turn in 0..10 {
+            let order = rotated(&items, turn);
+            assert_eq!(order.len(), 5);
+            assert_ne!(Some(order[0]), last, "turn {turn}");
+            last = Some(order[4]);
+            for (place, item) in order.iter().enumerate() {
+                places[items.iter().position(|i| i == *item).unwrap()][place] += 1;
+            }
+        }
+        // Ten turns: every contender twice in every place.
+        assert!(places.iter().flatten().all(|n| *n == 2), "{places:?}");
+        assert!(rotated::<u8>(&[], 3).is_empty());
     }
 
     #[test]

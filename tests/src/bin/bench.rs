@@ -277,14 +277,14 @@ fn wrk(bed: &Bed, secs: u32) -> Result<WrkResult> {
         "ip netns exec {} taskset -c 0 wrk -t1 -c8 -d{secs}s --latency -H 'Connection: close' {target}",
         bed.tb.client_ns()
     );
-    let script = if bed.contender == Contender::ConnectTime {
-        format!(
-            "echo $$ > {}/cgroup.procs && exec {wrk}",
-            bed.tb.cgroup_path().display()
-        )
-    } else {
-        format!("exec {wrk}")
-    };
+    // Every client in its own testbed's cgroup, one level below the root, as a pod's
+    // processes are in theirs: only the connect-time contender's has our hooks. (In the
+    // root cgroup the direct contender skipped the per-cgroup accounting — pressure
+    // stalls, CPU statistics — that any nested cgroup pays on each wake-up.)
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec {wrk}",
+        bed.tb.cgroup_path().display()
+    );
     let out = Command::new("sh")
         .args(["-c", &script])
         .output()
@@ -363,21 +363,23 @@ fn main() -> Result<()> {
         let mut sums: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
         let mut per_round = Vec::new();
         // Interleaved: each contender's `secs` in a round come as 1-second slices, the
-        // contenders taking turns and the order reversed every other slice, so a slow
-        // spell of the machine (seconds long on a VM) falls on all of them — with one
-        // 5-second run each, a spell at a reversal fell on one contender's two runs.
+        // contenders taking turns, so a slow spell of the machine (seconds long on a VM)
+        // falls on all of them — with one 5-second run each, a spell at a reversal fell
+        // on one contender's two runs. The order rotates by one each turn: every
+        // contender takes every place in turn, and none runs twice in a row (a reversed
+        // order ran the ends twice, warm).
         for round in 0..rounds {
             scale.load.push(bench::load_average());
             let mut slices: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
             for slice in 0..secs {
-                let order: Vec<&Bed> = if (round * secs + slice) % 2 == 0 {
-                    beds.iter().collect()
-                } else {
-                    beds.iter().rev().collect()
-                };
+                let turn = (round * secs + slice) as usize;
+                let order = bench::rotated(&beds, turn);
                 for b in order {
                     let r = wrk(b, 1).with_context(|| format!("{:?} at {n}", b.contender))?;
-                    slices.entry(format!("{:?}", b.contender)).or_default().push(r);
+                    slices
+                        .entry(format!("{:?}", b.contender))
+                        .or_default()
+                        .push(r);
                 }
             }
             let mut this_round = BTreeMap::new();
