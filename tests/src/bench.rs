@@ -189,7 +189,8 @@ pub struct WrkResult {
 }
 
 /// `items` in turn `turn`'s order: rotated left by `turn`, so over `items.len()` turns
-/// each takes every place once, and the last of one turn is never the first of the next.
+/// each takes every place once, and (with three or more: the bench has at least three
+/// contenders) the last of one turn is never the first of the next.
 pub fn rotated<T>(items: &[T], turn: usize) -> Vec<&T> {
     let k = turn % items.len().max(1);
     items[k..].iter().chain(&items[..k]).collect()
