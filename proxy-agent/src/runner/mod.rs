@@ -141,7 +141,7 @@ const AUDIT_DUTY_DIVISOR: u32 = 100;
 /// more than 1/`AUDIT_DUTY_DIVISOR` of a core, and a new pass no sooner than `period`
 /// after the last one began. A small node's pass ends within a few steps, and each pass
 /// walks every bucket of the maps (empty ones too: millions); back to back, those walks
-/// took 2% of a core beside the traffic at one Service. A pass longer than `period`
+/// kept an idle agent at one Service at 1.2% of a core (0.2% paced). A pass longer than `period`
 /// (above ~25k frontends) is followed by the next at once.
 struct AuditPace {
     every: Duration,
