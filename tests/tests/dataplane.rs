@@ -425,7 +425,11 @@ fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
         .expect("session");
     session.first_attempt().expect("first answer");
     assert_eq!(sockets(&tb), Some(1));
-    assert_eq!(socket_filter(&tb)["counted"], 1, "the session's entry is counted");
+    assert_eq!(
+        socket_filter(&tb)["counted"],
+        1,
+        "the session's entry is counted"
+    );
     // Short connections from the hooked cgroup to the pod's own address: no entry.
     let direct = tb
         .client(&[
@@ -445,9 +449,8 @@ fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
     // counts go to zero, as if no release before had counted anything.
     tb.kill_agent().expect("kill");
     {
-        let mut maps =
-            proxy_agent::dataplane::bpf::MapSet::open_pinned(&tb.pin_dir().join("maps"))
-                .expect("pins");
+        let mut maps = proxy_agent::dataplane::bpf::MapSet::open_pinned(&tb.pin_dir().join("maps"))
+            .expect("pins");
         let entries: Vec<_> = maps.sock_lb.iter().filter_map(Result::ok).collect();
         assert_eq!(entries.len(), 1);
         for (cookie, mut e) in entries {
@@ -460,7 +463,8 @@ fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
             }
         }
     }
-    tb.start_agent(Path_::ConnectTime, FRONTENDS).expect("agent");
+    tb.start_agent(Path_::ConnectTime, FRONTENDS)
+        .expect("agent");
     // A collector pass later, the older entry still keeps the filter aside.
     thread::sleep(Duration::from_secs(12));
     let f = socket_filter(&tb);
@@ -472,9 +476,12 @@ fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
     wait_secs(&tb, 5, "the older entry to go with its socket", || {
         sockets(&tb) == Some(0)
     });
-    wait_secs(&tb, 25, "the filter to settle once no older entry is left", || {
-        socket_filter(&tb)["uncounted"] == false
-    });
+    wait_secs(
+        &tb,
+        25,
+        "the filter to settle once no older entry is left",
+        || socket_filter(&tb)["uncounted"] == false,
+    );
     assert_eq!(socket_filter(&tb)["counted"], 0);
 }
 

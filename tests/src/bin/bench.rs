@@ -95,6 +95,10 @@ struct Scale {
     one_change_ms: BTreeMap<String, f64>,
     agent_rss_mib: f64,
     bpf_map_mib: f64,
+    /// What one TCP connection (connect, then reset) costs its client, ns: with no hooks,
+    /// and in the hooked cgroup to the pod's own address and to the frontend (median,
+    /// min, max of the rounds).
+    connection_ns: BTreeMap<String, (f64, f64, f64)>,
 }
 
 struct Bed {
@@ -296,6 +300,85 @@ fn wrk(bed: &Bed, secs: u32) -> Result<WrkResult> {
     bench::parse_wrk(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// What one TCP connection costs its client (`e2e-client --proto tcp-churn`: connect,
+/// then reset; pinned to CPU 0 as wrk is), ns: in the direct contender's cgroup (no
+/// hooks) to its pod, and in the connect-time contender's hooked cgroup to its pod's own
+/// address (no hook translates it: what the hooks' presence costs every other
+/// connection) and to the frontend. `rounds` rounds of `count` connections each, the
+/// order rotating; the median of the rounds with their range.
+fn connection_cost(
+    beds: &[Bed],
+    rounds: u32,
+    count: u32,
+) -> Result<BTreeMap<String, (f64, f64, f64)>> {
+    let find = |c: Contender| {
+        beds.iter()
+            .find(|b| b.contender == c)
+            .with_context(|| format!("no {c:?} testbed"))
+    };
+    let (direct, hooked) = (find(Contender::Direct)?, find(Contender::ConnectTime)?);
+    let pod = format!(
+        "{}:{}",
+        Testbed::backend_ip4(bench::DIRECT_POD),
+        bench::BACKEND_PORT
+    );
+    let frontend = format!("{}:80", bench::VIP);
+    let runs = [
+        ("no hooks, to the pod", direct, &pod),
+        ("hooked, to the pod", hooked, &pod),
+        ("hooked, to the frontend", hooked, &frontend),
+    ];
+    let mut samples: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for round in 0..rounds {
+        for (name, bed, target) in bench::rotated(&runs, round as usize) {
+            let ns = churn(bed, target, count).with_context(|| format!("{name}: {target}"))?;
+            samples.entry((*name).to_string()).or_default().push(ns);
+        }
+    }
+    Ok(samples
+        .into_iter()
+        .map(|(k, mut v)| {
+            let (lo, hi) = v
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+            (k, (bench::median(&mut v), lo, hi))
+        })
+        .collect())
+}
+
+/// `count` connections to `target` from `bed`'s client namespace and cgroup: ns each.
+fn churn(bed: &Bed, target: &str, count: u32) -> Result<f64> {
+    let out = Command::new("taskset")
+        .args(["-c", "0"])
+        .arg(proxy_e2e::helper_bin("e2e-client"))
+        .arg("--netns")
+        .arg(format!("/run/netns/{}", bed.tb.client_ns()))
+        .arg("--cgroup")
+        .arg(bed.tb.cgroup_path())
+        .args([
+            "--target",
+            target,
+            "--proto",
+            "tcp-churn",
+            "--timeout-ms",
+            "5000",
+        ])
+        .args(["--count", &count.to_string()])
+        .output()
+        .context("running e2e-client")?;
+    let line = String::from_utf8_lossy(&out.stdout);
+    let a: proxy_e2e::Attempt = serde_json::from_str(line.trim()).with_context(|| {
+        format!(
+            "e2e-client said {line:?} ({})",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    if !a.ok || a.seq != count {
+        bail!("{} of {count} connections made: {:?}", a.seq, a.error);
+    }
+    Ok(a.ms * 1e6 / f64::from(count))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     // SAFETY: single-threaded here; the harness reads it to find the agent.
@@ -401,6 +484,9 @@ fn main() -> Result<()> {
             .map(|(k, r)| (k.clone(), (r.min, r.max)))
             .collect();
         scale.warnings = warnings;
+        scale.connection_ns =
+            connection_cost(&beds, rounds, if args.quick { 2_000 } else { 20_000 })
+                .context("the cost of a connection")?;
         drop(beds);
         print_scale(&scale);
         results.push(scale);
@@ -579,6 +665,17 @@ fn print_scale(s: &Scale) {
     }
     for w in &s.warnings {
         println!("  WARNING: {w}");
+    }
+    if let Some((none, ..)) = s.connection_ns.get("no hooks, to the pod") {
+        let parts: Vec<String> = s
+            .connection_ns
+            .iter()
+            .map(|(k, (m, lo, hi))| format!("{k} {m:.0} ns ({lo:.0}–{hi:.0}; {:+.0})", m - none))
+            .collect();
+        println!(
+            "  one TCP connection (connect, reset; medians of rounds): {}",
+            parts.join(", ")
+        );
     }
     print_per_packet(s);
     for (k, v) in &s.program_all_ms {
