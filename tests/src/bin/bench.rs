@@ -485,7 +485,7 @@ fn main() -> Result<()> {
             .collect();
         scale.warnings = warnings;
         scale.connection_ns =
-            connection_cost(&beds, rounds, if args.quick { 2_000 } else { 20_000 })
+            connection_cost(&beds, rounds, if args.quick { 2_000 } else { 50_000 })
                 .context("the cost of a connection")?;
         drop(beds);
         print_scale(&scale);
