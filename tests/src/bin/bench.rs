@@ -95,10 +95,9 @@ struct Scale {
     one_change_ms: BTreeMap<String, f64>,
     agent_rss_mib: f64,
     bpf_map_mib: f64,
-    /// What one TCP connection (connect, then reset) costs its client, ns: with no hooks,
-    /// and in the hooked cgroup to the pod's own address and to the frontend (median,
-    /// min, max of the rounds).
-    connection_ns: BTreeMap<String, (f64, f64, f64)>,
+    /// What one TCP connection (connect, then reset) costs its client: with no hooks,
+    /// and in the hooked cgroup to the pod's own address and to the frontend.
+    connection_ns: BTreeMap<String, Cost>,
 }
 
 struct Bed {
@@ -301,16 +300,14 @@ fn wrk(bed: &Bed, secs: u32) -> Result<WrkResult> {
 }
 
 /// What one TCP connection costs its client (`e2e-client --proto tcp-churn`: connect,
-/// then reset; pinned to CPU 0 as wrk is), ns: in the direct contender's cgroup (no
-/// hooks) to its pod, and in the connect-time contender's hooked cgroup to its pod's own
-/// address (no hook translates it: what the hooks' presence costs every other
-/// connection) and to the frontend. `rounds` rounds of `count` connections each, the
-/// order rotating; the median of the rounds with their range.
-fn connection_cost(
-    beds: &[Bed],
-    rounds: u32,
-    count: u32,
-) -> Result<BTreeMap<String, (f64, f64, f64)>> {
+/// then reset; pinned to CPU 0 as wrk is), ns, all from the connect-time contender's
+/// client namespace: in the direct contender's cgroup (no hooks) to the pod, and in the
+/// hooked cgroup to the pod's own address (no hook translates it: what the hooks'
+/// presence costs every other connection) and to the frontend. `rounds` rounds of
+/// `count` connections each, the order rotating. Per kind: the median of the rounds,
+/// and the median of each round's difference to the unhooked run of the same round with
+/// the differences' range (paired: a slow spell of the VM falls on both).
+fn connection_cost(beds: &[Bed], rounds: u32, count: u32) -> Result<BTreeMap<String, Cost>> {
     let find = |c: Contender| {
         beds.iter()
             .find(|b| b.contender == c)
@@ -323,38 +320,58 @@ fn connection_cost(
         bench::BACKEND_PORT
     );
     let frontend = format!("{}:80", bench::VIP);
+    const BASE: &str = "no hooks, to the pod";
     let runs = [
-        ("no hooks, to the pod", direct, &pod),
+        (BASE, direct, &pod),
         ("hooked, to the pod", hooked, &pod),
         ("hooked, to the frontend", hooked, &frontend),
     ];
-    let mut samples: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut samples: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for round in 0..rounds {
-        for (name, bed, target) in bench::rotated(&runs, round as usize) {
-            let ns = churn(bed, target, count).with_context(|| format!("{name}: {target}"))?;
-            samples.entry((*name).to_string()).or_default().push(ns);
+        for (name, cgroup, target) in bench::rotated(&runs, round as usize) {
+            let ns = churn(&hooked.tb, &cgroup.tb, target, count)
+                .with_context(|| format!("{name}: {target}"))?;
+            samples.entry(name).or_default().push(ns);
         }
     }
+    let base = samples.get(BASE).cloned().unwrap_or_default();
     Ok(samples
         .into_iter()
         .map(|(k, mut v)| {
-            let (lo, hi) = v
+            let mut diffs: Vec<f64> = v.iter().zip(&base).map(|(x, b)| x - b).collect();
+            let (lo, hi) = diffs
                 .iter()
                 .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
-            (k, (bench::median(&mut v), lo, hi))
+            let cost = Cost {
+                ns: bench::median(&mut v),
+                over_unhooked: bench::median(&mut diffs),
+                over_range: (lo, hi),
+            };
+            (k.to_string(), cost)
         })
         .collect())
 }
 
-/// `count` connections to `target` from `bed`'s client namespace and cgroup: ns each.
-fn churn(bed: &Bed, target: &str, count: u32) -> Result<f64> {
+/// One kind of connection's cost (`connection_cost`).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+struct Cost {
+    /// The median of the rounds, ns.
+    ns: f64,
+    /// The median of the rounds' differences to the unhooked run, ns, and their range.
+    over_unhooked: f64,
+    over_range: (f64, f64),
+}
+
+/// `count` connections to `target` from `netns`'s client namespace in `cgroup`'s cgroup:
+/// ns each.
+fn churn(netns: &Testbed, cgroup: &Testbed, target: &str, count: u32) -> Result<f64> {
     let out = Command::new("taskset")
         .args(["-c", "0"])
         .arg(proxy_e2e::helper_bin("e2e-client"))
         .arg("--netns")
-        .arg(format!("/run/netns/{}", bed.tb.client_ns()))
+        .arg(format!("/run/netns/{}", netns.client_ns()))
         .arg("--cgroup")
-        .arg(bed.tb.cgroup_path())
+        .arg(cgroup.cgroup_path())
         .args([
             "--target",
             target,
@@ -666,14 +683,20 @@ fn print_scale(s: &Scale) {
     for w in &s.warnings {
         println!("  WARNING: {w}");
     }
-    if let Some((none, ..)) = s.connection_ns.get("no hooks, to the pod") {
+    if !s.connection_ns.is_empty() {
         let parts: Vec<String> = s
             .connection_ns
             .iter()
-            .map(|(k, (m, lo, hi))| format!("{k} {m:.0} ns ({lo:.0}–{hi:.0}; {:+.0})", m - none))
+            .map(|(k, c)| {
+                let (lo, hi) = c.over_range;
+                format!(
+                    "{k} {:.0} ns ({:+.0}; {lo:+.0} to {hi:+.0})",
+                    c.ns, c.over_unhooked
+                )
+            })
             .collect();
         println!(
-            "  one TCP connection (connect, reset; medians of rounds): {}",
+            "  one TCP connection (connect, reset; medians of rounds; over the unhooked run of each round): {}",
             parts.join(", ")
         );
     }
