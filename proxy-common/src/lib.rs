@@ -71,6 +71,7 @@ mod user {
         RevNatValue,
         SockBinding,
         SockLb,
+        SockLbFilter,
         MemberKey,
         CtKey,
         CtValue,

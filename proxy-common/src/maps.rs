@@ -71,6 +71,13 @@ maps! {
     /// that connected or sent to a frontend (entries go when the socket is released, so
     /// this bounds concurrent sockets, not connections over time).
     SOCK_LB(262_144);
+    /// Connect-time path: per slot of socket cookies (`sock_count_slot`), the `SOCK_LB`
+    /// entries counted under the filter's generation. A released socket whose slot
+    /// counts none has no entry, and skips the lookup.
+    SOCK_LB_COUNTS(65_536);
+    /// Connect-time path: the `SockLbFilter` (generation; whether uncounted entries may
+    /// be left).
+    SOCK_LB_FILTER(1);
     /// Which backend ids belong to which service entry, and since when: one entry per
     /// live backend slot of the current generations.
     MEMBERS(as BACKEND_SLOTS);

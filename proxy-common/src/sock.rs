@@ -37,7 +37,30 @@ pub struct SockLb {
     pub sent: [SockBinding; SOCK_SENT_SLOTS],
     /// The `sent` slot to reuse next when all are taken.
     pub next: u32,
-    pub _pad: u32,
+    /// The `SockLbFilter::generation` this entry is counted under in `SOCK_LB_COUNTS`
+    /// (0: not counted, as an older release made it).
+    pub counted: u32,
+}
+
+/// `SOCK_LB_FILTER`'s one value: lets `sock_release` skip the `SOCK_LB` lookup for a
+/// socket no hook ever translated (most sockets), whose bucket is a cache miss away.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockLbFilter {
+    /// The generation entries made now are counted under (the agent sets the id of the
+    /// `SOCK_LB_COUNTS` map in use); 0: no counting, every release looks its socket up.
+    pub generation: u32,
+    /// Nonzero while `SOCK_LB` may hold entries not counted under `generation` (made by
+    /// an older release, or under another counts map): every release looks its socket
+    /// up. The agent sets it at start and clears it once no such entry is left.
+    pub uncounted: u32,
+}
+
+/// The `SOCK_LB_COUNTS` index of a socket cookie. Consecutive cookies (sockets released
+/// one after another take consecutive ones) share cache lines.
+pub const fn sock_count_slot(cookie: u64) -> u32 {
+    (cookie % crate::capacity::SOCK_LB_COUNTS as u64) as u32
 }
 
 #[cfg(test)]
@@ -50,6 +73,15 @@ mod tests {
     fn layout_is_stable() {
         assert_eq!(size_of::<SockBinding>(), 40);
         assert_eq!(size_of::<SockLb>(), 40 * (1 + SOCK_SENT_SLOTS) + 8);
+        assert_eq!(size_of::<SockLbFilter>(), 8);
+    }
+
+    #[test]
+    fn consecutive_cookies_take_consecutive_count_slots() {
+        let cap = u64::from(crate::capacity::SOCK_LB_COUNTS);
+        assert_eq!(sock_count_slot(7), 7);
+        assert_eq!(sock_count_slot(cap + 7), 7);
+        assert_eq!(sock_count_slot(cap - 1) + 1, cap as u32);
     }
 
     /// No implicit padding: the sum of the field sizes equals the struct size.

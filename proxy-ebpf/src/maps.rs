@@ -18,7 +18,8 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
     FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue,
-    SctpPending, ServiceKey, ServiceValue, SockLb, StatsKey, capacity, counter, crc32c, port_slot,
+    SctpPending, ServiceKey, ServiceValue, SockLb, SockLbFilter, StatsKey, capacity, counter,
+    crc32c, port_slot,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -57,6 +58,16 @@ pub static REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO
 #[btf_map]
 pub static SOCK_LB: HashMap<u64, SockLb, { capacity::SOCK_LB as usize }, NO_PREALLOC> =
     HashMap::new();
+
+/// `SOCK_LB` entries per cookie slot, counted under `SOCK_LB_FILTER`'s generation: a
+/// release whose slot counts none skips the `SOCK_LB` lookup (ABI.md, "the release
+/// filter").
+#[btf_map]
+pub static SOCK_LB_COUNTS: Array<u32, { capacity::SOCK_LB_COUNTS as usize }> = Array::new();
+
+#[btf_map]
+pub static SOCK_LB_FILTER: Array<SockLbFilter, { capacity::SOCK_LB_FILTER as usize }> =
+    Array::new();
 
 /// (service entry, backend id) pairs of the current backend sets, with the time each was
 /// added (agent-written).

@@ -3,7 +3,10 @@
 //! replies and `getpeername` are translated back so applications only ever see the VIP.
 //!
 //! Layer 5, an entry pipeline. Owns: the connect-time hooks' bodies, `SOCK_LB`'s entries
-//! and `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `pipeline` and `main`).
+//! with their counts (`SOCK_LB_COUNTS`; the agent owns `SOCK_LB_FILTER`) and
+//! `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `pipeline` and `main`).
+
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
     EbpfContext as _, Global,
@@ -16,12 +19,12 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use proxy_common::{
     AFFINITY_BY_NETNS, Backend, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SOCK_SENT_SLOTS,
-    ServiceValue, SockBinding, SockLb, counter,
+    ServiceValue, SockBinding, SockLb, counter, sock_count_slot,
 };
 
 use crate::{
     lb::{self, Client, NoBackend},
-    maps::{REV_NAT, SOCK_LB, count},
+    maps::{REV_NAT, SOCK_LB, SOCK_LB_COUNTS, SOCK_LB_FILTER, count},
 };
 
 /// Let the call proceed.
@@ -137,16 +140,42 @@ fn kept(entry: *mut SockLb, svc: &ServiceValue) -> Option<([u32; 4], u16)> {
 #[btf_map]
 static SOCK_LB_ZERO: Array<SockLb, 1> = Array::new();
 
-/// The socket's `SOCK_LB` entry, made (zeroed) if it has none; `None` when the map is full.
+/// The socket's `SOCK_LB` entry, made (zeroed, and counted for `forget`'s filter) if it
+/// has none; `None` when the map is full.
 #[inline(always)]
 fn entry_of(cookie: &u64) -> Option<*mut SockLb> {
     if let Some(entry) = SOCK_LB.get_ptr_mut(cookie) {
         return Some(entry);
     }
     let zero = SOCK_LB_ZERO.get(0)?;
-    // NOEXIST: another thread sending on the same socket may have made it meanwhile.
-    let _ = SOCK_LB.insert(cookie, zero, u64::from(BPF_NOEXIST));
-    SOCK_LB.get_ptr_mut(cookie)
+    // NOEXIST: another thread sending on the same socket may have made it meanwhile
+    // (and counted it).
+    let made = SOCK_LB.insert(cookie, zero, u64::from(BPF_NOEXIST)).is_ok();
+    let entry = SOCK_LB.get_ptr_mut(cookie)?;
+    if made {
+        count_entry(*cookie, entry);
+    }
+    Some(entry)
+}
+
+/// A new entry, stamped with the filter's generation and counted in its cookie's slot
+/// (no generation: neither). Its socket cannot be released meanwhile: the hook's call
+/// holds it.
+#[inline(always)]
+fn count_entry(cookie: u64, entry: *mut SockLb) {
+    let generation = SOCK_LB_FILTER.get(0).map_or(0, |f| f.generation);
+    if generation == 0 {
+        return;
+    }
+    let Some(n) = SOCK_LB_COUNTS.get_ptr_mut(sock_count_slot(cookie)) else {
+        return;
+    };
+    // SAFETY: a live SOCK_LB value and a live array slot; other CPUs count in the same
+    // slot at the same time, hence the atomic add.
+    unsafe {
+        (*entry).counted = generation;
+        atomic_xadd::<u32, u32, { AtomicOrdering::Relaxed }>(n, 1);
+    }
 }
 
 /// Remembers the backend chosen for `svc`: as the socket's peer (connect) or as where its
@@ -243,14 +272,37 @@ fn frontend_of(entry: *mut SockLb, addr: [u32; 4], port: u16, family: u8) -> Opt
 }
 
 /// sock_release: the socket is gone, and so is what the hooks remembered of it. Keeps
-/// `SOCK_LB` to live sockets, however many short connections come and go.
+/// `SOCK_LB` to live sockets, however many short connections come and go. A socket whose
+/// cookie's slot counts no entry has none (ABI.md, "the release filter"): most sockets,
+/// spared a lookup whose bucket is a cache miss away.
 #[inline(always)]
 pub fn forget(ctx: &SockContext) -> i32 {
     // SAFETY: valid context pointer for this program type.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let filter = SOCK_LB_FILTER.get(0).copied().unwrap_or_default();
+    let count = SOCK_LB_COUNTS.get_ptr_mut(sock_count_slot(cookie));
+    if filter.generation != 0 && filter.uncounted == 0 {
+        // SAFETY: a live array slot; a racy read sees another socket's count or not,
+        // never this socket's (counted before its release could begin).
+        if let Some(n) = count
+            && unsafe { core::ptr::read_volatile(n) } == 0
+        {
+            return ALLOW;
+        }
+    }
     // Most sockets have no entry: a lookup is lock-free, a delete takes the bucket's lock.
-    if SOCK_LB.get_ptr(&cookie).is_some() {
-        let _ = SOCK_LB.remove(&cookie);
+    let Some(entry) = SOCK_LB.get_ptr(&cookie) else {
+        return ALLOW;
+    };
+    // SAFETY: a live SOCK_LB value, read before the delete.
+    let counted = unsafe { (*entry).counted };
+    if SOCK_LB.remove(&cookie).is_ok()
+        && counted != 0
+        && counted == filter.generation
+        && let Some(n) = count
+    {
+        // SAFETY: a live array slot; the add of `u32::MAX` takes one away, atomically.
+        unsafe { atomic_xadd::<u32, u32, { AtomicOrdering::Relaxed }>(n, u32::MAX) };
     }
     ALLOW
 }

@@ -388,6 +388,103 @@ fn connect_time_unconnected_udp_moves_off_a_removed_backend() {
     );
 }
 
+/// The connect-time release filter's state as `dump` shows it.
+fn socket_filter(tb: &Testbed) -> serde_json::Value {
+    tb.dump().expect("dump")["socket_filter"].clone()
+}
+
+/// `cond` within `secs` (the collector passes every 10 s); fails naming `what`.
+fn wait_secs(tb: &Testbed, secs: u64, what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}\nagent log:\n{}",
+            tb.agent_log()
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Connect-time: `sock_release` skips the `SOCK_LB` lookup for a socket no hook
+/// translated, trusting the programs' counts of the entries they made (ABI.md, "the
+/// release filter"). A connection through the frontend is counted; short connections to
+/// the pod itself are not; and an entry an older release made (no generation, nothing
+/// counted) still goes when its socket closes: the filter stands aside until the
+/// collector finds no such entry left.
+#[needs_root]
+#[test]
+fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
+    let mut tb = testbed(Path_::ConnectTime, &[0], None);
+    wait_secs(&tb, 25, "the filter to settle at start", || {
+        socket_filter(&tb)["uncounted"] == false
+    });
+    let sockets = |tb: &Testbed| tb.dump().expect("dump")["sockets"].as_u64();
+    let mut session = tb
+        .spawn_session(&target(VIP4, TCP_PORT), 1_000_000)
+        .expect("session");
+    session.first_attempt().expect("first answer");
+    assert_eq!(sockets(&tb), Some(1));
+    assert_eq!(
+        socket_filter(&tb)["counted"],
+        1,
+        "the session's entry is counted"
+    );
+    // Short connections from the hooked cgroup to the pod's own address: no entry.
+    let direct = tb
+        .client(&[
+            "--target",
+            &target(&Testbed::backend_ip4(0), proxy_e2e::TCP_TARGET),
+            "--proto",
+            "tcp-churn",
+            "--count",
+            "2000",
+        ])
+        .expect("client");
+    assert!(direct.len() == 1 && direct[0].ok, "{direct:?}");
+    assert_eq!(sockets(&tb), Some(1));
+    assert_eq!(socket_filter(&tb)["counted"], 1);
+
+    // An older release's pins: while the agent is down its entry loses the stamp and the
+    // counts go to zero, as if no release before had counted anything.
+    tb.kill_agent().expect("kill");
+    {
+        let mut maps = proxy_agent::dataplane::bpf::MapSet::open_pinned(&tb.pin_dir().join("maps"))
+            .expect("pins");
+        let entries: Vec<_> = maps.sock_lb.iter().filter_map(Result::ok).collect();
+        assert_eq!(entries.len(), 1);
+        for (cookie, mut e) in entries {
+            e.counted = 0;
+            maps.sock_lb.insert(&cookie, &e, 0).expect("entry");
+        }
+        for i in 0..proxy_common::capacity::SOCK_LB_COUNTS {
+            if maps.sock_lb_counts.get(&i, 0).expect("count") != 0 {
+                maps.sock_lb_counts.set(i, &0, 0).expect("count");
+            }
+        }
+    }
+    tb.start_agent(Path_::ConnectTime, FRONTENDS)
+        .expect("agent");
+    // A collector pass later, the older entry still keeps the filter aside.
+    thread::sleep(Duration::from_secs(12));
+    let f = socket_filter(&tb);
+    assert_eq!(f["uncounted"], true, "{f}\n{}", tb.agent_log());
+    assert_eq!(f["counted"], 0);
+    let attempts = session.stop().expect("session output");
+    assert!(attempts.iter().all(|a| a.ok), "the session broke");
+    // Its socket closed: the entry goes (looked up, uncounted), and the filter settles.
+    wait_secs(&tb, 5, "the older entry to go with its socket", || {
+        sockets(&tb) == Some(0)
+    });
+    wait_secs(
+        &tb,
+        25,
+        "the filter to settle once no older entry is left",
+        || socket_filter(&tb)["uncounted"] == false,
+    );
+    assert_eq!(socket_filter(&tb)["counted"], 0);
+}
+
 /// Connect-time: what the hooks remember per socket goes with the socket. 100k short TCP
 /// connections and 2000 short connected UDP sockets leave `SOCK_LB` with the live sockets
 /// only, and a long-lived connected UDP socket keeps its entry meanwhile: when its backend

@@ -109,6 +109,15 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
     let counters = maps.counters()?;
     // Live sockets the connect-time hooks remember (entries go when a socket closes).
     let sockets = maps.sock_lb.keys().filter(Result::is_ok).count();
+    // sock_release's filter: the generation, whether uncounted entries may be left, and
+    // the entries counted (the socket entries made under this generation).
+    let filter = maps.sock_lb_filter.get(&0, 0).unwrap_or_default();
+    let counted: u64 = maps
+        .sock_lb_counts
+        .iter()
+        .filter_map(Result::ok)
+        .map(u64::from)
+        .sum();
     // Per-packet flows (two entries each): answered, and not answered yet.
     let answered = maps.conntrack.keys().filter(Result::is_ok).count();
     let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
@@ -133,6 +142,11 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 "services": rows,
                 "counters": counters,
                 "sockets": sockets,
+                "socket_filter": {
+                    "generation": filter.generation,
+                    "uncounted": filter.uncounted != 0,
+                    "counted": counted,
+                },
                 "conntrack": {"answered": answered, "new": new},
                 "netfilter_flows": netfilter,
                 "xdp": xdp,
@@ -165,6 +179,15 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
             );
         }
         outln!("\nsockets tracked: {sockets}");
+        outln!(
+            "sock_release filter: generation {}, {counted} counted{}",
+            filter.generation,
+            if filter.uncounted != 0 {
+                " (entries of another generation may be left: every release looks up)"
+            } else {
+                ""
+            }
+        );
         outln!("conntrack entries: {answered} answered, {new} new (two per flow)");
         outln!("flows left to netfilter (translated before the classifier): {netfilter}");
         if xdp.is_empty() {

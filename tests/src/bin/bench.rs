@@ -95,6 +95,9 @@ struct Scale {
     one_change_ms: BTreeMap<String, f64>,
     agent_rss_mib: f64,
     bpf_map_mib: f64,
+    /// What one TCP connection (connect, then reset) costs its client: with no hooks,
+    /// and in the hooked cgroup to the pod's own address and to the frontend.
+    connection_ns: BTreeMap<String, Cost>,
 }
 
 struct Bed {
@@ -296,6 +299,103 @@ fn wrk(bed: &Bed, secs: u32) -> Result<WrkResult> {
     bench::parse_wrk(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// What one TCP connection costs its client (`e2e-client --proto tcp-churn`: connect,
+/// then reset; pinned to CPU 0 as wrk is), ns, all from the connect-time contender's
+/// client namespace: in the direct contender's cgroup (no hooks) to the pod, and in the
+/// hooked cgroup to the pod's own address (no hook translates it: what the hooks'
+/// presence costs every other connection) and to the frontend. `rounds` rounds of
+/// `count` connections each, the order rotating. Per kind: the median of the rounds,
+/// and the median of each round's difference to the unhooked run of the same round with
+/// the differences' range (paired: a slow spell of the VM falls on both).
+fn connection_cost(beds: &[Bed], rounds: u32, count: u32) -> Result<BTreeMap<String, Cost>> {
+    let find = |c: Contender| {
+        beds.iter()
+            .find(|b| b.contender == c)
+            .with_context(|| format!("no {c:?} testbed"))
+    };
+    let (direct, hooked) = (find(Contender::Direct)?, find(Contender::ConnectTime)?);
+    let pod = format!(
+        "{}:{}",
+        Testbed::backend_ip4(bench::DIRECT_POD),
+        bench::BACKEND_PORT
+    );
+    let frontend = format!("{}:80", bench::VIP);
+    const BASE: &str = "no hooks, to the pod";
+    let runs = [
+        (BASE, direct, &pod),
+        ("hooked, to the pod", hooked, &pod),
+        ("hooked, to the frontend", hooked, &frontend),
+    ];
+    let mut samples: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for round in 0..rounds {
+        for (name, cgroup, target) in bench::rotated(&runs, round as usize) {
+            let ns = churn(&hooked.tb, &cgroup.tb, target, count)
+                .with_context(|| format!("{name}: {target}"))?;
+            samples.entry(name).or_default().push(ns);
+        }
+    }
+    let base = samples.get(BASE).cloned().unwrap_or_default();
+    Ok(samples
+        .into_iter()
+        .map(|(k, mut v)| {
+            let mut diffs: Vec<f64> = v.iter().zip(&base).map(|(x, b)| x - b).collect();
+            let (lo, hi) = diffs
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+            let cost = Cost {
+                ns: bench::median(&mut v),
+                over_unhooked: bench::median(&mut diffs),
+                over_range: (lo, hi),
+            };
+            (k.to_string(), cost)
+        })
+        .collect())
+}
+
+/// One kind of connection's cost (`connection_cost`).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+struct Cost {
+    /// The median of the rounds, ns.
+    ns: f64,
+    /// The median of the rounds' differences to the unhooked run, ns, and their range.
+    over_unhooked: f64,
+    over_range: (f64, f64),
+}
+
+/// `count` connections to `target` from `netns`'s client namespace in `cgroup`'s cgroup:
+/// ns each.
+fn churn(netns: &Testbed, cgroup: &Testbed, target: &str, count: u32) -> Result<f64> {
+    let out = Command::new("taskset")
+        .args(["-c", "0"])
+        .arg(proxy_e2e::helper_bin("e2e-client"))
+        .arg("--netns")
+        .arg(format!("/run/netns/{}", netns.client_ns()))
+        .arg("--cgroup")
+        .arg(cgroup.cgroup_path())
+        .args([
+            "--target",
+            target,
+            "--proto",
+            "tcp-churn",
+            "--timeout-ms",
+            "5000",
+        ])
+        .args(["--count", &count.to_string()])
+        .output()
+        .context("running e2e-client")?;
+    let line = String::from_utf8_lossy(&out.stdout);
+    let a: proxy_e2e::Attempt = serde_json::from_str(line.trim()).with_context(|| {
+        format!(
+            "e2e-client said {line:?} ({})",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    if !a.ok || a.seq != count {
+        bail!("{} of {count} connections made: {:?}", a.seq, a.error);
+    }
+    Ok(a.ms * 1e6 / f64::from(count))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     // SAFETY: single-threaded here; the harness reads it to find the agent.
@@ -401,6 +501,9 @@ fn main() -> Result<()> {
             .map(|(k, r)| (k.clone(), (r.min, r.max)))
             .collect();
         scale.warnings = warnings;
+        scale.connection_ns =
+            connection_cost(&beds, rounds, if args.quick { 2_000 } else { 50_000 })
+                .context("the cost of a connection")?;
         drop(beds);
         print_scale(&scale);
         results.push(scale);
@@ -579,6 +682,23 @@ fn print_scale(s: &Scale) {
     }
     for w in &s.warnings {
         println!("  WARNING: {w}");
+    }
+    if !s.connection_ns.is_empty() {
+        let parts: Vec<String> = s
+            .connection_ns
+            .iter()
+            .map(|(k, c)| {
+                let (lo, hi) = c.over_range;
+                format!(
+                    "{k} {:.0} ns ({:+.0}; {lo:+.0} to {hi:+.0})",
+                    c.ns, c.over_unhooked
+                )
+            })
+            .collect();
+        println!(
+            "  one TCP connection (connect, reset; medians of rounds; over the unhooked run of each round): {}",
+            parts.join(", ")
+        );
     }
     print_per_packet(s);
     for (k, v) in &s.program_all_ms {

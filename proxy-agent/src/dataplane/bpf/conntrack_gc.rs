@@ -8,8 +8,8 @@ use std::{collections::HashMap as StdHashMap, path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData};
 use proxy_common::{
-    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_closed, elapsed_ns, flow_last_seen,
-    forward_key_of, map_names, reply_key_of,
+    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, SockLb, ct_closed, elapsed_ns,
+    flow_last_seen, forward_key_of, map_names, reply_key_of,
 };
 
 use super::{maps::MapSet, stats::Ended, writer::remove_ignoring_absent};
@@ -129,8 +129,11 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
     (stats.new, stats.new_capacity) = (new.len() as u64, cap);
     stats.collected += collected;
     // From the tables as this pass left them: each is read once a pass.
-    recount_active(maps, [&answered, &new], &timeouts, now_ns)
+    let sockets = super::batch::read_all(&maps.sock_lb)
+        .with_context(|| format!("reading {}", map_names::SOCK_LB))?;
+    recount_active(maps, [&answered, &new], &sockets, &timeouts, now_ns)
         .context("recounting active connections")?;
+    super::sock_filter::settle(maps, &sockets).context("settling sock_release's filter")?;
     super::stats::fold_removed(maps).context("removing statistics of removed entries")?;
     Ok(stats)
 }
@@ -142,6 +145,7 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
 fn recount_active(
     maps: &mut MapSet,
     tables: [&Snapshot; 2],
+    sockets: &[(u64, SockLb)],
     timeouts: &CtTimeouts,
     now: u64,
 ) -> Result<()> {
@@ -157,8 +161,6 @@ fn recount_active(
             }
         }
     }
-    let sockets = super::batch::read_all(&maps.sock_lb)
-        .with_context(|| format!("reading {}", map_names::SOCK_LB))?;
     for (_, sock) in sockets {
         if sock.connected.service_id != 0 {
             *open.entry(sock.connected.backend_id).or_default() += 1;

@@ -12,7 +12,7 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
     LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue, ServiceKey,
-    ServiceValue, SockLb, StatsKey, map_names,
+    ServiceValue, SockLb, SockLbFilter, StatsKey, map_names,
 };
 
 /// Each pinned map's memory as the kernel charges it (`memlock` of the map's fdinfo, in
@@ -55,6 +55,11 @@ pub struct MapSet {
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
     /// Per socket cookie: what the connect-time hooks did for it.
     pub sock_lb: HashMap<MapData, u64, SockLb>,
+    /// `SOCK_LB` entries per cookie slot, counted by the programs (`sock_release`'s
+    /// filter).
+    pub sock_lb_counts: Array<MapData, u32>,
+    /// The filter's generation, and whether uncounted entries may be left.
+    pub sock_lb_filter: Array<MapData, SockLbFilter>,
     /// (service entry, backend id) → when the pair was added (`CLOCK_MONOTONIC` ns).
     pub members: HashMap<MapData, MemberKey, u64>,
     /// Answered flows (hash) and new ones (LRU).
@@ -294,6 +299,14 @@ impl MapSet {
             (map_names::AFFINITY, id(IterableMap::map(&self.affinity))?),
             (map_names::REV_NAT, id(IterableMap::map(&self.rev_nat))?),
             (map_names::SOCK_LB, id(IterableMap::map(&self.sock_lb))?),
+            (
+                map_names::SOCK_LB_COUNTS,
+                id(IterableMap::<u32, u32>::map(&self.sock_lb_counts))?,
+            ),
+            (
+                map_names::SOCK_LB_FILTER,
+                id(IterableMap::<u32, SockLbFilter>::map(&self.sock_lb_filter))?,
+            ),
             (map_names::MEMBERS, id(IterableMap::map(&self.members))?),
             (map_names::CONNTRACK, id(IterableMap::map(&self.conntrack))?),
             (
@@ -373,6 +386,8 @@ impl MapSet {
             affinity: typed!(map_names::AFFINITY),
             rev_nat: typed!(map_names::REV_NAT),
             sock_lb: typed!(map_names::SOCK_LB),
+            sock_lb_counts: typed!(map_names::SOCK_LB_COUNTS),
+            sock_lb_filter: typed!(map_names::SOCK_LB_FILTER),
             members: typed!(map_names::MEMBERS),
             conntrack: typed!(map_names::CONNTRACK),
             conntrack_new: typed!(map_names::CONNTRACK_NEW),

@@ -21,6 +21,7 @@ mod options;
 mod pin_lock;
 pub mod port_filters;
 pub mod program_log;
+mod sock_filter;
 mod sockets;
 pub mod stats;
 pub mod writer;
@@ -217,6 +218,13 @@ impl BpfDataplane {
         };
 
         prepare_sctp(&mut ebpf)?;
+        // Before the hooks are swapped in: an older release's hooks may still be making
+        // entries nothing counts.
+        let filter = sock_filter::arm(&mut ebpf).context("arming sock_release's filter")?;
+        tracing::debug!(
+            generation = filter.generation,
+            "sock_release's filter armed"
+        );
         if let Some(cgroup) = &opts.cgroup {
             attach::cgroup::attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
