@@ -63,6 +63,12 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
         132 => PROTO_SCTP,
         _ => return ALLOW,
     };
+    // A port no frontend uses: no service lookup, whose bucket is a cache miss away (most
+    // of a pod's own connections). The agent marks a port before any service entry has
+    // it, and fills a new filter from the tables before these hooks are swapped in.
+    if !lb::may_be_frontend(port) {
+        return ALLOW;
+    }
     let (addr, svc_family, mapped) = unmap(read_addr(ctx, family), family);
     // Sockets belong to pods or the node itself: internal traffic.
     let Some(svc) = lb::lookup_service(addr, port, proto, svc_family, true) else {

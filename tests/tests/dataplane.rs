@@ -931,7 +931,9 @@ fn an_incompatible_pin_set_is_refused_and_leaves_no_partial_pins() {
 /// Killing the agent (as a crash would) and starting a new one while a client loops loses
 /// no connection: pinned links keep the programs attached, and the new agent adopts the
 /// pinned maps (same frontend ids, no rewrite) and keeps reconciling.
-fn restart_is_hitless(path: Path_) {
+/// `new_port_filter`: the restart is an upgrade that makes `FRONTEND_PORTS` anew (its pin
+/// removed while the agent is down), which the hooks read before any lookup.
+fn restart_is_hitless(path: Path_, new_port_filter: bool) {
     let mut tb = testbed(path, &[0, 1, 2], None);
     let before = tb.dump().expect("dump");
     let t = target(VIP4, TCP_PORT);
@@ -940,6 +942,10 @@ fn restart_is_hitless(path: Path_) {
         .expect("client");
     thread::sleep(Duration::from_millis(700));
     tb.kill_agent().expect("kill");
+    if new_port_filter {
+        let pin = tb.pin_dir().join("maps").join("FRONTEND_PORTS");
+        std::fs::remove_file(&pin).expect("unpinning FRONTEND_PORTS");
+    }
     thread::sleep(Duration::from_millis(700));
     tb.start_agent(path, FRONTENDS).expect("restart");
     let attempts = client.finish().expect("client output");
@@ -948,6 +954,17 @@ fn restart_is_hitless(path: Path_) {
         failed.is_empty(),
         "{path:?}: connections failed across the restart: {failed:?}"
     );
+    if new_port_filter {
+        let log = tb.agent_log();
+        let made = log
+            .lines()
+            .find(|l| l.contains("port filters made"))
+            .unwrap_or_default();
+        assert!(
+            made.contains("frontend=") && !made.contains("frontend=0"),
+            "the new filter should hold the frontends' ports:\n{log}"
+        );
+    }
     let after = tb.dump().expect("dump");
     assert_eq!(
         before["services"], after["services"],
@@ -975,13 +992,21 @@ fn restart_is_hitless(path: Path_) {
 #[needs_root]
 #[test]
 fn connect_time_agent_restart_is_hitless() {
-    restart_is_hitless(Path_::ConnectTime);
+    restart_is_hitless(Path_::ConnectTime, false);
+}
+
+/// The connect-time hooks skip the service lookup for a port no frontend uses: an
+/// upgrade that makes the port filter new swaps them in only once the ports are marked.
+#[needs_root]
+#[test]
+fn connect_time_upgrade_with_a_new_port_filter_is_hitless() {
+    restart_is_hitless(Path_::ConnectTime, true);
 }
 
 #[needs_root]
 #[test]
 fn per_packet_agent_restart_is_hitless() {
-    restart_is_hitless(Path_::PerPacket);
+    restart_is_hitless(Path_::PerPacket, false);
 }
 
 /// An invalid object is skipped with a log line naming it; the others still apply.

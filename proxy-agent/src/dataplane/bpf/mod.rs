@@ -225,9 +225,6 @@ impl BpfDataplane {
             generation = filter.generation,
             "sock_release's filter armed"
         );
-        if let Some(cgroup) = &opts.cgroup {
-            attach::cgroup::attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
-        }
         let mut maps = MapSet::take(&mut ebpf)?;
         // Before the classifier meets their packets: flows netfilter is translating
         // (kube-proxy's, while migrating) stay with it instead of being dropped as
@@ -258,6 +255,12 @@ impl BpfDataplane {
                 frontend,
                 "port filters made; ports in use marked"
             );
+        }
+        // The connect-time hooks read `FRONTEND_PORTS` too: swapped in only now, after the
+        // ports the tables use are marked (an upgrade that makes the filter new would
+        // otherwise leave Services unbalanced until the writer marks their ports again).
+        if let Some(cgroup) = &opts.cgroup {
+            attach::cgroup::attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
         let state = MapState::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
