@@ -133,7 +133,14 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
         .with_context(|| format!("reading {}", map_names::SOCK_LB))?;
     recount_active(maps, [&answered, &new], &sockets, &timeouts, now_ns)
         .context("recounting active connections")?;
-    super::sock_filter::settle(maps, &sockets).context("settling sock_release's filter")?;
+    // Not settling only keeps every release looking its socket up: no reason to skip the
+    // rest of the pass.
+    if let Err(e) = super::sock_filter::settle(maps, &sockets) {
+        tracing::warn!(
+            error = format!("{e:#}"),
+            "sock_release's filter not settled"
+        );
+    }
     super::stats::fold_removed(maps).context("removing statistics of removed entries")?;
     Ok(stats)
 }
