@@ -163,8 +163,7 @@ pub fn ratio_summary(
     let summary = ratios
         .into_iter()
         .map(|(name, mut v)| {
-            let min = v.iter().copied().fold(f64::MAX, f64::min);
-            let max = v.iter().copied().fold(f64::MIN, f64::max);
+            let (min, max) = range(&v);
             let median = median(&mut v);
             (name, Ratio { median, min, max })
         })
@@ -274,6 +273,18 @@ fn cluster_ip(
             .schedule(schedule)
             .build(),
     )
+}
+
+/// The smallest and the largest value ((`f64::MAX`, `f64::MIN`) for none).
+pub fn range(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)))
+}
+
+/// The width of `range`: max − min.
+pub fn spread_of(v: &[f64]) -> f64 {
+    let (lo, hi) = range(v);
+    hi - lo
 }
 
 /// The middle value (the mean of the two middle ones for an even count; 0 for none):

@@ -14,7 +14,7 @@ use aya::{
 };
 use proxy_agent::dataplane::bpf::XDP_BENCH_GEN_OBJECT;
 
-use super::median;
+use super::{median, spread_of};
 
 /// Bytes the front restores (`bench_gen.rs`'s `HEADERS`).
 const HEADERS: usize = 54;
@@ -125,22 +125,16 @@ pub fn measure(ebpf: &Ebpf, p: &Packets<'_>, rounds: u32, repeat: u32) -> Result
             samples[i].push(ns);
         }
     }
-    let spread = |v: &[f64]| {
-        let (lo, hi) = v
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
-        hi - lo
-    };
     let [mut xp, mut xe, mut tp, mut te, mut tn, mut tr] = samples;
     Ok(Steady {
         rounds: rounds.max(1),
         repeat,
-        xdp_pass_spread_ns: spread(&xp),
-        xdp_established_spread_ns: spread(&xe),
-        tc_pass_spread_ns: spread(&tp),
-        tc_established_spread_ns: spread(&te),
-        tc_new_flow_spread_ns: spread(&tn),
-        tc_reply_spread_ns: spread(&tr),
+        xdp_pass_spread_ns: spread_of(&xp),
+        xdp_established_spread_ns: spread_of(&xe),
+        tc_pass_spread_ns: spread_of(&tp),
+        tc_established_spread_ns: spread_of(&te),
+        tc_new_flow_spread_ns: spread_of(&tn),
+        tc_reply_spread_ns: spread_of(&tr),
         tc_reply_ns: median(&mut tr),
         xdp_pass_ns: median(&mut xp),
         xdp_established_ns: median(&mut xe),

@@ -28,7 +28,7 @@ use proxy_agent::{
     trace::packet,
 };
 
-use super::{TCP_ACK, TCP_SYN, VIP, median, services};
+use super::{TCP_ACK, TCP_SYN, VIP, median, range, services};
 use crate::kube_proxy;
 
 /// One contender's delivered rate: medians over rounds, and the spread (max - min).
@@ -283,9 +283,7 @@ fn measure(n: usize, frames: u32, rounds: u32, only: &[String]) -> Result<Throug
         .zip(samples)
         .filter(|(_, (mpps, _))| !mpps.is_empty())
         .map(|(c, (mut mpps, mut share))| {
-            let (lo, hi) = mpps
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+            let (lo, hi) = range(&mpps);
             Rate {
                 contender: (*c).to_string(),
                 mpps: median(&mut mpps),

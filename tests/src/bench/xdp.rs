@@ -16,7 +16,7 @@ use proxy_agent::{
     trace::packet,
 };
 
-use super::{CONNTRACK_NEW_ROOM, TCP_ACK, TCP_SYN, VIP, median, services, view_of};
+use super::{CONNTRACK_NEW_ROOM, TCP_ACK, TCP_SYN, VIP, median, services, spread_of, view_of};
 
 /// Nanoseconds per packet: medians over rounds, and each one's spread (max - min).
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -183,18 +183,12 @@ fn measure(n: usize, runs: u32, rounds: u32) -> Result<XdpPerPacket> {
         rounds,
         runs.min(20_000),
     )?;
-    let spread = |v: &[f64]| {
-        let (lo, hi) = v
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
-        hi - lo
-    };
     Ok(XdpPerPacket {
         rounds: rounds.max(1),
-        xdp_established_spread_ns: spread(&est),
-        xdp_new_flow_spread_ns: spread(&new),
-        xdp_pass_spread_ns: spread(&pass),
-        tc_established_spread_ns: spread(&tcs),
+        xdp_established_spread_ns: spread_of(&est),
+        xdp_new_flow_spread_ns: spread_of(&new),
+        xdp_pass_spread_ns: spread_of(&pass),
+        tc_established_spread_ns: spread_of(&tcs),
         xdp_established_ns: median(&mut est),
         xdp_new_flow_ns: median(&mut new),
         xdp_pass_ns: median(&mut pass),

@@ -339,9 +339,7 @@ fn connection_cost(beds: &[Bed], rounds: u32, count: u32) -> Result<BTreeMap<Str
         .into_iter()
         .map(|(k, mut v)| {
             let mut diffs: Vec<f64> = v.iter().zip(&base).map(|(x, b)| x - b).collect();
-            let (lo, hi) = diffs
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+            let (lo, hi) = bench::range(&diffs);
             let cost = Cost {
                 ns: bench::median(&mut v),
                 over_unhooked: bench::median(&mut diffs),
