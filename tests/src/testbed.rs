@@ -615,7 +615,12 @@ impl Testbed {
 
     /// Waits up to 10 s for `cond`; fails naming `what`, with the agent's log.
     pub fn wait_for(&self, what: &str, cond: impl Fn() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        self.wait_for_within(Duration::from_secs(10), what, cond);
+    }
+
+    /// `wait_for`, up to `within`.
+    pub fn wait_for_within(&self, within: Duration, what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + within;
         while !cond() {
             assert!(
                 Instant::now() < deadline,

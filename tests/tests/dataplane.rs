@@ -393,18 +393,8 @@ fn socket_filter(tb: &Testbed) -> serde_json::Value {
     tb.dump().expect("dump")["socket_filter"].clone()
 }
 
-/// `cond` within `secs` (the collector passes every 10 s); fails naming `what`.
-fn wait_secs(tb: &Testbed, secs: u64, what: &str, cond: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}\nagent log:\n{}",
-            tb.agent_log()
-        );
-        thread::sleep(Duration::from_millis(200));
-    }
-}
+/// The collector passes every 10 s: what it settles may take up to two passes.
+const COLLECTOR_PASSES: Duration = Duration::from_secs(25);
 
 /// Connect-time: `sock_release` skips the `SOCK_LB` lookup for a socket no hook
 /// translated, trusting the programs' counts of the entries they made (ABI.md, "the
@@ -416,7 +406,7 @@ fn wait_secs(tb: &Testbed, secs: u64, what: &str, cond: impl Fn() -> bool) {
 #[test]
 fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
     let mut tb = testbed(Path_::ConnectTime, &[0], None);
-    wait_secs(&tb, 25, "the filter to settle at start", || {
+    tb.wait_for_within(COLLECTOR_PASSES, "the filter to settle at start", || {
         socket_filter(&tb)["uncounted"] == false
     });
     let sockets = |tb: &Testbed| tb.dump().expect("dump")["sockets"].as_u64();
@@ -473,12 +463,13 @@ fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
     let attempts = session.stop().expect("session output");
     assert!(attempts.iter().all(|a| a.ok), "the session broke");
     // Its socket closed: the entry goes (looked up, uncounted), and the filter settles.
-    wait_secs(&tb, 5, "the older entry to go with its socket", || {
-        sockets(&tb) == Some(0)
-    });
-    wait_secs(
-        &tb,
-        25,
+    tb.wait_for_within(
+        Duration::from_secs(5),
+        "the older entry to go with its socket",
+        || sockets(&tb) == Some(0),
+    );
+    tb.wait_for_within(
+        COLLECTOR_PASSES,
         "the filter to settle once no older entry is left",
         || socket_filter(&tb)["uncounted"] == false,
     );
