@@ -41,15 +41,14 @@ pub fn arm(ebpf: &mut Ebpf) -> Result<SockLbFilter> {
 
 /// The collector's part, with `SOCK_LB` as a pass read it: once every entry carries the
 /// current generation, releases may trust the counts. (Entries made from now on are
-/// counted: only the hooks swapped out made others, and they are gone.) Returns whether
-/// this pass cleared `uncounted`.
-pub fn settle(maps: &mut MapSet, entries: &[(u64, SockLb)]) -> Result<bool> {
+/// counted: only the hooks swapped out made others, and they are gone.)
+pub fn settle(maps: &mut MapSet, entries: &[(u64, SockLb)]) -> Result<()> {
     let filter = maps
         .sock_lb_filter
         .get(&0, 0)
         .with_context(|| format!("reading {}", map_names::SOCK_LB_FILTER))?;
     if !may_clear(&filter, entries) {
-        return Ok(false);
+        return Ok(());
     }
     maps.sock_lb_filter
         .set(
@@ -66,7 +65,7 @@ pub fn settle(maps: &mut MapSet, entries: &[(u64, SockLb)]) -> Result<bool> {
         sockets = entries.len(),
         "every socket entry counted: releases now skip the lookup for sockets never translated"
     );
-    Ok(true)
+    Ok(())
 }
 
 /// Whether `uncounted` may be cleared: set, with a generation, and no entry of another.
