@@ -18,7 +18,8 @@ pub struct SockBinding {
     pub rev_nat_id: u32,
     pub backend_id: u32,
     /// `bpf_ktime_get_ns()` when the backend was chosen: the binding holds while
-    /// `MEMBERS` has the pair since no later than this.
+    /// `MEMBERS` has the pair since no later than this. `sent` bindings only (0 in
+    /// `connected`, which nothing re-checks).
     pub bound_ns: u64,
 }
 
