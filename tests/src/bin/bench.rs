@@ -58,6 +58,10 @@ struct Args {
     /// the pod the direct contender connects to).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=3))]
     measured_endpoints: u8,
+    /// Interleaved rounds at each scale (default 10; 5 with `--quick`, the fewest the
+    /// medians are taken over): more resolve a smaller difference between contenders.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(5..))]
+    rounds: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -86,6 +90,11 @@ struct Scale {
     ratio: BTreeMap<String, f64>,
     /// The rounds' ratios' range (min, max).
     ratio_range: BTreeMap<String, (f64, f64)>,
+    /// Each turn's connection rate per contender (one 1-second slice each, in turn).
+    turns: Vec<BTreeMap<String, f64>>,
+    /// The median of the turns' ratios to direct (each turn's contenders run within
+    /// seconds of each other) with its 95% confidence interval: what the run resolves.
+    turn_ratio: BTreeMap<String, TurnRatio>,
     /// The load average before each round.
     load: Vec<String>,
     /// Rounds where the direct path was slower than a proxied one.
@@ -98,6 +107,43 @@ struct Scale {
     /// What one TCP connection (connect, then reset) costs its client: with no hooks,
     /// and in the hooked cgroup to the pod's own address and to the frontend.
     connection_ns: BTreeMap<String, Cost>,
+}
+
+/// The median of a contender's per-turn ratios and its 95% confidence interval.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+struct TurnRatio {
+    median: f64,
+    ci95: (f64, f64),
+    turns: usize,
+}
+
+/// Per contender, `TurnRatio` over the turns that ran `baseline`.
+fn turn_ratios(turns: &[BTreeMap<String, f64>], baseline: &str) -> BTreeMap<String, TurnRatio> {
+    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for turn in turns {
+        let Some(&base) = turn.get(baseline).filter(|b| **b > 0.0) else {
+            continue;
+        };
+        for (name, v) in turn.iter().filter(|(name, _)| *name != baseline) {
+            ratios.entry(name.clone()).or_default().push(v / base);
+        }
+    }
+    ratios
+        .into_iter()
+        .map(|(name, mut v)| {
+            let ci95 = bench::median_ci95(&v);
+            let turns = v.len();
+            let median = bench::median(&mut v);
+            (
+                name,
+                TurnRatio {
+                    median,
+                    ci95,
+                    turns,
+                },
+            )
+        })
+        .collect()
 }
 
 struct Bed {
@@ -406,8 +452,11 @@ fn main() -> Result<()> {
     let (scales, secs, rounds, runs): (Vec<usize>, u32, u32, u32) = if args.quick {
         (vec![1, 100], 1, 5, 2_000)
     } else {
-        (vec![1, 1_000, 10_000, 100_000], 5, 5, 200_000)
+        // 10 rounds: 50 turns resolve a ratio to about ±0.03 (95%) on this VM, where a
+        // turn's paired ratio has a standard deviation of ~9%; 25 to about ±0.04.
+        (vec![1, 1_000, 10_000, 100_000], 5, 10, 200_000)
     };
+    let rounds = args.rounds.unwrap_or(rounds);
     let scales = if args.services.is_empty() {
         scales
     } else {
@@ -461,6 +510,7 @@ fn main() -> Result<()> {
         }
         let mut sums: BTreeMap<String, Vec<WrkResult>> = BTreeMap::new();
         let mut per_round = Vec::new();
+        let mut per_turn = Vec::new();
         // Interleaved: each contender's `secs` in a round come as 1-second slices, the
         // contenders taking turns, so a slow spell of the machine (seconds long on a VM)
         // falls on all of them — with one 5-second run each, a spell at a reversal fell
@@ -473,13 +523,16 @@ fn main() -> Result<()> {
             for slice in 0..secs {
                 let turn = (round * secs + slice) as usize;
                 let order = bench::rotated(&beds, turn);
+                let mut this_turn = BTreeMap::new();
                 for b in order {
                     let r = wrk(b, 1).with_context(|| format!("{:?} at {n}", b.contender))?;
+                    this_turn.insert(format!("{:?}", b.contender), r.requests_per_s);
                     slices
                         .entry(format!("{:?}", b.contender))
                         .or_default()
                         .push(r);
                 }
+                per_turn.push(this_turn);
             }
             let mut this_round = BTreeMap::new();
             for (name, rs) in slices {
@@ -499,6 +552,8 @@ fn main() -> Result<()> {
             .map(|(k, r)| (k.clone(), (r.min, r.max)))
             .collect();
         scale.warnings = warnings;
+        scale.turn_ratio = turn_ratios(&per_turn, "Direct");
+        scale.turns = per_turn;
         scale.connection_ns =
             connection_cost(&beds, rounds, if args.quick { 2_000 } else { 50_000 })
                 .context("the cost of a connection")?;
@@ -676,6 +731,13 @@ fn print_scale(s: &Scale) {
             format!("{lo:.2}–{hi:.2}"),
             r.p50_ms,
             r.p99_ms
+        );
+    }
+    for (k, t) in &s.turn_ratio {
+        let (lo, hi) = t.ci95;
+        println!(
+            "  {k}: median of {} turns' ratios {:.3}, 95% confidence {lo:.3}–{hi:.3}",
+            t.turns, t.median
         );
     }
     for w in &s.warnings {
