@@ -570,6 +570,8 @@ fn main() -> Result<()> {
         "nft": sh(&["nft", "--version"]).unwrap_or_default().trim(),
         "wrk": "wrk -t1 -c8 --latency -H 'Connection: close' (pinned to CPU 0; nginx on CPU 1)",
         "quick": args.quick,
+        "rounds": rounds,
+        "measured_endpoints": args.measured_endpoints,
         "scales": results,
     });
     let json_path = args.out.join("bench.json");
