@@ -136,6 +136,21 @@ pub struct Ratio {
     pub max: f64,
 }
 
+/// Per contender, its ratio to `baseline` in each sample (a round, a turn) that ran the
+/// baseline, in order (the baseline's own 1.0s included).
+pub fn ratios_to(samples: &[BTreeMap<String, f64>], baseline: &str) -> BTreeMap<String, Vec<f64>> {
+    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for sample in samples {
+        let Some(&base) = sample.get(baseline).filter(|b| **b > 0.0) else {
+            continue;
+        };
+        for (name, v) in sample {
+            ratios.entry(name.clone()).or_default().push(v / base);
+        }
+    }
+    ratios
+}
+
 /// Per contender, the median of its per-round ratios to `baseline` and their range; and a
 /// warning for each round in which the baseline was slower than another contender (the
 /// machine was busy: a proxied path cannot beat the direct one).
@@ -143,24 +158,23 @@ pub fn ratio_summary(
     rounds: &[BTreeMap<String, f64>],
     baseline: &str,
 ) -> (BTreeMap<String, Ratio>, Vec<String>) {
-    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut warnings = Vec::new();
     for (i, round) in rounds.iter().enumerate() {
         let Some(&base) = round.get(baseline).filter(|b| **b > 0.0) else {
             continue;
         };
-        for (name, v) in round {
-            ratios.entry(name.clone()).or_default().push(v / base);
-            if name != baseline && *v > base {
-                warnings.push(format!(
-                    "round {}: {baseline} ({base:.0}/s) slower than {name} ({v:.0}/s): the \
-                     machine was busy",
-                    i + 1
-                ));
-            }
+        for (name, v) in round
+            .iter()
+            .filter(|(name, v)| *name != baseline && **v > base)
+        {
+            warnings.push(format!(
+                "round {}: {baseline} ({base:.0}/s) slower than {name} ({v:.0}/s): the \
+                 machine was busy",
+                i + 1
+            ));
         }
     }
-    let summary = ratios
+    let summary = ratios_to(rounds, baseline)
         .into_iter()
         .map(|(name, mut v)| {
             let (min, max) = range(&v);

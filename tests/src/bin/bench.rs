@@ -117,19 +117,11 @@ struct TurnRatio {
     turns: usize,
 }
 
-/// Per contender, `TurnRatio` over the turns that ran `baseline`.
+/// Per contender but `baseline`, `TurnRatio` over the turns that ran `baseline`.
 fn turn_ratios(turns: &[BTreeMap<String, f64>], baseline: &str) -> BTreeMap<String, TurnRatio> {
-    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for turn in turns {
-        let Some(&base) = turn.get(baseline).filter(|b| **b > 0.0) else {
-            continue;
-        };
-        for (name, v) in turn.iter().filter(|(name, _)| *name != baseline) {
-            ratios.entry(name.clone()).or_default().push(v / base);
-        }
-    }
-    ratios
+    bench::ratios_to(turns, baseline)
         .into_iter()
+        .filter(|(name, _)| name != baseline)
         .map(|(name, mut v)| {
             let ci95 = bench::median_ci95(&v);
             let turns = v.len();
@@ -526,11 +518,9 @@ fn main() -> Result<()> {
                 let mut this_turn = BTreeMap::new();
                 for b in order {
                     let r = wrk(b, 1).with_context(|| format!("{:?} at {n}", b.contender))?;
-                    this_turn.insert(format!("{:?}", b.contender), r.requests_per_s);
-                    slices
-                        .entry(format!("{:?}", b.contender))
-                        .or_default()
-                        .push(r);
+                    let name = format!("{:?}", b.contender);
+                    this_turn.insert(name.clone(), r.requests_per_s);
+                    slices.entry(name).or_default().push(r);
                 }
                 per_turn.push(this_turn);
             }
