@@ -158,15 +158,19 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
     Ok((buf.trim().to_string(), peer))
 }
 
-/// Opens `opts.count` TCP connections one after the other, each reset (SO_LINGER 0) as
-/// soon as it is up, so no TIME_WAIT piles up; prints one summary attempt.
+/// Opens `opts.count` TCP connections one after the other (to the targets in turn), each
+/// reset (SO_LINGER 0) as soon as it is up, so no TIME_WAIT piles up; prints one summary
+/// attempt.
 fn churn(opts: &Run) -> Result<()> {
     use std::os::fd::AsRawFd as _;
+    let targets: Vec<SocketAddr> = std::iter::once(opts.target)
+        .chain(opts.more_targets.iter().copied())
+        .collect();
     let start = Instant::now();
     let mut made = 0;
     let mut error = None;
-    for _ in 0..opts.count {
-        match TcpStream::connect_timeout(&opts.target, opts.timeout) {
+    for target in targets.iter().cycle().take(opts.count as usize) {
+        match TcpStream::connect_timeout(target, opts.timeout) {
             Ok(s) => {
                 let linger = libc::linger {
                     l_onoff: 1,

@@ -358,9 +358,13 @@ fn connection_cost(beds: &[Bed], rounds: u32, count: u32) -> Result<BTreeMap<Str
         bench::BACKEND_PORT
     );
     let frontend = format!("{}:80", bench::VIP);
+    // The measured Service's pods in turn, reached directly: what its spread over them
+    // costs without the hooks.
+    let pods = bench::measured_endpoints().join(",");
     const BASE: &str = "no hooks, to the pod";
     let runs = [
         (BASE, direct, &pod),
+        ("no hooks, to its pods in turn", direct, &pods),
         ("hooked, to the pod", hooked, &pod),
         ("hooked, to the frontend", hooked, &frontend),
     ];
@@ -408,14 +412,8 @@ fn churn(netns: &Testbed, cgroup: &Testbed, target: &str, count: u32) -> Result<
         .arg(format!("/run/netns/{}", netns.client_ns()))
         .arg("--cgroup")
         .arg(cgroup.cgroup_path())
-        .args([
-            "--target",
-            target,
-            "--proto",
-            "tcp-churn",
-            "--timeout-ms",
-            "5000",
-        ])
+        .args(target.split(',').flat_map(|t| ["--target", t]))
+        .args(["--proto", "tcp-churn", "--timeout-ms", "5000"])
         .args(["--count", &count.to_string()])
         .output()
         .context("running e2e-client")?;

@@ -10,7 +10,7 @@ struct Args {
     #[arg(long)]
     cgroup: Option<PathBuf>,
     /// Given more than once with `--proto udp --reuse-socket`: one socket sends to each
-    /// in turn.
+    /// in turn; with `--proto tcp-churn`: connections go to each in turn.
     #[arg(long, required = true)]
     target: Vec<SocketAddr>,
     /// tcp, udp (unconnected: sendto/recvfrom), udp-connected, or tcp-churn (connections
