@@ -30,6 +30,24 @@ fn testbed(path: Path_, annotations: &str) -> Testbed {
     );
     tb.write_manifests(&files).expect("manifests");
     tb.start_agent(path, FRONTENDS).expect("agent");
+    // `dump` shows the scheduler the programs read.
+    let name = annotations
+        .split(',')
+        .find_map(|a| a.trim().strip_prefix("ebpf.proxy.k8s.io/scheduler:"))
+        .map(str::trim);
+    if let Some(name) = name {
+        let dump = tb.dump().expect("dump");
+        let frontend = target(VIP4, TCP_PORT);
+        let row = dump["services"]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["frontend"] == frontend.as_str()))
+            .cloned();
+        assert_eq!(
+            row.as_ref().map(|r| &r["scheduler"]),
+            Some(&serde_json::json!(name)),
+            "{row:?}"
+        );
+    }
     tb
 }
 

@@ -103,6 +103,8 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
             "id": value.id,
             "rev": value.rev,
             "affinity_timeout_s": value.affinity_timeout_s,
+            // An unknown code (a newer release's pins): null.
+            "scheduler": bpf::writer::encode::scheduler_of_code(value.scheduler).map(|s| s.name()),
             "backends": backends,
         }));
     }
@@ -155,19 +157,21 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
         );
     } else {
         outln!(
-            "{:<28} {:<5} {:>5} {:>4}  BACKENDS",
+            "{:<28} {:<5} {:>5} {:>4} {:<6}  BACKENDS",
             "FRONTEND",
             "PROTO",
             "ID",
-            "REV"
+            "REV",
+            "SCHED"
         );
         for r in &rows {
             outln!(
-                "{:<28} {:<5} {:>5} {:>4}  {}",
+                "{:<28} {:<5} {:>5} {:>4} {:<6}  {}",
                 r["frontend"].as_str().unwrap_or(""),
                 r["protocol"].as_str().unwrap_or(""),
                 r["id"].as_u64().unwrap_or(0),
                 r["rev"].as_u64().unwrap_or(0),
+                r["scheduler"].as_str().unwrap_or("?"),
                 r["backends"]
                     .as_array()
                     .map(|b| b
