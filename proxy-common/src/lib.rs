@@ -72,6 +72,7 @@ mod user {
         SockBinding,
         SockLb,
         SockLbFilter,
+        SockSlot,
         MemberKey,
         CtKey,
         CtValue,

@@ -71,6 +71,9 @@ maps! {
     /// that connected or sent to a frontend (entries go when the socket is released, so
     /// this bounds concurrent sockets, not connections over time).
     SOCK_LB(262_144);
+    /// Connect-time path: connected sockets' bindings, in the slot each cookie names
+    /// (`sock_slot`); a socket whose slot is taken goes to `SOCK_LB`.
+    SOCK_CONNECTED(65_536);
     /// Connect-time path: per slot of socket cookies (`sock_count_slot`), the `SOCK_LB`
     /// entries counted under the filter's generation. A released socket whose slot
     /// counts none has no entry, and skips the lookup.

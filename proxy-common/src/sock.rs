@@ -1,4 +1,4 @@
-//! The connect-time path's per-socket state (`SOCK_LB`).
+//! The connect-time path's per-socket state (`SOCK_CONNECTED`, `SOCK_LB`).
 
 /// One frontend a socket was sent to by the connect-time hooks, and the backend chosen.
 /// `service_id == 0` marks an empty binding.
@@ -58,6 +58,23 @@ pub struct SockLbFilter {
     pub uncounted: u32,
 }
 
+/// `SOCK_CONNECTED` value: the binding of the connected socket whose cookie names this
+/// slot (`sock_slot`). `cookie == 0`: a free slot.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockSlot {
+    pub cookie: u64,
+    pub binding: SockBinding,
+}
+
+/// The `SOCK_CONNECTED` index of a socket cookie. Consecutive cookies (sockets made one
+/// after another take consecutive ones) take consecutive slots: a new connection's slot
+/// shares a cache line with the last one's, where a hash bucket would be a cache miss.
+pub const fn sock_slot(cookie: u64) -> u32 {
+    (cookie % crate::capacity::SOCK_CONNECTED as u64) as u32
+}
+
 /// The `SOCK_LB_COUNTS` index of a socket cookie. Consecutive cookies (sockets released
 /// one after another take consecutive ones) share cache lines.
 pub const fn sock_count_slot(cookie: u64) -> u32 {
@@ -75,6 +92,15 @@ mod tests {
         assert_eq!(size_of::<SockBinding>(), 40);
         assert_eq!(size_of::<SockLb>(), 40 * (1 + SOCK_SENT_SLOTS) + 8);
         assert_eq!(size_of::<SockLbFilter>(), 8);
+        assert_eq!(size_of::<SockSlot>(), 48);
+    }
+
+    #[test]
+    fn consecutive_cookies_take_consecutive_slots() {
+        let cap = u64::from(crate::capacity::SOCK_CONNECTED);
+        assert_eq!(sock_slot(7), 7);
+        assert_eq!(sock_slot(cap + 7), 7);
+        assert_eq!(sock_slot(cap - 1) + 1, cap as u32);
     }
 
     #[test]

@@ -18,8 +18,8 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
     FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue,
-    SctpPending, ServiceKey, ServiceValue, SockLb, SockLbFilter, StatsKey, capacity, counter,
-    crc32c, port_slot,
+    SctpPending, ServiceKey, ServiceValue, SockLb, SockLbFilter, SockSlot, StatsKey, capacity,
+    counter, crc32c, port_slot,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -58,6 +58,13 @@ pub static REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO
 #[btf_map]
 pub static SOCK_LB: HashMap<u64, SockLb, { capacity::SOCK_LB as usize }, NO_PREALLOC> =
     HashMap::new();
+
+/// Connected sockets' bindings, in the slot each socket's cookie names: no hash, no
+/// allocation, and consecutive sockets in neighbouring slots (a `SOCK_LB` insert's cold
+/// bucket was a third of `connect4` in a profile). A socket whose slot another live
+/// socket holds goes to `SOCK_LB`; `sock_release` frees the slot.
+#[btf_map]
+pub static SOCK_CONNECTED: Array<SockSlot, { capacity::SOCK_CONNECTED as usize }> = Array::new();
 
 /// `SOCK_LB` entries per cookie slot, counted under `SOCK_LB_FILTER`'s generation: a
 /// release whose slot counts none skips the `SOCK_LB` lookup (ABI.md, "the release

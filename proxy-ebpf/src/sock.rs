@@ -2,8 +2,8 @@
 //! backend before the first packet exists, so no per-packet NAT is needed, and
 //! replies and `getpeername` are translated back so applications only ever see the VIP.
 //!
-//! Layer 5, an entry pipeline. Owns: the connect-time hooks' bodies, `SOCK_LB`'s entries
-//! with their counts (`SOCK_LB_COUNTS`; the agent owns `SOCK_LB_FILTER`) and
+//! Layer 5, an entry pipeline. Owns: the connect-time hooks' bodies, `SOCK_CONNECTED`'s
+//! slots, `SOCK_LB`'s entries with their counts (`SOCK_LB_COUNTS`; the agent owns `SOCK_LB_FILTER`) and
 //! `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `pipeline` and `main`).
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
@@ -19,12 +19,12 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use proxy_common::{
     AFFINITY_BY_NETNS, Backend, FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, SOCK_SENT_SLOTS,
-    ServiceValue, SockBinding, SockLb, counter, sock_count_slot,
+    ServiceValue, SockBinding, SockLb, SockSlot, counter, sock_count_slot, sock_slot,
 };
 
 use crate::{
     lb::{self, Client, NoBackend},
-    maps::{REV_NAT, SOCK_LB, SOCK_LB_COUNTS, SOCK_LB_FILTER, count},
+    maps::{REV_NAT, SOCK_CONNECTED, SOCK_LB, SOCK_LB_COUNTS, SOCK_LB_FILTER, count},
 };
 
 /// Let the call proceed.
@@ -99,9 +99,12 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
             lb::opened(&svc, id);
             // The socket sees the backend in the form it used for the frontend.
             write_addr(ctx, family, map(be.addr, mapped), be.port);
-            match entry_of(&cookie) {
-                Some(entry) => bind(entry, hook, &svc, id, &be),
-                None => count(counter::SOCK_REV_NAT_FAILED),
+            let binding = binding(hook, &svc, id, &be);
+            if !(hook == Hook::Connect && claim_slot(cookie, &binding)) {
+                match entry_of(&cookie) {
+                    Some(entry) => bind(entry, hook, binding),
+                    None => count(counter::SOCK_REV_NAT_FAILED),
+                }
             }
             crate::stats::connection(svc.rev_nat_id, id);
             ALLOW
@@ -184,11 +187,39 @@ fn count_entry(cookie: u64, entry: *mut SockLb) {
     }
 }
 
-/// Remembers the backend chosen for `svc`: as the socket's peer (connect) or as where its
-/// datagrams to `svc` go (sendmsg) — in `svc`'s slot, a free one, or the oldest.
+/// The socket's `SOCK_CONNECTED` slot, if free or already its own: `binding` written there.
+/// Two sockets whose cookies share a slot connecting in the same instant on two CPUs may
+/// both write it: one that finds the other's cookie there afterwards gives up the slot
+/// (ABI.md).
 #[inline(always)]
-fn bind(entry: *mut SockLb, hook: Hook, svc: &ServiceValue, backend_id: u32, be: &Backend) {
-    let binding = SockBinding {
+fn claim_slot(cookie: u64, binding: &SockBinding) -> bool {
+    let Some(slot) = SOCK_CONNECTED.get_ptr_mut(sock_slot(cookie)) else {
+        return false;
+    };
+    // SAFETY: a live array slot; its owner changes only at connect and release.
+    unsafe {
+        let owner = core::ptr::read_volatile(&(*slot).cookie);
+        if owner != 0 && owner != cookie {
+            return false;
+        }
+        (*slot).binding = *binding;
+        core::ptr::write_volatile(&mut (*slot).cookie, cookie);
+        core::ptr::read_volatile(&(*slot).cookie) == cookie
+    }
+}
+
+/// The binding of socket `cookie`'s slot, if the slot is its.
+#[inline(always)]
+fn slot_of(cookie: u64) -> Option<*mut SockSlot> {
+    let slot = SOCK_CONNECTED.get_ptr_mut(sock_slot(cookie))?;
+    // SAFETY: a live array slot.
+    (unsafe { core::ptr::read_volatile(&(*slot).cookie) } == cookie).then_some(slot)
+}
+
+/// What a socket is bound to: backend `backend_id` (`be`) of `svc`.
+#[inline(always)]
+fn binding(hook: Hook, svc: &ServiceValue, backend_id: u32, be: &Backend) -> SockBinding {
+    SockBinding {
         addr: be.addr,
         port: be.port,
         family: be.family,
@@ -204,7 +235,14 @@ fn bind(entry: *mut SockLb, hook: Hook, svc: &ServiceValue, backend_id: u32, be:
         } else {
             0
         },
-    };
+    }
+}
+
+/// Remembers `binding` in a `SOCK_LB` entry: as the socket's peer (connect) or as where
+/// its datagrams to the binding's Service go (sendmsg) — in that Service's slot, a free
+/// one, or the oldest.
+#[inline(always)]
+fn bind(entry: *mut SockLb, hook: Hook, binding: SockBinding) {
     // SAFETY: `entry` points at a live SOCK_LB value; writes stay inside it.
     unsafe {
         if hook == Hook::Connect {
@@ -214,7 +252,7 @@ fn bind(entry: *mut SockLb, hook: Hook, svc: &ServiceValue, backend_id: u32, be:
         let mut free = None;
         for i in 0..SOCK_SENT_SLOTS {
             let id = (*entry).sent[i].service_id;
-            if id == svc.id {
+            if id == binding.service_id {
                 (*entry).sent[i] = binding;
                 return;
             }
@@ -245,14 +283,25 @@ pub fn translate_to_frontend(ctx: &SockAddrContext, family: u8) -> i32 {
     let port = unsafe { (*sa).user_port as u16 };
     // SAFETY: valid context pointer for this program type.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let Some(entry) = SOCK_LB.get_ptr_mut(&cookie) else {
-        return ALLOW;
-    };
     // Bindings hold the backend's own form: a mapped IPv6 socket's datagrams go out
     // through sendmsg4 but come back through recvmsg6.
     let (addr, key_family, mapped) = unmap(read_addr(ctx, family), family);
-    let Some(rev_nat_id) = frontend_of(entry, addr, port, key_family) else {
-        return ALLOW;
+    let is = |b: &SockBinding| {
+        b.service_id != 0 && b.port == port && b.family == key_family && b.addr == addr
+    };
+    // SAFETY: the socket's own slot, copied out at once.
+    let peer = slot_of(cookie).map(|slot| unsafe { (*slot).binding });
+    let rev_nat_id = match peer {
+        Some(b) if is(&b) => b.rev_nat_id,
+        _ => {
+            let Some(entry) = SOCK_LB.get_ptr_mut(&cookie) else {
+                return ALLOW;
+            };
+            let Some(id) = frontend_of(entry, is) else {
+                return ALLOW;
+            };
+            id
+        }
     };
     // SAFETY: the value is copied out at once.
     if let Some(frontend) = unsafe { REV_NAT.get(&rev_nat_id).copied() } {
@@ -261,13 +310,10 @@ pub fn translate_to_frontend(ctx: &SockAddrContext, family: u8) -> i32 {
     ALLOW
 }
 
-/// The reverse-NAT id of the binding whose backend is `addr:port`: the peer first, then
+/// The reverse-NAT id of the binding that `is` the address shown: the peer first, then
 /// the frontends datagrams were sent to.
 #[inline(always)]
-fn frontend_of(entry: *mut SockLb, addr: [u32; 4], port: u16, family: u8) -> Option<u32> {
-    let is = |b: &SockBinding| {
-        b.service_id != 0 && b.port == port && b.family == family && b.addr == addr
-    };
+fn frontend_of(entry: *mut SockLb, is: impl Fn(&SockBinding) -> bool) -> Option<u32> {
     // SAFETY: `entry` points at a live SOCK_LB value.
     unsafe {
         if is(&(*entry).connected) {
@@ -283,14 +329,19 @@ fn frontend_of(entry: *mut SockLb, addr: [u32; 4], port: u16, family: u8) -> Opt
     None
 }
 
-/// sock_release: the socket is gone, and so is what the hooks remembered of it. Keeps
-/// `SOCK_LB` to live sockets, however many short connections come and go. A socket whose
+/// sock_release: the socket is gone, and so is what the hooks remembered of it: its
+/// `SOCK_CONNECTED` slot is free again, and `SOCK_LB` kept to live sockets, however many
+/// short connections come and go. A socket whose
 /// cookie's slot counts no entry has none (ABI.md, "the release filter"): most sockets,
 /// spared a lookup whose bucket is a cache miss away.
 #[inline(always)]
 pub fn forget(ctx: &SockContext) -> i32 {
     // SAFETY: valid context pointer for this program type.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if let Some(slot) = slot_of(cookie) {
+        // SAFETY: the socket's own slot: freed for the next socket.
+        unsafe { core::ptr::write_volatile(&mut (*slot).cookie, 0) };
+    }
     let filter = SOCK_LB_FILTER.get(0).copied().unwrap_or_default();
     let count = SOCK_LB_COUNTS.get_ptr_mut(sock_count_slot(cookie));
     if filter.generation != 0 && filter.uncounted == 0 {

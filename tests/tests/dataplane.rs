@@ -398,10 +398,11 @@ const COLLECTOR_PASSES: Duration = Duration::from_secs(25);
 
 /// Connect-time: `sock_release` skips the `SOCK_LB` lookup for a socket no hook
 /// translated, trusting the programs' counts of the entries they made (ABI.md, "the
-/// release filter"). A connection through the frontend is counted; short connections to
-/// the pod itself are not; and an entry an older release made (no generation, nothing
-/// counted) still goes when its socket closes: the filter stands aside until the
-/// collector finds no such entry left.
+/// release filter"). An unconnected UDP socket sending to the frontend is counted (a
+/// connected socket takes a `SOCK_CONNECTED` slot instead); short connections to the pod
+/// itself are not; and an entry an older release made (no generation, nothing counted)
+/// still goes when its socket closes: the filter stands aside until the collector finds
+/// no such entry left.
 #[needs_root]
 #[test]
 fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
@@ -409,9 +410,19 @@ fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
     tb.wait_for_within(COLLECTOR_PASSES, "the filter to settle at start", || {
         socket_filter(&tb)["uncounted"] == false
     });
-    let sockets = |tb: &Testbed| tb.dump().expect("dump")["sockets"].as_u64();
+    let sockets = |tb: &Testbed| tb.dump().expect("dump")["sock_lb_entries"].as_u64();
     let mut session = tb
-        .spawn_session(&target(VIP4, TCP_PORT), 1_000_000)
+        .spawn_client(&[
+            "--target",
+            &target(VIP4, UDP_PORT),
+            "--proto",
+            "udp",
+            "--reuse-socket",
+            "--count",
+            "1000000",
+            "--interval-ms",
+            "20",
+        ])
         .expect("session");
     session.first_attempt().expect("first answer");
     assert_eq!(sockets(&tb), Some(1));
@@ -474,6 +485,69 @@ fn connect_time_release_filter_counts_entries_and_lets_older_ones_drain() {
         || socket_filter(&tb)["uncounted"] == false,
     );
     assert_eq!(socket_filter(&tb)["counted"], 0);
+}
+
+/// Connect-time: a connected socket's binding takes the `SOCK_CONNECTED` slot its cookie
+/// names, not a `SOCK_LB` entry; its application sees the ClusterIP as its peer on every
+/// exchange, the collector's recount of open connections finds it there, and the slot is
+/// free again once the socket closes. With every slot taken by another (live) socket, a
+/// connection falls back to a `SOCK_LB` entry and is still shown the ClusterIP.
+#[needs_root]
+#[test]
+fn connect_time_connected_sockets_take_a_slot_or_fall_back_to_sock_lb() {
+    use proxy_agent::dataplane::bpf::MapSet;
+    let tb = testbed(Path_::ConnectTime, &[0], None);
+    let frontend = target(VIP4, TCP_PORT);
+    let counts = |tb: &Testbed| {
+        let d = tb.dump().expect("dump");
+        (d["sockets"].as_u64(), d["sock_lb_entries"].as_u64())
+    };
+    let pins = tb.pin_dir().join("maps");
+    let open_connections = || -> Vec<u64> {
+        let maps = MapSet::open_pinned(&pins).expect("pins");
+        maps.active_conns
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(_, n)| n)
+            .collect()
+    };
+    type Counts = (Option<u64>, Option<u64>);
+    let session = |tb: &Testbed, expect: Counts, after: Counts, recount: bool| {
+        let mut session = tb.spawn_session(&frontend, 1_000_000).expect("session");
+        let first = session.first_attempt().expect("first answer");
+        assert_eq!(first.peer.as_deref(), Some(frontend.as_str()), "{first:?}");
+        assert_eq!(counts(tb), expect, "{}", tb.agent_log());
+        if recount {
+            // No connection counted at connect (random is no least-connection scheduler):
+            // a 1 is the collector's, from the slot.
+            tb.wait_for_within(COLLECTOR_PASSES, "the recount to find the socket", || {
+                open_connections() == [1]
+            });
+        }
+        thread::sleep(Duration::from_millis(300));
+        let attempts = session.stop().expect("session output");
+        assert!(attempts.len() > 3, "{attempts:?}");
+        assert!(
+            attempts
+                .iter()
+                .all(|a| a.ok && a.peer.as_deref() == Some(frontend.as_str())),
+            "{attempts:?}"
+        );
+        tb.wait_for("the socket's state to go with it", || counts(tb) == after);
+    };
+    session(&tb, (Some(1), Some(0)), (Some(0), Some(0)), true);
+    // Every slot held by another socket: cookies that name those slots, far beyond any
+    // this machine has given out.
+    let mut maps = MapSet::open_pinned(&pins).expect("pins");
+    let all = u64::from(proxy_common::capacity::SOCK_CONNECTED);
+    for i in 0..proxy_common::capacity::SOCK_CONNECTED {
+        let taken = proxy_common::SockSlot {
+            cookie: (1 << 40) * all + u64::from(i),
+            ..Default::default()
+        };
+        maps.sock_connected.set(i, &taken, 0).expect("slot");
+    }
+    session(&tb, (Some(all + 1), Some(1)), (Some(all), Some(0)), false);
 }
 
 /// Connect-time: what the hooks remember per socket goes with the socket. 100k short TCP

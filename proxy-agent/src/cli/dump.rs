@@ -109,8 +109,10 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
         }));
     }
     let counters = maps.counters()?;
-    // Live sockets the connect-time hooks remember (entries go when a socket closes).
-    let sockets = maps.sock_lb.keys().filter(Result::is_ok).count();
+    // Live sockets the connect-time hooks remember (in a slot or an entry: both go when a
+    // socket closes), and how many of them in a `SOCK_LB` entry.
+    let state = bpf::sock_state::SockState::read(&maps)?;
+    let (sockets, sock_lb) = (state.sockets(), state.entries.len());
     // sock_release's filter: the generation, whether uncounted entries may be left, and
     // the entries counted (the socket entries made under this generation).
     let filter = maps.sock_lb_filter.get(&0, 0).unwrap_or_default();
@@ -144,6 +146,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 "services": rows,
                 "counters": counters,
                 "sockets": sockets,
+                "sock_lb_entries": sock_lb,
                 "socket_filter": {
                     "generation": filter.generation,
                     "uncounted": filter.uncounted != 0,
@@ -182,7 +185,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                     .unwrap_or_default()
             );
         }
-        outln!("\nsockets tracked: {sockets}");
+        outln!("\nsockets tracked: {sockets} ({sock_lb} in SOCK_LB)");
         outln!(
             "sock_release filter: generation {}, {counted} counted{}",
             filter.generation,

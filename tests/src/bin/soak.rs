@@ -1276,7 +1276,9 @@ fn report(
         }
     }
     let sockets = dump["sockets"].as_u64().unwrap_or(0);
-    println!("connect-time socket state (SOCK_LB) once the clients stopped: {sockets} entries");
+    println!(
+        "connect-time socket state (SOCK_CONNECTED, SOCK_LB) once the clients stopped: {sockets} entries"
+    );
     if sockets > 16 {
         println!("  FAILED: socket state outlives its sockets");
         why.push(format!(

@@ -13,7 +13,7 @@ use std::{
 
 use aya::{
     Pod,
-    maps::{HashMap, IterableMap as _, MapData},
+    maps::{Array, HashMap, IterableMap as _, MapData},
 };
 
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
@@ -74,6 +74,21 @@ pub fn read_all<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> io::Result<Vec<
         Err(e) if unsupported(&e) => map
             .iter()
             .map(|r| r.map_err(|e| io::Error::other(e.to_string())))
+            .collect(),
+        r => r,
+    }
+}
+
+/// Every slot of an array map, by index.
+pub fn read_array<V: Pod>(map: &Array<MapData, V>) -> io::Result<Vec<(u32, V)>> {
+    match read_batched(map.map()) {
+        Err(e) if unsupported(&e) => map
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.map(|v| (i as u32, v))
+                    .map_err(|e| io::Error::other(e.to_string()))
+            })
             .collect(),
         r => r,
     }

@@ -8,8 +8,8 @@ use std::{collections::HashMap as StdHashMap, path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData};
 use proxy_common::{
-    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, SockLb, ct_closed, elapsed_ns,
-    flow_last_seen, forward_key_of, map_names, reply_key_of,
+    CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_closed, elapsed_ns, flow_last_seen,
+    forward_key_of, map_names, reply_key_of,
 };
 
 use super::{maps::MapSet, stats::Ended, writer::remove_ignoring_absent};
@@ -129,13 +129,12 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
     (stats.new, stats.new_capacity) = (new.len() as u64, cap);
     stats.collected += collected;
     // From the tables as this pass left them: each is read once a pass.
-    let sockets = super::batch::read_all(&maps.sock_lb)
-        .with_context(|| format!("reading {}", map_names::SOCK_LB))?;
+    let sockets = super::sock_state::SockState::read(maps)?;
     recount_active(maps, [&answered, &new], &sockets, &timeouts, now_ns)
         .context("recounting active connections")?;
     // Not settling only keeps every release looking its socket up: no reason to skip the
     // rest of the pass.
-    if let Err(e) = super::sock_filter::settle(maps, &sockets) {
+    if let Err(e) = super::sock_filter::settle(maps, &sockets.entries) {
         tracing::warn!(
             error = format!("{e:#}"),
             "sock_release's filter not settled"
@@ -152,7 +151,7 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
 fn recount_active(
     maps: &mut MapSet,
     tables: [&Snapshot; 2],
-    sockets: &[(u64, SockLb)],
+    sockets: &super::sock_state::SockState,
     timeouts: &CtTimeouts,
     now: u64,
 ) -> Result<()> {
@@ -168,10 +167,8 @@ fn recount_active(
             }
         }
     }
-    for (_, sock) in sockets {
-        if sock.connected.service_id != 0 {
-            *open.entry(sock.connected.backend_id).or_default() += 1;
-        }
+    for (_, binding) in sockets.connected() {
+        *open.entry(binding.backend_id).or_default() += 1;
     }
     let stale: Vec<u32> = maps
         .active_conns

@@ -12,7 +12,7 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
     LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue, ServiceKey,
-    ServiceValue, SockLb, SockLbFilter, StatsKey, map_names,
+    ServiceValue, SockLb, SockLbFilter, SockSlot, StatsKey, map_names,
 };
 
 /// Each pinned map's memory as the kernel charges it (`memlock` of the map's fdinfo, in
@@ -55,6 +55,8 @@ pub struct MapSet {
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
     /// Per socket cookie: what the connect-time hooks did for it.
     pub sock_lb: HashMap<MapData, u64, SockLb>,
+    /// Connected sockets' bindings, in the slot each cookie names.
+    pub sock_connected: Array<MapData, SockSlot>,
     /// `SOCK_LB` entries per cookie slot, counted by the programs (`sock_release`'s
     /// filter).
     pub sock_lb_counts: Array<MapData, u32>,
@@ -300,6 +302,10 @@ impl MapSet {
             (map_names::REV_NAT, id(IterableMap::map(&self.rev_nat))?),
             (map_names::SOCK_LB, id(IterableMap::map(&self.sock_lb))?),
             (
+                map_names::SOCK_CONNECTED,
+                id(IterableMap::<u32, SockSlot>::map(&self.sock_connected))?,
+            ),
+            (
                 map_names::SOCK_LB_COUNTS,
                 id(IterableMap::<u32, u32>::map(&self.sock_lb_counts))?,
             ),
@@ -386,6 +392,7 @@ impl MapSet {
             affinity: typed!(map_names::AFFINITY),
             rev_nat: typed!(map_names::REV_NAT),
             sock_lb: typed!(map_names::SOCK_LB),
+            sock_connected: typed!(map_names::SOCK_CONNECTED),
             sock_lb_counts: typed!(map_names::SOCK_LB_COUNTS),
             sock_lb_filter: typed!(map_names::SOCK_LB_FILTER),
             members: typed!(map_names::MEMBERS),

@@ -22,6 +22,7 @@ mod pin_lock;
 pub mod port_filters;
 pub mod program_log;
 mod sock_filter;
+pub mod sock_state;
 mod sockets;
 pub mod stats;
 pub mod writer;
@@ -524,7 +525,16 @@ impl BpfDataplane {
         if let Some(cgroup) = &self.cgroup
             && !left.is_empty()
         {
-            let cookies = sockets::cookies_of(&self.maps.sock_lb, &left);
+            let cookies = match sock_state::SockState::read(&self.maps) {
+                Ok(state) => sockets::cookies_of(&state, &left),
+                Err(e) => {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        "connect-time socket state not read: no socket destroyed"
+                    );
+                    Default::default()
+                }
+            };
             // Failing to reach a socket leaves it as it was; the maps are already right.
             match sockets::destroy(cgroup, &cookies) {
                 Ok(n) => report.udp_sockets_destroyed = n,

@@ -6,7 +6,8 @@
 //! are destroyed with sock_diag's SOCK_DESTROY: the application sees ECONNABORTED and
 //! connects again — through the hooks, to a live backend.
 //!
-//! Which sockets: those `SOCK_LB` remembers (by cookie) as connected to a removed backend
+//! Which sockets: those the hooks remember (`SOCK_CONNECTED`, `SOCK_LB`; by cookie) as
+//! connected to a removed backend
 //! on a Service's behalf — never a socket that connected to the pod address itself.
 //! Where: sock_diag only sees its own network namespace, so the namespaces of the
 //! processes in the hooked cgroup are visited, each from a short-lived thread.
@@ -18,8 +19,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use super::{netlink::Channel, sock_state::SockState, writer::LeftUdp};
 use anyhow::{Context as _, Result, bail};
-use aya::maps::{HashMap as BpfHashMap, MapData};
 use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_sock_diag::{
     SockDiagMessage,
@@ -27,9 +28,6 @@ use netlink_packet_sock_diag::{
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
 use netlink_sys::protocols::NETLINK_SOCK_DIAG;
-use proxy_common::SockLb;
-
-use super::{netlink::Channel, writer::LeftUdp};
 
 /// sock_diag's destroy request (`linux/sock_diag.h`).
 const SOCK_DESTROY: u16 = 21;
@@ -37,10 +35,7 @@ const SOCK_DESTROY: u16 = 21;
 /// The sockets that connect-time balancing connected, on behalf of a frontend, to an
 /// endpoint that has left that frontend: by cookie, the backend each is connected to.
 /// (Unconnected sockets need nothing: their next datagram is balanced again.)
-pub fn cookies_of(
-    sock_lb: &BpfHashMap<MapData, u64, SockLb>,
-    left: &[LeftUdp],
-) -> HashMap<u64, SocketAddr> {
+pub fn cookies_of(sockets: &SockState, left: &[LeftUdp]) -> HashMap<u64, SocketAddr> {
     let left: HashSet<_> = left
         .iter()
         .map(|l| {
@@ -55,17 +50,12 @@ pub fn cookies_of(
     if left.is_empty() {
         return HashMap::new();
     }
-    sock_lb
-        .iter()
-        .filter_map(Result::ok)
+    sockets
+        .connected()
         // Bindings hold the backend's own form, also for IPv6 sockets that named an IPv4
         // frontend as ::ffff:a.b.c.d (those are found below among the IPv6 sockets).
-        .filter(|(_, v)| {
-            let b = &v.connected;
-            b.service_id != 0 && left.contains(&(b.rev_nat_id, b.addr, b.port, b.family))
-        })
-        .map(|(cookie, v)| {
-            let b = &v.connected;
+        .filter(|(_, b)| left.contains(&(b.rev_nat_id, b.addr, b.port, b.family)))
+        .map(|(cookie, b)| {
             (
                 cookie,
                 proxy_common::addr::socket_addr(b.addr, b.family, b.port),
