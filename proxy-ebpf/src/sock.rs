@@ -3,8 +3,9 @@
 //! replies and `getpeername` are translated back so applications only ever see the VIP.
 //!
 //! Layer 5, an entry pipeline. Owns: the connect-time hooks' bodies, `SOCK_CONNECTED`'s
-//! slots, `SOCK_LB`'s entries with their counts (`SOCK_LB_COUNTS`; the agent owns `SOCK_LB_FILTER`) and
-//! `SOCK_LB_ZERO`. May import: layers 0-4 (every module but `pipeline` and `main`).
+//! slots, `SOCK_LB`'s entries with their counts (`SOCK_LB_COUNTS`; the agent owns
+//! `SOCK_LB_FILTER`) and `SOCK_LB_ZERO`. May import: layers 0-4 (every module but
+//! `pipeline` and `main`).
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
@@ -331,9 +332,9 @@ fn frontend_of(entry: *mut SockLb, is: impl Fn(&SockBinding) -> bool) -> Option<
 
 /// sock_release: the socket is gone, and so is what the hooks remembered of it: its
 /// `SOCK_CONNECTED` slot is free again, and `SOCK_LB` kept to live sockets, however many
-/// short connections come and go. A socket whose
-/// cookie's slot counts no entry has none (ABI.md, "the release filter"): most sockets,
-/// spared a lookup whose bucket is a cache miss away.
+/// short connections come and go. A socket whose cookie's count slot counts no entry has
+/// none (ABI.md, "the release filter"): most sockets, spared a lookup whose bucket is a
+/// cache miss away.
 #[inline(always)]
 pub fn forget(ctx: &SockContext) -> i32 {
     // SAFETY: valid context pointer for this program type.
