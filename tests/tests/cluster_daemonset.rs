@@ -13,6 +13,7 @@ use anyhow::{Context as _, Result};
 use k8s_openapi::api::{
     apps::v1::DaemonSet,
     core::v1::{Pod, Service},
+    discovery::v1::EndpointSlice,
 };
 use kube::{
     Api,
@@ -82,6 +83,25 @@ async fn the_daemonset_started_by_kubelets_serves_pods() -> Result<()> {
         .await?;
     wait_pod(&pods, "web-a", "Running").await?;
     wait_pod(&pods, "web-b", "Running").await?;
+    // Running is not yet in the Service: the probe below starts once the EndpointSlice
+    // controller has both (a probe that began before once saw web-b alone).
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), NS);
+    eventually(
+        "both web endpoints ready in the Service's slices",
+        || async {
+            let list = slices
+                .list(&ListParams::default().labels("kubernetes.io/service-name=web"))
+                .await?;
+            let ready = list
+                .items
+                .iter()
+                .flat_map(|s| &s.endpoints)
+                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+                .count();
+            Ok((ready == 2).then_some(()))
+        },
+    )
+    .await?;
 
     // A ClusterIP from a Pod on node-0: both backends answer, none fails.
     let probe = format!(
@@ -96,11 +116,21 @@ async fn the_daemonset_started_by_kubelets_serves_pods() -> Result<()> {
     wait_pod(&pods, "client", "Succeeded").await?;
     let logs = pods.logs("client", &LogParams::default()).await?;
     let seen: BTreeSet<&str> = logs.lines().filter(|l| !l.is_empty()).collect();
-    assert_eq!(
-        seen,
-        BTreeSet::from(["web-a", "web-b"]),
-        "answers to {WEB_VIP} from a Pod: {logs}"
-    );
+    if seen != BTreeSet::from(["web-a", "web-b"]) {
+        // What node-0's agent did meanwhile, for whoever reads the failure.
+        let agent = running
+            .items
+            .iter()
+            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("node-0"))
+            .and_then(|p| p.metadata.name.clone())
+            .unwrap_or_default();
+        let tail = LogParams {
+            tail_lines: Some(60),
+            ..LogParams::default()
+        };
+        let agent_log = agents.logs(&agent, &tail).await.unwrap_or_default();
+        panic!("answers to {WEB_VIP} from a Pod: {logs}\nnode-0's agent ({agent}):\n{agent_log}");
+    }
 
     // The NodePort from outside the nodes (the root namespace's end of the box network),
     // on each node's address.
