@@ -72,13 +72,18 @@ pub struct SockSlot {
 /// after another take consecutive ones) take consecutive slots: a new connection's slot
 /// shares a cache line with the last one's, where a hash bucket would be a cache miss.
 pub const fn sock_slot(cookie: u64) -> u32 {
-    (cookie % crate::capacity::SOCK_CONNECTED as u64) as u32
+    cookie_index(cookie, crate::capacity::SOCK_CONNECTED)
 }
 
 /// The `SOCK_LB_COUNTS` index of a socket cookie. Consecutive cookies (sockets released
 /// one after another take consecutive ones) share cache lines.
 pub const fn sock_count_slot(cookie: u64) -> u32 {
-    (cookie % crate::capacity::SOCK_LB_COUNTS as u64) as u32
+    cookie_index(cookie, crate::capacity::SOCK_LB_COUNTS)
+}
+
+/// The index of `cookie` in an array of `len` entries indexed by cookie.
+const fn cookie_index(cookie: u64, len: u32) -> u32 {
+    (cookie % len as u64) as u32
 }
 
 #[cfg(test)]
@@ -97,18 +102,17 @@ mod tests {
 
     #[test]
     fn consecutive_cookies_take_consecutive_slots() {
-        let cap = u64::from(crate::capacity::SOCK_CONNECTED);
-        assert_eq!(sock_slot(7), 7);
-        assert_eq!(sock_slot(cap + 7), 7);
-        assert_eq!(sock_slot(cap - 1) + 1, cap as u32);
-    }
-
-    #[test]
-    fn consecutive_cookies_take_consecutive_count_slots() {
-        let cap = u64::from(crate::capacity::SOCK_LB_COUNTS);
-        assert_eq!(sock_count_slot(7), 7);
-        assert_eq!(sock_count_slot(cap + 7), 7);
-        assert_eq!(sock_count_slot(cap - 1) + 1, cap as u32);
+        use crate::capacity::{SOCK_CONNECTED, SOCK_LB_COUNTS};
+        let slots = [
+            (sock_slot as fn(u64) -> u32, SOCK_CONNECTED),
+            (sock_count_slot, SOCK_LB_COUNTS),
+        ];
+        for (slot, cap) in slots {
+            let cap = u64::from(cap);
+            assert_eq!(slot(7), 7);
+            assert_eq!(slot(cap + 7), 7);
+            assert_eq!(slot(cap - 1) + 1, cap as u32);
+        }
     }
 
     /// No implicit padding: the sum of the field sizes equals the struct size.

@@ -70,7 +70,7 @@ pub fn parse_attempts(out: &str) -> Result<Vec<Attempt>> {
 pub struct Run {
     pub target: SocketAddr,
     /// Further targets: an unconnected `reuse` socket sends its attempts to `target` and
-    /// these in turn (one socket, several frontends).
+    /// these in turn (one socket, several frontends); `churn` connects to them in turn.
     pub more_targets: Vec<SocketAddr>,
     pub udp: bool,
     /// UDP through a connected socket (connect4/6 + recvmsg) instead of sendto.
@@ -85,6 +85,16 @@ pub struct Run {
     pub count: u32,
     pub interval: Duration,
     pub timeout: Duration,
+}
+
+impl Run {
+    /// Where attempt `seq` goes: `target` and `more_targets` in turn.
+    fn target_of(&self, seq: u32) -> SocketAddr {
+        match seq as usize % (1 + self.more_targets.len()) {
+            0 => self.target,
+            turn => self.more_targets[turn - 1],
+        }
+    }
 }
 
 /// Runs the attempts, printing each as a JSON line as soon as it ends.
@@ -163,14 +173,11 @@ fn tcp_once(opts: &Run) -> std::io::Result<(String, SocketAddr)> {
 /// attempt.
 fn churn(opts: &Run) -> Result<()> {
     use std::os::fd::AsRawFd as _;
-    let targets: Vec<SocketAddr> = std::iter::once(opts.target)
-        .chain(opts.more_targets.iter().copied())
-        .collect();
     let start = Instant::now();
     let mut made = 0;
     let mut error = None;
-    for target in targets.iter().cycle().take(opts.count as usize) {
-        match TcpStream::connect_timeout(target, opts.timeout) {
+    for seq in 0..opts.count {
+        match TcpStream::connect_timeout(&opts.target_of(seq), opts.timeout) {
             Ok(s) => {
                 let linger = libc::linger {
                     l_onoff: 1,
@@ -246,15 +253,7 @@ impl Session {
                 }
                 exchange(s)
             })(),
-            Self::UdpTo(s) => {
-                let turn = seq as usize % (1 + opts.more_targets.len());
-                let to = if turn == 0 {
-                    opts.target
-                } else {
-                    opts.more_targets[turn - 1]
-                };
-                exchange_with(s, to)
-            }
+            Self::UdpTo(s) => exchange_with(s, opts.target_of(seq)),
             // In a closure, so that a failed write or read reaches the reconnect below.
             Self::Tcp(r, greeting) => (|| {
                 if !std::mem::take(greeting) {
