@@ -524,8 +524,52 @@ fn the_backend_node_learns_an_ipv6_flow_and_answers_as_the_frontend() {
     });
 }
 
+/// The backend's node, node-b (192.0.2.20, pods 10.244.2.0/24): its own agent, with the
+/// Service in `dsr` mode as a NodePort on its own addresses, `backends` its endpoints.
+fn backend_node(backends: &[&str]) -> Harness {
+    let mut h = Harness::new(&[]);
+    configure_node_b(&mut h);
+    let mut view = NodeView::new();
+    for node_ip in ["192.0.2.20", "2001:db8:a::20"] {
+        let family: Vec<&str> = backends
+            .iter()
+            .copied()
+            .filter(|b| b.starts_with('[') != node_ip.contains('.'))
+            .collect();
+        let (f, mut st) = frontend(node_ip, 30080, Protocol::Tcp, &family);
+        st.kind = FrontendKind::NodePort;
+        st.dsr = true;
+        view.insert(f, st);
+    }
+    h.apply(&view);
+    h
+}
+
+fn configure_node_b(h: &mut Harness) {
+    proxy_agent::dataplane::bpf::writer::configure(
+        &mut h.maps,
+        &proxy_agent::model::NodeSettings {
+            pod_cidrs: vec![
+                "10.244.0.0/16".parse().expect("cidr"),
+                "fd00:244::/48".parse().expect("cidr"),
+            ],
+            node_addresses: vec![
+                "192.0.2.20".parse().expect("ip"),
+                "2001:db8:a::20".parse().expect("ip"),
+            ],
+            masquerade_all: false,
+            node_pod_cidrs: vec![
+                "10.244.2.0/24".parse().expect("cidr"),
+                "fd00:244:2::/64".parse().expect("cidr"),
+            ],
+        },
+        &Default::default(),
+    )
+    .expect("configure");
+}
+
 /// The body of both: the entry node `entry` opens the flow at XDP, a second harness is
-/// the backend's node (which has no Service of this frontend's: its own agent).
+/// the backend's node (`backend_node`), the packet arriving on its uplink.
 fn backend_node_learns(
     mut entry: Harness,
     uplink: u32,
@@ -533,9 +577,8 @@ fn backend_node_learns(
 ) {
     let (client, frontend, backend) = (sa(client), sa(frontend), sa(backend));
     let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
-    let mut node_b = Harness::new(&[]);
-    configure_node(&mut node_b, false);
-    let (verdict, out) = node_b.run(&syn);
+    let mut node_b = backend_node(&[&backend.to_string()]);
+    let (verdict, out) = node_b.run_on(&syn, uplink);
     assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
     assert_eq!(out, syn, "untouched");
     assert_eq!(node_b.counter("dsr_received"), 1);
@@ -546,7 +589,7 @@ fn backend_node_learns(
     assert_eq!(node_b.counter("ct_reply_nat"), 1);
 
     let (_, ack) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
-    let (verdict, out) = node_b.run(&ack);
+    let (verdict, out) = node_b.run_on(&ack, uplink);
     assert_eq!((verdict, out), (TC_ACT_UNSPEC, ack));
     assert_eq!(node_b.counter("dsr_received"), 1, "learnt once");
     let entries = node_b.ct_entries();
@@ -574,6 +617,202 @@ fn backend_node_learns(
         2,
         "in the answered table"
     );
+}
+
+/// An option is believed only as the backend's agent permits (ABI.md, `DSR_PERMITS`):
+/// each forged or misplaced one is refused, counted by its reason, makes no entry, and
+/// the pod's SYN-ACK is not turned into the frontend's. Issue 42's items 1 and 2.
+#[needs_root]
+#[test]
+fn a_forged_dsr_option_is_refused_by_reason() {
+    in_testbed(|uplink, pods| {
+        let client = sa("192.0.2.99:40000");
+        let mut entry = node_port_dsr(&["10.244.2.7:8080"]);
+        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, sa("192.0.2.10:30080"), 0x02), uplink);
+        // The option's port and address, rewritten: `[type, len, port, addr]` at 34.
+        let naming = |pkt: &[u8], frontend: &str| {
+            let fe = sa(frontend);
+            let std::net::IpAddr::V4(ip) = fe.ip() else {
+                panic!("IPv4")
+            };
+            let mut p = pkt.to_vec();
+            p[36..38].copy_from_slice(&fe.port().to_be_bytes());
+            p[38..42].copy_from_slice(&ip.octets());
+            refresh_ipv4_checksum(&mut p);
+            p
+        };
+        // The same SYN, from `src` to `dst` (addresses rewritten, option kept).
+        let between = |pkt: &[u8], src: &str, dst: &str| {
+            let (src, dst) = (sa(src), sa(dst));
+            let (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) = (src.ip(), dst.ip()) else {
+                panic!("IPv4")
+            };
+            let mut p = pkt.to_vec();
+            p[26..30].copy_from_slice(&s.octets());
+            p[30..34].copy_from_slice(&d.octets());
+            p[42..44].copy_from_slice(&src.port().to_be_bytes());
+            p[44..46].copy_from_slice(&dst.port().to_be_bytes());
+            refresh_ipv4_checksum(&mut p);
+            p
+        };
+        let cases: [(&str, Harness, Vec<u8>, u32, &str); 7] = [
+            (
+                "no Service in dsr mode here",
+                {
+                    let mut h = Harness::new(&[]);
+                    configure_node_b(&mut h);
+                    h
+                },
+                syn.clone(),
+                uplink,
+                "dsr_refused_frontend",
+            ),
+            (
+                "a frontend no Service has (6.6.6.6:443)",
+                backend_node(&["10.244.2.7:8080"]),
+                naming(&syn, "6.6.6.6:443"),
+                uplink,
+                "dsr_refused_frontend",
+            ),
+            (
+                "a destination that is no backend of it",
+                backend_node(&["10.244.2.8:8080"]),
+                syn.clone(),
+                uplink,
+                "dsr_refused_frontend",
+            ),
+            (
+                "this node's own NodePort address",
+                backend_node(&["10.244.2.7:8080"]),
+                naming(&syn, "192.0.2.20:30080"),
+                uplink,
+                "dsr_refused_frontend",
+            ),
+            (
+                "a backend on another node",
+                backend_node(&["10.244.3.7:8080"]),
+                between(&syn, "192.0.2.99:40000", "10.244.3.7:8080"),
+                uplink,
+                "dsr_refused_backend",
+            ),
+            (
+                "a pod's source address",
+                backend_node(&["10.244.2.7:8080"]),
+                between(&syn, "10.244.1.5:40000", "10.244.2.7:8080"),
+                uplink,
+                "dsr_refused_source",
+            ),
+            (
+                "an outside source, from a pod's interface (spoofed)",
+                backend_node(&["10.244.2.7:8080"]),
+                syn.clone(),
+                pods,
+                "dsr_refused_source",
+            ),
+        ];
+        for (case, node_b, pkt, ifindex, reason) in cases {
+            let (verdict, out) = node_b.run_on(&pkt, ifindex);
+            assert_eq!((verdict, &out), (TC_ACT_UNSPEC, &pkt), "{case}: passed on");
+            assert_eq!(node_b.counter(reason), 1, "{case}: counted as {reason}");
+            assert_eq!(node_b.counter("dsr_received"), 0, "{case}: nothing learnt");
+            assert!(node_b.ct_entries().is_empty(), "{case}: no entry");
+            // The pod's answer leaves as itself, not as the named frontend.
+            let seen = inspect(&pkt);
+            let (_, out) = node_b.run_on(&tcp_with_flags(seen.dst, seen.src, 0x12), pods);
+            assert_eq!(inspect(&out).src, seen.dst, "{case}: the SYN-ACK is the pod's");
+        }
+    });
+}
+
+/// The same over IPv6: a Destination Options header naming a frontend no Service of
+/// this node's has, or from a pod's interface, makes no flow.
+#[needs_root]
+#[test]
+fn a_forged_dsr_header_over_ipv6_is_refused() {
+    in_testbed(|uplink, pods| {
+        let (client, frontend) = (sa("[2001:db8:a::99]:40000"), sa("[2001:db8:a::10]:30080"));
+        let mut entry = node_port_dsr6(&["[fd00:244:2::7]:8080"]);
+        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+        let mut bare = Harness::new(&[]);
+        configure_node_b(&mut bare);
+        let cases = [
+            ("no Service in dsr mode here", bare, uplink, "dsr_refused_frontend"),
+            (
+                "an outside source, from a pod's interface",
+                backend_node(&["[fd00:244:2::7]:8080"]),
+                pods,
+                "dsr_refused_source",
+            ),
+        ];
+        for (case, node_b, ifindex, reason) in cases {
+            let (verdict, out) = node_b.run_on(&syn, ifindex);
+            assert_eq!((verdict, &out), (TC_ACT_UNSPEC, &syn), "{case}: passed on");
+            assert_eq!(node_b.counter(reason), 1, "{case}: counted as {reason}");
+            assert!(node_b.ct_entries().is_empty(), "{case}: no entry");
+        }
+    });
+}
+
+/// A flow the node opened itself outranks the option: a learned flow never replaces
+/// it, and the node's own new connection on a learned tuple replaces the learned one.
+#[needs_root]
+#[test]
+fn a_learned_flow_never_outranks_the_nodes_own() {
+    in_testbed(|uplink, _| {
+        let (client, frontend, backend) = (
+            sa("192.0.2.99:40000"),
+            sa("192.0.2.10:30080"),
+            sa("10.244.2.7:8080"),
+        );
+        let mut entry = node_port_dsr(&["10.244.2.7:8080"]);
+        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+        // node-b with the same Service, whose NodePort on 192.0.2.10 also reaches it
+        // (as an address load balancers send to node-b would).
+        let mut node_b = backend_node(&["10.244.2.7:8080"]);
+        let mut view = NodeView::new();
+        for node_ip in ["192.0.2.20", "192.0.2.10"] {
+            let (f, mut st) = frontend_at(node_ip);
+            st.kind = FrontendKind::LoadBalancer;
+            st.dsr = true;
+            view.insert(f, st);
+        }
+        node_b.apply(&view);
+        // The node's own flow first: the client's SYN straight to 192.0.2.10:30080.
+        let direct = tcp_with_flags(client, frontend, 0x02);
+        let (_, out) = node_b.run_on(&direct, uplink);
+        assert_eq!(inspect(&out).dst, backend, "the node's own flow");
+        let (verdict, out) = node_b.run_on(&syn, uplink);
+        assert_eq!((verdict, out), (TC_ACT_UNSPEC, syn.clone()));
+        assert_eq!(node_b.counter("dsr_refused_clash"), 1);
+        assert_eq!(node_b.counter("dsr_received"), 0);
+        assert!(
+            node_b
+                .ct_entries()
+                .iter()
+                .all(|(_, v)| v.flags & proxy_common::CT_F_DSR_BACKEND == 0),
+            "no learned entry"
+        );
+
+        // Learned first, then the node's own SYN on the tuple: the learned flow goes.
+        let mut node_b = backend_node(&["10.244.2.7:8080"]);
+        node_b.apply(&view);
+        node_b.run_on(&syn, uplink);
+        assert_eq!(node_b.counter("dsr_received"), 1);
+        let (_, out) = node_b.run_on(&direct, uplink);
+        assert_eq!(inspect(&out).dst, backend, "balanced by the node");
+        assert!(
+            node_b
+                .ct_entries()
+                .iter()
+                .all(|(_, v)| v.flags & proxy_common::CT_F_DSR_BACKEND == 0),
+            "the learned flow replaced"
+        );
+    });
+}
+
+/// A frontend at `node_ip`:30080 whose one backend is 10.244.2.7:8080.
+fn frontend_at(node_ip: &str) -> (proxy_agent::model::Frontend, proxy_agent::model::FrontendState) {
+    frontend(node_ip, 30080, Protocol::Tcp, &["10.244.2.7:8080"])
 }
 
 /// The option's 8 bytes count in XDP's MTU check: a packet that fits the uplink as it

@@ -103,6 +103,31 @@ pub fn parse_dsr_header6(w: &[u32; 6]) -> Option<(u8, [u32; 4], u16)> {
     ))
 }
 
+/// `DSR_PERMITS`' key: what a backend's node accepts an option (or header) for — a
+/// frontend of a Service in `dsr` mode, with one of that Service's backends. The agent
+/// writes one per (DSR frontend, backend); the classifier learns a flow from an option
+/// only when the packet's own destination and the frontend it names make a key here.
+#[repr(C)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DsrPermitKey {
+    /// The frontend's address; all zero for a NodePort, whose address is the entry
+    /// node's own (`DSR_ANY_NODE`).
+    pub frontend: [u32; 4],
+    /// The backend's address (the packet's destination).
+    pub backend: [u32; 4],
+    /// Network byte order, both.
+    pub frontend_port: u16,
+    pub backend_port: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+
+/// `DsrPermitKey::frontend` of a NodePort: any node's address (the backend's node does
+/// not know the others').
+pub const DSR_ANY_NODE: [u32; 4] = [0; 4];
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -84,5 +84,6 @@ mod user {
         LbStats,
         StatsKey,
         MaglevChunk,
+        DsrPermitKey,
     );
 }

@@ -128,6 +128,9 @@ maps! {
     /// backend slot's (plus one per frontend for its removed backends), so sized as the
     /// slots.
     LB_STATS(as BACKEND_SLOTS);
+    /// Direct server return at a backend's node: the (frontend, backend) pairs of
+    /// Services in `dsr` mode whose option it believes (`DsrPermitKey`).
+    DSR_PERMITS(65_536);
 }
 
 #[cfg(test)]

@@ -6,6 +6,9 @@ use crate::CtTimeouts;
 pub const CFG_MASQUERADE_ALL: u32 = 1 << 0;
 /// `NodeConfig::flags`: pod traffic can be told apart (`LOCAL_NETS` holds the pod CIDRs).
 pub const CFG_LOCAL_DETECTOR: u32 = 1 << 1;
+/// The node's own pod CIDRs are known (`LPM_TAG_NODE_PODS`): a backend outside them and
+/// the node's addresses is on another node.
+pub const CFG_NODE_PODS: u32 = 1 << 2;
 
 /// `LpmData::tag` of a pod-network CIDR in `LOCAL_NETS` (or'ed with the family).
 pub const LPM_TAG_POD: u32 = 0;

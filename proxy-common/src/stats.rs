@@ -111,8 +111,20 @@ pub mod counter {
     pub const DSR_SENT: u32 = 24;
     /// Direct server return: this node (the backend's) learnt a flow from the option.
     pub const DSR_RECEIVED: u32 = 25;
+    /// Direct server return: an option refused because of where the packet came from
+    /// (a pod's or the node's own address, or not by the route back to its source).
+    pub const DSR_REFUSED_SOURCE: u32 = 26;
+    /// Direct server return: an option refused because no Service in `dsr` mode has
+    /// that frontend with the packet's destination as a backend (`DSR_PERMITS`), or the
+    /// frontend is this node's own address.
+    pub const DSR_REFUSED_FRONTEND: u32 = 27;
+    /// Direct server return: an option refused because its backend is not on this node.
+    pub const DSR_REFUSED_BACKEND: u32 = 28;
+    /// Direct server return: an option refused because the node's own flow holds the
+    /// client's tuple (a learned flow never outranks one the node opened).
+    pub const DSR_REFUSED_CLASH: u32 = 29;
     /// Length of the array.
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 30;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -141,6 +153,10 @@ pub mod counter {
         "xdp_drop",
         "dsr_sent",
         "dsr_received",
+        "dsr_refused_source",
+        "dsr_refused_frontend",
+        "dsr_refused_backend",
+        "dsr_refused_clash",
     ];
 }
 

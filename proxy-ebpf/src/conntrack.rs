@@ -21,7 +21,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    CT_DIR_REPLY, CT_F_ASSURED, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
+    CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
     CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, ct_closed,
     elapsed_ns, flow_last_seen, forward_key_of, port_slot, reply_key_of,
 };
@@ -235,7 +235,9 @@ pub fn segment_flags(pkt: &Packet, reply: bool) -> u8 {
 
 /// Whether a forward-direction packet ends its flow's claim on the tuple: the flow
 /// expired, a SYN reopens a closed TCP connection (netfilter reopens from TIME_WAIT and
-/// CLOSE), or a UDP flow's backend is gone.
+/// CLOSE) or one learnt from direct server return's option (a new connection: the
+/// node's own, or the entry node's again, outranks what was learnt), or a UDP flow's
+/// backend is gone.
 #[inline(always)]
 pub fn over(
     key: &CtKey,
@@ -247,7 +249,9 @@ pub fn over(
 ) -> bool {
     // SAFETY: map memory, valid for this program run.
     let flags = unsafe { (*fwd).flags };
-    forward_expired(key, fwd, new, now) || (pkt.is_syn() && ct_closed(flags)) || backend_gone
+    forward_expired(key, fwd, new, now)
+        || (pkt.is_syn() && (ct_closed(flags) || flags & CT_F_DSR_BACKEND != 0))
+        || backend_gone
 }
 
 /// Removes a flow: its forward entry `key` and the reply entry it names.

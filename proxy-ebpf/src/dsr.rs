@@ -13,22 +13,30 @@
 //! nodes must let IP options (IPv6: Destination Options headers) through, and let a node
 //! send packets with another node's address as source.
 //!
-//! Layer 4. Owns: pushing the option (`push`), learning a flow from it (`arrival`,
-//! `proxy_dsr_learn`, `ARRIVAL`). May import: layers 0-3.
+//! An option is believed only as `DSR_PERMITS` allows (ABI.md): from a source that is
+//! not a pod's or the node's and that routes back by the interface the packet came in
+//! on, naming a frontend of a Service in `dsr` mode with the packet's destination — a
+//! backend of it on this node — and never over a flow the node opened itself. Anything
+//! else is counted by reason and handled as a packet without the option: no packet from
+//! a pod or a stranger makes a flow that steers another client's traffic.
+//!
+//! Layer 4. Owns: pushing the option (`push`), believing it (`refusal`), learning a flow
+//! from it (`arrival`, `proxy_dsr_learn`, `ARRIVAL`). May import: layers 0-3.
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{
-    CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, DSR_HDR6_LEN, DSR_OPT_LEN,
-    FAMILY_V4, FAMILY_V6, IPPROTO_DSTOPTS, PROTO_TCP, PROTO_UDP, counter, dsr_header6, dsr_option,
-    parse_dsr_header6, parse_dsr_option,
+    CFG_NODE_PODS, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, DSR_ANY_NODE, DSR_HDR6_LEN,
+    DSR_OPT_LEN, DsrPermitKey, FAMILY_V4, FAMILY_V6, IPPROTO_DSTOPTS, PROTO_TCP, PROTO_UDP, counter,
+    dsr_header6, dsr_option, parse_dsr_header6, parse_dsr_option,
 };
 
 use crate::{
     conntrack::{self, SCRATCH_FORWARD, SCRATCH_REPLY, ct_scratch},
     frame::{Frame, csum},
-    maps::count,
-    node::on_node,
+    maps::{DSR_PERMITS, NODE_CONFIG, count},
+    node::{is_node_address, on_node, on_node_pods, origin},
     packet::{ETH_HLEN, IPV4_CSUM_OFF, IPV6_HLEN, Packet},
+    route,
     verdict::PASS_ON,
 };
 
@@ -169,6 +177,8 @@ pub struct Arrival {
     reply_key: CtKey,
     backend: [u32; 4],
     backend_port: u16,
+    /// The `DSR_PERMITS` key `refusal` looks for (here, not on the classifier's stack).
+    permit: DsrPermitKey,
 }
 
 /// (Per CPU, not on the stack: the classifier's call chain shares 512 bytes.)
@@ -177,13 +187,19 @@ static ARRIVAL: PerCpuArray<Arrival, 1> = PerCpuArray::new();
 
 /// At the backend's node (TC): a packet whose option names a frontend. Its flow's
 /// entries are made (or refreshed), and the packet goes on as it is — the node it came
-/// through translated it. `None`: no option of ours.
+/// through translated it. `None`: no option of ours, or one not believed (`refusal`,
+/// counted), so the packet is handled as any other.
 #[inline(never)]
 pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
     // The option, read from the packet, not from `pkt` (a check on `pkt`'s fields would
     // narrow what the verifier knows of them in the caller, and every narrowing is one
     // more walk of the whole pipeline after this).
     let (addr, port) = found(ctx)?;
+    let refused = refusal(ctx, pkt, &addr, port);
+    if refused != 0 {
+        count(refused);
+        return None;
+    }
     let a = ARRIVAL.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, used by one packet at a time.
     let a = unsafe { &mut *a };
@@ -196,6 +212,52 @@ pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
     a.backend_port = pkt.dport;
     proxy_dsr_learn();
     Some(PASS_ON)
+}
+
+/// Why an option naming `frontend:port` is not believed (a `counter`), or 0. (Its own
+/// frame, apart from `arrival`'s; its key in `ARRIVAL`: the classifier's call chain
+/// shares 512 bytes of stack.)
+#[inline(never)]
+fn refusal<F: Frame>(ctx: &F, pkt: &Packet, frontend: &[u32; 4], port: u16) -> u32 {
+    let Some(cfg) = NODE_CONFIG.get(0) else {
+        return counter::DSR_REFUSED_SOURCE; // unreachable: index 0 of a one-entry array
+    };
+    let from = origin(pkt, cfg);
+    if from.pod
+        || from.node
+        || !route::arrived_by_route(ctx, pkt.family, &pkt.saddr, &pkt.daddr)
+    {
+        return counter::DSR_REFUSED_SOURCE;
+    }
+    let Some(a) = ARRIVAL.get_ptr_mut(0) else {
+        return counter::DSR_REFUSED_FRONTEND; // unreachable: index 0 of a one-entry array
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time.
+    let key = unsafe { &mut (*a).permit };
+    *key = DsrPermitKey {
+        frontend: *frontend,
+        backend: pkt.daddr,
+        frontend_port: port,
+        backend_port: pkt.dport,
+        proto: pkt.proto,
+        family: pkt.family,
+        _pad: [0; 2],
+    };
+    if DSR_PERMITS.get_ptr(key).is_none() {
+        // A NodePort's frontend is the entry node's address: any address but this
+        // node's own (a packet naming those was never sent by another node).
+        key.frontend = DSR_ANY_NODE;
+        if is_node_address(pkt.family, frontend) || DSR_PERMITS.get_ptr(key).is_none() {
+            return counter::DSR_REFUSED_FRONTEND;
+        }
+    }
+    // (A node that does not know its pod CIDRs cannot tell: its entry nodes send the
+    // option to its local backends too, and `DSR_PERMITS` still binds the pair. The
+    // node's own addresses are not asked: a DSR backend is a pod on another node.)
+    if cfg.flags & CFG_NODE_PODS != 0 && !on_node_pods(pkt.family, &pkt.daddr) {
+        return counter::DSR_REFUSED_BACKEND;
+    }
+    0
 }
 
 /// The frontend a packet's option names, if it carries one of ours: IPv4 with room for
@@ -238,8 +300,24 @@ pub extern "C" fn proxy_dsr_learn() -> u32 {
     a.key = a.pkt.ct_key(CT_DIR_FORWARD);
     let key = &a.key;
     if let Some(entry) = conntrack::lookup(key) {
-        if !conntrack::over(key, &a.pkt, entry.value, entry.new, now, false) {
-            // SAFETY: map memory, valid for this program run (RCU).
+        // SAFETY: map memory, valid for this program run (RCU).
+        let (flags, same_backend) = unsafe {
+            let v = &*entry.value;
+            (
+                v.flags,
+                v.xlate_addr == a.backend && v.xlate_port == a.backend_port,
+            )
+        };
+        let learned = flags & CT_F_DSR_BACKEND != 0;
+        let live = !conntrack::over(key, &a.pkt, entry.value, entry.new, now, false);
+        // The node's own flow on the client's tuple outranks the option.
+        if live && !learned {
+            count(counter::DSR_REFUSED_CLASH);
+            return 0;
+        }
+        // A learned flow to another backend (the entry node chose again) is replaced.
+        if live && same_backend {
+            // SAFETY: as above.
             let ct = unsafe { &mut *entry.value };
             ct.last_seen_ns = now;
             conntrack::forward_segment(key, &a.pkt, ct, entry.new);

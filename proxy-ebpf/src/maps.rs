@@ -16,7 +16,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, FragKey,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, DsrPermitKey, FragKey,
     FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue,
     SctpPending, ServiceKey, ServiceValue, SockLb, SockLbFilter, SockSlot, StatsKey, capacity,
     counter, crc32c, port_slot,
@@ -196,3 +196,9 @@ pub static LB_STATS: PerCpuHashMap<
     { capacity::LB_STATS as usize },
     NO_PREALLOC,
 > = PerCpuHashMap::new();
+
+/// Direct server return at a backend's node: the (frontend, backend) pairs whose option
+/// it believes (`dsr::arrival`).
+#[btf_map]
+pub static DSR_PERMITS: HashMap<DsrPermitKey, u8, { capacity::DSR_PERMITS as usize }, NO_PREALLOC> =
+    HashMap::new();

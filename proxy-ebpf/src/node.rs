@@ -2,7 +2,7 @@
 //! `LOCAL_NETS`: whether an address is one of the node's, and where a packet comes from
 //! (kube-proxy's local-traffic detector).
 //!
-//! Layer 2. Owns: `is_node_address`, `on_node`, `origin` and `Origin`, `lpm_key` (the key
+//! Layer 2. Owns: `is_node_address`, `on_node`, `on_node_pods`, `origin` and `Origin`, `lpm_key` (the key
 //! of both LPM tries). May import: `maps`, `verdict`, `packet`, `stats`.
 
 use aya_ebpf::btf_maps::lpm_trie::Key;
@@ -61,6 +61,13 @@ pub fn is_node_address(family: u8, addr: &[u32; 4]) -> bool {
 /// (Without the Node's pod CIDRs every pod backend looks remote.)
 #[inline(never)]
 pub fn on_node(family: u8, addr: &[u32; 4]) -> bool {
+    on_node_pods(family, addr) || is_node_address(family, addr)
+}
+
+/// In one of the node's own pod CIDRs. (Inlined: `dsr::refusal` is deep in the
+/// classifier's call chain.)
+#[inline(always)]
+pub fn on_node_pods(family: u8, addr: &[u32; 4]) -> bool {
     LOCAL_NETS
         .get(&lpm_key(
             LPM_TAG_NODE_PODS | u32::from(family),
@@ -68,5 +75,4 @@ pub fn on_node(family: u8, addr: &[u32; 4]) -> bool {
             *addr,
         ))
         .is_some()
-        || is_node_address(family, addr)
 }

@@ -10,7 +10,8 @@
 //! answered with "fragmentation needed" or "packet too big" instead of vanishing (no PMTU
 //! black hole).
 //!
-//! Layer 3. Owns: the FIB lookup with its MTU check, the redirect out of an interface, and
+//! Layer 3. Owns: the FIB lookup with its MTU check, the strict reverse-path check
+//! (`arrived_by_route`), the redirect out of an interface, and
 //! XDP's next hop (`XDP_HOP`: MAC addresses, TTL). May import: layers 0-2 (`maps`,
 //! `verdict`, `frame`, `packet`, `stats`, `node`).
 
@@ -240,6 +241,53 @@ fn fib<F: Frame>(
         }
     }
     i64::from(p.ifindex)
+}
+
+/// `arrived_by_route`'s FIB parameters. (Not pinned: each load has its own.)
+#[btf_map]
+static RP_FIB: PerCpuArray<bpf_fib_lookup, 1> = PerCpuArray::new();
+
+/// Strict reverse path (`rp_filter=1`): whether the node's route back to `src` (from
+/// `dst`) leaves by the interface the packet came in on. What a packet teaches the node
+/// (`dsr::arrival`) must come from where its source is, not from a pod or a host that
+/// made up that source. TC only; on loopback (the node's own packets, a test run without
+/// an interface) there is no such route: false.
+#[inline(never)]
+pub fn arrived_by_route<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4]) -> bool {
+    let ingress = ctx.ifindex();
+    if ingress == LOOPBACK_IFINDEX {
+        return false;
+    }
+    // Per CPU, not on the stack: this check sits under the classifier's deepest frames.
+    let Some(p) = RP_FIB.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's slot, used by one packet at a time; a plain C struct, for
+    // which all-zero is a valid value.
+    let p = unsafe { &mut *p };
+    crate::mem::zero(p);
+    p.ifindex = ingress;
+    if family == FAMILY_V4 {
+        p.family = AF_INET;
+        p.__bindgen_anon_3.ipv4_src = dst[0];
+        p.__bindgen_anon_4.ipv4_dst = src[0];
+    } else {
+        p.family = AF_INET6;
+        p.__bindgen_anon_3.ipv6_src = *dst;
+        p.__bindgen_anon_4.ipv6_dst = *src;
+    }
+    // A length any route carries: the question is the route, not this packet's size.
+    p.__bindgen_anon_1.tot_len = 64;
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    // SAFETY: `p` is a valid, correctly sized parameter block on our stack.
+    let mut rc = unsafe { fib_lookup(ctx.ptr(), p, size, BPF_FIB_LOOKUP_SKIP_NEIGH) };
+    if rc < 0 {
+        // Kernels before 6.3 refuse SKIP_NEIGH (see `fib`).
+        // SAFETY: as above.
+        rc = unsafe { fib_lookup(ctx.ptr(), p, size, 0) };
+    }
+    (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
+        && p.ifindex == ingress
 }
 
 /// XDP's FIB lookup: with the neighbour (the MACs go into `XDP_HOP`), and the frame's

@@ -673,6 +673,26 @@ impl MultiNode {
         sh(&args)
     }
 
+    /// A Python script run in pod `pod`'s namespace (`"a"` or `"b"`): its standard
+    /// output. (A pod with `CAP_NET_RAW`, as containers have by default.)
+    pub fn pod_python(&self, pod: &str, script: &str) -> Result<String> {
+        let ns = self.ns(&format!("p{pod}"));
+        sh(&["ip", "netns", "exec", &ns, "python3", "-c", script])
+    }
+
+    /// The MAC of node `node`'s end of its pod's veth: where the pod's frames go.
+    pub fn pod_gateway_mac(&self, node: &str) -> Result<String> {
+        let pod_if = self
+            .nodes
+            .get(node)
+            .and_then(|n| n.interfaces.get(1))
+            .with_context(|| format!("no pod interface on {node}"))?;
+        Ok(self
+            .in_node(node, &["cat", &format!("/sys/class/net/{pod_if}/address")])?
+            .trim()
+            .to_string())
+    }
+
     /// A Python script run in the external client's namespace: its standard output.
     pub fn client_python(&self, script: &str) -> Result<String> {
         self.in_client(&["python3", "-c", script])

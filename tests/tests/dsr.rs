@@ -12,7 +12,7 @@
 
 use std::{thread, time::Duration};
 
-use proxy_e2e::multinode::{CLIENT, CLIENT6, MultiNode, NODE_A, NODE_A6};
+use proxy_e2e::multinode::{CLIENT, CLIENT6, MultiNode, NODE_A, NODE_A6, POD_A};
 use test_support::needs_root;
 
 const PORT: u16 = 30090;
@@ -390,4 +390,78 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt({socko
             "XDP left it to TC"
         );
     }
+}
+
+const HIJACK_PORT: u16 = 30092;
+
+/// A NodePort in the default mode (masquerade, no DSR anywhere) whose backend is pod B.
+fn hijack_manifests() -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Service\nmetadata: {{name: plain, namespace: default}}\nspec: {{type: NodePort, clusterIP: 10.96.1.10, ports: [{{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {HIJACK_PORT}}}]}}\n\
+         ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: plain-1, namespace: default, labels: {{kubernetes.io/service-name: plain}}}}\naddressType: IPv4\nports: [{{name: http, protocol: TCP, port: 8080}}]\nendpoints:\n- {{addresses: [\"10.244.2.2\"], nodeName: node-b, conditions: {{ready: true}}}}\n"
+    )
+}
+
+/// Issue 42, item 2: pod A (on node A, with the `CAP_NET_RAW` containers have) puts ONE
+/// frame on its veth "from" the outside client's port 45678 to itself, with DSR's
+/// option naming node A's NodePort and a bad TCP checksum. Node A must learn nothing
+/// from it (counted as a refused source), and the client's own connection from that
+/// port to the NodePort must still reach the Service's backend, pod B — on main before
+/// the fix it reached pod A, whose answers left as the NodePort.
+#[needs_root]
+#[test]
+fn a_pod_cannot_hijack_a_client_with_a_forged_dsr_option() {
+    let mut tb = MultiNode::new().expect("testbed");
+    tb.write_manifests(&hijack_manifests()).expect("manifests");
+    tb.start_agents(FRONTENDS).expect("agents");
+    let gateway = tb.pod_gateway_mac("node-a").expect("gateway MAC");
+    let forge = format!(
+        r#"
+import socket, struct
+def csum(b):
+    if len(b) % 2: b += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while s >> 16: s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+src, dst = socket.inet_aton("{CLIENT}"), socket.inet_aton("{POD_A}")
+opt = bytes([0x9a, 8]) + struct.pack("!H", {HIJACK_PORT}) + socket.inet_aton("{NODE_A}")
+tcp = struct.pack("!HHIIBBHHH", 45678, 8080, 1000, 0, 5 << 4, 0x02, 65535, 0xdead, 0)
+ip = struct.pack("!BBHHHBBH4s4s", 0x47, 0, 28 + len(tcp), 1, 0, 64, 6, 0, src, dst) + opt
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+eth = bytes.fromhex("{gw}") + bytes(6) + b"\x08\x00"
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+s.send(eth + ip + tcp)
+print("sent")
+"#,
+        gw = gateway.replace(':', ""),
+    );
+    assert_eq!(tb.pod_python("a", &forge).expect("forged frame").trim(), "sent");
+    let refused = (0..50)
+        .map(|_| {
+            thread::sleep(Duration::from_millis(100));
+            tb.counter("node-a", "dsr_refused_source")
+        })
+        .find(|&n| n > 0)
+        .unwrap_or(0);
+    assert_eq!(refused, 1, "the forged option refused as a spoofed source");
+    assert_eq!(tb.counter("node-a", "dsr_received"), 0, "nothing learnt");
+    let connect = format!(
+        r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("{CLIENT}", 45678))
+s.settimeout(5)
+s.connect(("{NODE_A}", {HIJACK_PORT}))
+print(s.makefile().readline().split()[0])
+"#
+    );
+    let answered_by = tb.client_python(&connect).expect("the client's connection");
+    assert_eq!(
+        answered_by.trim(),
+        "pod-b",
+        "the client reaches the Service's backend, not the forger\n{}",
+        tb.log("node-a")
+    );
 }

@@ -127,6 +127,8 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
     let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
     // Flows netfilter translated before the classifier was attached (kube-proxy's).
     let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
+    // Direct server return's (frontend, backend) pairs this node believes an option for.
+    let dsr_permits = maps.dsr_permits.keys().filter(Result::is_ok).count();
     // Which interfaces run the XDP program, and in which mode (by their pinned links).
     let xdp = bpf::attach::xdp::pinned(&bpffs.join("links"));
     // Each map's memory as the kernel charges it (fdinfo memlock).
@@ -154,6 +156,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
                 },
                 "conntrack": {"answered": answered, "new": new},
                 "netfilter_flows": netfilter,
+                "dsr_permits": dsr_permits,
                 "xdp": xdp,
                 "map_memory_bytes": map_memory,
             }))?
@@ -197,6 +200,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
         );
         outln!("conntrack entries: {answered} answered, {new} new (two per flow)");
         outln!("flows left to netfilter (translated before the classifier): {netfilter}");
+        outln!("direct server return pairs believed (DSR_PERMITS): {dsr_permits}");
         if xdp.is_empty() {
             outln!("XDP: off");
         }

@@ -12,7 +12,7 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, LbStats,
     LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue, ServiceKey,
-    ServiceValue, SockLb, SockLbFilter, SockSlot, StatsKey, map_names,
+    ServiceValue, SockLb, SockLbFilter, SockSlot, StatsKey, map_names, DsrPermitKey,
 };
 
 /// Each pinned map's memory as the kernel charges it (`memlock` of the map's fdinfo, in
@@ -88,6 +88,8 @@ pub struct MapSet {
     pub weights: HashMap<MapData, MemberKey, u32>,
     /// Per frontend (`rev_nat_id`) and per backend id: connections, packets, bytes.
     pub lb_stats: PerCpuHashMap<MapData, StatsKey, LbStats>,
+    /// Direct server return: the (frontend, backend) pairs whose option is believed.
+    pub dsr_permits: HashMap<MapData, DsrPermitKey, u8>,
     /// While set, the writer's inserts (`put_*`) are held here and made in batches by
     /// `flush_staged`.
     pub staged: Option<super::batch::Staged>,
@@ -367,6 +369,10 @@ impl MapSet {
                     &self.lb_stats,
                 ))?,
             ),
+            (
+                map_names::DSR_PERMITS,
+                id(IterableMap::map(&self.dsr_permits))?,
+            ),
         ];
         Self::build(|name| {
             let (_, id) = ids
@@ -410,6 +416,7 @@ impl MapSet {
             active_conns: typed!(map_names::ACTIVE_CONNS),
             weights: typed!(map_names::WEIGHTS),
             lb_stats: typed!(map_names::LB_STATS),
+            dsr_permits: typed!(map_names::DSR_PERMITS),
             staged: None,
             withhold_services: false,
         })

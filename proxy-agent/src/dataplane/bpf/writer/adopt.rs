@@ -128,6 +128,7 @@ impl MapState {
             })
             .collect();
         state.members_fix = members::Reconcile::plan(maps, &programmed)?;
+        state.dsr = super::dsr_permits::DsrPermits::adopt(maps)?;
         Ok(state)
     }
 }

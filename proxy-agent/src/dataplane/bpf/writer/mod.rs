@@ -25,6 +25,7 @@ use super::{maps::MapSet, members, stats::Ended};
 mod adopt;
 mod audit;
 mod backend_table;
+mod dsr_permits;
 pub mod encode;
 mod generation;
 mod ids;
@@ -250,6 +251,8 @@ pub struct MapState {
     /// Frontends staged ahead of a first programming (`stage`): everything written but
     /// the service entry, which the next apply writes.
     unflipped: HashSet<ServiceKey>,
+    /// Direct server return's permits (`DSR_PERMITS`).
+    dsr: dsr_permits::DsrPermits,
 }
 
 impl MapState {
@@ -505,6 +508,8 @@ impl MapState {
                 tracing::debug!(entries = cleared, "flows of removed backends cleared");
             }
         }
+        // 5. Direct server return's permits, after the frontends they name.
+        self.dsr.sync(maps, view, changed)?;
         report.fill = Some(self.fill());
         Ok(report)
     }

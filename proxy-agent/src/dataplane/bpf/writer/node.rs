@@ -4,7 +4,7 @@
 use anyhow::{Context as _, Result};
 use aya::maps::lpm_trie::Key as LpmKey;
 use proxy_common::{
-    CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_NODE,
+    CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CFG_NODE_PODS, CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_NODE,
     LPM_TAG_NODE_PODS, LPM_TAG_POD, LpmData, NodeConfig,
 };
 
@@ -27,6 +27,9 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings, ct: &ConntrackOptions) 
     }
     if !node.pod_cidrs.is_empty() {
         flags |= CFG_LOCAL_DETECTOR;
+    }
+    if !node.node_pod_cidrs.is_empty() {
+        flags |= CFG_NODE_PODS;
     }
     let secs = |d: std::time::Duration| u32::try_from(d.as_secs().max(1)).unwrap_or(u32::MAX);
     let cfg = NodeConfig {
