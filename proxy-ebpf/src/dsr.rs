@@ -25,7 +25,7 @@
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{
-    CFG_NODE_PODS, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, DSR_ANY_NODE, DSR_HDR6_LEN,
+    CFG_NODE_PODS, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, CtValue, DSR_ANY_NODE, DSR_HDR6_LEN,
     DSR_OPT_LEN, DsrPermitKey, FAMILY_V4, FAMILY_V6, IPPROTO_DSTOPTS, PROTO_TCP, PROTO_UDP, counter,
     dsr_header6, dsr_option, parse_dsr_header6, parse_dsr_option,
 };
@@ -284,6 +284,27 @@ fn found<F: Frame>(ctx: &F) -> Option<([u32; 4], u16)> {
     Some(([addr, 0, 0, 0], port))
 }
 
+/// Who holds a live flow on the arrival's tuple (`holder`): this learned flow, the
+/// node's own (which the option never outranks), or a learned flow to another backend
+/// (the entry node chose again: replaced).
+const SAME: u32 = 0;
+const NODES_OWN: u32 = 1;
+const REPLACE: u32 = 2;
+
+/// (Its own frame: `proxy_dsr_learn`'s sits deep in the classifier's call chain.)
+#[inline(never)]
+fn holder(fwd: *const CtValue, a: *const Arrival) -> u32 {
+    // SAFETY: map memory, valid for this program run (RCU); `a` is this CPU's slot.
+    let (v, a) = unsafe { (&*fwd, &*a) };
+    if v.flags & CT_F_DSR_BACKEND == 0 {
+        NODES_OWN
+    } else if v.xlate_addr == a.backend && v.xlate_port == a.backend_port {
+        SAME
+    } else {
+        REPLACE
+    }
+}
+
 /// `arrival`'s bookkeeping, on the flow in `ARRIVAL`: refreshed if known (its TCP state,
 /// the handshake's completion), else recorded — both entries, the backend's reply tuple
 /// translated back to the frontend. A global BPF function (exported, no arguments): the
@@ -300,24 +321,15 @@ pub extern "C" fn proxy_dsr_learn() -> u32 {
     a.key = a.pkt.ct_key(CT_DIR_FORWARD);
     let key = &a.key;
     if let Some(entry) = conntrack::lookup(key) {
-        // SAFETY: map memory, valid for this program run (RCU).
-        let (flags, same_backend) = unsafe {
-            let v = &*entry.value;
-            (
-                v.flags,
-                v.xlate_addr == a.backend && v.xlate_port == a.backend_port,
-            )
-        };
-        let learned = flags & CT_F_DSR_BACKEND != 0;
         let live = !conntrack::over(key, &a.pkt, entry.value, entry.new, now, false);
+        let held = if live { holder(entry.value, a) } else { REPLACE };
         // The node's own flow on the client's tuple outranks the option.
-        if live && !learned {
+        if held == NODES_OWN {
             count(counter::DSR_REFUSED_CLASH);
             return 0;
         }
-        // A learned flow to another backend (the entry node chose again) is replaced.
-        if live && same_backend {
-            // SAFETY: as above.
+        if held == SAME {
+            // SAFETY: map memory, valid for this program run (RCU).
             let ct = unsafe { &mut *entry.value };
             ct.last_seen_ns = now;
             conntrack::forward_segment(key, &a.pkt, ct, entry.new);
