@@ -628,7 +628,10 @@ fn a_forged_dsr_option_is_refused_by_reason() {
     in_testbed(|uplink, pods| {
         let client = sa("192.0.2.99:40000");
         let mut entry = node_port_dsr(&["10.244.2.7:8080"]);
-        let (_, syn) = entry.run_xdp(&tcp_with_flags(client, sa("192.0.2.10:30080"), 0x02), uplink);
+        let (_, syn) = entry.run_xdp(
+            &tcp_with_flags(client, sa("192.0.2.10:30080"), 0x02),
+            uplink,
+        );
         // The option's port and address, rewritten: `[type, len, port, addr]` at 34.
         let naming = |pkt: &[u8], frontend: &str| {
             let fe = sa(frontend);
@@ -638,7 +641,7 @@ fn a_forged_dsr_option_is_refused_by_reason() {
             let mut p = pkt.to_vec();
             p[36..38].copy_from_slice(&fe.port().to_be_bytes());
             p[38..42].copy_from_slice(&ip.octets());
-            refresh_ipv4_checksum(&mut p);
+            header_checksum(&mut p);
             p
         };
         // The same SYN, from `src` to `dst` (addresses rewritten, option kept).
@@ -652,7 +655,7 @@ fn a_forged_dsr_option_is_refused_by_reason() {
             p[30..34].copy_from_slice(&d.octets());
             p[42..44].copy_from_slice(&src.port().to_be_bytes());
             p[44..46].copy_from_slice(&dst.port().to_be_bytes());
-            refresh_ipv4_checksum(&mut p);
+            header_checksum(&mut p);
             p
         };
         let cases: [(&str, Harness, Vec<u8>, u32, &str); 7] = [
@@ -717,9 +720,16 @@ fn a_forged_dsr_option_is_refused_by_reason() {
             assert_eq!(node_b.counter("dsr_received"), 0, "{case}: nothing learnt");
             assert!(node_b.ct_entries().is_empty(), "{case}: no entry");
             // The pod's answer leaves as itself, not as the named frontend.
-            let seen = inspect(&pkt);
-            let (_, out) = node_b.run_on(&tcp_with_flags(seen.dst, seen.src, 0x12), pods);
-            assert_eq!(inspect(&out).src, seen.dst, "{case}: the SYN-ACK is the pod's");
+            let addr = |at: usize| {
+                std::net::Ipv4Addr::from(<[u8; 4]>::try_from(&pkt[at..at + 4]).expect("4"))
+            };
+            let port = |at: usize| u16::from_be_bytes([pkt[at], pkt[at + 1]]);
+            let (src, dst) = (
+                SocketAddr::from((addr(26), port(42))),
+                SocketAddr::from((addr(30), port(44))),
+            );
+            let (_, out) = node_b.run_on(&tcp_with_flags(dst, src, 0x12), pods);
+            assert_eq!(inspect(&out).src, dst, "{case}: the SYN-ACK is the pod's");
         }
     });
 }
@@ -736,7 +746,12 @@ fn a_forged_dsr_header_over_ipv6_is_refused() {
         let mut bare = Harness::new(&[]);
         configure_node_b(&mut bare);
         let cases = [
-            ("no Service in dsr mode here", bare, uplink, "dsr_refused_frontend"),
+            (
+                "no Service in dsr mode here",
+                bare,
+                uplink,
+                "dsr_refused_frontend",
+            ),
             (
                 "an outside source, from a pod's interface",
                 backend_node(&["[fd00:244:2::7]:8080"]),
@@ -810,8 +825,21 @@ fn a_learned_flow_never_outranks_the_nodes_own() {
     });
 }
 
+/// The IPv4 header checksum of a packet whose header has options (`ihl` > 5).
+fn header_checksum(pkt: &mut [u8]) {
+    let len = usize::from(pkt[14] & 0x0f) * 4;
+    pkt[24..26].fill(0);
+    let c = fold(sum16(&pkt[14..14 + len], 0));
+    pkt[24..26].copy_from_slice(&c.to_be_bytes());
+}
+
 /// A frontend at `node_ip`:30080 whose one backend is 10.244.2.7:8080.
-fn frontend_at(node_ip: &str) -> (proxy_agent::model::Frontend, proxy_agent::model::FrontendState) {
+fn frontend_at(
+    node_ip: &str,
+) -> (
+    proxy_agent::model::Frontend,
+    proxy_agent::model::FrontendState,
+) {
     frontend(node_ip, 30080, Protocol::Tcp, &["10.244.2.7:8080"])
 }
 

@@ -21,9 +21,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED, CT_F_RST, CT_F_SNAT,
-    CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, counter, ct_closed,
-    elapsed_ns, flow_last_seen, forward_key_of, port_slot, reply_key_of,
+    CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED,
+    CT_F_RST, CT_F_SNAT, CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    counter, ct_closed, elapsed_ns, flow_last_seen, forward_key_of, port_slot, reply_key_of,
 };
 
 use crate::{

@@ -25,9 +25,9 @@
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{
-    CFG_NODE_PODS, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, CtValue, DSR_ANY_NODE, DSR_HDR6_LEN,
-    DSR_OPT_LEN, DsrPermitKey, FAMILY_V4, FAMILY_V6, IPPROTO_DSTOPTS, PROTO_TCP, PROTO_UDP, counter,
-    dsr_header6, dsr_option, parse_dsr_header6, parse_dsr_option,
+    CFG_NODE_PODS, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, CtValue,
+    DSR_ANY_NODE, DSR_HDR6_LEN, DSR_OPT_LEN, DsrPermitKey, FAMILY_V4, FAMILY_V6, IPPROTO_DSTOPTS,
+    PROTO_TCP, PROTO_UDP, counter, dsr_header6, dsr_option, parse_dsr_header6, parse_dsr_option,
 };
 
 use crate::{
@@ -223,10 +223,7 @@ fn refusal<F: Frame>(ctx: &F, pkt: &Packet, frontend: &[u32; 4], port: u16) -> u
         return counter::DSR_REFUSED_SOURCE; // unreachable: index 0 of a one-entry array
     };
     let from = origin(pkt, cfg);
-    if from.pod
-        || from.node
-        || !route::arrived_by_route(ctx, pkt.family, &pkt.saddr, &pkt.daddr)
-    {
+    if from.pod || from.node || !route::arrived_by_route(ctx, pkt.family, &pkt.saddr, &pkt.daddr) {
         return counter::DSR_REFUSED_SOURCE;
     }
     let Some(a) = ARRIVAL.get_ptr_mut(0) else {
@@ -322,7 +319,11 @@ pub extern "C" fn proxy_dsr_learn() -> u32 {
     let key = &a.key;
     if let Some(entry) = conntrack::lookup(key) {
         let live = !conntrack::over(key, &a.pkt, entry.value, entry.new, now, false);
-        let held = if live { holder(entry.value, a) } else { REPLACE };
+        let held = if live {
+            holder(entry.value, a)
+        } else {
+            REPLACE
+        };
         // The node's own flow on the client's tuple outranks the option.
         if held == NODES_OWN {
             count(counter::DSR_REFUSED_CLASH);

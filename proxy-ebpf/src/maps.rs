@@ -16,10 +16,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, DsrPermitKey, FragKey,
-    FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY, RevNatValue,
-    SctpPending, ServiceKey, ServiceValue, SockLb, SockLbFilter, SockSlot, StatsKey, capacity,
-    counter, crc32c, port_slot,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, DsrPermitKey,
+    FragKey, FragPorts, LbStats, LpmData, MaglevChunk, MemberKey, NodeConfig, PORTS_PER_ENTRY,
+    RevNatValue, SctpPending, ServiceKey, ServiceValue, SockLb, SockLbFilter, SockSlot, StatsKey,
+    capacity, counter, crc32c, port_slot,
 };
 
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;

@@ -436,7 +436,10 @@ print("sent")
 "#,
         gw = gateway.replace(':', ""),
     );
-    assert_eq!(tb.pod_python("a", &forge).expect("forged frame").trim(), "sent");
+    assert_eq!(
+        tb.pod_python("a", &forge).expect("forged frame").trim(),
+        "sent"
+    );
     let refused = (0..50)
         .map(|_| {
             thread::sleep(Duration::from_millis(100));

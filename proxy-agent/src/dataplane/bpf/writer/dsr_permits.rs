@@ -171,7 +171,10 @@ mod tests {
 
         let lb = state(FrontendKind::LoadBalancer, &backends, true);
         let keys = wanted(&fe("203.0.113.7", 80), &lb);
-        assert_eq!(keys[0].frontend, to_words("203.0.113.7".parse().expect("ip")).0);
+        assert_eq!(
+            keys[0].frontend,
+            to_words("203.0.113.7".parse().expect("ip")).0
+        );
 
         let snat = state(FrontendKind::NodePort, &backends, false);
         assert!(wanted(&fe("192.0.2.10", 30080), &snat).is_empty());

@@ -4,8 +4,8 @@
 use anyhow::{Context as _, Result};
 use aya::maps::lpm_trie::Key as LpmKey;
 use proxy_common::{
-    CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CFG_NODE_PODS, CtTimeouts, FAMILY_V4, FAMILY_V6, LPM_TAG_NODE,
-    LPM_TAG_NODE_PODS, LPM_TAG_POD, LpmData, NodeConfig,
+    CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CFG_NODE_PODS, CtTimeouts, FAMILY_V4, FAMILY_V6,
+    LPM_TAG_NODE, LPM_TAG_NODE_PODS, LPM_TAG_POD, LpmData, NodeConfig,
 };
 
 use super::{encode::lpm_key, remove_ignoring_absent};
