@@ -128,6 +128,48 @@ fn check_bind_address(addr: &str) -> Result<(), String> {
         .map_err(|_| format!("{addr:?}: expected IP:PORT, e.g. 0.0.0.0:10256 or [::]:10256"))
 }
 
+/// A feed server's address (`--source server=`, `ebpf.feed.servers`), `HOST:PORT` with
+/// an IPv6 host in brackets: one the connection cannot use must stop the start, not be
+/// retried for ever.
+pub fn check_feed_server(addr: &str) -> Result<(), String> {
+    let bad = |why: &str| {
+        Err(format!(
+            "{addr:?}: {why}; expected HOST:PORT, e.g. 10.0.0.1:10270, [fd00::1]:10270 or \
+             feed.example:10270"
+        ))
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return bad("no port");
+    };
+    if let Some(inner) = host.strip_prefix('[') {
+        if inner
+            .strip_suffix(']')
+            .and_then(|ip| ip.parse::<std::net::Ipv6Addr>().ok())
+            .is_none()
+        {
+            return bad("not an IPv6 address in brackets");
+        }
+    } else if host.is_empty() {
+        return bad("no host");
+    } else if host.contains(':') {
+        return bad("an IPv6 address goes in brackets");
+    } else if !host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+    {
+        return bad("the host is neither an IP address nor a DNS name");
+    }
+    let port = match port.parse::<u16>() {
+        Ok(0) | Err(_) => return bad("the port is not in 1-65535"),
+        Ok(p) => p,
+    };
+    // The connection's URI is built from it: host and port, nothing else.
+    match addr.parse::<http::uri::Authority>() {
+        Ok(a) if a.host() == host && a.port_u16() == Some(port) => Ok(()),
+        _ => bad("not a URI's host and port"),
+    }
+}
+
 /// The agent's settings, after defaults, file and flags.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -469,6 +511,9 @@ impl Config {
         if let Some(e) = file.ebpf {
             if let Some(f) = e.feed {
                 cfg.feed_servers = f.servers.unwrap_or_default();
+                for addr in &cfg.feed_servers {
+                    check_feed_server(addr).map_err(|e| format!("ebpf.feed.servers: {e}"))?;
+                }
                 cfg.feed_tls = match (f.cert, f.key, f.ca) {
                     (Some(c), Some(k), Some(a)) => Some([c.into(), k.into(), a.into()]),
                     (None, None, None) => None,
@@ -593,7 +638,8 @@ mod tests {
         .expect("valid");
         assert_eq!(cfg.feed_servers, ["10.0.0.1:10270", "10.0.0.2:10270"]);
         assert_eq!(cfg.feed_tls, Some(["/c".into(), "/k".into(), "/a".into()]));
-        let err = Config::from_text("ebpf: {feed: {servers: [a], cert: /c}}\n").expect_err("half");
+        let err =
+            Config::from_text("ebpf: {feed: {servers: [\"a:1\"], cert: /c}}\n").expect_err("half");
         assert!(err.contains("ebpf.feed"), "{err}");
     }
 
@@ -662,6 +708,47 @@ mod tests {
             .expect("apart");
         assert_eq!(cfg.conntrack.masquerade_ports, (40000, 49999));
         read("{}").expect("the defaults are apart");
+    }
+
+    /// A feed server's address that no connection can use is refused where it is given
+    /// (`server=::::` was retried for ever as an invalid URI).
+    #[test]
+    fn feed_server_addresses_are_checked_when_read() {
+        for good in [
+            "10.0.0.1:10270",
+            "[fd00::1]:10270",
+            "feed.example:10270",
+            "node-1:1",
+        ] {
+            check_feed_server(good).expect(good);
+        }
+        for (bad, why) in [
+            ("::::", "brackets"),
+            ("fd00::1:10270", "brackets"),
+            ("[fd00::zz]:10270", "IPv6"),
+            ("[fd00::1:10270", "IPv6"),
+            ("10.0.0.1", "no port"),
+            ("10.0.0.1:", "port"),
+            ("10.0.0.1:99999", "port"),
+            ("10.0.0.1:0", "port"),
+            (":10270", "no host"),
+            ("feed/x:10270", "DNS name"),
+            ("user@feed:10270", "DNS name"),
+            ("feed example:10270", "DNS name"),
+            ("feed%:10270", "DNS name"),
+        ] {
+            let err = check_feed_server(bad).expect_err(bad);
+            assert!(
+                err.contains(&format!("{bad:?}")) && err.contains(why),
+                "{bad}: {err}"
+            );
+        }
+        let err = Config::from_text("ebpf: {feed: {servers: [\"10.0.0.1:10270\", \"::::\"]}}\n")
+            .expect_err("a bad server");
+        assert!(
+            err.contains("ebpf.feed.servers") && err.contains("\"::::\""),
+            "{err}"
+        );
     }
 
     #[test]
