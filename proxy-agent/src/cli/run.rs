@@ -22,9 +22,9 @@ pub struct RunArgs {
     /// `server` alone: those of `ebpf.feed.servers`).
     #[arg(long, value_parser = SourceKind::parse, default_value = "files")]
     source: SourceKind,
-    /// With `--source server=`: this node's client certificate (CN or SAN
-    /// `system:node:<name>`), its key, and the CA of the servers' certificates; without
-    /// them, plain text.
+    /// With `--source server=`: this node's client certificate (kubelet's: CN
+    /// `system:node:<name>`, O `system:nodes`), its key, and the CA of the servers'
+    /// certificates; without them, plain text.
     #[arg(long, requires_all = ["feed_key", "feed_ca"])]
     feed_cert: Option<PathBuf>,
     #[arg(long, requires = "feed_cert")]
