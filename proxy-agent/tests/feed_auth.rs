@@ -1,7 +1,8 @@
 //! Who may read what over the feed's mutual TLS (on loopback): a node's certificate
-//! (`system:node:<name>`) reads its own view; another node's certificate asking for it,
-//! and a client without a certificate, get nothing; a CA rotated on disk is taken by the
-//! running server for new connections, without a restart.
+//! (kubelet's: CN `system:node:<name>`, O `system:nodes`) reads its own view; one that
+//! names the node otherwise (a SAN, a CN outside the group), another node's certificate
+//! asking for it, and a client without a certificate, get nothing; a CA rotated on disk
+//! is taken by the running server for new connections, without a restart.
 
 use std::{path::Path, sync::Arc, time::Duration};
 
@@ -30,16 +31,33 @@ fn ca(name: &str) -> Ca {
     Ca(Issuer::new(p, key), pem)
 }
 
-/// A certificate and key signed by `ca`: a server's (SAN 127.0.0.1) or a client's (CN).
+/// A certificate and key signed by `ca`: a server's (SAN 127.0.0.1) or a client's as
+/// kubelet's is made (CN, O=system:nodes).
 fn leaf(ca: &Ca, cn: &str, server: bool) -> (String, String) {
-    let key = KeyPair::generate().expect("key");
-    let sans = if server {
-        vec!["127.0.0.1".to_string()]
+    let (sans, groups) = if server {
+        (vec!["127.0.0.1".to_string()], vec![])
     } else {
-        Vec::new()
+        (Vec::new(), vec!["system:nodes"])
     };
+    client_cert(ca, Some(cn), &groups, sans, server)
+}
+
+/// A certificate and key signed by `ca` with this subject (CN, O's) and these DNS SANs.
+fn client_cert(
+    ca: &Ca,
+    cn: Option<&str>,
+    groups: &[&str],
+    sans: Vec<String>,
+    server: bool,
+) -> (String, String) {
+    let key = KeyPair::generate().expect("key");
     let mut p = CertificateParams::new(sans).expect("params");
-    p.distinguished_name.push(DnType::CommonName, cn);
+    if let Some(cn) = cn {
+        p.distinguished_name.push(DnType::CommonName, cn);
+    }
+    for group in groups {
+        p.distinguished_name.push(DnType::OrganizationName, *group);
+    }
     p.extended_key_usages = vec![if server {
         ExtendedKeyUsagePurpose::ServerAuth
     } else {
@@ -157,6 +175,57 @@ async fn a_node_reads_only_its_own_view() {
         .expect("the rotated CA's node A");
     let old = first_batch(&addr, &ca1.1, Some(&node_a), "node-a").await;
     assert!(old.is_err(), "the old CA still accepted: {old:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The node's name comes from the certificate's CN in O=system:nodes only, as the API
+/// server reads a kubelet's: a SAN `system:node:node-b` (without that CN) was accepted
+/// as node-b; so was a CN outside the nodes' group.
+#[tokio::test]
+async fn only_a_kubelets_subject_names_a_node() {
+    let dir = tempdir();
+    let ca = ca("feed-ca");
+    let (addr, _files) = server(&dir, &ca).await;
+    let san_only = client_cert(
+        &ca,
+        Some("somebody"),
+        &["system:nodes"],
+        vec!["system:node:node-b".into()],
+        false,
+    );
+    let no_cn = client_cert(
+        &ca,
+        None,
+        &["system:nodes"],
+        vec!["system:node:node-b".into()],
+        false,
+    );
+    let no_group = client_cert(&ca, Some("system:node:node-b"), &[], Vec::new(), false);
+    let other_group = client_cert(
+        &ca,
+        Some("system:node:node-b"),
+        &["system:masters"],
+        Vec::new(),
+        false,
+    );
+    for (what, cert) in [
+        ("a SAN with another CN", &san_only),
+        ("a SAN and no CN", &no_cn),
+        ("a CN without an O", &no_group),
+        ("a CN in another group", &other_group),
+    ] {
+        let got = first_batch(&addr, &ca.1, Some(cert), "node-b").await;
+        assert_eq!(
+            got.as_ref().err().map(String::as_str),
+            Some("PermissionDenied"),
+            "{what}: {got:?}"
+        );
+    }
+    // The kubelet's own shape reads the same view (rcgen writes one O per subject).
+    let kubelet = leaf(&ca, "system:node:node-b", false);
+    first_batch(&addr, &ca.1, Some(&kubelet), "node-b")
+        .await
+        .expect("the kubelet's certificate reads node-b");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

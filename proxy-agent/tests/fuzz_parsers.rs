@@ -1086,6 +1086,11 @@ fn check_config(text: &str) -> Result<(), TestCaseError> {
     prop_assert!(lo >= 1024 && lo <= hi, "masqueradePortRange {lo}-{hi}");
     if cfg.validate().is_ok() {
         prop_assert!(cfg.sync_period <= MAX_SYNC_PERIOD && cfg.min_sync_period <= MAX_SYNC_PERIOD);
+        let (m, n) = (ct.masquerade_ports, cfg.node_port_range);
+        prop_assert!(
+            m.1 < n.0 || n.1 < m.0,
+            "masquerade ports {m:?} overlap NodePorts {n:?}"
+        );
     }
     Ok(())
 }

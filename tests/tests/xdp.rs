@@ -183,6 +183,73 @@ fn flow_opened_at_xdp_survives_switching_xdp_off_and_back() {
     assert!(sent_at_xdp(&tb) > at_xdp, "back at XDP after native again");
 }
 
+/// The mode the kernel runs the program in on `dev` of the node (`ip link`'s `xdp` or
+/// `xdpgeneric`), if any.
+fn kernel_mode(tb: &Testbed, dev: &str) -> Option<&'static str> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &tb.node_ns(), "ip", "link", "show", dev])
+        .output()
+        .expect("ip");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = text.split_whitespace().collect();
+    if words.contains(&"xdpgeneric") {
+        Some("generic")
+    } else if words.contains(&"xdp") {
+        Some("native")
+    } else {
+        None
+    }
+}
+
+/// A restart asked for another XDP mode runs in it: the earlier run's link of the other
+/// mode makes way (a device runs one mode at a time). `best-effort` after `generic` stayed
+/// generic — the agent's own generic link refused native — with a warning that blamed
+/// the veth driver; `generic` after `native` did not start.
+#[needs_root]
+#[test]
+fn a_restart_lands_in_the_xdp_mode_asked_for() {
+    let mut tb = testbed("", None);
+    for (mode, runs) in [
+        ("generic", "generic"),
+        ("best-effort", "native"),
+        ("generic", "generic"),
+        ("native", "native"),
+    ] {
+        tb.kill_agent().expect("kill");
+        start(&mut tb, mode);
+        let log = tb.agent_log();
+        let dump = tb.dump().expect("dump");
+        for dev in tb.node_interfaces() {
+            assert_eq!(dump["xdp"][&dev], runs, "--xdp {mode}: {dump}\n{log}");
+            assert_eq!(
+                kernel_mode(&tb, &dev),
+                Some(runs),
+                "--xdp {mode}: the kernel runs {dev} so\n{log}"
+            );
+            let other = if runs == "native" {
+                "generic"
+            } else {
+                "native"
+            };
+            let stale = tb
+                .pin_dir()
+                .join("links")
+                .join(format!("xdp-{other}@{dev}"));
+            assert!(!stale.exists(), "{} left pinned", stale.display());
+        }
+        assert!(
+            !log.contains("running generic XDP"),
+            "--xdp {mode} fell back:\n{log}"
+        );
+    }
+    let before = sent_at_xdp(&tb);
+    reach_all(&tb, 5);
+    assert!(
+        sent_at_xdp(&tb) > before,
+        "translated at XDP after the restarts"
+    );
+}
+
 /// An interface that appears after start (a pod's veth, `--interfaces auto`) gets the XDP
 /// program too, and its traffic is translated there.
 #[needs_root]

@@ -22,9 +22,9 @@ pub struct RunArgs {
     /// `server` alone: those of `ebpf.feed.servers`).
     #[arg(long, value_parser = SourceKind::parse, default_value = "files")]
     source: SourceKind,
-    /// With `--source server=`: this node's client certificate (CN or SAN
-    /// `system:node:<name>`), its key, and the CA of the servers' certificates; without
-    /// them, plain text.
+    /// With `--source server=`: this node's client certificate (kubelet's: CN
+    /// `system:node:<name>`, O `system:nodes`), its key, and the CA of the servers'
+    /// certificates; without them, plain text.
     #[arg(long, requires_all = ["feed_key", "feed_ca"])]
     feed_cert: Option<PathBuf>,
     #[arg(long, requires = "feed_cert")]
@@ -153,7 +153,7 @@ pub enum SourceKind {
     Files,
     /// The Kubernetes API server.
     Kube,
-    /// `proxy-agent serve` replicas (`host:port` each).
+    /// `proxy-agent serve` replicas (`host:port` each, checked when parsed).
     Server(Vec<String>),
 }
 
@@ -177,6 +177,11 @@ impl SourceKind {
                     .collect();
                 if addrs.is_empty() {
                     return Err("server= names no address".into());
+                }
+                // Here, not at each connection: a bad address was retried for ever.
+                for addr in &addrs {
+                    proxy_agent::config::check_feed_server(addr)
+                        .map_err(|e| format!("feed server {e}"))?;
                 }
                 Ok(Self::Server(addrs))
             }
@@ -414,4 +419,38 @@ pub async fn run(args: RunArgs) -> Result<()> {
         })?
     };
     runner::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    /// `--source server=::::` stops at parse time, naming the flag and the address (it
+    /// was accepted and retried for ever as an invalid URI).
+    #[test]
+    fn a_feed_server_that_cannot_be_a_uri_is_refused_at_parse_time() {
+        for bad in ["server=::::", "server=10.0.0.1:10270,10.0.0.2"] {
+            let err = Cli::try_parse_from(["proxy-agent", "--source", bad])
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_else(|| panic!("{bad} accepted"));
+            assert!(err.contains("--source") && err.contains(bad), "{err}");
+        }
+        let cli = Cli::try_parse_from(["proxy-agent", "--source", "server=10.0.0.1:1,[::1]:2"])
+            .map_err(|e| e.to_string())
+            .expect("valid servers");
+        assert!(
+            matches!(&cli.run.source, SourceKind::Server(s) if s.len() == 2),
+            "{:?}",
+            cli.run.source
+        );
+    }
 }

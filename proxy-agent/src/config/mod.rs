@@ -113,6 +113,63 @@ fn parse_port_range(text: &str, lowest: u16) -> Result<(u16, u16), String> {
     Ok((a, b))
 }
 
+/// A listen address, `IP:PORT` with the port in 1–65535, as kube-proxy checks it: one
+/// that cannot be bound must stop the start, not be retried for ever.
+fn check_bind_address(addr: &str) -> Result<(), String> {
+    let (_, port) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{addr:?}: expected IP:PORT, e.g. 0.0.0.0:10256"))?;
+    match port.parse::<u16>() {
+        Ok(0) | Err(_) => return Err(format!("{addr:?}: port {port:?} is not in 1-65535")),
+        Ok(_) => {}
+    }
+    addr.parse::<std::net::SocketAddr>()
+        .map(drop)
+        .map_err(|_| format!("{addr:?}: expected IP:PORT, e.g. 0.0.0.0:10256 or [::]:10256"))
+}
+
+/// A feed server's address (`--source server=`, `ebpf.feed.servers`), `HOST:PORT` with
+/// an IPv6 host in brackets: one the connection cannot use must stop the start, not be
+/// retried for ever.
+pub fn check_feed_server(addr: &str) -> Result<(), String> {
+    let bad = |why: &str| {
+        Err(format!(
+            "{addr:?}: {why}; expected HOST:PORT, e.g. 10.0.0.1:10270, [fd00::1]:10270 or \
+             feed.example:10270"
+        ))
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return bad("no port");
+    };
+    if let Some(inner) = host.strip_prefix('[') {
+        if inner
+            .strip_suffix(']')
+            .and_then(|ip| ip.parse::<std::net::Ipv6Addr>().ok())
+            .is_none()
+        {
+            return bad("not an IPv6 address in brackets");
+        }
+    } else if host.is_empty() {
+        return bad("no host");
+    } else if host.contains(':') {
+        return bad("an IPv6 address goes in brackets");
+    } else if !host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+    {
+        return bad("the host is neither an IP address nor a DNS name");
+    }
+    let port = match port.parse::<u16>() {
+        Ok(0) | Err(_) => return bad("the port is not in 1-65535"),
+        Ok(p) => p,
+    };
+    // The connection's URI is built from it: host and port, nothing else.
+    match addr.parse::<http::uri::Authority>() {
+        Ok(a) if a.host() == host && a.port_u16() == Some(port) => Ok(()),
+        _ => bad("not a URI's host and port"),
+    }
+}
+
 /// The agent's settings, after defaults, file and flags.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -222,9 +279,33 @@ const NOT_APPLICABLE: [&str; 10] = [
 ];
 
 impl Config {
-    /// Checks what flags may have set beyond the file's checks: periods within
-    /// `MAX_SYNC_PERIOD`.
+    /// Checks what the file's fields cannot check alone, and what flags may have set:
+    /// periods within `MAX_SYNC_PERIOD`, listen addresses that can be bound, and
+    /// masquerade ports apart from NodePorts.
     pub fn validate(&self) -> Result<(), String> {
+        for (field, addr) in [
+            ("healthzBindAddress", &self.healthz_bind_address),
+            ("metricsBindAddress", &self.metrics_bind_address),
+            (
+                "ebpf.debugBindAddress (--debug-addr)",
+                &self.debug_bind_address,
+            ),
+        ] {
+            // Empty: the debug endpoint is off (the other two are never empty here).
+            if !addr.is_empty() {
+                check_bind_address(addr).map_err(|e| format!("{field}: {e}"))?;
+            }
+        }
+        // A masquerade source port that is also a NodePort: the backend's answer to a
+        // masqueraded flow would come back to the node's NodePort frontend.
+        let (masq, nodeport) = (self.conntrack.masquerade_ports, self.node_port_range);
+        if masq.0 <= nodeport.1 && nodeport.0 <= masq.1 {
+            return Err(format!(
+                "ebpf.masqueradePortRange {}-{} overlaps ebpf.nodePortRange {}-{}: \
+                 masquerade ports must not be NodePorts",
+                masq.0, masq.1, nodeport.0, nodeport.1
+            ));
+        }
         for (field, d) in [
             ("syncPeriod (--resync-s)", self.sync_period),
             ("minSyncPeriod (--min-sync-ms)", self.min_sync_period),
@@ -430,6 +511,9 @@ impl Config {
         if let Some(e) = file.ebpf {
             if let Some(f) = e.feed {
                 cfg.feed_servers = f.servers.unwrap_or_default();
+                for addr in &cfg.feed_servers {
+                    check_feed_server(addr).map_err(|e| format!("ebpf.feed.servers: {e}"))?;
+                }
                 cfg.feed_tls = match (f.cert, f.key, f.ca) {
                     (Some(c), Some(k), Some(a)) => Some([c.into(), k.into(), a.into()]),
                     (None, None, None) => None,
@@ -554,8 +638,117 @@ mod tests {
         .expect("valid");
         assert_eq!(cfg.feed_servers, ["10.0.0.1:10270", "10.0.0.2:10270"]);
         assert_eq!(cfg.feed_tls, Some(["/c".into(), "/k".into(), "/a".into()]));
-        let err = Config::from_text("ebpf: {feed: {servers: [a], cert: /c}}\n").expect_err("half");
+        let err =
+            Config::from_text("ebpf: {feed: {servers: [\"a:1\"], cert: /c}}\n").expect_err("half");
         assert!(err.contains("ebpf.feed"), "{err}");
+    }
+
+    /// The file read as `Config::from_file` reads it: parsed, then validated.
+    fn read(text: &str) -> Result<Config, String> {
+        let (cfg, _) = Config::from_text(text)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A listen address that can never be bound is refused when the file is read, naming
+    /// the setting (`0.0.0.0:99999` was accepted, and the endpoint never came up).
+    #[test]
+    fn listen_addresses_that_cannot_be_bound_are_refused() {
+        for (text, field) in [
+            ("healthzBindAddress: 0.0.0.0:99999", "healthzBindAddress"),
+            ("metricsBindAddress: 0.0.0.0:99999", "metricsBindAddress"),
+            ("metricsBindAddress: 127.0.0.1:0", "metricsBindAddress"),
+            ("healthzBindAddress: 10256", "healthzBindAddress"),
+            ("healthzBindAddress: localhost:10256", "healthzBindAddress"),
+            ("metricsBindAddress: \"::1:10249\"", "metricsBindAddress"),
+            (
+                "ebpf: {debugBindAddress: 127.0.0.1:70000}",
+                "ebpf.debugBindAddress",
+            ),
+        ] {
+            let text = format!("kind: KubeProxyConfiguration\n{text}\n");
+            let err = read(&text).expect_err(&text);
+            assert!(err.starts_with(field), "{err} does not name {field}");
+        }
+        let cfg = read(
+            "healthzBindAddress: \"[::]:10256\"\nmetricsBindAddress: 0.0.0.0:10249\n\
+             ebpf: {debugBindAddress: \"\"}\n",
+        )
+        .expect("valid addresses");
+        assert_eq!(cfg.healthz_bind_address, "[::]:10256");
+        // A flag's address is checked as well.
+        let cfg = Config {
+            debug_bind_address: "127.0.0.1:".into(),
+            ..Config::default()
+        };
+        assert!(
+            cfg.validate()
+                .expect_err("no port")
+                .contains("--debug-addr")
+        );
+    }
+
+    /// Masquerade source ports that are NodePorts are refused, naming both settings.
+    #[test]
+    fn masquerade_ports_must_not_overlap_node_ports() {
+        for text in [
+            "ebpf: {masqueradePortRange: 30000-30100}",
+            "ebpf: {masqueradePortRange: 20000-40000}",
+            "ebpf: {masqueradePortRange: 32767-40000}",
+            "ebpf: {nodePortRange: 1024-25000}",
+            "ebpf: {nodePortRange: 29999-29999}",
+        ] {
+            let err = read(text).expect_err(text);
+            assert!(
+                err.contains("ebpf.masqueradePortRange") && err.contains("ebpf.nodePortRange"),
+                "{err}"
+            );
+        }
+        let cfg = read("ebpf: {masqueradePortRange: 40000-49999, nodePortRange: 30000-39999}")
+            .expect("apart");
+        assert_eq!(cfg.conntrack.masquerade_ports, (40000, 49999));
+        read("{}").expect("the defaults are apart");
+    }
+
+    /// A feed server's address that no connection can use is refused where it is given
+    /// (`server=::::` was retried for ever as an invalid URI).
+    #[test]
+    fn feed_server_addresses_are_checked_when_read() {
+        for good in [
+            "10.0.0.1:10270",
+            "[fd00::1]:10270",
+            "feed.example:10270",
+            "node-1:1",
+        ] {
+            check_feed_server(good).expect(good);
+        }
+        for (bad, why) in [
+            ("::::", "brackets"),
+            ("fd00::1:10270", "brackets"),
+            ("[fd00::zz]:10270", "IPv6"),
+            ("[fd00::1:10270", "IPv6"),
+            ("10.0.0.1", "no port"),
+            ("10.0.0.1:", "port"),
+            ("10.0.0.1:99999", "port"),
+            ("10.0.0.1:0", "port"),
+            (":10270", "no host"),
+            ("feed/x:10270", "DNS name"),
+            ("user@feed:10270", "DNS name"),
+            ("feed example:10270", "DNS name"),
+            ("feed%:10270", "DNS name"),
+        ] {
+            let err = check_feed_server(bad).expect_err(bad);
+            assert!(
+                err.contains(&format!("{bad:?}")) && err.contains(why),
+                "{bad}: {err}"
+            );
+        }
+        let err = Config::from_text("ebpf: {feed: {servers: [\"10.0.0.1:10270\", \"::::\"]}}\n")
+            .expect_err("a bad server");
+        assert!(
+            err.contains("ebpf.feed.servers") && err.contains("\"::::\""),
+            "{err}"
+        );
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::wire::KEEPALIVE;
 /// How the server learns who a client is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Identity {
-    /// The client certificate's `system:node:<name>` (CN or a DNS/URI SAN).
+    /// The client certificate's CN `system:node:<name>` in O `system:nodes` (kubelet's).
     ClientCertificate,
     /// No credentials at all: the name in the request is believed (tests, loopback).
     Insecure,
@@ -56,27 +56,35 @@ impl Feed {
     }
 }
 
-/// The node a certificate names: `system:node:<name>` as kubelet's client certificates
-/// spell it.
-pub fn node_of_certificate(der: &[u8]) -> Option<String> {
+/// The node a certificate names, as the API server reads a kubelet's client certificate:
+/// the Subject's one CN `system:node:<name>`, with `system:nodes` among its O's. A SAN
+/// names no one here (a certificate the CA issued for a SAN would otherwise pass as a
+/// node), nor does a CN outside the nodes' group. Err: why not, for the refusal.
+pub fn node_of_certificate(der: &[u8]) -> Result<String, &'static str> {
     const PREFIX: &str = "system:node:";
-    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
-    let from_cn = cert
-        .subject()
-        .iter_common_name()
-        .filter_map(|cn| cn.as_str().ok())
-        .find_map(|cn| cn.strip_prefix(PREFIX).map(str::to_string));
-    if from_cn.is_some() {
-        return from_cn;
+    const GROUP: &str = "system:nodes";
+    let (_, cert) =
+        x509_parser::parse_x509_certificate(der).map_err(|_| "the certificate does not parse")?;
+    let subject = cert.subject();
+    let mut cns = subject.iter_common_name();
+    let cn = match (cns.next(), cns.next()) {
+        (Some(cn), None) => cn
+            .as_str()
+            .map_err(|_| "the certificate's CN is not text")?,
+        (None, _) => return Err("the certificate has no CN system:node:<name>"),
+        (Some(_), Some(_)) => return Err("the certificate has more than one CN"),
+    };
+    let name = cn
+        .strip_prefix(PREFIX)
+        .filter(|n| !n.is_empty())
+        .ok_or("the certificate's CN is not system:node:<name>")?;
+    if !subject
+        .iter_organization()
+        .any(|o| o.as_str().is_ok_and(|o| o == GROUP))
+    {
+        return Err("the certificate's subject is not in O=system:nodes");
     }
-    let san = cert.subject_alternative_name().ok()??;
-    san.value.general_names.iter().find_map(|n| match n {
-        x509_parser::extensions::GeneralName::DNSName(s)
-        | x509_parser::extensions::GeneralName::URI(s) => {
-            s.strip_prefix(PREFIX).map(str::to_string)
-        }
-        _ => None,
-    })
+    Ok(name.to_string())
 }
 
 type BatchStream = Pin<Box<dyn Stream<Item = Result<v1::EncodedBatch, Status>> + Send>>;
@@ -104,8 +112,10 @@ impl NodeFeed for Feed {
                 let first = certs
                     .first()
                     .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
-                let named = node_of_certificate(first.as_ref()).ok_or_else(|| {
-                    Status::permission_denied("the certificate names no system:node:<name>")
+                let named = node_of_certificate(first.as_ref()).map_err(|why| {
+                    tracing::warn!(asked = %request.get_ref().node_name, why,
+                        "a certificate that names no node");
+                    Status::permission_denied(why)
                 })?;
                 if named != request.get_ref().node_name {
                     tracing::warn!(certificate = %named, asked = %request.get_ref().node_name,

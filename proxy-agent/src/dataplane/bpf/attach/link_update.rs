@@ -12,6 +12,7 @@ use anyhow::{Context as _, Result, bail};
 
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_UPDATE: libc::c_long = 29;
+const BPF_LINK_DETACH: libc::c_long = 34;
 
 /// `bpf(cmd, attr)`; the attribute union is passed zero-padded, as the kernel wants.
 fn bpf(cmd: libc::c_long, attr: &[u32]) -> std::io::Result<libc::c_long> {
@@ -76,5 +77,17 @@ pub fn replace_program(pin: &Path, prog: BorrowedFd<'_>) -> Result<()> {
         &[link.as_raw_fd() as u32, prog.as_raw_fd() as u32, 0, 0],
     )
     .with_context(|| format!("replacing the program of {}", pin.display()))?;
+    Ok(())
+}
+
+/// Detaches the link pinned at `pin` from its device now (`BPF_LINK_DETACH`); the pin
+/// stays, of a link that is attached to nothing. Unpinning alone releases the link
+/// later, from a kernel work queue: an attachment made right after it can still find
+/// the device taken.
+pub fn detach_now(pin: &Path) -> Result<()> {
+    let link = open_pinned(pin)?;
+    // bpf_attr for BPF_LINK_DETACH: link_fd.
+    bpf(BPF_LINK_DETACH, &[link.as_raw_fd() as u32])
+        .with_context(|| format!("detaching {}", pin.display()))?;
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! pinned as `links/xdp-native@<name>` or `links/xdp-generic@<name>` (the mode is in the
 //! name: a link cannot change it), adopted on start by swapping the program in, so an
 //! agent restart or upgrade keeps translating without a gap. XDP goes on after TC (which
-//! handles whatever XDP passes) and comes off first.
+//! handles whatever XDP passes) and comes off first. A restart in the other mode detaches
+//! our link of the old one first: a device runs one XDP mode at a time.
 //!
 //! Bonds and VLANs: XDP attaches where the kernel allows it — a bond in native mode
 //! when all its slaves' drivers have native XDP (the bond redirects to the slave), a
@@ -102,6 +103,13 @@ impl Running {
         }
     }
 
+    fn other(self) -> Self {
+        match self {
+            Self::Native => Self::Generic,
+            Self::Generic => Self::Native,
+        }
+    }
+
     fn kernel(self) -> KernelMode {
         match self {
             Self::Native => KernelMode::Driver,
@@ -176,29 +184,45 @@ pub fn attach(
             detach(setup, links_dir, name);
             return Ok(None);
         }
-        XdpMode::Native => match attach_as(prog, links_dir, name, index, Running::Native) {
+        XdpMode::Native => match attach_in(prog, links_dir, name, index, Running::Native) {
             Ok(how) => how,
             Err(e) => {
+                let cause = if occupied(&e) {
+                    format!("another XDP program is attached to it ({e:#})")
+                } else {
+                    format!("{e:#}")
+                };
                 return Err(NativeRefused {
                     interface: name.to_string(),
                     driver: driver(name),
-                    cause: format!("{e:#}"),
+                    cause,
                 }
                 .into());
             }
         },
-        XdpMode::Generic => attach_as(prog, links_dir, name, index, Running::Generic)?,
-        XdpMode::BestEffort => match attach_as(prog, links_dir, name, index, Running::Native) {
+        XdpMode::Generic => attach_in(prog, links_dir, name, index, Running::Generic)?,
+        XdpMode::BestEffort => match attach_in(prog, links_dir, name, index, Running::Native) {
             Ok(how) => how,
             Err(e) => {
                 setup.status.0.fallbacks.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    interface = name,
-                    driver = driver(name),
-                    error = format!("{e:#}"),
-                    "native XDP unavailable; running generic XDP"
-                );
-                attach_as(prog, links_dir, name, index, Running::Generic)?
+                // Only a refusal by the driver is the driver's: a device already running
+                // another XDP program says so.
+                if occupied(&e) {
+                    tracing::warn!(
+                        interface = name,
+                        error = format!("{e:#}"),
+                        "native XDP unavailable: another XDP program (not ours) is attached \
+                         to the device; running generic XDP"
+                    );
+                } else {
+                    tracing::warn!(
+                        interface = name,
+                        driver = driver(name),
+                        error = format!("{e:#}"),
+                        "native XDP refused by the driver; running generic XDP"
+                    );
+                }
+                attach_in(prog, links_dir, name, index, Running::Generic)?
             }
         },
     };
@@ -239,6 +263,59 @@ pub fn pinned(links_dir: &Path) -> BTreeMap<String, Running> {
         }
     }
     out
+}
+
+/// `attach_as`, making way for it: a device runs XDP in one mode at a time, so our own
+/// link of the other mode on this device (an earlier run's) is detached and unpinned
+/// when the kernel refuses the new one beside it, and the new one attached again. For
+/// that moment TC alone translates (the two share conntrack: no flow is lost); left in
+/// place, the old link kept a restart in the mode it ran before (`best-effort` after
+/// `generic` stayed generic, blaming the driver; `generic` after `native` failed).
+fn attach_in(
+    prog: &mut Xdp,
+    links_dir: &Path,
+    name: &str,
+    index: u32,
+    how: Running,
+) -> Result<Running> {
+    let first = match attach_as(prog, links_dir, name, index, how) {
+        Ok(how) => return Ok(how),
+        Err(e) => e,
+    };
+    let other = how.other();
+    let pin = links_dir.join(format!("{}{name}", other.prefix()));
+    if !occupied(&first) || !on_device(&pin, index) {
+        return Err(first);
+    }
+    tracing::info!(
+        interface = name,
+        from = other.as_str(),
+        to = how.as_str(),
+        "our XDP link of the other mode makes way (one mode per device)"
+    );
+    // Detached first: the pin's release alone frees the device only later.
+    if let Err(e) = link_update::detach_now(&pin) {
+        tracing::warn!(
+            interface = name,
+            error = format!("{e:#}"),
+            "detaching our XDP link"
+        );
+    }
+    remove_pin(&pin);
+    attach_as(prog, links_dir, name, index, how)
+}
+
+/// The link pinned at `pin` is attached to the device `index`.
+fn on_device(pin: &Path, index: u32) -> bool {
+    pin.exists() && link_update::pinned_field(pin, "ifindex").is_ok_and(|i| i == u64::from(index))
+}
+
+/// The kernel refused the attachment because the device already runs an XDP program
+/// (`EEXIST`: one of the other mode; `EBUSY`: one of this mode), not for its driver.
+fn occupied(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .any(|io| matches!(io.raw_os_error(), Some(libc::EEXIST | libc::EBUSY)))
 }
 
 fn attach_as(
@@ -375,6 +452,19 @@ mod tests {
         }
         assert!("driver".parse::<XdpMode>().is_err());
         assert_eq!(XdpMode::default(), XdpMode::Off);
+    }
+
+    /// Only a device already taken is "occupied": other refusals are the driver's.
+    #[test]
+    fn a_taken_device_is_told_from_a_driver_refusal() {
+        let kernel = |errno| {
+            anyhow::Error::new(std::io::Error::from_raw_os_error(errno)).context("attaching")
+        };
+        assert!(occupied(&kernel(libc::EEXIST)));
+        assert!(occupied(&kernel(libc::EBUSY)));
+        assert!(!occupied(&kernel(libc::EOPNOTSUPP)));
+        assert!(!occupied(&kernel(libc::EINVAL)));
+        assert!(!occupied(&anyhow::anyhow!("File exists")));
     }
 
     #[test]
