@@ -8,7 +8,7 @@ use std::{path::Path, sync::Arc, time::Duration};
 
 use k8s_openapi::api::core::v1::Service;
 use proxy_agent::{
-    fanout::{Hub, HubOptions, grpc},
+    fanout::{Cut, Hub, HubOptions, grpc},
     source::Snapshot,
     wire::{
         tls::{Reloading, TlsFiles},
@@ -83,6 +83,11 @@ fn write_server_files(dir: &Path, ca: &Ca) -> TlsFiles {
 }
 
 async fn server(dir: &Path, ca: &Ca) -> (String, TlsFiles) {
+    let (addr, files, _) = server_hub(dir, ca).await;
+    (addr, files)
+}
+
+async fn server_hub(dir: &Path, ca: &Ca) -> (String, TlsFiles, Arc<Hub>) {
     let files = write_server_files(dir, ca);
     let hub = Hub::new(HubOptions::default());
     let mut snap = Snapshot::default();
@@ -98,9 +103,9 @@ async fn server(dir: &Path, ca: &Ca) -> (String, TlsFiles) {
         .expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     let tls = Arc::new(Reloading::new(files.clone()).expect("tls"));
-    let feed = grpc::Feed::new(hub, grpc::Identity::ClientCertificate);
+    let feed = grpc::Feed::new(Arc::clone(&hub), grpc::Identity::ClientCertificate);
     tokio::spawn(grpc::serve(listener, feed, Some(tls)));
-    (addr, files)
+    (addr, files, hub)
 }
 
 /// The first batch `node` is given, asking as the holder of `identity`.
@@ -226,6 +231,62 @@ async fn only_a_kubelets_subject_names_a_node() {
     first_batch(&addr, &ca.1, Some(&kubelet), "node-b")
         .await
         .expect("the kubelet's certificate reads node-b");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 42: ~1,000 idle connections from one peer that never start a handshake held the
+/// server's 1,024 file descriptors for the handshake timeout (10 s). Now a peer address
+/// may have `HANDSHAKES_PER_PEER` handshakes under way (more are closed at once), each
+/// gets `HANDSHAKE_TIMEOUT` (3 s), and a node elsewhere reads its view meanwhile.
+#[tokio::test]
+async fn idle_connections_from_one_peer_are_bounded_and_closed_soon() {
+    use tokio::io::AsyncReadExt as _;
+    let dir = tempdir();
+    let ca1 = ca("feed-ca");
+    let (addr, _files, hub) = server_hub(&dir, &ca1).await;
+    let target: std::net::SocketAddr = addr.parse().expect("addr");
+    // The idle peer: another loopback address, 200 connections that never say a word.
+    let mut idle = Vec::new();
+    for _ in 0..200 {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind("127.0.0.2:0".parse().expect("addr"))
+            .expect("bind 127.0.0.2");
+        idle.push(sock.connect(target).await.expect("connect"));
+    }
+    let node_a = leaf(&ca1, "system:node:node-a", false);
+    let started = std::time::Instant::now();
+    let batch = first_batch(&addr, &ca1.1, Some(&node_a), "node-a")
+        .await
+        .expect("node A reads its view beside the idle peer");
+    assert!(batch.snapshot, "{batch:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "node A waited {:?}",
+        started.elapsed()
+    );
+    // Every idle connection is closed by the server within the handshake timeout: the
+    // ones past the bound at once, the others when their handshake times out.
+    let deadline = tokio::time::Instant::now() + grpc::HANDSHAKE_TIMEOUT + Duration::from_secs(2);
+    for (i, conn) in idle.iter_mut().enumerate() {
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout_at(deadline, conn.read(&mut buf)).await;
+        assert!(
+            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+            "idle connection {i} still open {:?} after it was made: {read:?}",
+            started.elapsed()
+        );
+    }
+    let cuts = hub.stats().cuts;
+    assert_eq!(
+        cuts.get(Cut::HandshakesPerPeer),
+        200 - grpc::HANDSHAKES_PER_PEER as u64,
+        "{cuts:?}"
+    );
+    assert_eq!(
+        cuts.get(Cut::HandshakeTimeout),
+        grpc::HANDSHAKES_PER_PEER as u64,
+        "{cuts:?}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -889,6 +889,7 @@ fn check_api_answers(
                 ),
                 all_nodes: false,
                 stream_first_list: false,
+                health: Default::default(),
             },
             tx,
         ));

@@ -318,6 +318,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 on_link: std::sync::Arc::new(move |up| {
                     link.source_link(up, std::time::Instant::now())
                 }),
+                prefer_every: proxy_agent::feed::PREFER_EVERY,
             };
             // No server yet is a link not yet made: /healthz counts from now.
             status.source_link(false, std::time::Instant::now());

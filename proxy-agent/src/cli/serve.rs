@@ -47,100 +47,24 @@ pub struct ServeArgs {
     /// (fewer, larger messages to every node; 0: each at once).
     #[arg(long, default_value_t = grpc::BATCH_WINDOW.as_millis() as u64)]
     batch_window_ms: u64,
-    /// `/metrics` and `/healthz` (ready once the first full list is in); empty: off.
+    /// `/metrics` and `/healthz` (ready once the first full list is in, and while the API
+    /// watch has not failed past `--api-lost-after-s`); empty: off.
     #[arg(long, default_value = "0.0.0.0:10271")]
     metrics_address: String,
-}
-
-/// The server's `/metrics` (Prometheus text) from the hub's counts.
-fn metrics_text(s: &fanout::HubStats) -> String {
-    let series: [(&str, &str, &str, u64); 8] = [
-        (
-            "proxy_agent_feed_ready",
-            "gauge",
-            "1 once the source's first full list is in",
-            u64::from(s.ready),
-        ),
-        (
-            "proxy_agent_feed_revision",
-            "gauge",
-            "The server's latest revision",
-            s.revision,
-        ),
-        (
-            "proxy_agent_feed_objects",
-            "gauge",
-            "Services and EndpointSlices held",
-            s.objects as u64,
-        ),
-        (
-            "proxy_agent_feed_nodes_connected",
-            "gauge",
-            "Nodes with an open stream",
-            s.nodes_connected as u64,
-        ),
-        (
-            "proxy_agent_feed_snapshots_total",
-            "counter",
-            "Snapshots sent",
-            s.snapshots_sent,
-        ),
-        (
-            "proxy_agent_feed_resumes_total",
-            "counter",
-            "Streams resumed from a node's revision",
-            s.resumes,
-        ),
-        (
-            "proxy_agent_feed_overflows_total",
-            "counter",
-            "Snapshots given instead of ops to a node past its pending bound",
-            s.overflows,
-        ),
-        (
-            "proxy_agent_feed_sent_bytes_total",
-            "counter",
-            "Bytes of batches handed to the nodes' streams",
-            s.bytes_sent,
-        ),
-    ];
-    let mut out = String::new();
-    for (name, kind, help, value) in series {
-        out.push_str(&format!(
-            "# HELP {name} {help}.\n# TYPE {name} {kind}\n{name} {value}\n"
-        ));
-    }
-    out
-}
-
-/// `/metrics`, and `/healthz` answering 503 until the first full list is in.
-fn http_app(hub: std::sync::Arc<Hub>) -> axum::Router {
-    use axum::{http::StatusCode, routing::get};
-    let metrics_hub = std::sync::Arc::clone(&hub);
-    axum::Router::new()
-        .route(
-            "/metrics",
-            get(move || {
-                let text = metrics_text(&metrics_hub.stats());
-                async move { text }
-            }),
-        )
-        .route(
-            "/healthz",
-            get(move || {
-                let ready = hub.stats().ready;
-                async move {
-                    if ready {
-                        (StatusCode::OK, "ok")
-                    } else {
-                        (
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "waiting for the first full list",
-                        )
-                    }
-                }
-            }),
-        )
+    /// How long the API server watch may fail (errors that keep coming, or the version
+    /// probe unanswered) before this replica says it has no view: `/healthz` 503, every
+    /// node's stream ended and new ones refused until it answers again.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    api_lost_after_s: u64,
+    /// Streams one node identity may hold open at once.
+    #[arg(long, default_value_t = grpc::FeedLimits::default().streams_per_node as u64,
+        value_parser = clap::value_parser!(u64).range(1..=1024))]
+    streams_per_node: u64,
+    /// MiB of batches in flight to nodes that take them whole (agents that do not join
+    /// parts): past it, such a stream waits, then is cut.
+    #[arg(long, default_value_t = (grpc::FeedLimits::default().whole_budget_bytes >> 20) as u64,
+        value_parser = clap::value_parser!(u64).range(1..=65536))]
+    whole_budget_mib: u64,
 }
 
 pub async fn serve(args: ServeArgs) -> Result<()> {
@@ -160,6 +84,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         (None, true) => (grpc::Identity::Insecure, None),
         (None, false) => anyhow::bail!("pass --tls-cert/--tls-key/--client-ca, or --insecure"),
     };
+    match grpc::raise_fd_limit() {
+        Ok(limit) => tracing::info!(limit, "open files allowed"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the limit of open files"),
+    }
     let hub = Hub::new(HubOptions {
         history: args.history.max(1),
         pending_bound: args.pending_bound.max(1),
@@ -200,6 +128,23 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
                 all_nodes: true,
                 ..Default::default()
             };
+            let bound = std::time::Duration::from_secs(args.api_lost_after_s);
+            tokio::spawn(fanout::judge_view(
+                std::sync::Arc::downgrade(&hub),
+                opts.health.clone(),
+                bound,
+            ));
+            // Asked six times within the bound (every 1–10 s): a hung API server is seen
+            // well before the watches time out.
+            let every = (bound / 6).clamp(
+                std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(10),
+            );
+            tokio::spawn(fanout::probe_api(
+                client.clone(),
+                opts.health.clone(),
+                every,
+            ));
             tokio::spawn(async move {
                 source::api_server::wait_reachable(&client, &url).await;
                 source::kube::run(client, opts, tx).await
@@ -213,7 +158,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             .metrics_address
             .parse()
             .with_context(|| format!("--metrics-address {:?}", args.metrics_address))?;
-        let app = http_app(std::sync::Arc::clone(&hub));
+        let app = fanout::http::app(std::sync::Arc::clone(&hub));
         tokio::spawn(proxy_agent::health_check::serve_retrying(
             addr,
             app,
@@ -224,7 +169,12 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     tracing::info!(listen = %args.listen, tls = tls.is_some(), "serving node views");
-    let feed = grpc::Feed::new(hub, identity)
+    let limits = grpc::FeedLimits {
+        streams_per_node: usize::try_from(args.streams_per_node).unwrap_or(usize::MAX),
+        whole_budget_bytes: usize::try_from(args.whole_budget_mib << 20).unwrap_or(usize::MAX),
+        ..Default::default()
+    };
+    let feed = grpc::Feed::with_limits(hub, identity, limits)
         .with_batch_window(std::time::Duration::from_millis(args.batch_window_ms));
     grpc::serve(listener, feed, tls).await
 }

@@ -7,8 +7,10 @@ use futures::Stream;
 use prost::Message as _;
 use tonic::{Request, Response, Status};
 
+use std::ops::Not as _;
+
 use super::{
-    Encoded, Hub,
+    Cut, Encoded, Hub,
     mailbox::{Drained, Mailbox, OpKey},
 };
 use crate::wire::v1::{self, node_feed_server::NodeFeed};
@@ -28,6 +30,35 @@ pub struct Feed {
     hub: Arc<Hub>,
     identity: Identity,
     window: Duration,
+    limits: FeedLimits,
+    /// Room for batches in flight to nodes that take them whole, in KiB.
+    whole_budget: Arc<tokio::sync::Semaphore>,
+    whole_budget_kib: u32,
+}
+
+/// What one node, one stream and all the streams together may hold on the server.
+#[derive(Clone, Copy, Debug)]
+pub struct FeedLimits {
+    /// Streams open at once per node identity; more are refused (RESOURCE_EXHAUSTED).
+    pub streams_per_node: usize,
+    /// Bytes of batches in flight to nodes that take them whole (no `accepts_parts`): a
+    /// whole batch (a snapshot: ~3 MiB at 20k Services) stays held until its node reads
+    /// it, so these are budgeted together. One batch larger than the budget alone may
+    /// take all of it.
+    pub whole_budget_bytes: usize,
+    /// How long a whole batch waits for room in the budget before its stream is cut
+    /// (RESOURCE_EXHAUSTED).
+    pub whole_wait: Duration,
+}
+
+impl Default for FeedLimits {
+    fn default() -> Self {
+        Self {
+            streams_per_node: 4,
+            whole_budget_bytes: 64 << 20,
+            whole_wait: Duration::from_secs(10),
+        }
+    }
 }
 
 /// How long a node's stream lets changes gather after the first before it sends them:
@@ -38,10 +69,20 @@ pub const BATCH_WINDOW: Duration = Duration::from_millis(10);
 
 impl Feed {
     pub fn new(hub: Arc<Hub>, identity: Identity) -> Self {
+        Self::with_limits(hub, identity, FeedLimits::default())
+    }
+
+    pub fn with_limits(hub: Arc<Hub>, identity: Identity, limits: FeedLimits) -> Self {
+        let kib = u32::try_from(limits.whole_budget_bytes >> 10)
+            .unwrap_or(u32::MAX)
+            .max(1);
         Self {
             hub,
             identity,
             window: BATCH_WINDOW,
+            limits,
+            whole_budget: Arc::new(tokio::sync::Semaphore::new(kib as usize)),
+            whole_budget_kib: kib,
         }
     }
 
@@ -128,6 +169,20 @@ impl NodeFeed for Feed {
         if node.is_empty() {
             return Err(Status::invalid_argument("node_name is empty"));
         }
+        if let Some(why) = self.hub.no_view_reason() {
+            self.hub.count_cut(Cut::NoView);
+            tracing::info!(%node, why, "a node asked for its view; there is none to give");
+            return Err(crate::wire::no_view_status(why));
+        }
+        let Some(slot) = self.hub.stream_slot(&node, self.limits.streams_per_node) else {
+            self.hub.count_cut(Cut::StreamsPerNode);
+            tracing::warn!(%node, max = self.limits.streams_per_node,
+                "a node asked for one stream more than it may hold; refused");
+            return Err(Status::resource_exhausted(format!(
+                "this node has {} streams open already",
+                self.limits.streams_per_node
+            )));
+        };
         let req = request.into_inner();
         let mb = self.hub.subscribe(&node, &req.epoch, req.revision);
         tracing::info!(%node, epoch = %req.epoch, revision = req.revision,
@@ -145,14 +200,48 @@ impl NodeFeed for Feed {
             part_bytes,
             window: self.window,
             outgoing: None,
+            at_once: true,
+            budget: req.accepts_parts.not().then(|| WholeBudget {
+                room: Arc::clone(&self.whole_budget),
+                total_kib: self.whole_budget_kib,
+                wait: self.limits.whole_wait,
+                held: std::collections::VecDeque::new(),
+                pad: false,
+            }),
+            _slot: slot,
         };
-        let stream = futures::stream::unfold(sending, |mut s| async move {
-            let batch = s.next_part().await;
-            Some((Ok(batch), s))
+        // After an error (a cut) the stream ends.
+        let stream = futures::stream::unfold(Some(sending), |s| async move {
+            let mut s = s?;
+            match s.next_part().await {
+                Ok(batch) => Some((Ok(batch), Some(s))),
+                Err(status) => Some((Err(status), None)),
+            }
         });
         Ok(Response::new(Box::pin(stream)))
     }
 }
+
+/// The budget of whole batches in flight, as one stream draws on it. A message handed to
+/// hyper is buffered by h2 whole until its node's window lets it out. A whole batch is
+/// followed at once by a padded keepalive (`PADDING`), which hyper takes only once the
+/// batch has left; the stream is asked for the message after it only then. So each
+/// message's room is held until the stream is asked for the one after the next.
+struct WholeBudget {
+    room: Arc<tokio::sync::Semaphore>,
+    total_kib: u32,
+    wait: Duration,
+    /// The room of the last messages handed out (`None`: one too small to count).
+    held: std::collections::VecDeque<Option<tokio::sync::OwnedSemaphorePermit>>,
+    /// The next keepalive is padded (it follows a whole batch).
+    pad: bool,
+}
+
+/// A keepalive after a whole batch is padded past tonic's yield threshold (32 KiB): tonic
+/// asks the stream for more in the same breath after a small message, but after a
+/// message that fills its buffer only when hyper polls again, which hyper does only once
+/// the message before has left (it waits for send room in between).
+const PADDING: usize = 64 << 10;
 
 /// One node's stream: its mailbox drained into batches, each sent in parts.
 struct Sending {
@@ -163,26 +252,54 @@ struct Sending {
     window: Duration,
     /// The batch being sent, a part at a time.
     outgoing: Option<Outgoing>,
+    /// With nothing pending, say so at once (a keepalive) rather than after `KEEPALIVE`:
+    /// as a stream's first message, so that a node learns at once that the replica
+    /// serves it; after a whole batch, so that its room in the budget is given back as
+    /// soon as it has left (`WholeBudget`).
+    at_once: bool,
+    /// For a node that takes batches whole.
+    budget: Option<WholeBudget>,
+    _slot: super::StreamSlot,
 }
 
 impl Sending {
     /// The next message: a part of the batch being sent, of what is pending, or a
-    /// keepalive after `KEEPALIVE`.
-    async fn next_part(&mut self) -> v1::EncodedBatch {
+    /// keepalive after `KEEPALIVE`; `Err`: the stream is cut (no view, no room).
+    async fn next_part(&mut self) -> Result<v1::EncodedBatch, Status> {
+        if let Some(b) = &mut self.budget {
+            // All but the last message handed out have left.
+            while b.held.len() > 1 {
+                b.held.pop_front();
+            }
+        }
         if self.outgoing.is_none() {
-            match next_drained(&self.mb, self.window).await {
-                Ok(d) => self.outgoing = Some(Outgoing::new(&self.hub, d)),
-                Err(idle_at) => {
+            let at_once = std::mem::replace(&mut self.at_once, false);
+            match next_drained(&self.hub, &self.mb, self.window, at_once).await {
+                Next::Drained(d) => self.outgoing = Some(Outgoing::new(&self.hub, d)),
+                Next::NoView(why) => {
+                    self.hub.count_cut(Cut::NoView);
+                    tracing::info!(node = %self.mb.node, why, "ending the node's stream");
+                    return Err(crate::wire::no_view_status(why));
+                }
+                Next::Idle(idle_at) => {
                     // A keepalive: no ops, and the revision as of the drain that found
                     // none (a later one might name ops not sent yet).
-                    return v1::EncodedBatch {
+                    let mut padding = Vec::new();
+                    if let Some(b) = &mut self.budget {
+                        b.held.push_back(None);
+                        if std::mem::take(&mut b.pad) {
+                            padding = vec![0; PADDING];
+                        }
+                    }
+                    return Ok(v1::EncodedBatch {
                         snapshot: false,
                         epoch: self.epoch.clone(),
                         revision: idle_at,
                         ops: Vec::new(),
                         api_validated: self.hub.api_validated(),
                         continued: false,
-                    };
+                        padding,
+                    });
                 }
             }
         }
@@ -191,27 +308,70 @@ impl Sending {
         if !part.continued {
             self.outgoing = None;
         }
-        self.hub.count_sent(part.encoded_len());
-        part
+        let len = part.encoded_len();
+        if let Some(b) = &mut self.budget {
+            let mut room = None;
+            if len > PART_BYTES {
+                // A batch larger than the whole budget takes all of it.
+                let want = u32::try_from(len.div_ceil(1024))
+                    .unwrap_or(u32::MAX)
+                    .min(b.total_kib);
+                let asked = Arc::clone(&b.room).acquire_many_owned(want);
+                match tokio::time::timeout(b.wait, asked).await {
+                    Ok(Ok(permit)) => room = Some(permit),
+                    Ok(Err(_)) | Err(_) => {
+                        self.hub.count_cut(Cut::WholeBudget);
+                        tracing::warn!(node = %self.mb.node, bytes = len,
+                            "no room for a whole batch: nodes that take them whole have not \
+                             read theirs; cutting the stream");
+                        self.outgoing = None;
+                        return Err(Status::resource_exhausted(
+                            "the server's room for batches sent whole is taken by streams \
+                             that do not read; ask with accepts_parts",
+                        ));
+                    }
+                }
+                self.at_once = true;
+                b.pad = true;
+            }
+            b.held.push_back(room);
+        }
+        self.hub.count_sent(len);
+        Ok(part)
     }
 }
 
-/// What is pending (once `window` has passed since its first op), or (`Err`) the
-/// revision as of a drain that found nothing once `KEEPALIVE` has passed.
-async fn next_drained(mb: &Mailbox, window: Duration) -> Result<Drained, u64> {
+enum Next {
+    Drained(Drained),
+    /// Nothing pending, everything up to this revision given.
+    Idle(u64),
+    /// The hub has no view (anymore): why.
+    NoView(&'static str),
+}
+
+/// What is pending (once `window` has passed since its first op), or the revision as of
+/// a drain that found nothing once `KEEPALIVE` has passed (`at_once`: at once), or that
+/// the hub has lost its view.
+async fn next_drained(hub: &Hub, mb: &Mailbox, window: Duration, at_once: bool) -> Next {
     let deadline = tokio::time::Instant::now() + KEEPALIVE;
     loop {
+        if let Some(why) = hub.no_view_reason() {
+            return Next::NoView(why);
+        }
         if let Some(left) = mb.settle(window) {
             tokio::time::sleep(left).await;
             continue;
         }
         let idle_at = match mb.drain() {
             Err(revision) => revision,
-            Ok(d) => return Ok(d),
+            Ok(d) => return Next::Drained(d),
         };
+        if at_once {
+            return Next::Idle(idle_at);
+        }
         tokio::select! {
             _ = mb.notify.notified() => {}
-            _ = tokio::time::sleep_until(deadline) => return Err(idle_at),
+            _ = tokio::time::sleep_until(deadline) => return Next::Idle(idle_at),
         }
     }
 }
@@ -293,6 +453,7 @@ impl Outgoing {
             ops,
             api_validated: hub.api_validated(),
             continued,
+            padding: Vec::new(),
         }
     }
 }
@@ -317,8 +478,63 @@ pub fn parts_of(
     }
 }
 
-/// How long a client may take over its TLS handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take over its TLS handshake: TLS 1.3 takes one or two round
+/// trips, so a node across the world is done well within it, while a peer that only
+/// opens connections holds each file descriptor this long at most.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// TLS handshakes under way at once from one peer address; more are closed at once. The
+/// handshake is the only time a connection is held for a peer nobody has authenticated.
+pub const HANDSHAKES_PER_PEER: usize = 32;
+
+/// Handshakes under way by peer address; a guard counts one until dropped.
+#[derive(Clone, Default)]
+struct Handshakes(Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>);
+
+struct Handshaking {
+    all: Handshakes,
+    peer: std::net::IpAddr,
+}
+
+impl Handshakes {
+    fn begin(&self, peer: std::net::IpAddr, max: usize) -> Option<Handshaking> {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(peer).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Handshaking {
+            all: self.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for Handshaking {
+    fn drop(&mut self) {
+        let mut m = self.all.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// Raises this process's soft limit of open files to its hard limit (1,024 by default
+/// against usually 524,288 or more): each node's stream is a connection. Returns the
+/// limit now in force.
+pub fn raise_fd_limit() -> std::io::Result<u64> {
+    let (soft, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_err(std::io::Error::from)?;
+    if soft < hard {
+        nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, hard, hard)
+            .map_err(std::io::Error::from)?;
+    }
+    Ok(hard.max(soft))
+}
 
 /// Serves the feed on `listener` until it fails: in plain text, or with mutual TLS whose
 /// files are re-read for each new connection when they change.
@@ -328,6 +544,7 @@ pub async fn serve(
     tls: Option<Arc<crate::wire::tls::Reloading>>,
 ) -> anyhow::Result<()> {
     use anyhow::Context as _;
+    let hub = Arc::clone(&feed.hub);
     let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
@@ -344,25 +561,40 @@ pub async fn serve(
     };
     // Handshakes run beside the accept loop: a client that stalls in one delays nobody.
     let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let handshakes = Handshakes::default();
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = match listener.accept().await {
                 Ok(c) => c,
                 Err(e) => {
+                    // Out of file descriptors (EMFILE) included: wait for some to close.
                     tracing::warn!(error = %e, "accepting a feed connection");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             };
+            let Some(guard) = handshakes.begin(peer.ip(), HANDSHAKES_PER_PEER) else {
+                hub.count_cut(Cut::HandshakesPerPeer);
+                tracing::debug!(%peer, max = HANDSHAKES_PER_PEER,
+                    "too many TLS handshakes under way from this address; closed");
+                drop(tcp);
+                continue;
+            };
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
             let tx = tx.clone();
+            let hub = Arc::clone(&hub);
             tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                let done = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+                drop(guard);
+                match done {
                     Ok(Ok(stream)) => {
                         let _ = tx.send(Ok::<_, std::io::Error>(stream)).await;
                     }
                     Ok(Err(e)) => tracing::info!(%peer, error = %e, "TLS handshake refused"),
-                    Err(_) => tracing::info!(%peer, "TLS handshake timed out"),
+                    Err(_) => {
+                        hub.count_cut(Cut::HandshakeTimeout);
+                        tracing::info!(%peer, "TLS handshake timed out");
+                    }
                 }
             });
         }

@@ -11,6 +11,7 @@
 //! as the node's stream takes it — never a copy of the model per node.
 
 pub mod grpc;
+pub mod http;
 pub mod mailbox;
 
 use std::{
@@ -88,6 +89,56 @@ pub struct HubStats {
     pub objects: usize,
     /// Whether the source's first full state is in (nodes get snapshots from then on).
     pub ready: bool,
+    /// Whether the API watch has been failing past its bound (`Hub::set_api_lost`).
+    pub api_lost: bool,
+    /// Streams refused or cut, by why.
+    pub cuts: CutCounts,
+}
+
+/// Why the server refused or cut a stream or a connection (a metric label each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// No synced view: never synced, or the API watch lost past its bound.
+    NoView,
+    /// A node identity already has its most streams open.
+    StreamsPerNode,
+    /// A batch sent whole (to a node that does not join parts) waited too long for room
+    /// in the budget of whole batches in flight.
+    WholeBudget,
+    /// A peer address already has its most TLS handshakes under way.
+    HandshakesPerPeer,
+    /// A TLS handshake not done within its timeout.
+    HandshakeTimeout,
+}
+
+impl Cut {
+    pub const ALL: [Cut; 5] = [
+        Cut::NoView,
+        Cut::StreamsPerNode,
+        Cut::WholeBudget,
+        Cut::HandshakesPerPeer,
+        Cut::HandshakeTimeout,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cut::NoView => "no_view",
+            Cut::StreamsPerNode => "streams_per_node",
+            Cut::WholeBudget => "whole_budget",
+            Cut::HandshakesPerPeer => "handshakes_per_peer",
+            Cut::HandshakeTimeout => "handshake_timeout",
+        }
+    }
+}
+
+/// How many of each `Cut`, in `Cut::ALL`'s order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CutCounts(pub [u64; 5]);
+
+impl CutCounts {
+    pub fn get(&self, cut: Cut) -> u64 {
+        self.0[cut as usize]
+    }
 }
 
 pub struct Hub {
@@ -98,6 +149,32 @@ pub struct Hub {
     bytes_sent: std::sync::atomic::AtomicU64,
     /// Apart from `state`: every stream reads it for every message.
     api_validated: std::sync::atomic::AtomicBool,
+    /// The API watch has failed past its bound: no stream is served from this view.
+    api_lost: std::sync::atomic::AtomicBool,
+    cuts: [std::sync::atomic::AtomicU64; 5],
+    /// Open streams by node identity.
+    streams: Mutex<std::collections::HashMap<String, usize>>,
+}
+
+/// A node's open stream, counted against its identity until dropped.
+pub struct StreamSlot {
+    hub: Weak<Hub>,
+    node: String,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let Some(hub) = self.hub.upgrade() else {
+            return;
+        };
+        let mut streams = hub.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = streams.get_mut(&self.node) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                streams.remove(&self.node);
+            }
+        }
+    }
 }
 
 impl Hub {
@@ -120,6 +197,69 @@ impl Hub {
             stats: Mutex::new(HubStats::default()),
             bytes_sent: std::sync::atomic::AtomicU64::new(0),
             api_validated: std::sync::atomic::AtomicBool::new(false),
+            api_lost: std::sync::atomic::AtomicBool::new(false),
+            cuts: Default::default(),
+            streams: Mutex::new(Default::default()),
+        })
+    }
+
+    /// Whether streams are served: the first full list is in and the API watch has not
+    /// been failing past its bound.
+    pub fn has_view(&self) -> bool {
+        self.lock().ready && !self.api_lost.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Why there is no view (`None`: there is one).
+    pub fn no_view_reason(&self) -> Option<&'static str> {
+        if !self.lock().ready {
+            Some("waiting for the first full list of the API server")
+        } else if self.api_lost.load(std::sync::atomic::Ordering::Relaxed) {
+            Some("the API server watch has been failing past its bound")
+        } else {
+            None
+        }
+    }
+
+    /// The API watch has been failing past its bound (`lost`), or answers again: while
+    /// lost, open streams end and new ones are refused with `wire::no_view_status`, so
+    /// that the nodes move to a replica that has data.
+    pub fn set_api_lost(&self, lost: bool) {
+        let was = self
+            .api_lost
+            .swap(lost, std::sync::atomic::Ordering::Relaxed);
+        if was == lost {
+            return;
+        }
+        if lost {
+            tracing::error!(
+                "the API server watch has failed past its bound: ending every node's stream \
+                 until it answers again"
+            );
+        } else {
+            tracing::info!("the API server watch answers again: serving nodes");
+        }
+        // Wake every stream: an idle one learns at once.
+        for mb in self.lock().mailboxes.iter().filter_map(Weak::upgrade) {
+            mb.notify.notify_one();
+        }
+    }
+
+    /// Counts a refused or cut stream or connection.
+    pub fn count_cut(&self, cut: Cut) {
+        self.cuts[cut as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A slot for one more stream of `node`, unless it has `max` open already.
+    pub fn stream_slot(self: &Arc<Self>, node: &str, max: usize) -> Option<StreamSlot> {
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        let n = streams.entry(node.to_string()).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(StreamSlot {
+            hub: Arc::downgrade(self),
+            node: node.to_string(),
         })
     }
 
@@ -134,6 +274,11 @@ impl Hub {
         s.nodes_connected = st.mailboxes.iter().filter(|m| m.strong_count() > 0).count();
         s.objects = st.objects.len();
         s.ready = st.ready;
+        drop(st);
+        s.api_lost = self.api_lost.load(std::sync::atomic::Ordering::Relaxed);
+        for (i, c) in self.cuts.iter().enumerate() {
+            s.cuts.0[i] = c.load(std::sync::atomic::Ordering::Relaxed);
+        }
         s.bytes_sent = self.bytes_sent.load(std::sync::atomic::Ordering::Relaxed);
         s
     }
@@ -338,6 +483,47 @@ pub fn snapshot_ops(model: &ClusterModel, node: Option<&NodeInfo>) -> Vec<v1::Op
         });
     }
     ops
+}
+
+/// Judges the hub's view by the API watch's errors: lost once a streak has lasted `bound`
+/// (`WatchHealth`), current again once it ends. Runs while the hub is held elsewhere.
+pub async fn judge_view(
+    hub: Weak<Hub>,
+    health: crate::source::kube::WatchHealth,
+    bound: std::time::Duration,
+) {
+    let every = (bound / 4).clamp(
+        std::time::Duration::from_millis(50),
+        std::time::Duration::from_secs(1),
+    );
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        let Some(hub) = hub.upgrade() else { return };
+        let failing = health.failing_for(tokio::time::Instant::now());
+        hub.set_api_lost(failing.is_some_and(|d| d >= bound));
+    }
+}
+
+/// Asks the API server its version every `every` (within `every` too), its answer
+/// counted into `health` as resource `version`: a server that hangs or a network that
+/// drops everything silently fails this while the watches wait on their timeouts (~5 min).
+pub async fn probe_api(
+    client: kube::Client,
+    health: crate::source::kube::WatchHealth,
+    every: std::time::Duration,
+) {
+    loop {
+        match tokio::time::timeout(every, client.apiserver_version()).await {
+            Ok(Ok(_)) => health.ok("version"),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "the API server's version probe failed");
+                health.error("version", tokio::time::Instant::now());
+            }
+            Err(_) => health.error("version", tokio::time::Instant::now()),
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// Feeds the hub from a source until the source stops.

@@ -25,8 +25,8 @@ use k8s_openapi::{
 use kube::{Api, Client, Resource as _, ResourceExt as _, runtime::watcher};
 use tokio::sync::watch;
 
-pub use recovery::Backoff;
 use recovery::Resource;
+pub use recovery::{Backoff, STREAK_GAP, WatchHealth};
 
 use super::{Snapshot, api_server::ApiCounters, decoded::Decoded};
 use crate::model::{ClusterModel, NodeInfo, ObjectRef, ServiceInfo, SliceInfo};
@@ -664,6 +664,9 @@ pub struct KubeOptions {
     /// Publish partial snapshots (`Snapshot::partial`, at most every
     /// `PARTIAL_INTERVAL`) while the first lists arrive, for a runner that stages them.
     pub stream_first_list: bool,
+    /// Where each watcher's run of errors is kept (`proxy-agent serve` judges its view
+    /// by it).
+    pub health: WatchHealth,
 }
 
 /// How often a partial snapshot is published during the first lists: each one is a
@@ -684,6 +687,7 @@ pub async fn run(
         backoff,
         all_nodes,
         stream_first_list,
+        health,
     } = opts;
     let cfg = watcher::Config::default();
     let selected = cfg.clone().labels(&label_selector);
@@ -694,6 +698,7 @@ pub async fn run(
         follow("services", "Services"),
         counters.clone(),
         backoff.clone(),
+        health.clone(),
     )
     .map(|e| Update::Service(Box::new(e)));
     let slices = recovery::recovering(
@@ -702,6 +707,7 @@ pub async fn run(
         follow("endpointslices", "EndpointSlices"),
         counters.clone(),
         backoff.clone(),
+        health.clone(),
     )
     .map(|e| Update::Slice(Box::new(e)));
     let node_cfg = if all_nodes {
@@ -715,6 +721,7 @@ pub async fn run(
         follow("nodes", "Nodes"),
         counters,
         backoff,
+        health,
     )
     .map(|e| Update::Node(Box::new(e)));
     let streams: Vec<BoxStream<'static, Update>> =

@@ -14,6 +14,36 @@ pub const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub use state::{NodeState, OpError};
 
+/// The metadata key of the status a replica without a synced view answers with
+/// (`no_view_status`): `proxy-view: none`.
+pub const NO_VIEW_KEY: &str = "proxy-view";
+
+/// What a replica with no synced view of the API server (never synced, or its watch lost
+/// past its bound) answers a `Watch` with, or ends an open stream with: UNAVAILABLE, which
+/// every agent (this version's and older ones) takes as "try the next replica", marked
+/// `proxy-view: none` so that it reads as "no data here", not "down".
+pub fn no_view_status(why: &str) -> tonic::Status {
+    let mut meta = tonic::metadata::MetadataMap::new();
+    meta.insert(
+        NO_VIEW_KEY,
+        tonic::metadata::MetadataValue::from_static("none"),
+    );
+    tonic::Status::with_metadata(
+        tonic::Code::Unavailable,
+        format!("this replica has no synced view: {why}"),
+        meta,
+    )
+}
+
+/// Whether `status` is a replica's `no_view_status`.
+pub fn is_no_view(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable
+        && status
+            .metadata()
+            .get(NO_VIEW_KEY)
+            .is_some_and(|v| v.as_bytes() == b"none")
+}
+
 /// The generated code of `proxy.nodeview.v1`.
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {

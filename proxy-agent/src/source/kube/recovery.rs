@@ -19,7 +19,7 @@
 //! Every error is logged with its whole chain and counted by resource, kind and status;
 //! every list after the first is counted as a relist.
 
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use futures::{StreamExt as _, stream::BoxStream};
 use kube::{Api, runtime::watcher};
@@ -81,6 +81,65 @@ impl Backoff {
         self.current = Some(base);
         self.last_error = Some(now);
         base.mul_f64(1.0 - 0.5 * jitter.clamp(0.0, 1.0))
+    }
+}
+
+/// Whether the API server has been failing us, by resource: a streak of errors per watcher
+/// (and the `/version` probe, `"version"`), ended by any event of that watcher (or a good
+/// probe). `proxy-agent serve` judges its view by it: a streak that has lasted its bound
+/// means the view is no longer current (`fanout::Hub::set_api_lost`).
+///
+/// A streak is the span from its first error to its latest, the errors each within
+/// `STREAK_GAP` of the one before: a watcher that failed twice and then watches on in a
+/// quiet cluster (which yields no event) is not counted as failing, while one whose
+/// retries keep failing (refused, 401/403, timed out) is, however quiet the cluster.
+#[derive(Clone, Debug, Default)]
+pub struct WatchHealth(std::sync::Arc<std::sync::Mutex<BTreeMap<&'static str, Streak>>>);
+
+#[derive(Clone, Copy, Debug)]
+struct Streak {
+    since: Instant,
+    last: Instant,
+}
+
+/// The longest wait between two errors of one streak: the backoff's cap (30 s) and a
+/// connection's timeout (30 s), with room.
+pub const STREAK_GAP: Duration = Duration::from_secs(120);
+
+impl WatchHealth {
+    fn with<R>(&self, f: impl FnOnce(&mut BTreeMap<&'static str, Streak>) -> R) -> R {
+        f(&mut self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// An error of `resource`'s watcher (or probe) at `now`.
+    pub fn error(&self, resource: &'static str, now: Instant) {
+        self.with(|m| {
+            let s = m.entry(resource).or_insert(Streak {
+                since: now,
+                last: now,
+            });
+            if now.saturating_duration_since(s.last) > STREAK_GAP {
+                s.since = now;
+            }
+            s.last = now;
+        });
+    }
+
+    /// `resource` answered: its streak, if any, is over.
+    pub fn ok(&self, resource: &'static str) {
+        self.with(|m| {
+            m.remove(resource);
+        });
+    }
+
+    /// How long the longest current streak has lasted (`None`: no resource failing).
+    pub fn failing_for(&self, now: Instant) -> Option<Duration> {
+        self.with(|m| {
+            m.values()
+                .filter(|s| now.saturating_duration_since(s.last) <= STREAK_GAP)
+                .map(|s| s.last.saturating_duration_since(s.since))
+                .max()
+        })
     }
 }
 
@@ -163,6 +222,7 @@ struct Recovering<K: 'static> {
     backoff: Backoff,
     resource: Resource,
     counters: ApiCounters,
+    health: WatchHealth,
     listed: bool,
 }
 
@@ -174,6 +234,7 @@ pub fn recovering<K>(
     resource: Resource,
     counters: ApiCounters,
     backoff: Backoff,
+    health: WatchHealth,
 ) -> BoxStream<'static, watcher::Event<K>>
 where
     K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
@@ -187,12 +248,14 @@ where
         backoff,
         resource,
         counters,
+        health,
         listed: false,
     };
     futures::stream::unfold(state, |mut st| async move {
         loop {
             match st.inner.next().await? {
                 Ok(event) => {
+                    st.health.ok(st.resource.label);
                     if matches!(event, watcher::Event::Init) {
                         if st.listed {
                             st.counters.relist(st.resource.label);
@@ -203,6 +266,7 @@ where
                 }
                 Err(e) => {
                     let failure = Failure::of(&e);
+                    st.health.error(st.resource.label, Instant::now());
                     st.counters
                         .error(st.resource.label, failure.kind, failure.code);
                     let wait = st.backoff.next(Instant::now(), rand::random::<f64>());
@@ -245,6 +309,37 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failing_streak_counts_only_while_its_errors_keep_coming() {
+        let h = WatchHealth::default();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(h.failing_for(t0), None);
+        // Two errors, then a quiet watch: a streak of 1 s, whenever it is asked.
+        h.error("services", at(0));
+        h.error("services", at(1));
+        assert_eq!(h.failing_for(at(100)), Some(Duration::from_secs(1)));
+        // Errors that keep coming (the backoff's 30 s apart): the streak grows.
+        for s in [31, 61, 91] {
+            h.error("services", at(s));
+        }
+        assert_eq!(h.failing_for(at(95)), Some(Duration::from_secs(91)));
+        // No error for longer than the gap: over, and a later one starts afresh.
+        assert_eq!(
+            h.failing_for(at(91) + STREAK_GAP + Duration::from_secs(1)),
+            None
+        );
+        h.error("services", at(400));
+        assert_eq!(h.failing_for(at(400)), Some(Duration::ZERO));
+        // An event ends it; another resource's streak is its own.
+        h.error("version", at(400));
+        h.error("version", at(460));
+        h.ok("services");
+        assert_eq!(h.failing_for(at(460)), Some(Duration::from_secs(60)));
+        h.ok("version");
+        assert_eq!(h.failing_for(at(460)), None);
+    }
 
     #[test]
     fn backoff_grows_to_its_cap_and_resets_only_after_a_quiet_while() {
