@@ -1,7 +1,7 @@
 //! `cargo xtask fuzz [--cases N]`: the fuzzing property tests with many cases — the
 //! parsers (manifests into the node view, the API server's answers through the agent's
 //! client, config, scenarios, `--packet`, the feed's wire messages), the packet fuzzer
-//! through the real classifiers and the connect fuzzer through the real connect-time
+//! through the real classifiers, direct server return's option at the backend's node, and the connect fuzzer through the real connect-time
 //! hooks (root). `cargo xtask test` runs the same tests with a few cases each (the
 //! costlier properties scale N down).
 
@@ -12,7 +12,13 @@ use anyhow::Result;
 use super::{STABLE, cargo, run};
 
 /// The fuzzing test targets of `proxy-agent`.
-const TARGETS: [&str; 4] = ["fuzz_parsers", "fuzz_packets", "fuzz_connect", "fuzz_wire"];
+const TARGETS: [&str; 5] = [
+    "fuzz_parsers",
+    "fuzz_packets",
+    "fuzz_dsr",
+    "fuzz_connect",
+    "fuzz_wire",
+];
 
 /// Runs every target with `cases` cases per property (`seed`: replay a run's
 /// `PROPTEST_RNG_SEED`), and prints how long each took.

@@ -6,6 +6,7 @@
 pub mod fake_apiserver;
 pub mod logs;
 pub mod tc_harness;
+pub mod testbed;
 
 /// Cases per property: `PROXY_FUZZ_CASES` (the long run, `cargo xtask fuzz`), else
 /// `default` (a few seconds, for every `cargo xtask test`). `PROPTEST_RNG_SEED` replays a run.
