@@ -25,7 +25,7 @@ use proptest::{
     prelude::*,
     test_runner::{TestCaseError, TestRunner},
 };
-use proxy_agent::trace::packet::{build_tcp, fold, sum16};
+use proxy_agent::trace::packet::{add_dsr, build_tcp, fold, sum16};
 use proxy_common::{
     CT_F_DSR_BACKEND, dsr_header6, dsr_option, parse_dsr_header6, parse_dsr_option,
 };
@@ -103,38 +103,24 @@ fn words(ip: IpAddr) -> [u32; 4] {
 fn packet(f: &Forged) -> (Vec<u8>, Vec<u8>) {
     let src = SocketAddr::new(pick(SOURCES[f.source], f.v6), 40_000);
     let dst = SocketAddr::new(pick(DESTINATIONS[f.destination], f.v6), f.dport);
-    let frontend = pick(FRONTENDS[f.frontend], f.v6);
+    let frontend = SocketAddr::new(pick(FRONTENDS[f.frontend], f.v6), f.port);
     let mut pkt = build_tcp(src, dst, 0x02);
-    let (at, mut opt) = if f.v6 {
-        let w = dsr_header6(6, words(frontend), f.port.to_be());
-        (
-            54,
-            w.iter().flat_map(|w| w.to_ne_bytes()).collect::<Vec<u8>>(),
-        )
-    } else {
-        (34, dsr_option(words(frontend)[0], f.port.to_be()).to_vec())
-    };
+    add_dsr(&mut pkt, frontend);
+    let (at, len) = if f.v6 { (54, 24) } else { (34, 8) };
     if let Some((i, v)) = f.corrupt {
         // Not the IPv6 header's next-header byte: that would change what follows, not
         // what the header says.
-        let i = i % opt.len();
+        let i = i % len;
         if !(f.v6 && i == 0) {
-            opt[i] = v;
+            pkt[at + i] = v;
         }
     }
-    pkt.splice(at..at, opt.iter().copied());
-    if f.v6 {
-        let payload = u16::from_be_bytes([pkt[18], pkt[19]]) + opt.len() as u16;
-        pkt[18..20].copy_from_slice(&payload.to_be_bytes());
-        pkt[20] = proxy_common::IPPROTO_DSTOPTS;
-    } else {
-        pkt[14] = 0x47;
-        let total = u16::from_be_bytes([pkt[16], pkt[17]]) + opt.len() as u16;
-        pkt[16..18].copy_from_slice(&total.to_be_bytes());
+    if !f.v6 {
         pkt[24..26].fill(0);
         let c = fold(sum16(&pkt[14..42], 0));
         pkt[24..26].copy_from_slice(&c.to_be_bytes());
     }
+    let opt = pkt[at..at + len].to_vec();
     (pkt, opt)
 }
 

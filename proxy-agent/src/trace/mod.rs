@@ -198,6 +198,17 @@ impl Bench {
         Ok((res.return_value, out))
     }
 
+    /// Whether `dst`'s answer to `src` leaves with another source than `dst`.
+    fn reply_rewritten(&self, src: SocketAddr, dst: SocketAddr, proto: Protocol) -> Result<bool> {
+        let reply = match proto {
+            Protocol::Tcp => packet::build_tcp(dst, src, 0x12),
+            _ => packet::build(dst, src, proto),
+        };
+        let (_, out) = self.run(&reply)?;
+        let seen = packet::inspect(&out).map_err(anyhow::Error::msg)?;
+        Ok(seen.src != dst)
+    }
+
     fn is_node_address(&self, ip: IpAddr) -> bool {
         ip.is_loopback() || self.nodes.contains(&ip)
     }
@@ -208,7 +219,11 @@ impl Bench {
         let proto = p.protocol;
         let first_port = p.src_port.unwrap_or(40_000);
         let src = SocketAddr::new(p.src, first_port);
-        let (ret, out) = self.run(&packet::build(src, p.dst, proto))?;
+        let mut first_packet = packet::build(src, p.dst, proto);
+        if let Some(frontend) = p.dsr {
+            packet::add_dsr(&mut first_packet, frontend);
+        }
+        let (ret, out) = self.run(&first_packet)?;
         let mut endpoints = BTreeSet::new();
         let mut masquerade = false;
         let mut first = None;
@@ -234,6 +249,9 @@ impl Bench {
                     Verdict::Dnat
                 }
             }
+            // Carried an option: did the node learn its flow? The destination's reply
+            // says: it leaves as the frontend then.
+            _ if p.dsr.is_some() && self.reply_rewritten(src, p.dst, proto)? => Verdict::Learned,
             // Not ours: what the stack does with it.
             _ if self.is_node_address(p.dst.ip()) => Verdict::Local,
             _ => Verdict::Accept,
@@ -502,6 +520,7 @@ pub fn parse_packet_spec(spec: &str) -> Result<Packet, String> {
         src,
         src_port,
         dst,
+        dsr: None,
         expect: None,
     })
 }

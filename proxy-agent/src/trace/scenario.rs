@@ -21,6 +21,9 @@ pub enum Verdict {
     Reject,
     Accept,
     Local,
+    /// The node learnt a direct-server-return flow from the packet's option (`dsr`):
+    /// its destination's reply left as the frontend the option names.
+    Learned,
 }
 
 impl Verdict {
@@ -31,6 +34,7 @@ impl Verdict {
             "reject" => Verdict::Reject,
             "accept" => Verdict::Accept,
             "local" => Verdict::Local,
+            "learned" => Verdict::Learned,
             other => return Err(format!("unknown verdict {other:?}")),
         })
     }
@@ -52,6 +56,9 @@ pub struct Packet {
     pub src: IpAddr,
     pub src_port: Option<u16>,
     pub dst: SocketAddr,
+    /// The frontend a direct-server-return option (IPv6: header) in the packet names,
+    /// as if another node had sent it on.
+    pub dsr: Option<SocketAddr>,
     pub expect: Option<Expect>,
 }
 
@@ -124,6 +131,8 @@ struct RawPacket {
     src_port: Option<u16>,
     dst_ip: String,
     dst_port: u32,
+    #[serde(default)]
+    dsr: Option<String>,
     #[serde(default)]
     expect: Option<RawExpect>,
 }
@@ -235,6 +244,19 @@ fn packet(rp: RawPacket) -> Result<Packet, String> {
         .ok()
         .filter(|p| *p != 0)
         .ok_or_else(|| format!("dst_port: {} out of range 1-65535", rp.dst_port))?;
+    let dsr = match &rp.dsr {
+        None => None,
+        Some(text) => {
+            let fe: SocketAddr = text.parse().map_err(|e| format!("dsr: {text:?}: {e}"))?;
+            if fe.is_ipv4() != dst_ip.is_ipv4() {
+                return Err("dsr and dst_ip are of different families".into());
+            }
+            if protocol == Protocol::Sctp {
+                return Err("dsr: TCP and UDP only".into());
+            }
+            Some(fe)
+        }
+    };
     let expect = match rp.expect {
         None => None,
         Some(e) => Some(Expect {
@@ -256,6 +278,7 @@ fn packet(rp: RawPacket) -> Result<Packet, String> {
         src,
         src_port: rp.src_port,
         dst: SocketAddr::new(dst_ip, dst_port),
+        dsr,
         expect,
     })
 }
