@@ -734,6 +734,80 @@ fn header_checksum(pkt: &mut [u8]) {
     pkt[24..26].copy_from_slice(&c.to_be_bytes());
 }
 
+/// Issue 42, item 3: a flow is answered only by a reply that came by the route back to
+/// its source. A pod forging the remote backend's SYN-ACK (from the pods' interface,
+/// while the backend's route is the uplink) leaves the flow unanswered — the client's
+/// ACK promotes nothing, the flow stays in the table a flood may evict — while the
+/// backend's own SYN-ACK (on the uplink) answers it. A bridge's port answers for the
+/// bridge (`IF_MASTERS`).
+#[needs_root]
+#[test]
+fn a_forged_answer_never_makes_a_flow_answered() {
+    in_testbed(|uplink, pods| {
+        let mut h = node_port(&["10.244.2.7:8080"], &[]);
+        let (client, frontend, backend) = (
+            sa("192.0.2.99:40000"),
+            sa("192.0.2.10:30080"),
+            sa("10.244.2.7:8080"),
+        );
+        let (_, out) = h.run_on(&tcp_with_flags(client, frontend, 0x02), uplink);
+        let to_backend = inspect(&out);
+        assert_eq!(to_backend.dst, backend);
+        let masqueraded = to_backend.src;
+        let answer = tcp_with_flags(backend, masqueraded, 0x12);
+        let ack = tcp_with_flags(client, frontend, 0x10);
+
+        let (_, out) = h.run_on(&answer, pods);
+        assert_eq!(inspect(&out).src, frontend, "still translated");
+        assert_eq!(h.counter("ct_reply_unverified"), 1);
+        h.run_on(&ack, uplink);
+        assert_eq!(h.maps.conntrack.iter().count(), 0, "nothing answered");
+        assert_eq!(h.maps.conntrack_new.iter().count(), 2, "the flow stays new");
+
+        h.run_on(&answer, uplink);
+        h.run_on(&ack, uplink);
+        assert_eq!(h.counter("ct_reply_unverified"), 1);
+        assert_eq!(
+            h.maps.conntrack.iter().count(),
+            2,
+            "answered by the backend"
+        );
+
+        // Behind a bridge: the pods' interface a port of `xtb`, which holds the route.
+        let script = "set -e
+            ip addr flush dev xt1
+            ip link add xtb type bridge
+            ip link set xt1 master xtb
+            ip link set xtb up
+            ip addr add 10.244.1.1/24 dev xtb";
+        let ok = Command::new("sh")
+            .args(["-c", script])
+            .status()
+            .expect("sh");
+        assert!(ok.success(), "bridge");
+        let mut local = node_port(&["10.244.1.5:8080"], &[]);
+        let bridged = ifindex("xtb");
+        let answered = |h: &mut Harness| {
+            let (_, out) = h.run_on(&tcp_with_flags(client, frontend, 0x02), uplink);
+            let nat = inspect(&out).src;
+            h.run_on(&tcp_with_flags(sa("10.244.1.5:8080"), nat, 0x12), pods);
+            h.run_on(&tcp_with_flags(client, frontend, 0x10), uplink);
+            h.maps.conntrack.iter().count() == 2
+        };
+        assert!(!answered(&mut local), "a port without its master known");
+        let mut fresh = node_port(&["10.244.1.5:8080"], &[]);
+        let mut masters: aya::maps::HashMap<_, u32, u32> = fresh
+            .ebpf
+            .map_mut("IF_MASTERS")
+            .expect("IF_MASTERS")
+            .try_into()
+            .expect("hash");
+        masters.insert(&pods, &bridged, 0).expect("insert");
+        drop(masters);
+        assert!(answered(&mut fresh), "the port answers for its bridge");
+    });
+}
+
 /// A frontend at `node_ip`:30080 whose one backend is 10.244.2.7:8080.
 fn frontend_at(
     node_ip: &str,

@@ -131,6 +131,9 @@ maps! {
     /// Direct server return at a backend's node: the (frontend, backend) pairs of
     /// Services in `dsr` mode whose option it believes (`DsrPermitKey`).
     DSR_PERMITS(65_536);
+    /// Per device (ifindex): the device it is a port of (a bridge, a bond), for the
+    /// reverse-path checks.
+    IF_MASTERS(4_096);
 }
 
 #[cfg(test)]

@@ -123,8 +123,12 @@ pub mod counter {
     /// Direct server return: an option refused because the node's own flow holds the
     /// client's tuple (a learned flow never outranks one the node opened).
     pub const DSR_REFUSED_CLASH: u32 = 29;
+    /// A flow's first reply that did not arrive by the route back to its source (a pod
+    /// or host forging the backend's answer, or asymmetric routing): translated, but
+    /// not taken as the flow's answer (the flow stays unanswered, evictable).
+    pub const CT_REPLY_UNVERIFIED: u32 = 30;
     /// Length of the array.
-    pub const COUNT: u32 = 30;
+    pub const COUNT: u32 = 31;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -157,6 +161,7 @@ pub mod counter {
         "dsr_refused_frontend",
         "dsr_refused_backend",
         "dsr_refused_clash",
+        "ct_reply_unverified",
     ];
 }
 

@@ -202,3 +202,9 @@ pub static LB_STATS: PerCpuHashMap<
 #[btf_map]
 pub static DSR_PERMITS: HashMap<DsrPermitKey, u8, { capacity::DSR_PERMITS as usize }, NO_PREALLOC> =
     HashMap::new();
+
+/// Per device: the device it is a port of (a bridge, a bond), for `route`'s reverse-path
+/// check.
+#[btf_map]
+pub static IF_MASTERS: HashMap<u32, u32, { capacity::IF_MASTERS as usize }, NO_PREALLOC> =
+    HashMap::new();

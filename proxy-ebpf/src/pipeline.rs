@@ -161,17 +161,17 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     // SAFETY: entries stay valid memory during this program run (RCU); racy stores of
     // the timestamps and state bits are harmless.
     let alone = !entry.new && conntrack::reply_alone(pkt, unsafe { &*entry.value }, now);
+    // A flow's first reply is its answer only if it came by the route back to its
+    // source: one forged from elsewhere (a pod claiming the backend's address) is
+    // translated, but the flow stays unanswered — evictable, on the short timeouts.
+    let unproven = entry.new && !egress && !route::reply_by_route(ctx, pkt);
+    if unproven {
+        count(counter::CT_REPLY_UNVERIFIED);
+    }
     // The state first, so one path follows for both kinds (the verifier walks it once);
     // at XDP a reply left to TC is stamped twice, which changes nothing.
-    if !alone
-        && !reply_state(
-            &key,
-            entry.value,
-            entry.new,
-            conntrack::segment_flags(pkt, true),
-            now,
-        )
-    {
+    let bits = u32::from(conntrack::segment_flags(pkt, true)) | if unproven { UNPROVEN } else { 0 };
+    if !alone && !reply_state(&key, entry.value, entry.new, bits, now) {
         return Ok(None);
     }
     if !entry.new {
@@ -204,7 +204,7 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     conntrack::account(&entry, stats::OUT, ctx.len());
     // A TCP flow is assured by the client's ACK of this SYN-ACK (see `established`):
     // a spoofed SYN that the backend answers must not reach the answered table.
-    if entry.new && pkt.proto != PROTO_TCP {
+    if entry.new && pkt.proto != PROTO_TCP && !unproven {
         conntrack::promote(&key);
     }
     if hop < 0 {
@@ -221,13 +221,19 @@ fn reply<F: Frame>(ctx: &F, pkt: &Packet, now: u64, egress: bool) -> Result<Opti
     Ok(Some(DONE))
 }
 
+/// `reply_state`'s bit beside the segment's: the reply did not come by its route, so it
+/// is not the flow's answer.
+const UNPROVEN: u32 = 1 << 8;
+
 /// A reply that does not go alone counts for its flow's state: the forward entry (live,
-/// this flow's) stamped and marked answered, its segment's FIN or RST (`bits`) in both
-/// entries, a flow other than TCP assured. `false`: no live flow has this reply entry.
-/// (Five scalar or pointer arguments, no packet — LLVM would pass its fields apart: the
-/// verifier takes no stack-passed ones.)
+/// this flow's) stamped and marked answered (unless `bits` has `UNPROVEN`), its
+/// segment's FIN or RST (`bits`) in both entries, a flow other than TCP assured. `false`:
+/// no live flow has this reply entry. (Five scalar or pointer arguments, no packet —
+/// LLVM would pass its fields apart: the verifier takes no stack-passed ones.)
 #[inline(never)]
-fn reply_state(key: &CtKey, reply: *mut CtValue, new: bool, bits: u8, now: u64) -> bool {
+fn reply_state(key: &CtKey, reply: *mut CtValue, new: bool, bits: u32, now: u64) -> bool {
+    let answered = bits & UNPROVEN == 0;
+    let bits = bits as u8;
     let fwd = conntrack::partner(key, reply, new);
     if fwd.is_null() {
         return false;
@@ -240,9 +246,12 @@ fn reply_state(key: &CtKey, reply: *mut CtValue, new: bool, bits: u8, now: u64) 
         return false;
     }
     fwd.last_seen_ns = now;
-    fwd.flags |= CT_F_REPLIED | bits;
-    if key.proto != PROTO_TCP {
-        fwd.flags |= CT_F_ASSURED;
+    fwd.flags |= bits;
+    if answered {
+        fwd.flags |= CT_F_REPLIED;
+        if key.proto != PROTO_TCP {
+            fwd.flags |= CT_F_ASSURED;
+        }
     }
     // (The reply entry keeps them too: a closing flow's replies stop going alone.)
     // SAFETY: as above.

@@ -28,7 +28,7 @@ use proxy_common::{FAMILY_V4, PROTO_TCP, counter};
 
 use crate::{
     frame::{Frame, csum},
-    maps::count,
+    maps::{IF_MASTERS, count},
     packet::{ETH_HLEN, Packet},
     verdict::{Verdict, XDP_REDIRECTED, XDP_SENT_BACK},
 };
@@ -286,8 +286,25 @@ pub fn arrived_by_route<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u3
         // SAFETY: as above.
         rc = unsafe { fib_lookup(ctx.ptr(), p, size, 0) };
     }
-    (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
-        && p.ifindex == ingress
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        return false;
+    }
+    if p.ifindex == ingress {
+        return true;
+    }
+    // A bridge's port: the kernel's own check sees the bridge (`IF_MASTERS`).
+    // SAFETY: map memory, valid for this program run; the value is copied at once.
+    IF_MASTERS
+        .get_ptr(&ingress)
+        .is_some_and(|m| unsafe { *m } == p.ifindex)
+}
+
+/// Whether a flow's reply may count as its answer: it arrived by the route back to its
+/// source (`arrived_by_route`), or it is the node's own (loopback). A pod or host that
+/// forges a backend's answer from elsewhere makes no flow answered.
+#[inline(always)]
+pub fn reply_by_route<F: Frame>(ctx: &F, pkt: &Packet) -> bool {
+    ctx.ifindex() == LOOPBACK_IFINDEX || arrived_by_route(ctx, pkt.family, &pkt.saddr, &pkt.daddr)
 }
 
 /// XDP's FIB lookup: with the neighbour (the MACs go into `XDP_HOP`), and the frame's

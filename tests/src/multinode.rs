@@ -1,5 +1,6 @@
 //! The multi-node testbed: two node namespaces and an external client on a bridge
-//! namespace (the "LAN"), a pod namespace behind each node, one agent per node (its own
+//! namespace (the "LAN"), a pod namespace behind each node (node B's behind a bridge, as
+//! the bridge CNI plugin makes it), one agent per node (its own
 //! pins, no cgroup hooks, the classifier on every node interface). Nothing routes out of
 //! the testbed: nodes know each other's pod networks and nothing else.
 //!
@@ -200,10 +201,21 @@ impl MultiNode {
                 &node_ns,
                 &format!("link add {pod_if} type veth peer name eth0 netns {pod_ns}"),
             )?;
-            ip(&node_ns, &format!("addr add {pod_net}.1/24 dev {pod_if}"))?;
+            // Node A's pod on a point-to-point veth; node B's behind a bridge, as the
+            // bridge CNI plugin makes it (the classifier serves the bridge's port).
+            let gateway = if name == "b" {
+                let br = format!("b{name}{}", self.id);
+                ip(&node_ns, &format!("link add {br} type bridge"))?;
+                ip(&node_ns, &format!("link set {pod_if} master {br}"))?;
+                ip(&node_ns, &format!("link set {br} up"))?;
+                br
+            } else {
+                pod_if.clone()
+            };
+            ip(&node_ns, &format!("addr add {pod_net}.1/24 dev {gateway}"))?;
             ip(
                 &node_ns,
-                &format!("-6 addr add {pod_net6}::1/64 dev {pod_if} nodad"),
+                &format!("-6 addr add {pod_net6}::1/64 dev {gateway} nodad"),
             )?;
             ip(&node_ns, &format!("link set {pod_if} up"))?;
             ip(&pod_ns, &format!("addr add {pod}/24 dev eth0"))?;

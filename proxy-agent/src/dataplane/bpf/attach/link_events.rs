@@ -27,6 +27,8 @@ pub struct Link {
     pub index: u32,
     pub name: String,
     pub kind: LinkKind,
+    /// The device it is a port of (a bridge, a bond), if any.
+    pub master: Option<u32>,
 }
 
 /// What a message from the kernel says.
@@ -175,9 +177,32 @@ fn link_of(m: &LinkMessage) -> Option<Link> {
         LinkLayerType::Loopback => LinkKind::Loopback,
         other => LinkKind::Other(u16::from(other)),
     };
+    let master = m.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Controller(i) if *i != 0 => Some(*i),
+        _ => None,
+    });
     Some(Link {
         index: m.header.index,
         name,
         kind,
+        master,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bridge's port names its bridge (`IFLA_MASTER`); a device without one names none.
+    #[test]
+    fn a_port_names_its_master() {
+        let mut m = LinkMessage::default();
+        m.header.index = 7;
+        m.header.link_layer_type = LinkLayerType::Ether;
+        m.attributes.push(LinkAttribute::IfName("veth1".into()));
+        assert_eq!(link_of(&m).map(|l| l.master), Some(None));
+        m.attributes.push(LinkAttribute::Controller(3));
+        let link = link_of(&m).expect("a link");
+        assert_eq!((link.index, link.master), (7, Some(3)));
+    }
 }

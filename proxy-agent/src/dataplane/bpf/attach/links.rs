@@ -214,6 +214,7 @@ impl Classifiers {
         if let Some(seen) = &mut self.dumping {
             seen.insert(link.name.clone(), link.index);
         }
+        super::masters::present(&self.ebpf, link);
         // A renamed device: its old name's link goes (the new name decides afresh).
         let renamed: Vec<String> = self
             .attached
@@ -285,6 +286,7 @@ impl Classifiers {
     }
 
     fn gone(&mut self, link: &Link) {
+        super::masters::sweep(&self.ebpf, |index| index != link.index);
         self.skipped.remove(&link.name);
         self.forget_failed(&link.name);
         // Its qdisc went with it.
@@ -322,6 +324,7 @@ impl Classifiers {
         }
         prune_pins(&self.links_dir, |name| self.attached.contains_key(name));
         clsact::prune_records(&self.links_dir, |index| seen.values().any(|i| *i == index));
+        super::masters::sweep(&self.ebpf, |index| seen.values().any(|i| *i == index));
     }
 
     /// Both programs on `link` (ingress first), then XDP (which passes to them what it

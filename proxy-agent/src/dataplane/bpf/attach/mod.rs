@@ -12,6 +12,7 @@ pub mod interfaces;
 pub mod link_events;
 pub mod link_update;
 pub mod links;
+mod masters;
 pub mod xdp;
 
 use std::path::Path;
