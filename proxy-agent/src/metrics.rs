@@ -294,6 +294,11 @@ fn ours(r: &mut Registry, status: &Status, options: RenderOptions<'_>) {
             "Entries the collector removed (expired flows, orphaned replies)",
             c.conntrack.collected_total,
         ),
+        (
+            "conntrack_evicted",
+            "Entries of live answered flows the collector removed to keep 10% of the answered table free, the idlest first",
+            c.conntrack.evicted_total,
+        ),
     ] {
         counter(r, name, help, v);
     }

@@ -777,3 +777,53 @@ fn a_closing_flows_replies_no_longer_go_alone() {
         "TIME_WAIT over: the late reply is not translated"
     );
 }
+
+/// Issue 42, item 3: a table of answered flows filled to the brim — with flows that
+/// carry nothing more, as a forger's would — keeps a real flow unanswered (and
+/// evictable) only until the collector's next pass: past 90% the idlest flows go, down to
+/// 80%, the ones in use stay, and the waiting flow's next segment is answered.
+#[needs_root]
+#[test]
+fn a_full_answered_table_makes_room_for_the_next_answer() {
+    let mut h = Harness::new(&[(map_names::CONNTRACK, 100)]);
+    configure_node(&mut h, false);
+    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
+    st.kind = FrontendKind::NodePort;
+    h.apply(&NodeView::from([(np, st)]));
+    let np = sa("192.0.2.10:30080");
+    let be = sa("10.244.2.9:8080");
+    let client = |i: u16| SocketAddr::new("198.51.100.7".parse().expect("ip"), 40_000 + i);
+    let open = |h: &Harness, i: u16| {
+        let (_, src, _) = seg(h, client(i), np, SYN);
+        seg(h, be, src, SYN_ACK);
+        seg(h, client(i), np, ACK);
+        src
+    };
+    for i in 0..50 {
+        open(&h, i);
+    }
+    assert_eq!(h.maps.conntrack.iter().count(), 100, "full");
+    let waiting = open(&h, 50);
+    assert!(h.counter("ct_full") >= 1, "no room for the 51st");
+    // The last ten flows are in use; the first forty idle.
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    for i in 40..50 {
+        seg(&h, client(i), np, ACK);
+    }
+    let st = conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
+    assert_eq!((st.evicted, st.answered), (20, 80), "{st:?}");
+    let answered: Vec<CtKey> = h.maps.conntrack.keys().filter_map(Result::ok).collect();
+    for i in 40..50 {
+        let k = answered
+            .iter()
+            .any(|k| k.dir == CT_DIR_FORWARD && k.sport == client(i).port().to_be());
+        assert!(k, "flow {i}, in use, kept");
+    }
+    // The waiting flow's next segment: answered now.
+    assert_eq!(seg(&h, client(50), np, ACK), (TC_ACT_OK, waiting, be));
+    assert_eq!(
+        h.maps.conntrack.iter().count(),
+        82,
+        "the 51st flow answered"
+    );
+}

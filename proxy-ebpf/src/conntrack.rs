@@ -300,7 +300,9 @@ pub fn promote_forward(key: &CtKey, fwd: *const CtValue) {
 }
 
 /// The flow is assured: both entries move to the table of answered flows.
-/// With that table full the flow stays where it is (still translated, but evictable).
+/// With that table full the flow stays where it is (still translated, but evictable),
+/// and a TCP flow is no longer taken as assured, so its next segment tries again (the
+/// agent's collector keeps room: `conntrack_gc::make_room`).
 #[inline(never)]
 pub fn promote(reply_key: &CtKey) {
     let Some(reply) = CONNTRACK_NEW.get_ptr_mut(reply_key) else {
@@ -313,17 +315,26 @@ pub fn promote(reply_key: &CtKey) {
     };
     // SAFETY: as above; the helper copies the values.
     if CONNTRACK.insert(reply_key, unsafe { &*reply }, 0).is_err() {
-        count(counter::CT_FULL);
-        return;
+        return full(reply_key, fwd);
     }
     // SAFETY: as above.
     if CONNTRACK.insert(&fwd_key, unsafe { &*fwd }, 0).is_err() {
         let _ = CONNTRACK.remove(reply_key);
-        count(counter::CT_FULL);
-        return;
+        return full(reply_key, fwd);
     }
     let _ = CONNTRACK_NEW.remove(&fwd_key);
     let _ = CONNTRACK_NEW.remove(reply_key);
+}
+
+/// `promote` found the answered table full (see there).
+#[inline(always)]
+fn full(reply_key: &CtKey, fwd: *mut CtValue) {
+    count(counter::CT_FULL);
+    if reply_key.proto == PROTO_TCP {
+        // SAFETY: map memory, valid for this program run; a racy store of the bit is
+        // harmless.
+        unsafe { (*fwd).flags &= !CT_F_ASSURED };
+    }
 }
 
 /// Whether the flow holding reply tuple `key` (entry `reply`) no longer needs it: its

@@ -415,8 +415,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 new: st.new,
                 new_capacity: st.new_capacity,
                 collected_total: 0,
+                evicted_total: 0,
             };
-            status.record_conntrack(fill, st.collected);
+            status.record_conntrack(fill, st.collected, st.evicted);
         })?
     };
     runner::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await

@@ -76,6 +76,8 @@ pub struct ConntrackFill {
     pub new: u64,
     pub new_capacity: u64,
     pub collected_total: u64,
+    /// Entries of live answered flows removed to keep room for promotions.
+    pub evicted_total: u64,
 }
 
 #[derive(Default)]
@@ -374,12 +376,14 @@ impl Status {
         self.with(|s| s.view.clone())
     }
 
-    /// Records a collector pass: the tables' fill now, and `collected` more removals.
-    pub fn record_conntrack(&self, fill: ConntrackFill, collected: u64) {
+    /// Records a collector pass: the tables' fill now, `collected` more removals of ended
+    /// flows and `evicted` of live ones (room).
+    pub fn record_conntrack(&self, fill: ConntrackFill, collected: u64, evicted: u64) {
         self.with(|s| {
-            let total = s.counters.conntrack.collected_total + collected;
+            let c = &s.counters.conntrack;
             s.counters.conntrack = ConntrackFill {
-                collected_total: total,
+                collected_total: c.collected_total + collected,
+                evicted_total: c.evicted_total + evicted,
                 ..fill
             };
         });

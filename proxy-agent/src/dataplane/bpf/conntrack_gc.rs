@@ -17,6 +17,13 @@ use super::{maps::MapSet, stats::Ended, writer::remove_ignoring_absent};
 /// How often the collector runs.
 pub const INTERVAL: Duration = Duration::from_secs(10);
 
+/// The answered table's room for promotions: past `ROOM_HIGH` of its capacity, the
+/// idlest flows go until it is down to `ROOM_LOW` (per mille). A table filled with flows
+/// that carry nothing — made complete by a forger, or simply left idle — never keeps real
+/// flows from being answered for longer than one pass.
+const ROOM_HIGH: u64 = 900;
+const ROOM_LOW: u64 = 800;
+
 /// A reply entry is written a moment before its forward partner (and moved first when a
 /// flow is answered): one without a partner is an orphan only once it is this old.
 const ORPHAN_GRACE_NS: u64 = 5_000_000_000;
@@ -32,6 +39,9 @@ pub struct CtStats {
     pub new_capacity: u64,
     /// Entries this pass removed (expired flows and orphaned reply entries).
     pub collected: u64,
+    /// Entries of live answered flows this pass removed to keep room (`ROOM_HIGH`), the
+    /// idlest first.
+    pub evicted: u64,
 }
 
 /// The running collector: dropping it stops it (at its next wake-up, or once the pass
@@ -113,9 +123,11 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
     // The counts of the answered flows' entries this pass removes (the unanswered
     // ones' count in `LB_STATS` already).
     let mut ended = Ended::default();
-    let (answered, cap, collected) =
+    let (mut answered, cap, collected) =
         collect_table(&mut maps.conntrack, &timeouts, now_ns, &mut ended)
             .with_context(|| format!("collecting {}", map_names::CONNTRACK))?;
+    stats.evicted = make_room(&mut maps.conntrack, &mut answered, cap, &mut ended)
+        .with_context(|| format!("making room in {}", map_names::CONNTRACK))?;
     (stats.answered, stats.answered_capacity) = (answered.len() as u64, cap);
     stats.collected += collected;
     super::stats::fold_ended(maps, ended).context("keeping the counts of removed flows")?;
@@ -281,4 +293,57 @@ fn collect_table(
         }
     }
     Ok((entries, capacity, removed))
+}
+
+/// Past `ROOM_HIGH` of `capacity`, removes the idlest flows (both entries) of `entries`
+/// until `ROOM_LOW` is left; returns the entries removed. A flow that a packet touched
+/// since the snapshot stays.
+fn make_room(
+    table: &mut HashMap<MapData, CtKey, CtValue>,
+    entries: &mut Snapshot,
+    capacity: u64,
+    ended: &mut Ended,
+) -> Result<u64> {
+    if (entries.len() as u64) * 1000 <= capacity * ROOM_HIGH {
+        return Ok(0);
+    }
+    let target = capacity * ROOM_LOW / 1000;
+    let mut flows: Vec<(u64, CtKey)> = entries
+        .iter()
+        .filter(|(k, _)| k.dir == CT_DIR_FORWARD)
+        .map(|(k, v)| (flow_last_seen(v, reply_in(entries, k, v)), *k))
+        .collect();
+    flows.sort_unstable_by_key(|(seen, _)| *seen);
+    let mut removed = 0;
+    for (seen, key) in flows {
+        if entries.len() as u64 <= target {
+            break;
+        }
+        let Ok(value) = table.get(&key, 0) else {
+            entries.remove(&key);
+            continue;
+        };
+        let reply = reply_key_of(&key, &value);
+        let r = table
+            .get(&reply, 0)
+            .ok()
+            .filter(|r| forward_key_of(&reply, r) == key);
+        if flow_last_seen(&value, r.as_ref()) != seen {
+            continue; // alive again since the snapshot
+        }
+        removed += ended.remove(table, &key, &value)?;
+        entries.remove(&key);
+        if let Some(r) = r {
+            removed += ended.remove(table, &reply, &r)?;
+            entries.remove(&reply);
+        }
+    }
+    if removed > 0 {
+        tracing::warn!(
+            entries = removed,
+            capacity,
+            "the table of answered flows was past 90% full: its idlest flows removed"
+        );
+    }
+    Ok(removed)
 }
