@@ -313,12 +313,7 @@ fn a_syn_flood_evicts_no_answered_flow() {
     const ESTABLISHED: u16 = 200;
     const FLOOD: u32 = 20_000;
     let mut h = Harness::new(&[(map_names::CONNTRACK_NEW, 1_024)]);
-    configure_node(&mut h, false);
-    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
-    st.kind = FrontendKind::NodePort;
-    h.apply(&NodeView::from([(np, st)]));
-    let np = sa("192.0.2.10:30080");
-    let be = sa("10.244.2.9:8080");
+    let (np, be) = node_port_to_remote_backend(&mut h);
     let client = |i: u16| SocketAddr::new("198.51.100.7".parse().expect("ip"), 40_000 + i);
     let mut masq = Vec::new();
     for i in 0..ESTABLISHED {
@@ -786,12 +781,7 @@ fn a_closing_flows_replies_no_longer_go_alone() {
 #[test]
 fn a_full_answered_table_makes_room_for_the_next_answer() {
     let mut h = Harness::new(&[(map_names::CONNTRACK, 100)]);
-    configure_node(&mut h, false);
-    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
-    st.kind = FrontendKind::NodePort;
-    h.apply(&NodeView::from([(np, st)]));
-    let np = sa("192.0.2.10:30080");
-    let be = sa("10.244.2.9:8080");
+    let (np, be) = node_port_to_remote_backend(&mut h);
     let client = |i: u16| SocketAddr::new("198.51.100.7".parse().expect("ip"), 40_000 + i);
     let open = |h: &Harness, i: u16| {
         let (_, src, _) = seg(h, client(i), np, SYN);
@@ -826,4 +816,14 @@ fn a_full_answered_table_makes_room_for_the_next_answer() {
         82,
         "the 51st flow answered"
     );
+}
+
+/// Node-a configured, with NodePort 192.0.2.10:30080 to 10.244.2.9:8080 (another
+/// node's pod: masqueraded): the frontend and the backend.
+fn node_port_to_remote_backend(h: &mut Harness) -> (SocketAddr, SocketAddr) {
+    configure_node(h, false);
+    let (np, mut st) = frontend("192.0.2.10", 30080, Protocol::Tcp, &["10.244.2.9:8080"]);
+    st.kind = FrontendKind::NodePort;
+    h.apply(&NodeView::from([(np, st)]));
+    (sa("192.0.2.10:30080"), sa("10.244.2.9:8080"))
 }

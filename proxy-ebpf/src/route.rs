@@ -179,16 +179,7 @@ fn fib<F: Frame>(
     // A plain C struct; all-zero is a valid value.
     let mut slot = core::mem::MaybeUninit::<bpf_fib_lookup>::uninit();
     let p = crate::mem::zeroed_in(&mut slot);
-    p.ifindex = ingress;
-    if family == FAMILY_V4 {
-        p.family = AF_INET;
-        p.__bindgen_anon_3.ipv4_src = src[0];
-        p.__bindgen_anon_4.ipv4_dst = dst[0];
-    } else {
-        p.family = AF_INET6;
-        p.__bindgen_anon_3.ipv6_src = *src;
-        p.__bindgen_anon_4.ipv6_dst = *dst;
-    }
+    ask(p, ingress, family, src, dst);
     if F::XDP {
         return xdp_fib(ctx, family, p, grow);
     }
@@ -266,16 +257,8 @@ pub fn arrived_by_route<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u3
     // which all-zero is a valid value.
     let p = unsafe { &mut *p };
     crate::mem::zero(p);
-    p.ifindex = ingress;
-    if family == FAMILY_V4 {
-        p.family = AF_INET;
-        p.__bindgen_anon_3.ipv4_src = dst[0];
-        p.__bindgen_anon_4.ipv4_dst = src[0];
-    } else {
-        p.family = AF_INET6;
-        p.__bindgen_anon_3.ipv6_src = *dst;
-        p.__bindgen_anon_4.ipv6_dst = *src;
-    }
+    // The way back: from the packet's destination to its source.
+    ask(p, ingress, family, dst, src);
     // A length any route carries: the question is the route, not this packet's size.
     p.__bindgen_anon_1.tot_len = 64;
     let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
@@ -305,6 +288,21 @@ pub fn arrived_by_route<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u3
 #[inline(always)]
 pub fn reply_by_route<F: Frame>(ctx: &F, pkt: &Packet) -> bool {
     ctx.ifindex() == LOOPBACK_IFINDEX || arrived_by_route(ctx, pkt.family, &pkt.saddr, &pkt.daddr)
+}
+
+/// A zeroed FIB query for `src` -> `dst`, from interface `ingress`.
+#[inline(always)]
+fn ask(p: &mut bpf_fib_lookup, ingress: u32, family: u8, src: &[u32; 4], dst: &[u32; 4]) {
+    p.ifindex = ingress;
+    if family == FAMILY_V4 {
+        p.family = AF_INET;
+        p.__bindgen_anon_3.ipv4_src = src[0];
+        p.__bindgen_anon_4.ipv4_dst = dst[0];
+    } else {
+        p.family = AF_INET6;
+        p.__bindgen_anon_3.ipv6_src = *src;
+        p.__bindgen_anon_4.ipv6_dst = *dst;
+    }
 }
 
 /// XDP's FIB lookup: with the neighbour (the MACs go into `XDP_HOP`), and the frame's

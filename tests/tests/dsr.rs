@@ -354,7 +354,6 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt({socko
     // option, answered with 1,492 (1,476), rightly. So either MTU is right, and what
     // counts is that the upload completes.
     let ok: &[&str] = &["pod-b pod-b 1500", &learned];
-    let _ = xdp;
     assert!(
         ok.contains(&offloaded.trim()),
         "with offload: greeted before and after the upload, at the client's MTU: {}\n{}",
