@@ -123,8 +123,12 @@ pub mod counter {
     /// Direct server return: an option refused because the node's own flow holds the
     /// client's tuple (a learned flow never outranks one the node opened).
     pub const DSR_REFUSED_CLASH: u32 = 29;
+    /// A new masqueraded flow found the masquerade ports short and took the port of a
+    /// half-open TCP flow (never assured, begun over a second ago: a SYN flood's), whose
+    /// entries went. Answered flows never lose theirs.
+    pub const SNAT_PORT_RECLAIMED: u32 = 30;
     /// Length of the array.
-    pub const COUNT: u32 = 30;
+    pub const COUNT: u32 = 31;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -157,6 +161,7 @@ pub mod counter {
         "dsr_refused_frontend",
         "dsr_refused_backend",
         "dsr_refused_clash",
+        "snat_port_reclaimed",
     ];
 }
 
