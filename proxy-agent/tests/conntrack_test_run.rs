@@ -441,6 +441,22 @@ fn half_open_flows_give_their_masquerade_ports_to_new_flows() {
     // The flow that lost its port lost both entries: its client's ACK finds no flow.
     let loser = if src == quiet { 2 } else { 3 };
     assert_eq!(seg(&h, outside(loser), np, ACK).0, TC_ACT_SHOT);
+    // The backend may still hold the lost flow's half-open socket on that tuple: it
+    // answers the new SYN with that flow's ACK, the client resets it (which clears the
+    // socket), and the client's retransmitted SYN finds its flow and port still there.
+    assert_eq!(seg(&h, be, src, ACK), (TC_ACT_OK, np, outside(5)));
+    assert_eq!(seg(&h, outside(5), np, RST), (TC_ACT_OK, src, be));
+    let reused = h.counter("ct_reused");
+    assert_eq!(
+        seg(&h, outside(5), np, SYN),
+        (TC_ACT_OK, src, be),
+        "the retransmitted SYN keeps the port"
+    );
+    assert_eq!(
+        h.counter("ct_reused"),
+        reused,
+        "a client's RST before its handshake does not close the flow"
+    );
     assert_eq!(
         seg(&h, be, src, SYN_ACK),
         (TC_ACT_OK, np, outside(5)),

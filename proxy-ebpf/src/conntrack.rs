@@ -177,9 +177,19 @@ const CLOSING: u8 = CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST;
 
 /// A forward packet's state bits (FIN, RST) on its flow's forward entry `fwd` (at
 /// `key`), and on the reply entry too, so the replies stop going alone.
+///
+/// A client's RST before its handshake completed does not close the flow: it is what
+/// a client in SYN_SENT sends when its SYN on a reclaimed port (`reclaim`) met the
+/// backend's half-open socket of the flow that held the port (the backend answers with
+/// that flow's ACK). The RST clears that socket; the client's SYN retransmission must
+/// then find the same flow and port, not a new port and another such socket. The flow
+/// stays half-open: it ages out, or is reclaimed, as one.
 #[inline(always)]
 pub fn forward_segment(key: &CtKey, pkt: &Packet, fwd: &mut CtValue, new: bool) {
-    let bits = segment_flags(pkt, false);
+    let mut bits = segment_flags(pkt, false);
+    if fwd.flags & CT_F_ASSURED == 0 {
+        bits &= !CT_F_RST;
+    }
     if bits != 0 {
         fwd.flags |= bits;
         closing_to_reply(key, fwd, new, bits);
