@@ -371,6 +371,120 @@ fn a_syn_flood_evicts_no_answered_flow() {
     assert!(!clash, "a flooding flow got an answered flow's tuple");
 }
 
+/// Half-open flows cannot hold the masquerade ports (issue 42, item 6): when the range
+/// runs short, a new flow takes the port of a TCP flow that was never assured (no SYN-ACK
+/// seen, or one no client acknowledged: what a SYN flood leaves) and began over a second
+/// ago, as netfilter's early drop takes unassured entries; within that second it keeps
+/// it, and while the range has room nobody loses one. An assured flow's port is never
+/// taken, in the answered table or (that table full) in the table of new flows.
+#[needs_root]
+#[test]
+fn half_open_flows_give_their_masquerade_ports_to_new_flows() {
+    let np = sa("192.0.2.10:30080");
+    let be = sa("10.244.2.9:8080");
+    let outside = |i: u16| SocketAddr::new("198.51.100.7".parse().expect("ip"), 40_000 + i);
+
+    // With room in the range a half-open flow keeps its port, however old.
+    let mut h = Harness::new(&[]);
+    tiny_port_range(&mut h);
+    seg(&h, outside(0), np, SYN);
+    age(&mut h, 2);
+    assert_eq!(seg(&h, outside(1), np, SYN).0, TC_ACT_OK);
+    assert_eq!(h.counter("snat_port_reclaimed"), 0);
+    assert_eq!(counts(&h), (0, 4), "both half-open flows kept");
+
+    // Room for one answered flow: the second assured flow stays in the new-flows table.
+    let mut h = Harness::new(&[(map_names::CONNTRACK, 2)]);
+    tiny_port_range(&mut h);
+    let mut assured = Vec::new();
+    for i in 0..2 {
+        let (v, src, dst) = seg(&h, outside(i), np, SYN);
+        assert_eq!((v, dst), (TC_ACT_OK, be));
+        seg(&h, be, src, SYN_ACK);
+        seg(&h, outside(i), np, ACK);
+        assured.push(src);
+    }
+    assert_eq!(
+        (counts(&h), h.counter("ct_full")),
+        ((2, 2), 1),
+        "one assured flow answered, the other left in the new-flows table"
+    );
+    // The other two ports: a SYN never answered, and one whose SYN-ACK nobody
+    // acknowledges (a flood's, spoofed or not).
+    let (v, quiet, _) = seg(&h, outside(2), np, SYN);
+    assert_eq!(v, TC_ACT_OK);
+    let (v, syn_recv, _) = seg(&h, outside(3), np, SYN);
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(seg(&h, be, syn_recv, SYN_ACK).1, np);
+    let half_open = [quiet, syn_recv];
+    assert_eq!(
+        seg(&h, outside(4), np, SYN).0,
+        TC_ACT_SHOT,
+        "within a second of their SYN, half-open flows keep their ports"
+    );
+    assert_eq!(h.counter("snat_port_reclaimed"), 0);
+
+    age(&mut h, 2);
+    let (v, src, dst) = seg(&h, outside(5), np, SYN);
+    assert_eq!(
+        (v, dst),
+        (TC_ACT_OK, be),
+        "a second later a new client gets a half-open flow's port"
+    );
+    assert!(half_open.contains(&src), "{src} of {half_open:?}");
+    assert_eq!(h.counter("snat_port_reclaimed"), 1);
+    // The flow that lost its port lost both entries: its client's ACK finds no flow.
+    let loser = if src == quiet { 2 } else { 3 };
+    assert_eq!(seg(&h, outside(loser), np, ACK).0, TC_ACT_SHOT);
+    // The backend may still hold the lost flow's half-open socket on that tuple: it
+    // answers the new SYN with that flow's ACK, the client resets it (which clears the
+    // socket), and the client's retransmitted SYN finds its flow and port still there.
+    assert_eq!(seg(&h, be, src, ACK), (TC_ACT_OK, np, outside(5)));
+    assert_eq!(seg(&h, outside(5), np, RST), (TC_ACT_OK, src, be));
+    let reused = h.counter("ct_reused");
+    assert_eq!(
+        seg(&h, outside(5), np, SYN),
+        (TC_ACT_OK, src, be),
+        "the retransmitted SYN keeps the port"
+    );
+    assert_eq!(
+        h.counter("ct_reused"),
+        reused,
+        "a client's RST before its handshake does not close the flow"
+    );
+    assert_eq!(
+        seg(&h, be, src, SYN_ACK),
+        (TC_ACT_OK, np, outside(5)),
+        "the new flow's answer reaches its client"
+    );
+
+    // A flood that goes on: every two seconds a new SYN, half of them answered by the
+    // backend and never acknowledged. Each takes a half-open port (32 tries, 16 of which
+    // may reclaim, over 4 ports), never an assured one.
+    for r in 0..20u16 {
+        age(&mut h, 2);
+        let (v, src, _) = seg(&h, outside(10 + r), np, SYN);
+        assert_eq!(v, TC_ACT_OK, "round {r}");
+        assert!(
+            half_open.contains(&src),
+            "round {r}: {src} of {half_open:?}"
+        );
+        if r % 2 == 0 {
+            seg(&h, be, src, SYN_ACK);
+        }
+    }
+    assert_eq!(h.counter("snat_port_reclaimed"), 21);
+    for (i, src) in assured.iter().enumerate() {
+        let client = outside(i as u16);
+        assert_eq!(
+            seg(&h, client, np, ACK),
+            (TC_ACT_OK, *src, be),
+            "assured flow {i} kept its port"
+        );
+        assert_eq!(seg(&h, be, *src, ACK), (TC_ACT_OK, np, client));
+    }
+}
+
 #[needs_root]
 #[test]
 fn one_client_port_to_two_frontends_sharing_a_backend() {

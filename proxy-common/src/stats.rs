@@ -127,8 +127,12 @@ pub mod counter {
     /// or host forging the backend's answer, or asymmetric routing): translated, but
     /// not taken as the flow's answer (the flow stays unanswered, evictable).
     pub const CT_REPLY_UNVERIFIED: u32 = 30;
+    /// A new masqueraded flow found the masquerade ports short and took the port of a
+    /// half-open TCP flow (never assured, begun over a second ago: a SYN flood's), whose
+    /// entries went. Answered flows never lose theirs.
+    pub const SNAT_PORT_RECLAIMED: u32 = 31;
     /// Length of the array.
-    pub const COUNT: u32 = 31;
+    pub const COUNT: u32 = 32;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -162,6 +166,7 @@ pub mod counter {
         "dsr_refused_backend",
         "dsr_refused_clash",
         "ct_reply_unverified",
+        "snat_port_reclaimed",
     ];
 }
 

@@ -177,9 +177,19 @@ const CLOSING: u8 = CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST;
 
 /// A forward packet's state bits (FIN, RST) on its flow's forward entry `fwd` (at
 /// `key`), and on the reply entry too, so the replies stop going alone.
+///
+/// A client's RST before its handshake completed does not close the flow: it is what
+/// a client in SYN_SENT sends when its SYN on a reclaimed port (`reclaim`) met the
+/// backend's half-open socket of the flow that held the port (the backend answers with
+/// that flow's ACK). The RST clears that socket; the client's SYN retransmission must
+/// then find the same flow and port, not a new port and another such socket. The flow
+/// stays half-open: it ages out, or is reclaimed, as one.
 #[inline(always)]
 pub fn forward_segment(key: &CtKey, pkt: &Packet, fwd: &mut CtValue, new: bool) {
-    let bits = segment_flags(pkt, false);
+    let mut bits = segment_flags(pkt, false);
+    if fwd.flags & CT_F_ASSURED == 0 {
+        bits &= !CT_F_RST;
+    }
     if bits != 0 {
         fwd.flags |= bits;
         closing_to_reply(key, fwd, new, bits);
@@ -282,13 +292,12 @@ pub fn partner(reply_key: &CtKey, reply: *const CtValue, new: bool) -> *mut CtVa
     }
 }
 
-/// A TCP segment from the client that acknowledges the backend's SYN-ACK of a flow not
-/// assured yet: the three-way handshake is complete.
+/// A TCP segment from the client that acknowledges the backend's SYN-ACK: for a flow
+/// still in the table of new flows, the three-way handshake is complete — now, or
+/// earlier when the answered table was full (`promote` is tried again).
 #[inline(always)]
 pub fn completes_handshake(pkt: &Packet, flags: u8) -> bool {
-    pkt.proto == PROTO_TCP
-        && pkt.tcp_flags & TCP_ACK != 0
-        && flags & (CT_F_REPLIED | CT_F_ASSURED) == CT_F_REPLIED
+    pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_ACK != 0 && flags & CT_F_REPLIED != 0
 }
 
 /// `promote`, from the forward side: the flow whose forward entry is `fwd` (at `key`).
@@ -301,8 +310,8 @@ pub fn promote_forward(key: &CtKey, fwd: *const CtValue) {
 
 /// The flow is assured: both entries move to the table of answered flows.
 /// With that table full the flow stays where it is (still translated, but evictable),
-/// and a TCP flow is no longer taken as assured, so its next segment tries again (the
-/// agent's collector keeps room: `conntrack_gc::make_room`).
+/// assured: a TCP flow's next acknowledging segment tries again (`completes_handshake`;
+/// the agent's collector keeps room: `conntrack_gc::make_room`).
 #[inline(never)]
 pub fn promote(reply_key: &CtKey) {
     let Some(reply) = CONNTRACK_NEW.get_ptr_mut(reply_key) else {
@@ -315,26 +324,17 @@ pub fn promote(reply_key: &CtKey) {
     };
     // SAFETY: as above; the helper copies the values.
     if CONNTRACK.insert(reply_key, unsafe { &*reply }, 0).is_err() {
-        return full(reply_key, fwd);
+        count(counter::CT_FULL);
+        return;
     }
     // SAFETY: as above.
     if CONNTRACK.insert(&fwd_key, unsafe { &*fwd }, 0).is_err() {
         let _ = CONNTRACK.remove(reply_key);
-        return full(reply_key, fwd);
+        count(counter::CT_FULL);
+        return;
     }
     let _ = CONNTRACK_NEW.remove(&fwd_key);
     let _ = CONNTRACK_NEW.remove(reply_key);
-}
-
-/// `promote` found the answered table full (see there).
-#[inline(always)]
-fn full(reply_key: &CtKey, fwd: *mut CtValue) {
-    count(counter::CT_FULL);
-    if reply_key.proto == PROTO_TCP {
-        // SAFETY: map memory, valid for this program run; a racy store of the bit is
-        // harmless.
-        unsafe { (*fwd).flags &= !CT_F_ASSURED };
-    }
 }
 
 /// Whether the flow holding reply tuple `key` (entry `reply`) no longer needs it: its
@@ -370,6 +370,13 @@ fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
 /// How long a closed flow (TIME_WAIT, CLOSE) keeps its reply tuple from new flows after
 /// its last packet.
 const CLOSED_TUPLE_HOLD_NS: u64 = 1_000_000_000;
+
+/// How long a TCP flow that was never assured (no client ACK of a SYN-ACK: a half-open
+/// flow, SYN_SENT or SYN_RECV) keeps its masquerade port when the range runs short,
+/// from its first packet: time for a backend's SYN-ACK and the client's ACK, and a
+/// client whose first SYN found no port gets one with its retransmission (Linux: 1 s
+/// later). See docs/decisions/0001-masquerade-port-reclaim.md.
+const UNASSURED_HOLD_NS: u64 = 1_000_000_000;
 
 /// Whether a packet from source port `sport` may be a reply: some flow's reply tuple
 /// has (or had) that source port. When not, the reply probe (a lookup in each table,
@@ -433,9 +440,17 @@ pub fn claim(key: &CtKey, value: &CtValue) -> bool {
 /// new flows a second to one backend a good part of the range is briefly taken.
 const PORT_TRIES: u32 = 32;
 
+/// Of `PORT_TRIES`, the first ones take only free ports (no live flow's); the rest may
+/// also take a half-open flow's (`reclaim`). Sixteen taken ports in a row mean the range
+/// is short (at 80 % of it taken, one new flow in 35 gets there; at 95 %, 44 %): only
+/// then does a half-open flow lose its port, as netfilter's early drop takes unassured
+/// entries only when its table is full.
+const FREE_TRIES: u32 = 16;
+
 /// Finds a free source port for a flow whose reply tuple is `reply_key` (destination
 /// port to be chosen) and claims it with the flow's reply entry. A port is free when no
-/// live flow's replies use the same tuple: closed and expired flows give theirs back.
+/// live flow's replies use the same tuple: closed and expired flows give theirs back;
+/// when the range runs short, half-open flows do too (`FREE_TRIES`, `reclaim`).
 /// Returns the port in network byte order.
 #[inline(never)]
 fn allocate_port(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
@@ -447,15 +462,54 @@ fn allocate_port(reply_key: &mut CtKey, reply: &CtValue) -> Option<u16> {
         (min, max) = (cfg.snat_port_min, cfg.snat_port_max);
     }
     let range = u32::from(max - min) + 1;
-    for _ in 0..PORT_TRIES {
+    for i in 0..PORT_TRIES {
         // SAFETY: no preconditions.
         let port = (u32::from(min) + unsafe { bpf_get_prandom_u32() } % range) as u16;
         reply_key.dport = port.to_be();
-        if claim(reply_key, reply) {
+        if claim(reply_key, reply) || (i >= FREE_TRIES && reclaim(reply_key, reply)) {
             return Some(port.to_be());
         }
     }
     None
+}
+
+/// Takes reply tuple `key` (a masquerade port) for a new flow (reply entry `value`) from
+/// the flow holding it, if that is a half-open TCP flow: in the table of new flows,
+/// never assured (the client never acknowledged a SYN-ACK, if one came), its first
+/// packet over `UNASSURED_HOLD_NS` ago — what a SYN flood leaves. Its two entries go.
+/// An assured flow never loses its port; nor does a UDP or SCTP flow (a late answer
+/// would reach the new flow's client, with no sequence number to refuse it by).
+/// (A leaf frame of its own: the classifier's call chain has no stack to spare.)
+#[inline(never)]
+fn reclaim(key: &CtKey, value: &CtValue) -> bool {
+    if key.proto != PROTO_TCP || CONNTRACK.get_ptr(key).is_some() {
+        return false;
+    }
+    let Some(old) = CONNTRACK_NEW.get_ptr(key) else {
+        return false;
+    };
+    // SAFETY: map memory, valid for this program run.
+    let r = unsafe { &*old };
+    // An unanswered flow's reply entry is stamped at its first packet only: the flow's
+    // age, whatever SYN-ACKs the backend retransmits.
+    if elapsed_ns(now(), r.last_seen_ns) <= UNASSURED_HOLD_NS {
+        return false;
+    }
+    let fwd_key = forward_key_of(key, r);
+    let Some(fwd) = CONNTRACK_NEW.get_ptr(&fwd_key) else {
+        return false; // `claim` frees an orphan itself
+    };
+    // SAFETY: as above.
+    let f = unsafe { &*fwd };
+    if f.flags & CT_F_ASSURED != 0 || f.xlate_addr != key.saddr || f.xlate_port != key.sport {
+        return false;
+    }
+    let _ = CONNTRACK_NEW.remove(&fwd_key);
+    let _ = CONNTRACK_NEW.remove(key);
+    count(counter::SNAT_PORT_RECLAIMED);
+    CONNTRACK_NEW
+        .insert(key, value, u64::from(BPF_NOEXIST))
+        .is_ok()
 }
 
 /// Writes a new flow's two entries into the table of new flows. `fwd` arrives with the

@@ -812,10 +812,23 @@ impl Testbed {
     /// Floods `target` with spoofed SYNs from the client namespace for `seconds`
     /// (`e2e-synflood`; its output is one JSON line with what it sent).
     pub fn spawn_synflood(&self, target: &str, seconds: f64) -> Result<Child> {
+        self.spawn_synflood_paced(target, seconds, 0, 0.0)
+    }
+
+    /// `spawn_synflood`, paced: `burst` SYNs at once, then `rate` a second (0: as fast
+    /// as it can, as `spawn_synflood`).
+    pub fn spawn_synflood_paced(
+        &self,
+        target: &str,
+        seconds: f64,
+        burst: u64,
+        rate: f64,
+    ) -> Result<Child> {
         Command::new(helper_bin("e2e-synflood"))
             .arg("--netns")
             .arg(format!("/run/netns/{}", self.client_ns()))
             .args(["--target", target, "--seconds", &seconds.to_string()])
+            .args(["--burst", &burst.to_string(), "--rate", &rate.to_string()])
             .stdout(Stdio::piped())
             .spawn()
             .context("starting e2e-synflood")

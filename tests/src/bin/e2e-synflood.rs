@@ -1,6 +1,7 @@
 //! Spoofed SYNs at a target, from inside a test namespace: random sources in
 //! 198.18.0.0/15 (benchmarking space, routed nowhere), as fast as one raw socket sends
-//! them, for a while. Prints `{"sent": N, "seconds": S}`.
+//! them (or `--burst` at once, then `--rate` a second), for a while. Prints
+//! `{"sent": N, "seconds": S}`.
 use std::{net::SocketAddr, path::PathBuf, time::Instant};
 
 use anyhow::{Context as _, Result, bail};
@@ -15,6 +16,12 @@ struct Args {
     target: SocketAddr,
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
+    /// With `--rate`: SYNs sent at once first.
+    #[arg(long, default_value_t = 0)]
+    burst: u64,
+    /// SYNs a second after the burst; 0: as fast as the socket takes them.
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
 }
 
 fn main() -> Result<()> {
@@ -36,7 +43,18 @@ fn main() -> Result<()> {
     let mut sent: u64 = 0;
     let mut seed: u32 = 0x9e37_79b9;
     while start.elapsed().as_secs_f64() < a.seconds {
-        for _ in 0..256 {
+        // Paced: what is due by now (the burst, then the rate), or a millisecond's rest.
+        let batch = if a.rate > 0.0 {
+            let due = a.burst + (a.rate * start.elapsed().as_secs_f64()) as u64;
+            if due <= sent {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                continue;
+            }
+            (due - sent).min(256)
+        } else {
+            256
+        };
+        for _ in 0..batch {
             // xorshift: cheap, and every source differs.
             seed ^= seed << 13;
             seed ^= seed >> 17;
