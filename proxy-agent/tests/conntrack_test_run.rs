@@ -903,13 +903,15 @@ fn a_full_answered_table_makes_room_for_the_next_answer() {
         seg(h, client(i), np, ACK);
         src
     };
-    for i in 0..50 {
-        open(&h, i);
-    }
+    let masq: Vec<SocketAddr> = (0..50).map(|i| open(&h, i)).collect();
     assert_eq!(h.maps.conntrack.iter().count(), 100, "full");
     let waiting = open(&h, 50);
     assert!(h.counter("ct_full") >= 1, "no room for the 51st");
-    // The last ten flows are in use; the first forty idle.
+    // Flows 0..10 had answers from the backend (then idled longest); the last ten are in
+    // use; the others never heard from the backend after the handshake, as a forger's.
+    for src in &masq[..10] {
+        seg(&h, be, *src, ACK);
+    }
     std::thread::sleep(std::time::Duration::from_millis(50));
     for i in 40..50 {
         seg(&h, client(i), np, ACK);
@@ -917,12 +919,19 @@ fn a_full_answered_table_makes_room_for_the_next_answer() {
     let st = conntrack_gc::collect(&mut h.maps, monotonic_ns()).expect("collect");
     assert_eq!((st.evicted, st.answered), (20, 80), "{st:?}");
     let answered: Vec<CtKey> = h.maps.conntrack.keys().filter_map(Result::ok).collect();
-    for i in 40..50 {
-        let k = answered
+    let kept = |i: u16| {
+        answered
             .iter()
-            .any(|k| k.dir == CT_DIR_FORWARD && k.sport == client(i).port().to_be());
-        assert!(k, "flow {i}, in use, kept");
+            .any(|k| k.dir == CT_DIR_FORWARD && k.sport == client(i).port().to_be())
+    };
+    for i in (0..10).chain(40..50) {
+        assert!(kept(i), "flow {i}, answered by its backend or in use, kept");
     }
+    assert_eq!(
+        (10..40).filter(|i| !kept(*i)).count(),
+        10,
+        "ten silent flows gone"
+    );
     // The waiting flow's next segment: answered now.
     assert_eq!(seg(&h, client(50), np, ACK), (TC_ACT_OK, waiting, be));
     assert_eq!(

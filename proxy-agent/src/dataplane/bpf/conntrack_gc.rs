@@ -17,8 +17,8 @@ use super::{maps::MapSet, stats::Ended, writer::remove_ignoring_absent};
 /// How often the collector runs.
 pub const INTERVAL: Duration = Duration::from_secs(10);
 
-/// The answered table's room for promotions: past `ROOM_HIGH` of its capacity, the
-/// idlest flows go until it is down to `ROOM_LOW` (per mille). A table filled with flows
+/// The answered table's room for promotions: past `ROOM_HIGH` of its capacity, flows go
+/// (`make_room`) until it is down to `ROOM_LOW` (per mille). A table filled with flows
 /// that carry nothing — made complete by a forger, or simply left idle — never keeps real
 /// flows from being answered for longer than one pass.
 const ROOM_HIGH: u64 = 900;
@@ -295,9 +295,10 @@ fn collect_table(
     Ok((entries, capacity, removed))
 }
 
-/// Past `ROOM_HIGH` of `capacity`, removes the idlest flows (both entries) of `entries`
-/// until `ROOM_LOW` is left; returns the entries removed. A flow that a packet touched
-/// since the snapshot stays.
+/// Past `ROOM_HIGH` of `capacity`, removes flows (both entries) of `entries` until
+/// `ROOM_LOW` is left — those whose backend never spoke since they were established,
+/// then the idlest; returns the entries removed. A flow that a packet touched since the
+/// snapshot stays.
 fn make_room(
     table: &mut HashMap<MapData, CtKey, CtValue>,
     entries: &mut Snapshot,
@@ -308,14 +309,22 @@ fn make_room(
         return Ok(0);
     }
     let target = capacity * ROOM_LOW / 1000;
-    let mut flows: Vec<(u64, CtKey)> = entries
+    // First the flows whose backend has sent nothing since they were established — a
+    // blind forger's (it cannot make the backend talk; stray data it sends is answered
+    // with a reset, which closes the flow) — then the others; the idlest first in each.
+    // A client that merely idles past a forger's flood is not the first to go.
+    let mut flows: Vec<(bool, u64, CtKey)> = entries
         .iter()
         .filter(|(k, _)| k.dir == CT_DIR_FORWARD)
-        .map(|(k, v)| (flow_last_seen(v, reply_in(entries, k, v)), *k))
+        .map(|(k, v)| {
+            let reply = reply_in(entries, k, v);
+            let spoke = reply.is_some_and(|r| r.packets > 0);
+            (spoke, flow_last_seen(v, reply), *k)
+        })
         .collect();
-    flows.sort_unstable_by_key(|(seen, _)| *seen);
+    flows.sort_unstable_by_key(|(spoke, seen, _)| (*spoke, *seen));
     let mut removed = 0;
-    for (seen, key) in flows {
+    for (_, seen, key) in flows {
         if entries.len() as u64 <= target {
             break;
         }
@@ -342,7 +351,7 @@ fn make_room(
         tracing::warn!(
             entries = removed,
             capacity,
-            "the table of answered flows was past 90% full: its idlest flows removed"
+            "the table of answered flows was past 90% full: flows removed (silent ones, then the idlest)"
         );
     }
     Ok(removed)
