@@ -199,6 +199,7 @@ fn check(objects: Vec<(Value, Value)>, targets: Vec<Target>) -> Result<(), TestC
             src: src.parse().expect("ip"),
             src_port: None,
             dst,
+            dsr: None,
             expect: None,
         });
     }
@@ -239,6 +240,12 @@ fn check(objects: Vec<(Value, Value)>, targets: Vec<Target>) -> Result<(), TestC
             Verdict::Dnat => 0,
             Verdict::Reject | Verdict::Drop => 1,
             Verdict::Accept | Verdict::Local => 2,
+            // No packet here carries a direct-server-return option.
+            Verdict::Learned => {
+                return Err(TestCaseError::fail(format!(
+                    "{o:?}: learned without an option"
+                )));
+            }
         };
         SEEN[seen].fetch_add(1, Ordering::Relaxed);
         let frontend = frontends.iter().find(|(fe, _)| {

@@ -26,9 +26,7 @@ use proptest::{
     test_runner::{TestCaseError, TestRunner},
 };
 use proxy_agent::trace::packet::{add_dsr, build_tcp, fold, sum16};
-use proxy_common::{
-    CT_F_DSR_BACKEND, dsr_header6, dsr_option, parse_dsr_header6, parse_dsr_option,
-};
+use proxy_common::{CT_F_DSR_BACKEND, parse_dsr_header6, parse_dsr_option};
 use support::{fuzz_config, tc_harness::*, testbed::*};
 use test_support::needs_root;
 

@@ -478,7 +478,7 @@ fn backend_node_learns(
 ) {
     let (client, frontend, backend) = (sa(client), sa(frontend), sa(backend));
     let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
-    let mut node_b = backend_node(&[&backend.to_string()]);
+    let node_b = backend_node(&[&backend.to_string()]);
     let (verdict, out) = node_b.run_on(&syn, uplink);
     assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
     assert_eq!(out, syn, "untouched");
@@ -744,7 +744,7 @@ fn header_checksum(pkt: &mut [u8]) {
 #[test]
 fn a_forged_answer_never_makes_a_flow_answered() {
     in_testbed(|uplink, pods| {
-        let mut h = node_port(&["10.244.2.7:8080"], &[]);
+        let h = node_port(&["10.244.2.7:8080"], &[]);
         let (client, frontend, backend) = (
             sa("192.0.2.99:40000"),
             sa("192.0.2.10:30080"),
@@ -803,7 +803,6 @@ fn a_forged_answer_never_makes_a_flow_answered() {
             .try_into()
             .expect("hash");
         masters.insert(&pods, &bridged, 0).expect("insert");
-        drop(masters);
         assert!(answered(&mut fresh), "the port answers for its bridge");
     });
 }
