@@ -20,6 +20,10 @@
 //! ```
 //!
 //! The binaries that need root (the demo, benchmarks, the soak) check with [`require_root`].
+//!
+//! A test that finds at run time that this machine cannot do what it tests (a kernel that
+//! refuses a facility) calls [`cannot_run`]: under `cargo xtask test` it is counted as
+//! skipped, with the reason; anywhere else it fails. It never passes without having run.
 
 use std::fmt;
 
@@ -73,4 +77,29 @@ pub fn assert_root(test: &str) {
              `cargo xtask test`; built as another user, it is ignored instead"
         );
     }
+}
+
+/// The file where tests record that they could not run (`cannot_run`), set by `cargo
+/// xtask test`: one `test<TAB>reason` line each.
+pub const SKIPS_ENV: &str = "PROXY_TEST_SKIPS";
+
+/// `test` cannot run on this machine, for `why`: recorded for `cargo xtask test`, which
+/// counts it as skipped; without that runner (no `PROXY_TEST_SKIPS`), the test fails
+/// saying why. Return from the test right after.
+#[track_caller]
+pub fn cannot_run(test: &str, why: &str) {
+    use std::io::Write as _;
+    let Some(path) = std::env::var_os(SKIPS_ENV) else {
+        panic!("{test} cannot run here: {why} (run by `cargo xtask test`, it is skipped)");
+    };
+    let line = format!("{test}\t{}\n", why.replace(['\t', '\n'], " "));
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = written {
+        panic!("{test} cannot run here ({why}), and recording it failed: {e}");
+    }
+    eprintln!("{test}: skipped, cannot run here: {why}");
 }

@@ -337,7 +337,15 @@ fn xdp_outlives_the_agent_and_cleanup_takes_it_off() {
 #[needs_root]
 #[test]
 fn live_frames_reach_the_backend_through_every_contender() {
-    let t = proxy_e2e::bench::throughput::throughput(10, 20_000, 1, &[]).expect("throughput run");
+    let t = match proxy_e2e::bench::throughput::throughput(10, 20_000, 1, &[]) {
+        Err(e) if proxy_e2e::bench::throughput::live_frames_refused(&e) => {
+            return test_support::cannot_run(
+                "live_frames_reach_the_backend_through_every_contender",
+                &format!("the kernel refuses BPF_F_TEST_XDP_LIVE_FRAMES: {e:#}"),
+            );
+        }
+        r => r.expect("throughput run"),
+    };
     for c in proxy_e2e::bench::throughput::CONTENDERS {
         let r = t
             .rates

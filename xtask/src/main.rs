@@ -516,10 +516,15 @@ fn test(root: &Path, args: &[String]) -> Result<()> {
     if !args.iter().any(|a| a == "--no-fail-fast") {
         cmd.arg("--no-fail-fast");
     }
+    // Tests that find they cannot run here record it (`test_support::cannot_run`).
+    let skips = root.join("target/test-skips.txt");
+    let _ = std::fs::remove_file(&skips);
     cmd.env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
         .env(cluster::BIN_DIR_ENV, bin_dir)
+        .env("PROXY_TEST_SKIPS", &skips)
         .args(args);
-    let (status, summary) = summary::run(&mut cmd)?;
+    let (status, mut summary) = summary::run(&mut cmd)?;
+    summary.take_skips(&std::fs::read_to_string(&skips).unwrap_or_default());
     eprintln!("{}", summary.line());
     if !status.success() {
         bail!("cargo test failed: {status}");

@@ -58,6 +58,22 @@ impl Summary {
         }
     }
 
+    /// Moves the tests that recorded they could not run (`test_support::cannot_run`, one
+    /// `test<TAB>reason` line each in `skips`) from passed to skipped.
+    pub fn take_skips(&mut self, skips: &str) {
+        for line in skips.lines() {
+            let Some((_, why)) = line.split_once('\t') else {
+                continue;
+            };
+            self.passed = self.passed.saturating_sub(1);
+            self.ignored += 1;
+            *self
+                .reasons
+                .entry(format!("cannot run here: {why}"))
+                .or_default() += 1;
+        }
+    }
+
     /// The one line.
     pub fn line(&self) -> String {
         let ran = self.passed + self.failed;
@@ -117,6 +133,20 @@ pub fn run(cmd: &mut Command) -> Result<(ExitStatus, Summary)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A test that recorded it could not run counts as skipped, with its reason, not
+    /// as passed.
+    #[test]
+    fn a_test_that_cannot_run_counts_as_skipped() {
+        let mut s = Summary::default();
+        s.read("test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.0s");
+        s.take_skips("live_frames\tthe kernel refuses live frames (EPERM)\n");
+        assert_eq!((s.passed, s.ignored), (2, 1));
+        assert!(
+            s.line()
+                .contains("1 cannot run here: the kernel refuses live frames (EPERM)")
+        );
+    }
 
     #[test]
     fn counts_results_reasons_and_failures() {

@@ -361,3 +361,12 @@ fn handshake(
     xdp_run(&packet::build_tcp(client, vip, TCP_ACK))?;
     Ok(())
 }
+
+/// Whether `e` (from `throughput`) is this kernel refusing live frames
+/// (`BPF_F_TEST_XDP_LIVE_FRAMES`: EPERM on some 6.18 kernels, with every capability but
+/// `CAP_SYS_RESOURCE`): the harness cannot run here, which is no result either way.
+pub fn live_frames_refused(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .any(|io| io.raw_os_error() == Some(libc::EPERM))
+}
