@@ -2,8 +2,8 @@
 //! `LOCAL_NETS`: whether an address is one of the node's, and where a packet comes from
 //! (kube-proxy's local-traffic detector).
 //!
-//! Layer 2. Owns: `is_node_address`, `on_node`, `on_node_pods`, `origin` and `Origin`, `lpm_key` (the key
-//! of both LPM tries). May import: `maps`, `verdict`, `packet`, `stats`.
+//! Layer 2. Owns: `is_node_address`, `on_node`, `on_node_pods`, `origin` and `Origin`,
+//! `lpm_key` (the key of both LPM tries). May import: `maps`, `verdict`, `packet`, `stats`.
 
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use proxy_common::{

@@ -190,28 +190,7 @@ fn fib<F: Frame>(
     if grow > 0 && unsafe { (*(ctx.ptr() as *const __sk_buff)).gso_size } == 0 {
         p.__bindgen_anon_1.tot_len = (ctx.len() as usize - ETH_HLEN) as u16 + grow as u16;
     }
-    // SAFETY: `p` is a valid, correctly sized parameter block on our stack.
-    let mut rc = unsafe {
-        fib_lookup(
-            ctx.ptr(),
-            p,
-            core::mem::size_of::<bpf_fib_lookup>() as i32,
-            BPF_FIB_LOOKUP_SKIP_NEIGH,
-        )
-    };
-    if rc < 0 {
-        // Kernels before 6.3 refuse SKIP_NEIGH (-EINVAL, before touching `p`): ask again
-        // with the neighbour lookup, whose NO_NEIGH answer is accepted below as well.
-        // SAFETY: as above.
-        rc = unsafe {
-            fib_lookup(
-                ctx.ptr(),
-                p,
-                core::mem::size_of::<bpf_fib_lookup>() as i32,
-                0,
-            )
-        };
-    }
+    let rc = route_of(ctx, p);
     // SAFETY: the helper wrote the union's `mtu_result` (zero when it did not).
     let mtu = u32::from(unsafe { p.__bindgen_anon_1.mtu_result });
     if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
@@ -241,8 +220,8 @@ static RP_FIB: PerCpuArray<bpf_fib_lookup, 1> = PerCpuArray::new();
 /// Strict reverse path (`rp_filter=1`): whether the node's route back to `src` (from
 /// `dst`) leaves by the interface the packet came in on. What a packet teaches the node
 /// (`dsr::arrival`) must come from where its source is, not from a pod or a host that
-/// made up that source. TC only; on loopback (the node's own packets, a test run without
-/// an interface) there is no such route: false.
+/// made up that source. At TC and XDP alike; on loopback (the node's own packets, a test
+/// run without an interface) there is no such route: false.
 #[inline(never)]
 pub fn arrived_by_route<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4]) -> bool {
     let ingress = ctx.ifindex();
@@ -261,14 +240,7 @@ pub fn arrived_by_route<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u3
     ask(p, ingress, family, dst, src);
     // A length any route carries: the question is the route, not this packet's size.
     p.__bindgen_anon_1.tot_len = 64;
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    // SAFETY: `p` is a valid, correctly sized parameter block on our stack.
-    let mut rc = unsafe { fib_lookup(ctx.ptr(), p, size, BPF_FIB_LOOKUP_SKIP_NEIGH) };
-    if rc < 0 {
-        // Kernels before 6.3 refuse SKIP_NEIGH (see `fib`).
-        // SAFETY: as above.
-        rc = unsafe { fib_lookup(ctx.ptr(), p, size, 0) };
-    }
+    let rc = route_of(ctx, p);
     if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         return false;
     }
@@ -290,7 +262,23 @@ pub fn reply_by_route<F: Frame>(ctx: &F, pkt: &Packet) -> bool {
     ctx.ifindex() == LOOPBACK_IFINDEX || arrived_by_route(ctx, pkt.family, &pkt.saddr, &pkt.daddr)
 }
 
-/// A zeroed FIB query for `src` -> `dst`, from interface `ingress`.
+/// The FIB's answer to `p` (`BPF_FIB_LKUP_RET_*`, or below zero), without the neighbour
+/// where the kernel allows it (the callers that need the MACs ask `xdp_fib`).
+#[inline(always)]
+fn route_of<F: Frame>(ctx: &F, p: &mut bpf_fib_lookup) -> i64 {
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    // SAFETY: `p` is a valid, correctly sized parameter block.
+    let rc = unsafe { fib_lookup(ctx.ptr(), p, size, BPF_FIB_LOOKUP_SKIP_NEIGH) };
+    if rc >= 0 {
+        return rc;
+    }
+    // Kernels before 6.3 refuse SKIP_NEIGH (-EINVAL, before touching `p`): ask again with
+    // the neighbour lookup, whose NO_NEIGH answer the callers accept as well.
+    // SAFETY: as above.
+    unsafe { fib_lookup(ctx.ptr(), p, size, 0) }
+}
+
+/// Fills a zeroed FIB query for `src` -> `dst`, from interface `ingress`.
 #[inline(always)]
 fn ask(p: &mut bpf_fib_lookup, ingress: u32, family: u8, src: &[u32; 4], dst: &[u32; 4]) {
     p.ifindex = ingress;
