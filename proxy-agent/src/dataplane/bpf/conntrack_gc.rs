@@ -259,25 +259,9 @@ fn collect_table(
             continue;
         };
         if key.dir == CT_DIR_FORWARD {
-            let reply = reply_key_of(&key, &value);
-            // The reply entry goes only if it still names this flow.
-            let r = table
-                .get(&reply, 0)
-                .ok()
-                .filter(|r| forward_key_of(&reply, r) == key);
-            if !expired(&key, &value, r.as_ref()) {
-                entries.insert(key, value);
-                if let Some(r) = r {
-                    entries.insert(reply, r);
-                }
-                continue;
-            }
-            removed += ended.remove(table, &key, &value)?;
-            entries.remove(&key);
-            if let Some(r) = r {
-                removed += ended.remove(table, &reply, &r)?;
-                entries.remove(&reply);
-            }
+            removed += remove_flow(table, &mut entries, ended, key, value, |f, r| {
+                expired(&key, f, r)
+            })?;
         } else {
             let fwd_key = forward_key_of(&key, &value);
             let partnered = table.get(&fwd_key, 0).is_ok_and(|f| {
@@ -332,20 +316,10 @@ fn make_room(
             entries.remove(&key);
             continue;
         };
-        let reply = reply_key_of(&key, &value);
-        let r = table
-            .get(&reply, 0)
-            .ok()
-            .filter(|r| forward_key_of(&reply, r) == key);
-        if flow_last_seen(&value, r.as_ref()) != seen {
-            continue; // alive again since the snapshot
-        }
-        removed += ended.remove(table, &key, &value)?;
-        entries.remove(&key);
-        if let Some(r) = r {
-            removed += ended.remove(table, &reply, &r)?;
-            entries.remove(&reply);
-        }
+        // A flow a packet touched since the snapshot stays.
+        removed += remove_flow(table, entries, ended, key, value, |f, r| {
+            flow_last_seen(f, r) == seen
+        })?;
     }
     if removed > 0 {
         tracing::warn!(
@@ -353,6 +327,38 @@ fn make_room(
             capacity,
             "the table of answered flows was past 90% full: flows removed (silent ones, then the idlest)"
         );
+    }
+    Ok(removed)
+}
+
+/// The flow of forward entry `key`, as just read again (`value`), with its reply entry
+/// (only if it still names this flow): both removed if `still_doomed` says so now, else
+/// kept, the snapshot `entries` following either way. Returns the entries removed.
+fn remove_flow(
+    table: &mut HashMap<MapData, CtKey, CtValue>,
+    entries: &mut Snapshot,
+    ended: &mut Ended,
+    key: CtKey,
+    value: CtValue,
+    still_doomed: impl Fn(&CtValue, Option<&CtValue>) -> bool,
+) -> Result<u64> {
+    let reply = reply_key_of(&key, &value);
+    let r = table
+        .get(&reply, 0)
+        .ok()
+        .filter(|r| forward_key_of(&reply, r) == key);
+    if !still_doomed(&value, r.as_ref()) {
+        entries.insert(key, value);
+        if let Some(r) = r {
+            entries.insert(reply, r);
+        }
+        return Ok(0);
+    }
+    let mut removed = ended.remove(table, &key, &value)?;
+    entries.remove(&key);
+    if let Some(r) = r {
+        removed += ended.remove(table, &reply, &r)?;
+        entries.remove(&reply);
     }
     Ok(removed)
 }

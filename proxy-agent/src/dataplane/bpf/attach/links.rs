@@ -286,7 +286,7 @@ impl Classifiers {
     }
 
     fn gone(&mut self, link: &Link) {
-        super::masters::sweep(&self.ebpf, |index| index != link.index);
+        super::masters::gone(&self.ebpf, link.index);
         self.skipped.remove(&link.name);
         self.forget_failed(&link.name);
         // Its qdisc went with it.

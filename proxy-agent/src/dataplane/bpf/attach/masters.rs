@@ -23,6 +23,17 @@ pub fn present(ebpf: &Mutex<Ebpf>, link: &Link) {
     }
 }
 
+/// Forgets device `index` (gone).
+pub fn gone(ebpf: &Mutex<Ebpf>, index: u32) {
+    if let Err(e) = with_map(ebpf, |map| remove(map, index)) {
+        tracing::warn!(
+            ifindex = index,
+            error = format!("{e:#}"),
+            "a gone interface's IF_MASTERS entry not removed"
+        );
+    }
+}
+
 /// Forgets the devices `keep` says are gone (a device's entry goes with it).
 pub fn sweep(ebpf: &Mutex<Ebpf>, keep: impl Fn(u32) -> bool) {
     let result = with_map(ebpf, |map| {
