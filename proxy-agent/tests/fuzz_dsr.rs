@@ -4,12 +4,17 @@
 //! NodePort in `dsr` mode whose backend is its pod 10.244.2.7:8080 ([fd00:244:2::7]:8080).
 //! Each case is one SYN that carries an option or header — well formed or with a byte
 //! changed — from a source outside, a pod or the node, to the backend or another
-//! address, on the uplink or a pod's interface. What must hold for every packet:
+//! address, naming an entry node (another node of the cluster, node-b itself, a
+//! stranger), sent by the entry node's MAC or another's, on the uplink or a pod's
+//! interface. What must hold for every packet:
 //!
 //! - a flow is learnt only for what node-b permits (issue 42): an option that parses,
-//!   naming port 30080 at an address that is not node-b's, on a TCP packet to the backend
-//!   itself, from a source neither a pod's nor the node's, arriving on the uplink;
-//! - the packet goes on unchanged (the backend's node translates nothing of it);
+//!   naming port 30080 at an address that is not node-b's, through the entry node
+//!   node-b knows, on a TCP packet to the backend itself, from a source neither a pod's
+//!   nor the node's, arriving on the uplink from the entry node's MAC;
+//! - a learnt packet goes on unchanged (the backend's node translates nothing of it),
+//!   a refused one is dropped, and one that carries no option of ours (a byte changed
+//!   its type or length) goes on as any other packet;
 //! - and over the run both learnt and refused packets occur (the property is not empty).
 //!
 //! Root only. Bounded cases by default; `PROXY_FUZZ_CASES` (`cargo xtask fuzz`) runs long.
@@ -26,7 +31,10 @@ use proptest::{
     test_runner::{TestCaseError, TestRunner},
 };
 use proxy_agent::trace::packet::{add_dsr, build_tcp, fold, sum16};
-use proxy_common::{CT_F_DSR_BACKEND, parse_dsr_header6, parse_dsr_option};
+use proxy_common::{
+    CT_F_DSR_BACKEND, DSR_HDR6_LEN, DSR_HDR6_WORDS, DSR_OPT_LEN, DsrNamed, parse_dsr_header6,
+    parse_dsr_option,
+};
 use support::{fuzz_config, tc_harness::*, testbed::*};
 use test_support::needs_root;
 
@@ -47,6 +55,14 @@ const FRONTENDS: [(&str, &str); 3] = [
     ("192.0.2.20", "2001:db8:a::20"),
     ("6.6.6.6", "2001:db8::66"),
 ];
+/// Entry nodes an option names: the one node-b knows, node-b itself, the client.
+const ENTRIES: [(&str, &str); 3] = [
+    (ENTRY_NODE, ENTRY_NODE6),
+    ("192.0.2.20", "2001:db8:a::20"),
+    ("192.0.2.99", "2001:db8:a::99"),
+];
+/// Senders on the wire: the entry node, the client.
+const SENDERS: [[u8; 6]; 2] = [ENTRY_NODE_MAC, CLIENT_MAC];
 
 #[derive(Clone, Debug)]
 struct Forged {
@@ -56,6 +72,8 @@ struct Forged {
     dport: u16,
     frontend: usize,
     port: u16,
+    entry: usize,
+    sender: usize,
     on_pods: bool,
     /// A byte of the option (header) changed: (index, value).
     corrupt: Option<(usize, u8)>,
@@ -69,19 +87,37 @@ fn forged() -> BoxedStrategy<Forged> {
         prop_oneof![3 => Just(8080u16), 1 => any::<u16>()],
         prop_oneof![3 => Just(0usize), 1 => 1..3usize],
         prop_oneof![3 => Just(30080u16), 1 => any::<u16>()],
+        (
+            prop_oneof![3 => Just(0usize), 1 => 1..3usize],
+            prop_oneof![3 => Just(0usize), 1 => Just(1usize)],
+        ),
         prop::bool::weighted(0.25),
-        prop::option::weighted(0.3, (0..24usize, any::<u8>())),
+        prop::option::weighted(0.3, (0..40usize, any::<u8>())),
     )
         .prop_map(
-            |(v6, source, destination, dport, frontend, port, on_pods, corrupt)| Forged {
+            |(
                 v6,
                 source,
                 destination,
                 dport,
                 frontend,
                 port,
+                (entry, sender),
                 on_pods,
                 corrupt,
+            )| {
+                Forged {
+                    v6,
+                    source,
+                    destination,
+                    dport,
+                    frontend,
+                    port,
+                    entry,
+                    sender,
+                    on_pods,
+                    corrupt,
+                }
             },
         )
         .boxed()
@@ -103,8 +139,13 @@ fn packet(f: &Forged) -> (Vec<u8>, Vec<u8>) {
     let dst = SocketAddr::new(pick(DESTINATIONS[f.destination], f.v6), f.dport);
     let frontend = SocketAddr::new(pick(FRONTENDS[f.frontend], f.v6), f.port);
     let mut pkt = build_tcp(src, dst, 0x02);
-    add_dsr(&mut pkt, frontend);
-    let (at, len) = if f.v6 { (54, 24) } else { (34, 8) };
+    pkt[6..12].copy_from_slice(&SENDERS[f.sender]);
+    add_dsr(&mut pkt, frontend, pick(ENTRIES[f.entry], f.v6));
+    let (at, len) = if f.v6 {
+        (54, usize::from(DSR_HDR6_LEN))
+    } else {
+        (34, usize::from(DSR_OPT_LEN))
+    };
     if let Some((i, v)) = f.corrupt {
         // Not the IPv6 header's next-header byte: that would change what follows, not
         // what the header says.
@@ -115,29 +156,35 @@ fn packet(f: &Forged) -> (Vec<u8>, Vec<u8>) {
     }
     if !f.v6 {
         pkt[24..26].fill(0);
-        let c = fold(sum16(&pkt[14..42], 0));
+        let c = fold(sum16(&pkt[14..34 + len], 0));
         pkt[24..26].copy_from_slice(&c.to_be_bytes());
     }
     let opt = pkt[at..at + len].to_vec();
     (pkt, opt)
 }
 
-/// Whether node-b may learn a flow from `f` (the module's first rule).
-fn permitted(f: &Forged, opt: &[u8]) -> bool {
-    let named = if f.v6 {
-        let w: [u32; 6] = std::array::from_fn(|i| {
+/// What `f`'s option (header) names, if it still parses as ours.
+fn named(f: &Forged, opt: &[u8]) -> Option<DsrNamed> {
+    if f.v6 {
+        let w: [u32; DSR_HDR6_WORDS] = std::array::from_fn(|i| {
             u32::from_ne_bytes(opt[4 * i..4 * i + 4].try_into().expect("4 bytes"))
         });
-        parse_dsr_header6(&w).map(|(_, addr, port)| (addr, port))
+        parse_dsr_header6(&w).map(|(_, n)| n)
     } else {
-        parse_dsr_option(opt.try_into().expect("8 bytes")).map(|(a, p)| ([a, 0, 0, 0], p))
-    };
-    let Some((addr, port)) = named else {
+        parse_dsr_option(opt.try_into().expect("12 bytes"))
+    }
+}
+
+/// Whether node-b may learn a flow from `f` (the module's first rule).
+fn permitted(f: &Forged, opt: &[u8]) -> bool {
+    let Some(n) = named(f, opt) else {
         return false;
     };
     let node_b = words(pick(FRONTENDS[1], f.v6));
-    u16::from_be(port) == 30080
-        && addr != node_b
+    u16::from_be(n.port) == 30080
+        && n.frontend != node_b
+        && n.entry == words(pick(ENTRIES[0], f.v6))
+        && f.sender == 0
         && f.source == 0
         && f.destination == 0
         && f.dport == 8080
@@ -166,17 +213,20 @@ fn forged_dsr_options_teach_the_backends_node_only_what_it_permits() {
             clear_flows(&mut h);
             let (pkt, opt) = packet(&f);
             let (verdict, out) = h.run_on(&pkt, if f.on_pods { pods } else { uplink });
-            prop_assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
-            prop_assert_eq!(&out, &pkt, "unchanged");
             let learned = h
                 .ct_entries()
                 .iter()
                 .any(|(_, v)| v.flags & CT_F_DSR_BACKEND != 0);
             if permitted(&f, &opt) {
                 prop_assert!(learned, "a permitted option was not learnt: {:?}", f);
+                prop_assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
+                prop_assert_eq!(&out, &pkt, "unchanged");
                 learnt.set(learnt.get() + 1);
             } else {
                 prop_assert!(!learned, "learnt from a forged option: {:?}", f);
+                if named(&f, &opt).is_some() {
+                    prop_assert_eq!(verdict, TC_ACT_SHOT, "a refused option is dropped");
+                }
                 refused.set(refused.get() + 1);
             }
             Ok::<(), TestCaseError>(())

@@ -345,22 +345,22 @@ fn node_port_dsr6(backends: &[&str]) -> Harness {
     node_port_dsr_on("2001:db8:a::10", backends)
 }
 
-/// The packet carries DSR's option for `frontend` right after its base header, and is
-/// 8 bytes longer than `sent`.
+/// The packet carries DSR's option for `frontend` right after its base header, naming
+/// this node (192.0.2.10) as the entry, and is 12 bytes longer than `sent`.
 fn assert_dsr_option(out: &[u8], sent: &[u8], frontend: SocketAddr) {
-    assert_eq!(out.len(), sent.len() + 8, "eight bytes more");
-    assert_eq!(out[14], 0x47, "IPv4, a 28-byte header");
+    assert_eq!(out.len(), sent.len() + 12, "twelve bytes more");
+    assert_eq!(out[14], 0x48, "IPv4, a 32-byte header");
     let std::net::IpAddr::V4(ip) = frontend.ip() else {
         panic!("IPv4 only")
     };
     let (p, a) = (frontend.port().to_be_bytes(), ip.octets());
     assert_eq!(
-        out[34..42],
-        [0x9a, 8, p[0], p[1], a[0], a[1], a[2], a[3]],
-        "the option names the frontend"
+        out[34..46],
+        [0x9a, 12, p[0], p[1], a[0], a[1], a[2], a[3], 192, 0, 2, 10],
+        "the option names the frontend and this node"
     );
     assert_eq!(
-        out[42..],
+        out[46..],
         sent[34..],
         "the L4 header and payload as they were"
     );
@@ -390,7 +390,7 @@ fn dsr_keeps_the_client_and_carries_the_frontend_at_xdp_and_tc() {
                 "the client's address kept"
             );
             let mut expect = out.clone();
-            expect.drain(34..42);
+            expect.drain(34..46);
             assert_dsr_option(&out, &expect, frontend);
 
             let client = sa(&format!("192.0.2.99:{}", 41000 + i));
@@ -403,7 +403,7 @@ fn dsr_keeps_the_client_and_carries_the_frontend_at_xdp_and_tc() {
             let seen = inspect(&out);
             assert_eq!((seen.src, seen.dst), (client, backend));
             let mut expect = out.clone();
-            expect.drain(34..42);
+            expect.drain(34..46);
             assert_dsr_option(&out, &expect, frontend);
             sent += 2;
         }
@@ -413,7 +413,7 @@ fn dsr_keeps_the_client_and_carries_the_frontend_at_xdp_and_tc() {
         let (verdict, out) = h.run_xdp(&ack, uplink);
         assert_eq!(verdict, XDP_TX);
         assert_eq!(inspect(&out).dst, backend);
-        assert_eq!(out[34..36], [0x9a, 8]);
+        assert_eq!(out[34..36], [0x9a, 12]);
         sent += 1;
         assert_eq!(h.counter("dsr_sent"), sent);
         assert_eq!(h.counter("snat"), 0, "nothing masqueraded");
@@ -478,6 +478,7 @@ fn backend_node_learns(
 ) {
     let (client, frontend, backend) = (sa(client), sa(frontend), sa(backend));
     let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+    let syn = via_entry_node(&syn);
     let node_b = backend_node(&[&backend.to_string()]);
     let (verdict, out) = node_b.run_on(&syn, uplink);
     assert_eq!(verdict, TC_ACT_UNSPEC, "passed on");
@@ -490,6 +491,7 @@ fn backend_node_learns(
     assert_eq!(node_b.counter("ct_reply_nat"), 1);
 
     let (_, ack) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x10), uplink);
+    let ack = via_entry_node(&ack);
     let (verdict, out) = node_b.run_on(&ack, uplink);
     assert_eq!((verdict, out), (TC_ACT_UNSPEC, ack));
     assert_eq!(node_b.counter("dsr_received"), 1, "learnt once");
@@ -520,9 +522,10 @@ fn backend_node_learns(
     );
 }
 
-/// An option is believed only as the backend's agent permits (ABI.md, `DSR_PERMITS`):
-/// each forged or misplaced one is refused, counted by its reason, makes no entry, and
-/// the pod's SYN-ACK is not turned into the frontend's. Issue 42's items 1 and 2.
+/// An option is believed only as the backend's agent permits (ABI.md, `DSR_PERMITS`)
+/// and from another node of the cluster: each forged or misplaced one is refused,
+/// counted by its reason, dropped, makes no entry, and the pod's SYN-ACK is not turned
+/// into the frontend's. Issue 42's items 1 and 2.
 #[needs_root]
 #[test]
 fn a_forged_dsr_option_is_refused_by_reason() {
@@ -533,7 +536,14 @@ fn a_forged_dsr_option_is_refused_by_reason() {
             &tcp_with_flags(client, sa("192.0.2.10:30080"), 0x02),
             uplink,
         );
-        // The option's port and address, rewritten: `[type, len, port, addr]` at 34.
+        let syn = via_entry_node(&syn);
+        // From entry node `addr` by `mac`.
+        let entered = |mac: [u8; 6], addr: &str| {
+            let mut p = syn.clone();
+            set_dsr_entry(&mut p, mac, addr, "::");
+            p
+        };
+        // The option's port and address, rewritten: `[type, len, port, addr, entry]` at 34.
         let naming = |pkt: &[u8], frontend: &str| {
             let fe = sa(frontend);
             let std::net::IpAddr::V4(ip) = fe.ip() else {
@@ -554,12 +564,12 @@ fn a_forged_dsr_option_is_refused_by_reason() {
             let mut p = pkt.to_vec();
             p[26..30].copy_from_slice(&s.octets());
             p[30..34].copy_from_slice(&d.octets());
-            p[42..44].copy_from_slice(&src.port().to_be_bytes());
-            p[44..46].copy_from_slice(&dst.port().to_be_bytes());
+            p[46..48].copy_from_slice(&src.port().to_be_bytes());
+            p[48..50].copy_from_slice(&dst.port().to_be_bytes());
             header_checksum(&mut p);
             p
         };
-        let cases: [(&str, Harness, Vec<u8>, u32, &str); 7] = [
+        let cases: [(&str, Harness, Vec<u8>, u32, &str); 11] = [
             (
                 "no Service in dsr mode here",
                 {
@@ -613,10 +623,38 @@ fn a_forged_dsr_option_is_refused_by_reason() {
                 pods,
                 "dsr_refused_source",
             ),
+            (
+                "an entry node that is no node of the cluster (the client's address)",
+                backend_node(&["10.244.2.7:8080"]),
+                entered(CLIENT_MAC, "192.0.2.99"),
+                uplink,
+                "dsr_refused_node",
+            ),
+            (
+                "a node's address, from another sender on the wire (the client's MAC)",
+                backend_node(&["10.244.2.7:8080"]),
+                entered(CLIENT_MAC, ENTRY_NODE),
+                uplink,
+                "dsr_refused_node",
+            ),
+            (
+                "this node's own address as the entry",
+                backend_node(&["10.244.2.7:8080"]),
+                entered(OTHER_NODE_MAC, "192.0.2.20"),
+                uplink,
+                "dsr_refused_node",
+            ),
+            (
+                "a node with no neighbour entry (unknown MAC: nothing to check against)",
+                backend_node(&["10.244.2.7:8080"]),
+                entered(ENTRY_NODE_MAC, UNRESOLVED_NODE),
+                uplink,
+                "dsr_refused_node",
+            ),
         ];
         for (case, node_b, pkt, ifindex, reason) in cases {
-            let (verdict, out) = node_b.run_on(&pkt, ifindex);
-            assert_eq!((verdict, &out), (TC_ACT_UNSPEC, &pkt), "{case}: passed on");
+            let (verdict, _) = node_b.run_on(&pkt, ifindex);
+            assert_eq!(verdict, TC_ACT_SHOT, "{case}: dropped");
             assert_eq!(node_b.counter(reason), 1, "{case}: counted as {reason}");
             assert_eq!(node_b.counter("dsr_received"), 0, "{case}: nothing learnt");
             assert!(node_b.ct_entries().is_empty(), "{case}: no entry");
@@ -626,8 +664,8 @@ fn a_forged_dsr_option_is_refused_by_reason() {
             };
             let port = |at: usize| u16::from_be_bytes([pkt[at], pkt[at + 1]]);
             let (src, dst) = (
-                SocketAddr::from((addr(26), port(42))),
-                SocketAddr::from((addr(30), port(44))),
+                SocketAddr::from((addr(26), port(46))),
+                SocketAddr::from((addr(30), port(48))),
             );
             let (_, out) = node_b.run_on(&tcp_with_flags(dst, src, 0x12), pods);
             assert_eq!(inspect(&out).src, dst, "{case}: the SYN-ACK is the pod's");
@@ -644,28 +682,54 @@ fn a_forged_dsr_header_over_ipv6_is_refused() {
         let (client, frontend) = (sa("[2001:db8:a::99]:40000"), sa("[2001:db8:a::10]:30080"));
         let mut entry = node_port_dsr6(&["[fd00:244:2::7]:8080"]);
         let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+        let syn = via_entry_node(&syn);
+        let mut stranger = syn.clone();
+        set_dsr_entry(&mut stranger, CLIENT_MAC, "0.0.0.0", "2001:db8:a::99");
+        let mut other_sender = syn.clone();
+        set_dsr_entry(&mut other_sender, CLIENT_MAC, "0.0.0.0", ENTRY_NODE6);
         let mut bare = Harness::new(&[]);
         configure_node_b(&mut bare);
         let cases = [
             (
                 "no Service in dsr mode here",
                 bare,
+                &syn,
                 uplink,
                 "dsr_refused_frontend",
             ),
             (
                 "an outside source, from a pod's interface",
                 backend_node(&["[fd00:244:2::7]:8080"]),
+                &syn,
                 pods,
                 "dsr_refused_source",
             ),
+            (
+                "an entry node that is no node of the cluster",
+                backend_node(&["[fd00:244:2::7]:8080"]),
+                &stranger,
+                uplink,
+                "dsr_refused_node",
+            ),
+            (
+                "a node's address, from another sender on the wire",
+                backend_node(&["[fd00:244:2::7]:8080"]),
+                &other_sender,
+                uplink,
+                "dsr_refused_node",
+            ),
         ];
-        for (case, node_b, ifindex, reason) in cases {
-            let (verdict, out) = node_b.run_on(&syn, ifindex);
-            assert_eq!((verdict, &out), (TC_ACT_UNSPEC, &syn), "{case}: passed on");
+        for (case, node_b, pkt, ifindex, reason) in cases {
+            let (verdict, _) = node_b.run_on(pkt, ifindex);
+            assert_eq!(verdict, TC_ACT_SHOT, "{case}: dropped");
             assert_eq!(node_b.counter(reason), 1, "{case}: counted as {reason}");
             assert!(node_b.ct_entries().is_empty(), "{case}: no entry");
         }
+        // The entry node's own header is believed.
+        let node_b = backend_node(&["[fd00:244:2::7]:8080"]);
+        let (verdict, out) = node_b.run_on(&syn, uplink);
+        assert_eq!((verdict, &out), (TC_ACT_UNSPEC, &syn), "passed on");
+        assert_eq!(node_b.counter("dsr_received"), 1);
     });
 }
 
@@ -682,6 +746,7 @@ fn a_learned_flow_never_outranks_the_nodes_own() {
         );
         let mut entry = node_port_dsr(&["10.244.2.7:8080"]);
         let (_, syn) = entry.run_xdp(&tcp_with_flags(client, frontend, 0x02), uplink);
+        let syn = via_entry_node(&syn);
         // node-b with the same Service, whose NodePort on 192.0.2.10 also reaches it
         // (as an address load balancers send to node-b would).
         let mut node_b = backend_node(&["10.244.2.7:8080"]);
@@ -817,7 +882,7 @@ fn frontend_at(
     frontend(node_ip, 30080, Protocol::Tcp, &["10.244.2.7:8080"])
 }
 
-/// The option's 8 bytes count in XDP's MTU check: a packet that fits the uplink as it
+/// The option's 12 bytes count in XDP's MTU check: a packet that fits the uplink as it
 /// came, but not with the option, is left to TC unchanged (which answers "fragmentation
 /// needed" with room for the option); without DSR the same packet goes out at XDP.
 #[needs_root]
@@ -857,15 +922,25 @@ fn assert_dsr_header6(out: &[u8], frontend: SocketAddr, next: u8) {
         out.len() - 54,
         "the payload length counts the header"
     );
-    let mut hdr = vec![next, 2, 0x1b, 20];
+    let mut hdr = vec![next, 4, 0x1b, 36];
     hdr.extend(ip.octets());
+    hdr.extend(
+        "2001:db8:a::10"
+            .parse::<std::net::Ipv6Addr>()
+            .expect("ip")
+            .octets(),
+    );
     hdr.extend(frontend.port().to_be_bytes());
     hdr.extend([0, 0]);
-    assert_eq!(out[54..78], hdr[..], "the header names the frontend");
+    assert_eq!(
+        out[54..94],
+        hdr[..],
+        "the header names the frontend and this node"
+    );
 }
 
 /// DSR over IPv6 at the client's node: the client's address kept, the frontend in a
-/// 24-byte Destination Options header — at XDP and at TC, TCP and UDP, the flow's next
+/// 40-byte Destination Options header — at XDP and at TC, TCP and UDP, the flow's next
 /// segment too; checksums valid behind the header.
 #[needs_root]
 #[test]
@@ -882,7 +957,7 @@ fn dsr_over_ipv6_carries_the_frontend_in_a_destination_options_header() {
             assert_eq!(verdict, XDP_TX, "tcp={tcp}");
             assert_eq!(out[0..6], OTHER_NODE_MAC, "to the backend's node");
             assert_eq!(ttl(&out), ttl(&pkt) - 1);
-            assert_eq!(out.len(), pkt.len() + 24, "24 bytes more");
+            assert_eq!(out.len(), pkt.len() + 40, "40 bytes more");
             let seen = inspect(&out);
             assert_eq!(
                 (seen.src, seen.dst),
@@ -898,7 +973,7 @@ fn dsr_over_ipv6_carries_the_frontend_in_a_destination_options_header() {
                 verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
                 "TC translates: {verdict}"
             );
-            assert_eq!(out.len(), pkt.len() + 24, "24 bytes more");
+            assert_eq!(out.len(), pkt.len() + 40, "40 bytes more");
             let seen = inspect(&out);
             assert_eq!((seen.src, seen.dst), (client, backend));
             assert_dsr_header6(&out, frontend, proto);
@@ -915,14 +990,14 @@ fn dsr_over_ipv6_carries_the_frontend_in_a_destination_options_header() {
     });
 }
 
-/// IPv6's 24 bytes count in the MTU check: a datagram that fits the uplink as it came
+/// IPv6's 40 bytes count in the MTU check: a datagram that fits the uplink as it came
 /// but not with the header is left to TC unchanged at XDP, and TC answers "packet too
 /// big" with the MTU less the header; without DSR it goes out at XDP.
 #[needs_root]
 #[test]
 fn dsr_over_ipv6_counts_its_header_in_the_mtu_check() {
     in_testbed(|uplink, _| {
-        // UDP, 1490 bytes of IPv6: 10 under the MTU, 14 over it with the header.
+        // UDP, 1490 bytes of IPv6: 10 under the MTU, 30 over it with the header.
         let client = sa("[2001:db8:a::99]:40000");
         let frontend = sa("[2001:db8:a::10]:30080");
         let mut pkt = packet(client, frontend, false);
@@ -944,7 +1019,7 @@ fn dsr_over_ipv6_counts_its_header_in_the_mtu_check() {
         assert_eq!((out[20], out[54]), (58, 2), "ICMPv6 packet too big");
         assert_eq!(
             u32::from_be_bytes([out[58], out[59], out[60], out[61]]),
-            1476,
+            1460,
             "the MTU less the header"
         );
         let mut snat = node_port(&[], &["[fd00:244:2::7]:8080"]);

@@ -100,7 +100,7 @@ maps! {
     /// Per-CPU counters, one per `counter` index.
     COUNTERS(crate::counter::COUNT);
     NODE_CONFIG(1);
-    LOCAL_NETS(1_024);
+    LOCAL_NETS(16_384);
     SOURCE_RANGES(16_384);
     /// The per-packet path's tail calls (`TAIL_SCTP_CRC`).
     TC_TAIL(1);

@@ -18,6 +18,9 @@ pub const LPM_TAG_NODE: u32 = 0x100;
 /// `LOCAL_NETS` (or'ed with the family): a backend there is on this node (direct server
 /// return is only for backends elsewhere).
 pub const LPM_TAG_NODE_PODS: u32 = 0x200;
+/// `LpmData::tag` of another node's address in `LOCAL_NETS` (or'ed with the family): the
+/// entry nodes whose direct server return a backend's node believes.
+pub const LPM_TAG_PEER_NODE: u32 = 0x300;
 /// Bits of `LpmData::tag` every LPM key matches in full before the address bits.
 pub const LPM_TAG_BITS: u32 = 32;
 

@@ -131,8 +131,13 @@ pub mod counter {
     /// half-open TCP flow (never assured, begun over a second ago: a SYN flood's), whose
     /// entries went. Answered flows never lose theirs.
     pub const SNAT_PORT_RECLAIMED: u32 = 31;
+    /// Direct server return: an option refused because of the node it names as its
+    /// entry: not another node of the cluster (`LPM_TAG_PEER_NODE`), or the frame did not
+    /// come from that node's neighbour (its MAC, by the interface the route to it
+    /// takes), or no neighbour entry is known for it yet.
+    pub const DSR_REFUSED_NODE: u32 = 32;
     /// Length of the array.
-    pub const COUNT: u32 = 32;
+    pub const COUNT: u32 = 33;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -167,6 +172,7 @@ pub mod counter {
         "dsr_refused_clash",
         "ct_reply_unverified",
         "snat_port_reclaimed",
+        "dsr_refused_node",
     ];
 }
 

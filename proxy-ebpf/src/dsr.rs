@@ -8,17 +8,19 @@
 //!
 //! Why an option, not IPIP or Geneve: the packet stays a routed packet between pod
 //! networks, as every other (no tunnel device, no second header to route), the frontend
-//! travels in 8 bytes (IPv4) or 24 (IPv6) instead of 20 or 40 and more, and Linux skips
+//! travels in 12 bytes (IPv4) or 40 (IPv6) instead of 20 or 40 and more, and Linux skips
 //! an option it does not know, so the backend's stack needs nothing. The network between
 //! nodes must let IP options (IPv6: Destination Options headers) through, and let a node
 //! send packets with another node's address as source.
 //!
 //! An option is believed only as `DSR_PERMITS` allows (ABI.md): from a source that is
 //! not a pod's or the node's and that routes back by the interface the packet came in
-//! on, naming a frontend of a Service in `dsr` mode with the packet's destination — a
-//! backend of it on this node — and never over a flow the node opened itself. Anything
-//! else is counted by reason and handled as a packet without the option: no packet from
-//! a pod or a stranger makes a flow that steers another client's traffic.
+//! on, through an entry node the agent knows as another node of the cluster whose
+//! neighbour handed the frame over (`route::sent_by_neighbour`), naming a frontend of a
+//! Service in `dsr` mode with the packet's destination — a backend of it on this node —
+//! and never over a flow the node opened itself. Anything else is counted by reason and
+//! dropped: no packet from a pod or a stranger makes a flow that steers another
+//! client's traffic, and a pod's forgery dies at its own node.
 //!
 //! Layer 4. Owns: pushing the option (`push`), believing it (`refusal`), learning a flow
 //! from it (`arrival`, `proxy_dsr_learn`, `ARRIVAL`). May import: layers 0-3.
@@ -26,15 +28,16 @@
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{
     CFG_NODE_PODS, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CtKey, CtValue,
-    DSR_ANY_NODE, DSR_HDR6_LEN, DSR_OPT_LEN, DsrPermitKey, FAMILY_V4, FAMILY_V6, IPPROTO_DSTOPTS,
-    PROTO_TCP, PROTO_UDP, counter, dsr_header6, dsr_option, parse_dsr_header6, parse_dsr_option,
+    DSR_ANY_NODE, DSR_HDR6_LEN, DSR_HDR6_WORDS, DSR_OPT_LEN, DsrNamed, DsrPermitKey, FAMILY_V4,
+    FAMILY_V6, IPPROTO_DSTOPTS, LPM_TAG_PEER_NODE, PROTO_TCP, PROTO_UDP, counter,
+    dsr_header6_first, dsr_header6_last, dsr_option, is_dsr_header6, parse_dsr_option,
 };
 
 use crate::{
     conntrack::{self, SCRATCH_FORWARD, SCRATCH_REPLY, ct_scratch},
     frame::{Frame, csum},
-    maps::{DSR_PERMITS, NODE_CONFIG, count},
-    node::{is_node_address, on_node, on_node_pods, origin},
+    maps::{DSR_PERMITS, LOCAL_NETS, NODE_CONFIG, count},
+    node::{is_node_address, lpm_key, on_node, on_node_pods, origin},
     packet::{ETH_HLEN, IPV4_CSUM_OFF, IPV6_HLEN, Packet},
     route,
     verdict::PASS_ON,
@@ -89,10 +92,15 @@ pub fn applies<F: Frame>(ctx: &F, backend: &[u32; 4]) -> bool {
 /// its backend (`pkt` as parsed before that).
 #[inline(never)]
 pub fn push<F: Frame>(ctx: &F, pkt: &Packet) -> Result<(), i32> {
+    // This node, as the backend's node will check it: its address of the family (zero
+    // when it has none, which the backend's node refuses).
+    let Some(cfg) = NODE_CONFIG.get(0) else {
+        return Err(crate::verdict::DROP); // unreachable: index 0 of a one-entry array
+    };
     if is_v6(ctx) {
-        push_v6(ctx, pkt)
+        push_v6(ctx, pkt, &cfg.snat_v6)
     } else {
-        push_v4(ctx, pkt.daddr[0], pkt.dport)
+        push_v4(ctx, pkt.daddr[0], pkt.dport, cfg.snat_v4[0])
     }?;
     count(counter::DSR_SENT);
     Ok(())
@@ -103,11 +111,11 @@ fn push_failed(_: i64) -> i32 {
     crate::verdict::DROP
 }
 
-/// IPv4: 8 bytes after the base header, the header's length fields and checksum updated
+/// IPv4: 12 bytes after the base header, the header's length fields and checksum updated
 /// (the L4 checksum does not cover the IP header; the header still sums to zero, so a
 /// `CHECKSUM_COMPLETE` sum stays right).
 #[inline(always)]
-fn push_v4<F: Frame>(ctx: &F, addr: u32, port: u16) -> Result<(), i32> {
+fn push_v4<F: Frame>(ctx: &F, addr: u32, port: u16, entry: u32) -> Result<(), i32> {
     // The version/IHL byte with TOS, and the total length: the words that change.
     let (Ok(word0), Ok(total), Ok(check)) = (
         ctx.load::<u16>(ETH_HLEN),
@@ -118,14 +126,14 @@ fn push_v4<F: Frame>(ctx: &F, addr: u32, port: u16) -> Result<(), i32> {
     };
     ctx.grow_network_header::<{ ETH_HLEN + 20 }, { DSR_OPT_LEN as usize }>()
         .map_err(push_failed)?;
-    let opt = dsr_option(addr, port);
-    // IHL is the low nibble of the first byte: two more 32-bit words.
+    let opt = dsr_option(addr, port, entry);
+    // IHL is the low nibble of the first byte: three more 32-bit words.
     let b = word0.to_ne_bytes();
-    let new_word0 = u16::from_ne_bytes([b[0] + 2, b[1]]);
+    let new_word0 = u16::from_ne_bytes([b[0] + DSR_OPT_LEN / 4, b[1]]);
     let new_total = (u16::from_be(total) + DSR_OPT_LEN as u16).to_be();
     let mut d = csum::delta16(word0, new_word0) + csum::delta16(total, new_total);
     // The option's words join the sum (as if they went from zero).
-    for i in 0..4 {
+    for i in 0..DSR_OPT_LEN as usize / 2 {
         d += csum::delta16(0, u16::from_ne_bytes([opt[2 * i], opt[2 * i + 1]]));
     }
     ctx.store(ETH_HLEN, &new_word0).map_err(push_failed)?;
@@ -136,12 +144,12 @@ fn push_v4<F: Frame>(ctx: &F, addr: u32, port: u16) -> Result<(), i32> {
     Ok(())
 }
 
-/// IPv6: a 24-byte Destination Options header after the base header, which now names it
+/// IPv6: a 40-byte Destination Options header after the base header, which now names it
 /// as the next header and counts it in its payload length. No IP checksum, and the L4
 /// checksum's pseudo-header takes the upper-layer length, which stays: only a
 /// `CHECKSUM_COMPLETE` sum has to follow the new bytes.
 #[inline(always)]
-fn push_v6<F: Frame>(ctx: &F, pkt: &Packet) -> Result<(), i32> {
+fn push_v6<F: Frame>(ctx: &F, pkt: &Packet, entry: &[u32; 4]) -> Result<(), i32> {
     // The payload length, and the next header with the hop limit: the words that change.
     let (Ok(payload), Ok(next_hop)) =
         (ctx.load::<u16>(ETH_HLEN + 4), ctx.load::<u16>(ETH_HLEN + 6))
@@ -157,13 +165,19 @@ fn push_v6<F: Frame>(ctx: &F, pkt: &Packet) -> Result<(), i32> {
     ctx.store(ETH_HLEN + 6, &new_next_hop)
         .map_err(push_failed)?;
     let mut d = csum::delta16(payload, new_payload) + csum::delta16(next_hop, new_next_hop);
-    // Word by word, straight into the packet (no 24 bytes on the shared stack); each
-    // joins the sum as if it went from zero.
-    let hdr = dsr_header6(b[0], pkt.daddr, pkt.dport);
-    for (i, w) in hdr.iter().enumerate() {
-        ctx.store(HDR6_OFF + 4 * i, w).map_err(push_failed)?;
-        d += u64::from(*w);
+    // Word by word, straight into the packet (no 40 bytes on the shared stack), in
+    // `dsr_header6`'s order; each joins the sum as if it went from zero.
+    let mut put = |i: usize, w: u32| -> Result<(), i32> {
+        ctx.store(HDR6_OFF + 4 * i, &w).map_err(push_failed)?;
+        d += u64::from(w);
+        Ok(())
+    };
+    put(0, dsr_header6_first(b[0]))?;
+    for i in 0..4 {
+        put(1 + i, pkt.daddr[i])?;
+        put(5 + i, entry[i])?;
     }
+    put(DSR_HDR6_WORDS - 1, dsr_header6_last(pkt.dport))?;
     ctx.bytes_changed(d);
     Ok(())
 }
@@ -177,6 +191,8 @@ pub struct Arrival {
     reply_key: CtKey,
     backend: [u32; 4],
     backend_port: u16,
+    /// What the option names (`found`).
+    named: DsrNamed,
     /// The `DSR_PERMITS` key `refusal` looks for (here, not on the classifier's stack).
     permit: DsrPermitKey,
 }
@@ -187,25 +203,31 @@ static ARRIVAL: PerCpuArray<Arrival, 1> = PerCpuArray::new();
 
 /// At the backend's node (TC): a packet whose option names a frontend. Its flow's
 /// entries are made (or refreshed), and the packet goes on as it is — the node it came
-/// through translated it. `None`: no option of ours, or one not believed (`refusal`,
-/// counted), so the packet is handled as any other.
+/// through translated it. `None`: no option of ours, so the packet is handled as any
+/// other. An option not believed (`refusal`, counted) drops its packet: it is a forgery
+/// (a pod's, a stranger's), or comes in a window where two agents disagree (a Service
+/// just changed mode, a node just joined) in which its flow could not work anyway (the
+/// backend's replies would leave untranslated). Dropped at a pod's own node, a pod's
+/// forgery never reaches the node it names.
 #[inline(never)]
 pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
-    // The option, read from the packet, not from `pkt` (a check on `pkt`'s fields would
-    // narrow what the verifier knows of them in the caller, and every narrowing is one
-    // more walk of the whole pipeline after this).
-    let (addr, port) = found(ctx)?;
-    let refused = refusal(ctx, pkt, &addr, port);
-    if refused != 0 {
-        count(refused);
-        return None;
-    }
     let a = ARRIVAL.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, used by one packet at a time.
     let a = unsafe { &mut *a };
+    // The option, read from the packet, not from `pkt` (a check on `pkt`'s fields would
+    // narrow what the verifier knows of them in the caller, and every narrowing is one
+    // more walk of the whole pipeline after this).
+    if !found(ctx, &mut a.named) {
+        return None;
+    }
+    let refused = refusal(ctx, pkt);
+    if refused != 0 {
+        count(refused);
+        return Some(crate::verdict::DROP);
+    }
     a.pkt = Packet {
-        daddr: addr,
-        dport: port,
+        daddr: a.named.frontend,
+        dport: a.named.port,
         ..*pkt
     };
     a.backend = pkt.daddr;
@@ -214,11 +236,11 @@ pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
     Some(PASS_ON)
 }
 
-/// Why an option naming `frontend:port` is not believed (a `counter`), or 0. (Its own
-/// frame, apart from `arrival`'s; its key in `ARRIVAL`: the classifier's call chain
-/// shares 512 bytes of stack.)
+/// Why the option in `ARRIVAL` is not believed (a `counter`), or 0. (Its own frame,
+/// apart from `arrival`'s; its key in `ARRIVAL`: the classifier's call chain shares 512
+/// bytes of stack.)
 #[inline(never)]
-fn refusal<F: Frame>(ctx: &F, pkt: &Packet, frontend: &[u32; 4], port: u16) -> u32 {
+fn refusal<F: Frame>(ctx: &F, pkt: &Packet) -> u32 {
     let Some(cfg) = NODE_CONFIG.get(0) else {
         return counter::DSR_REFUSED_SOURCE; // unreachable: index 0 of a one-entry array
     };
@@ -230,7 +252,17 @@ fn refusal<F: Frame>(ctx: &F, pkt: &Packet, frontend: &[u32; 4], port: u16) -> u
         return counter::DSR_REFUSED_FRONTEND; // unreachable: index 0 of a one-entry array
     };
     // SAFETY: this CPU's slot, used by one packet at a time.
-    let key = unsafe { &mut (*a).permit };
+    let a = unsafe { &mut *a };
+    // The node the client sent to: another node of the cluster, whose neighbour (its
+    // own MAC, or the router's on the way to it) handed this frame over.
+    if !is_peer(pkt.family, &a.named.entry)
+        || !route::sent_by_neighbour(ctx, pkt.family, &pkt.daddr, &a.named.entry)
+    {
+        return counter::DSR_REFUSED_NODE;
+    }
+    let frontend = &a.named.frontend;
+    let port = a.named.port;
+    let key = &mut a.permit;
     *key = DsrPermitKey {
         frontend: *frontend,
         backend: pkt.daddr,
@@ -257,28 +289,65 @@ fn refusal<F: Frame>(ctx: &F, pkt: &Packet, frontend: &[u32; 4], port: u16) -> u
     0
 }
 
-/// The frontend a packet's option names, if it carries one of ours: IPv4 with room for
-/// it after the base header, or IPv6 with our header first.
+/// Another node of the cluster (the agent writes their addresses), not this one.
 #[inline(always)]
-fn found<F: Frame>(ctx: &F) -> Option<([u32; 4], u16)> {
-    let ver_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
+fn is_peer(family: u8, addr: &[u32; 4]) -> bool {
+    LOCAL_NETS
+        .get(&lpm_key(
+            LPM_TAG_PEER_NODE | u32::from(family),
+            family,
+            *addr,
+        ))
+        .is_some()
+        && !is_node_address(family, addr)
+}
+
+/// Whether a packet carries an option of ours — IPv4 with room for it after the base
+/// header, or IPv6 with our header first — and what it names, into `named`.
+#[inline(always)]
+fn found<F: Frame>(ctx: &F, named: &mut DsrNamed) -> bool {
+    let Ok(ver_ihl) = ctx.load::<u8>(ETH_HLEN) else {
+        return false;
+    };
     if ver_ihl >> 4 == 6 {
-        if ctx.load::<u8>(ETH_HLEN + 6).ok()? != IPPROTO_DSTOPTS {
-            return None;
+        let (Ok(IPPROTO_DSTOPTS), Ok(first), Ok(last)) = (
+            ctx.load::<u8>(ETH_HLEN + 6),
+            ctx.load::<u32>(HDR6_OFF),
+            ctx.load::<u32>(HDR6_OFF + usize::from(DSR_HDR6_LEN) - 4),
+        ) else {
+            return false;
+        };
+        if !is_dsr_header6(first) {
+            return false;
         }
-        let first: u32 = ctx.load(HDR6_OFF).ok()?;
-        let addr: [u32; 4] = ctx.load(HDR6_OFF + 4).ok()?;
-        let last: u32 = ctx.load(HDR6_OFF + 20).ok()?;
-        let (_, addr, port) =
-            parse_dsr_header6(&[first, addr[0], addr[1], addr[2], addr[3], last])?;
-        return Some((addr, port));
+        // Word by word, into `named` (per CPU), not through the stack.
+        for i in 0..4 {
+            let (Ok(f), Ok(e)) = (
+                ctx.load::<u32>(HDR6_OFF + 4 + 4 * i),
+                ctx.load::<u32>(HDR6_OFF + 20 + 4 * i),
+            ) else {
+                return false;
+            };
+            named.frontend[i] = f;
+            named.entry[i] = e;
+        }
+        let p = last.to_ne_bytes();
+        named.port = u16::from_ne_bytes([p[0], p[1]]);
+        return true;
     }
-    if ver_ihl >> 4 != 4 || ver_ihl & 0x0f < 7 {
-        return None;
+    if ver_ihl >> 4 != 4 || ver_ihl & 0x0f < 5 + DSR_OPT_LEN / 4 {
+        return false;
     }
-    let opt: [u8; 8] = ctx.load(OPT_OFF).ok()?;
-    let (addr, port) = parse_dsr_option(&opt)?;
-    Some(([addr, 0, 0, 0], port))
+    let Ok(opt) = ctx.load::<[u8; DSR_OPT_LEN as usize]>(OPT_OFF) else {
+        return false;
+    };
+    match parse_dsr_option(&opt) {
+        Some(n) => {
+            *named = n;
+            true
+        }
+        None => false,
+    }
 }
 
 /// Who holds a live flow on the arrival's tuple (`holder`): this learned flow, the

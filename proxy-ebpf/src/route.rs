@@ -11,7 +11,8 @@
 //! black hole).
 //!
 //! Layer 3. Owns: the FIB lookup with its MTU check, the strict reverse-path check
-//! (`arrived_by_route`), the redirect out of an interface, and
+//! (`arrived_by_route`) and the neighbour check (`sent_by_neighbour`), the redirect out
+//! of an interface, and
 //! XDP's next hop (`XDP_HOP`: MAC addresses, TTL). May import: layers 0-2 (`maps`,
 //! `verdict`, `frame`, `packet`, `stats`, `node`).
 
@@ -224,34 +225,81 @@ static RP_FIB: PerCpuArray<bpf_fib_lookup, 1> = PerCpuArray::new();
 /// run without an interface) there is no such route: false.
 #[inline(never)]
 pub fn arrived_by_route<F: Frame>(ctx: &F, family: u8, src: &[u32; 4], dst: &[u32; 4]) -> bool {
-    let ingress = ctx.ifindex();
-    if ingress == LOOPBACK_IFINDEX {
-        return false;
-    }
-    // Per CPU, not on the stack: this check sits under the classifier's deepest frames.
-    let Some(p) = RP_FIB.get_ptr_mut(0) else {
+    // The way back: from the packet's destination to its source.
+    let Some(p) = way_to(ctx, family, dst, src) else {
         return false;
     };
+    let rc = route_of(ctx, p);
+    (rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH))
+        && leaves_by_ingress(ctx, p.ifindex)
+}
+
+/// Whether the frame was handed over by the neighbour the node reaches `node` through
+/// (from its address `own`): the route to `node` leaves by the interface the frame came
+/// in on, and the Ethernet source is that route's next hop — `node` itself on its
+/// link, or the router towards it. A stranger on the wire that names `node` sends with
+/// its own MAC. No neighbour entry known: false (the kernel made one when `node` asked
+/// for this node's address, as it did before sending). TC only (at XDP the Ethernet
+/// header is the same, but nothing there learns from it).
+#[inline(never)]
+pub fn sent_by_neighbour<F: Frame>(ctx: &F, family: u8, own: &[u32; 4], node: &[u32; 4]) -> bool {
+    let Some(p) = way_to(ctx, family, own, node) else {
+        return false;
+    };
+    // SAFETY: `p` is a valid, correctly sized parameter block; with the neighbour.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.ptr(),
+            p,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) || !leaves_by_ingress(ctx, p.ifindex) {
+        return false;
+    }
+    // SAFETY: after a successful lookup the union holds the MAC addresses.
+    let next_hop = unsafe { p.__bindgen_anon_6.__bindgen_anon_2.dmac };
+    matches!(ctx.load::<[u8; 6]>(6), Ok(sender) if sender == next_hop)
+}
+
+/// `RP_FIB`, asked for the route `from` -> `to` out of the frame's interface: `None` on
+/// loopback (the node's own packets, a test run without an interface), which has no
+/// such route. Per CPU, not on the stack: these checks sit under the classifier's
+/// deepest frames.
+#[inline(always)]
+fn way_to<F: Frame>(
+    ctx: &F,
+    family: u8,
+    from: &[u32; 4],
+    to: &[u32; 4],
+) -> Option<&'static mut bpf_fib_lookup> {
+    let ingress = ctx.ifindex();
+    if ingress == LOOPBACK_IFINDEX {
+        return None;
+    }
+    let p = RP_FIB.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, used by one packet at a time; a plain C struct, for
     // which all-zero is a valid value.
     let p = unsafe { &mut *p };
     crate::mem::zero(p);
-    // The way back: from the packet's destination to its source.
-    ask(p, ingress, family, dst, src);
+    ask(p, ingress, family, from, to);
     // A length any route carries: the question is the route, not this packet's size.
     p.__bindgen_anon_1.tot_len = 64;
-    let rc = route_of(ctx, p);
-    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) && rc != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        return false;
-    }
-    if p.ifindex == ingress {
-        return true;
-    }
-    // A bridge's port: the kernel's own check sees the bridge (`IF_MASTERS`).
+    Some(p)
+}
+
+/// Whether a route out of `egress` leads back where the frame came in: the same
+/// interface, or — a bridge's port — its bridge, as the kernel's own check sees it
+/// (`IF_MASTERS`).
+#[inline(always)]
+fn leaves_by_ingress<F: Frame>(ctx: &F, egress: u32) -> bool {
+    let ingress = ctx.ifindex();
     // SAFETY: map memory, valid for this program run; the value is copied at once.
-    IF_MASTERS
-        .get_ptr(&ingress)
-        .is_some_and(|m| unsafe { *m } == p.ifindex)
+    egress == ingress
+        || IF_MASTERS
+            .get_ptr(&ingress)
+            .is_some_and(|m| unsafe { *m } == egress)
 }
 
 /// Whether a flow's reply may count as its answer: it arrived by the route back to its

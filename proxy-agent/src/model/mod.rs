@@ -542,10 +542,25 @@ pub struct NodeSettings {
     /// The Node's own `spec.podCIDRs`: backends there are on this node (direct server
     /// return is for the others).
     pub node_pod_cidrs: Vec<ipnet::IpNet>,
+    /// The other Nodes' addresses, sorted, without duplicates: the entry nodes whose
+    /// direct server return this node believes.
+    pub peer_addresses: Vec<IpAddr>,
 }
 
 impl NodeSettings {
-    pub fn new(node: &NodeInfo, cfg: &ViewConfig) -> Self {
+    /// This node's settings; `nodes` are the cluster's Nodes as the source knows them
+    /// (its own among them or not).
+    pub fn new<'a>(
+        node: &NodeInfo,
+        nodes: impl IntoIterator<Item = &'a NodeInfo>,
+        cfg: &ViewConfig,
+    ) -> Self {
+        let peer_addresses: std::collections::BTreeSet<IpAddr> = nodes
+            .into_iter()
+            .filter(|n| n.name != node.name)
+            .flat_map(|n| n.addresses.iter().copied())
+            .filter(|ip| !node.addresses.contains(ip))
+            .collect();
         Self {
             pod_cidrs: if cfg.pod_cidrs_from_node {
                 node.pod_cidrs.clone()
@@ -555,6 +570,7 @@ impl NodeSettings {
             node_addresses: node.addresses.clone(),
             masquerade_all: cfg.masquerade_all,
             node_pod_cidrs: node.pod_cidrs.clone(),
+            peer_addresses: peer_addresses.into_iter().collect(),
         }
     }
 }

@@ -573,7 +573,7 @@ fn primary_node_port_addresses_and_node_cidr() {
         .map(|(f, _)| f.ip.to_string())
         .collect();
     assert_eq!(got, ["192.0.2.10"], "primary, no loopback, IPv4 Service");
-    let settings = crate::model::NodeSettings::new(&node, &cfg);
+    let settings = crate::model::NodeSettings::new(&node, [], &cfg);
     assert_eq!(settings.pod_cidrs, node.pod_cidrs);
     assert_eq!(
         crate::model::health_check_addresses(&node, &cfg),
@@ -1218,4 +1218,34 @@ fn direct_server_return_follows_the_mode_and_the_annotation_on_external_frontend
     );
     // Never a ClusterIP: pods and the node reach backends as ever.
     assert!(!view[&fe("10.96.0.12", 80, Protocol::Tcp)].dsr);
+}
+
+/// The other nodes' addresses are the entry nodes direct server return believes: every
+/// address of every other Node, once, sorted; never this node's own (by name or by an
+/// address it shares).
+#[test]
+fn peer_addresses_are_the_other_nodes_addresses() {
+    let node = |name: &str, addrs: &[&str]| NodeInfo {
+        name: name.into(),
+        addresses: addrs.iter().map(|a| a.parse().unwrap()).collect(),
+        ..Default::default()
+    };
+    let me = node("node-a", &["192.0.2.10", "2001:db8::10"]);
+    let nodes = [
+        node("node-a", &["192.0.2.10", "2001:db8::10"]),
+        node("node-c", &["192.0.2.12", "2001:db8::12", "192.0.2.11"]),
+        node("node-b", &["192.0.2.11", "203.0.113.11"]),
+        // A stale twin claiming this node's address is not a peer by it.
+        node("old-a", &["192.0.2.10"]),
+    ];
+    let settings = crate::model::NodeSettings::new(&me, &nodes, &ViewConfig::default());
+    let got: Vec<String> = settings
+        .peer_addresses
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        got,
+        ["192.0.2.11", "192.0.2.12", "203.0.113.11", "2001:db8::12"]
+    );
 }

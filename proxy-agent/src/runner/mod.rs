@@ -277,7 +277,7 @@ pub async fn run<D: Dataplane>(
         // Checks that repeat the API server's validation are for sources it did not
         // validate (a change of source rebuilds the view, as a change of settings does).
         cfg.api_validated = snapshot.api_validated;
-        let wanted = NodeSettings::new(&snapshot.node, &cfg);
+        let wanted = NodeSettings::new(&snapshot.node, snapshot.nodes.values(), &cfg);
         if settings.as_ref() != Some(&wanted) {
             match dataplane.configure(&wanted) {
                 Ok(()) => settings = Some(wanted),

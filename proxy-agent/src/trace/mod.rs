@@ -100,7 +100,7 @@ impl Bench {
         let mut state = MapState::adopt(&maps)?;
         bpf::writer::configure(
             &mut maps,
-            &NodeSettings::new(&case.node.info, &case.node.view),
+            &NodeSettings::new(&case.node.info, [], &case.node.view),
             &bpf::ConntrackOptions::default(),
         )?;
         // The programs' own limit, as the runner gives it to the agent's view.
@@ -221,7 +221,13 @@ impl Bench {
         let src = SocketAddr::new(p.src, first_port);
         let mut first_packet = packet::build(src, p.dst, proto);
         if let Some(frontend) = p.dsr {
-            packet::add_dsr(&mut first_packet, frontend);
+            // No entry node: a trace runs without an interface, where no option is
+            // believed (`dsr::refusal`): the forged cases.
+            let none = match frontend {
+                SocketAddr::V4(_) => IpAddr::from([0u8; 4]),
+                SocketAddr::V6(_) => IpAddr::from([0u16; 8]),
+            };
+            packet::add_dsr(&mut first_packet, frontend, none);
         }
         let (ret, out) = self.run(&first_packet)?;
         let mut endpoints = BTreeSet::new();

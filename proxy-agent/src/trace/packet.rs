@@ -38,25 +38,33 @@ pub fn build_tcp(src: SocketAddr, dst: SocketAddr, flags: u8) -> Vec<u8> {
 }
 
 /// Inserts direct server return's option (IPv4, after the base header) or Destination
-/// Options header (IPv6, first) naming `frontend` into `pkt` (as `build` made it), as an
-/// entry node would; the lengths and the IPv4 header checksum follow (the L4 checksum
-/// does not cover either).
-pub fn add_dsr(pkt: &mut Vec<u8>, frontend: SocketAddr) {
+/// Options header (IPv6, first) naming `frontend` and entry node `entry` (of the same
+/// family; else none, zero) into `pkt` (as `build` made it), as an entry node would; the
+/// lengths and the IPv4 header checksum follow (the L4 checksum does not cover either).
+pub fn add_dsr(pkt: &mut Vec<u8>, frontend: SocketAddr, entry: IpAddr) {
     let port = frontend.port().to_be();
     match frontend.ip() {
         IpAddr::V4(ip) => {
-            let opt = proxy_common::dsr_option(u32::from_ne_bytes(ip.octets()), port);
+            let entry = match entry {
+                IpAddr::V4(e) => u32::from_ne_bytes(e.octets()),
+                IpAddr::V6(_) => 0,
+            };
+            let opt = proxy_common::dsr_option(u32::from_ne_bytes(ip.octets()), port, entry);
             pkt.splice(34..34, opt);
-            pkt[14] = 0x47;
+            pkt[14] = 0x45 + proxy_common::DSR_OPT_LEN / 4;
             let total = u16::from_be_bytes([pkt[16], pkt[17]]) + opt.len() as u16;
             pkt[16..18].copy_from_slice(&total.to_be_bytes());
             pkt[24..26].fill(0);
-            let c = fold(sum16(&pkt[14..42], 0));
+            let c = fold(sum16(&pkt[14..34 + opt.len()], 0));
             pkt[24..26].copy_from_slice(&c.to_be_bytes());
         }
         IpAddr::V6(ip) => {
             let (words, _) = proxy_common::addr::to_words(IpAddr::V6(ip));
-            let hdr = proxy_common::dsr_header6(pkt[20], words, port);
+            let entry = match entry {
+                IpAddr::V6(_) => proxy_common::addr::to_words(entry).0,
+                IpAddr::V4(_) => [0; 4],
+            };
+            let hdr = proxy_common::dsr_header6(pkt[20], words, port, entry);
             pkt.splice(54..54, hdr.iter().flat_map(|w| w.to_ne_bytes()));
             let payload =
                 u16::from_be_bytes([pkt[18], pkt[19]]) + u16::from(proxy_common::DSR_HDR6_LEN);

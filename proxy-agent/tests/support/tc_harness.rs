@@ -221,6 +221,7 @@ pub fn configure_node_with(
                 "10.244.1.0/24".parse().expect("cidr"),
                 "fd00:244:1::/64".parse().expect("cidr"),
             ],
+            peer_addresses: Vec::new(),
         },
         &conntrack,
     )

@@ -13,6 +13,14 @@ pub const UPLINK: &str = "xt0";
 pub const PODS: &str = "xt1";
 pub const CLIENT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x99];
 pub const OTHER_NODE_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x20];
+/// The entry node of direct server return as node-b sees it: another node of the
+/// cluster (192.0.2.30, 2001:db8:a::30), a neighbour on the uplink.
+pub const ENTRY_NODE_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x30];
+pub const ENTRY_NODE: &str = "192.0.2.30";
+pub const ENTRY_NODE6: &str = "2001:db8:a::30";
+/// Another node of the cluster on the uplink's network, whose neighbour entry node-b has
+/// not (yet) got.
+pub const UNRESOLVED_NODE: &str = "192.0.2.40";
 pub const POD_MAC: [u8; 6] = [2, 0, 0, 0, 1, 5];
 
 /// Runs `test` on a thread of its own in a new network namespace (gone with the thread):
@@ -28,6 +36,7 @@ pub fn in_testbed(test: impl FnOnce(u32, u32) + Send + 'static) {
                 .join(":")
         };
         let (client, other, pod) = (mac(CLIENT_MAC), mac(OTHER_NODE_MAC), mac(POD_MAC));
+        let entry = mac(ENTRY_NODE_MAC);
         let script = format!(
             "set -e
             ip link set lo up
@@ -41,6 +50,8 @@ pub fn in_testbed(test: impl FnOnce(u32, u32) + Send + 'static) {
             ip neigh add 192.0.2.20 lladdr {other} dev {UPLINK} nud permanent
             ip neigh add 2001:db8:a::99 lladdr {client} dev {UPLINK} nud permanent
             ip neigh add 2001:db8:a::20 lladdr {other} dev {UPLINK} nud permanent
+            ip neigh add {ENTRY_NODE} lladdr {entry} dev {UPLINK} nud permanent
+            ip neigh add {ENTRY_NODE6} lladdr {entry} dev {UPLINK} nud permanent
             ip neigh add 10.244.1.5 lladdr {pod} dev {PODS} nud permanent
             ip neigh add fd00:244:1::5 lladdr {pod} dev {PODS} nud permanent
             ip route add 10.244.2.0/24 via 192.0.2.20 dev {UPLINK}
@@ -61,6 +72,35 @@ pub fn in_testbed(test: impl FnOnce(u32, u32) + Send + 'static) {
 
 pub fn ifindex(name: &str) -> u32 {
     nix::net::if_::if_nametoindex(name).expect("interface")
+}
+
+/// A packet an entry node in this namespace sent with DSR's option (IPv4) or header
+/// (IPv6), as node-b receives it from that node: one namespace plays both nodes, so the
+/// entry node node-b knows is `ENTRY_NODE` — its address in the option, its MAC as the
+/// sender.
+pub fn via_entry_node(pkt: &[u8]) -> Vec<u8> {
+    let mut p = pkt.to_vec();
+    set_dsr_entry(&mut p, ENTRY_NODE_MAC, ENTRY_NODE, ENTRY_NODE6);
+    p
+}
+
+/// `pkt`'s option (or header) naming entry node `v4` or `v6` (by the packet's family),
+/// sent from `mac`; the IPv4 header checksum follows.
+pub fn set_dsr_entry(pkt: &mut [u8], mac: [u8; 6], v4: &str, v6: &str) {
+    pkt[6..12].copy_from_slice(&mac);
+    if pkt[14] >> 4 == 4 {
+        let ip: std::net::Ipv4Addr = v4.parse().expect("ip");
+        pkt[42..46].copy_from_slice(&ip.octets());
+        pkt[24..26].fill(0);
+        let c = proxy_agent::trace::packet::fold(proxy_agent::trace::packet::sum16(
+            &pkt[14..14 + usize::from(pkt[14] & 0x0f) * 4],
+            0,
+        ));
+        pkt[24..26].copy_from_slice(&c.to_be_bytes());
+    } else {
+        let ip: std::net::Ipv6Addr = v6.parse().expect("ip");
+        pkt[74..90].copy_from_slice(&ip.octets());
+    }
 }
 
 /// The backend's node, node-b (192.0.2.20, pods 10.244.2.0/24): its own agent, with the
@@ -102,6 +142,18 @@ pub fn configure_node_b(h: &mut Harness) {
                 "10.244.2.0/24".parse().expect("cidr"),
                 "fd00:244:2::/64".parse().expect("cidr"),
             ],
+            // The entry node, and node-a (whose address the testbed's uplink has: no
+            // neighbour, so never proven).
+            peer_addresses: [
+                ENTRY_NODE,
+                ENTRY_NODE6,
+                UNRESOLVED_NODE,
+                "192.0.2.10",
+                "2001:db8:a::10",
+            ]
+            .iter()
+            .map(|a| a.parse().expect("ip"))
+            .collect(),
         },
         &Default::default(),
     )

@@ -1,11 +1,12 @@
 //! The node settings: masquerade addresses and flags, connection-tracking timeouts and
-//! ports, the pod network, the node's own pod CIDRs and its own addresses.
+//! ports, the pod network, the node's own pod CIDRs and its own addresses, and the other
+//! nodes' addresses (direct server return's entry nodes).
 
 use anyhow::{Context as _, Result};
 use aya::maps::lpm_trie::Key as LpmKey;
 use proxy_common::{
     CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CFG_NODE_PODS, CtTimeouts, FAMILY_V4, FAMILY_V6,
-    LPM_TAG_NODE, LPM_TAG_NODE_PODS, LPM_TAG_POD, LpmData, NodeConfig,
+    LPM_TAG_NODE, LPM_TAG_NODE_PODS, LPM_TAG_PEER_NODE, LPM_TAG_POD, LpmData, NodeConfig,
 };
 
 use super::{encode::lpm_key, remove_ignoring_absent};
@@ -68,14 +69,17 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings, ct: &ConntrackOptions) 
     for ip in &node.node_addresses {
         wanted.push(tagged(LPM_TAG_NODE, &ipnet::IpNet::from(*ip)));
     }
+    for ip in &node.peer_addresses {
+        wanted.push(tagged(LPM_TAG_PEER_NODE, &ipnet::IpNet::from(*ip)));
+    }
     let present: Vec<LpmKey<LpmData>> = maps.local_nets.keys().filter_map(|k| k.ok()).collect();
     // Stale entries go first: a table left full by an earlier run (or config) must not
     // refuse the entries this one needs.
+    // (A set: with every other node's addresses there are thousands.)
+    let kept: std::collections::HashSet<(u32, LpmData)> =
+        wanted.iter().map(|w| (w.prefix_len(), w.data())).collect();
     for key in present {
-        let still = wanted
-            .iter()
-            .any(|w| w.prefix_len() == key.prefix_len() && w.data() == key.data());
-        if !still {
+        if !kept.contains(&(key.prefix_len(), key.data())) {
             remove_ignoring_absent(maps.local_nets.remove(&key))?;
         }
     }
