@@ -101,6 +101,18 @@ impl MultiNode {
 
     fn build(&mut self) -> Result<()> {
         fs::create_dir_all(&self.manifests)?;
+        // The cluster's Nodes, as `kubectl get nodes -o yaml` gives them: each agent
+        // learns the other's addresses (direct server return's entry nodes) from here.
+        let node = |name: &str, v4: &str, v6: &str, pods: &str| {
+            format!(
+                "---\napiVersion: v1\nkind: Node\nmetadata: {{name: {name}}}\nspec: {{podCIDRs: [\"{pods}\"]}}\nstatus: {{addresses: [{{type: InternalIP, address: \"{v4}\"}}, {{type: InternalIP, address: \"{v6}\"}}]}}\n"
+            )
+        };
+        fs::write(
+            self.manifests.join("nodes.yaml"),
+            node("node-a", NODE_A, NODE_A6, "10.244.1.0/24")
+                + &node("node-b", NODE_B, NODE_B6, "10.244.2.0/24"),
+        )?;
         fs::create_dir_all(&self.bpffs)?;
         sh(&[
             "mount",
@@ -701,6 +713,19 @@ impl MultiNode {
             .with_context(|| format!("no pod interface on {node}"))?;
         Ok(self
             .in_node(node, &["cat", &format!("/sys/class/net/{pod_if}/address")])?
+            .trim()
+            .to_string())
+    }
+
+    /// The MAC address of node `node`'s interface on the LAN.
+    pub fn uplink_mac(&self, node: &str) -> Result<String> {
+        let uplink = self
+            .nodes
+            .get(node)
+            .and_then(|n| n.interfaces.first())
+            .with_context(|| format!("no uplink on {node}"))?;
+        Ok(self
+            .in_node(node, &["cat", &format!("/sys/class/net/{uplink}/address")])?
             .trim()
             .to_string())
     }

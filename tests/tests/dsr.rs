@@ -12,7 +12,7 @@
 
 use std::{thread, time::Duration};
 
-use proxy_e2e::multinode::{CLIENT, CLIENT6, MultiNode, NODE_A, NODE_A6, POD_A};
+use proxy_e2e::multinode::{CLIENT, CLIENT6, MultiNode, NODE_A, NODE_A6, NODE_B, POD_A, POD_B};
 use test_support::needs_root;
 
 const PORT: u16 = 30090;
@@ -404,10 +404,11 @@ fn hijack_manifests() -> String {
 
 /// Issue 42, item 2: pod A (on node A, with the `CAP_NET_RAW` containers have) puts ONE
 /// frame on its veth "from" the outside client's port 45678 to itself, with DSR's
-/// option naming node A's NodePort and a bad TCP checksum. Node A must learn nothing
-/// from it (counted as a refused source), and the client's own connection from that
-/// port to the NodePort must still reach the Service's backend, pod B — on main before
-/// the fix it reached pod A, whose answers left as the NodePort.
+/// option naming node A's NodePort through entry node B, and a bad TCP checksum. Node A
+/// must learn nothing from it (refused as a spoofed source, and dropped), and the
+/// client's own connection from that port to the NodePort must still reach the
+/// Service's backend, pod B — on main before the fix it reached pod A, whose answers
+/// left as the NodePort.
 #[needs_root]
 #[test]
 fn a_pod_cannot_hijack_a_client_with_a_forged_dsr_option() {
@@ -424,9 +425,9 @@ def csum(b):
     while s >> 16: s = (s & 0xffff) + (s >> 16)
     return ~s & 0xffff
 src, dst = socket.inet_aton("{CLIENT}"), socket.inet_aton("{POD_A}")
-opt = bytes([0x9a, 8]) + struct.pack("!H", {HIJACK_PORT}) + socket.inet_aton("{NODE_A}")
+opt = bytes([0x9a, 12]) + struct.pack("!H", {HIJACK_PORT}) + socket.inet_aton("{NODE_A}") + socket.inet_aton("{NODE_B}")
 tcp = struct.pack("!HHIIBBHHH", 45678, 8080, 1000, 0, 5 << 4, 0x02, 65535, 0xdead, 0)
-ip = struct.pack("!BBHHHBBH4s4s", 0x47, 0, 28 + len(tcp), 1, 0, 64, 6, 0, src, dst) + opt
+ip = struct.pack("!BBHHHBBH4s4s", 0x48, 0, 32 + len(tcp), 1, 0, 64, 6, 0, src, dst) + opt
 ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
 eth = bytes.fromhex("{gw}") + bytes(6) + b"\x08\x00"
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
@@ -467,4 +468,70 @@ print(s.makefile().readline().split()[0])
         "the client reaches the Service's backend, not the forger\n{}",
         tb.log("node-a")
     );
+}
+
+/// Issue 42, item 1: a backend's node believes the option only from another node of the
+/// cluster. The outside client, on the nodes' own network, sends node B ONE frame "from"
+/// itself to pod B with a well-formed option naming node A's DSR NodePort through entry
+/// node A — everything right but the sender: the frame comes from the client's MAC, not
+/// from node A's. Node B must refuse it (`dsr_refused_node`) and learn nothing; before
+/// the fix it learnt the flow.
+#[needs_root]
+#[test]
+fn a_client_cannot_pose_as_an_entry_node() {
+    let mut tb = MultiNode::new().expect("testbed");
+    tb.write_manifests(&manifests()).expect("manifests");
+    tb.start_agents(FRONTENDS).expect("agents");
+    let node_b_mac = tb.uplink_mac("node-b").expect("node B's MAC");
+    let forge = format!(
+        r#"
+import socket, struct
+def csum(b):
+    if len(b) % 2: b += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while s >> 16: s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+src, dst = socket.inet_aton("{CLIENT}"), socket.inet_aton("{POD_B}")
+opt = bytes([0x9a, 12]) + struct.pack("!H", {PORT}) + socket.inet_aton("{NODE_A}") + socket.inet_aton("{NODE_A}")
+tcp = struct.pack("!HHIIBBHHH", 45679, 8080, 1000, 0, 5 << 4, 0x02, 65535, 0, 0)
+tcp = tcp[:16] + struct.pack("!H", csum(src + dst + struct.pack("!BBH", 0, 6, len(tcp)) + tcp)) + tcp[18:]
+ip = struct.pack("!BBHHHBBH4s4s", 0x48, 0, 32 + len(tcp), 1, 0, 64, 6, 0, src, dst) + opt
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+eth = bytes.fromhex("{mac}") + s.getsockname()[4] + b"\x08\x00"
+s.send(eth + ip + tcp)
+print("sent")
+"#,
+        mac = node_b_mac.replace(':', ""),
+    );
+    assert_eq!(
+        tb.client_python(&forge).expect("forged frame").trim(),
+        "sent"
+    );
+    let refused = (0..50)
+        .map(|_| {
+            thread::sleep(Duration::from_millis(100));
+            tb.counter("node-b", "dsr_refused_node")
+        })
+        .find(|&n| n > 0)
+        .unwrap_or(0);
+    assert_eq!(
+        refused,
+        1,
+        "the option refused: not from node A\n{}",
+        tb.log("node-b")
+    );
+    assert_eq!(tb.counter("node-b", "dsr_received"), 0, "nothing learnt");
+    // Node A's own DSR still works: the client's connection through it is answered by
+    // pod B straight from node B (the flow node B learnt from node A's option).
+    let attempts = tb
+        .client(&["--target", &format!("{NODE_A}:{PORT}"), "--count", "3"])
+        .expect("client");
+    assert!(
+        attempts.iter().all(|a| a.ok),
+        "connections through node A: {attempts:?}\n{}",
+        tb.log("node-b")
+    );
+    assert!(tb.counter("node-b", "dsr_received") >= 3, "learnt from node A");
 }
