@@ -533,5 +533,8 @@ print("sent")
         "connections through node A: {attempts:?}\n{}",
         tb.log("node-b")
     );
-    assert!(tb.counter("node-b", "dsr_received") >= 3, "learnt from node A");
+    assert!(
+        tb.counter("node-b", "dsr_received") >= 3,
+        "learnt from node A"
+    );
 }

@@ -388,8 +388,9 @@ impl Bench {
             .iter()
             .enumerate()
             // SCTP needs the kernel's SCTP stack for a real connect; the per-packet path
-            // checks it with crafted packets.
-            .filter(|(_, p)| inside(p.src) && p.protocol != Protocol::Sctp)
+            // checks it with crafted packets. A socket sends no DSR option: those packets
+            // are the per-packet path's alone.
+            .filter(|(_, p)| inside(p.src) && p.protocol != Protocol::Sctp && p.dsr.is_none())
             .collect();
         if picked.is_empty() {
             return Ok(Vec::new());
