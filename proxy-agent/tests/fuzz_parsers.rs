@@ -649,7 +649,13 @@ fn check_named(errors: &[ManifestError]) -> Result<(), TestCaseError> {
 fn parse_text(text: &str) -> (ClusterModel, Vec<ManifestError>) {
     let mut model = ClusterModel::default();
     let mut errors = Vec::new();
-    files::add_documents(&mut model, &mut errors, Path::new("fuzz.yaml"), text);
+    files::add_documents(
+        &mut model,
+        &mut files::Nodes::new(),
+        &mut errors,
+        Path::new("fuzz.yaml"),
+        text,
+    );
     (model, errors)
 }
 
