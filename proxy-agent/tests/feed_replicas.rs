@@ -218,6 +218,7 @@ async fn a_replica_says_it_has_no_view_until_its_first_list_and_after_its_watch_
         node_name: "proxy-agent-serve".into(),
         label_selector: source::kube::label_selector(None),
         all_nodes: true,
+        without_own_node: true,
         backoff: source::kube::Backoff::with_delays(
             Duration::from_millis(100),
             Duration::from_millis(400),

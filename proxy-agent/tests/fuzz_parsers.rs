@@ -894,6 +894,7 @@ fn check_api_answers(
                     Duration::from_millis(20),
                 ),
                 all_nodes: false,
+                without_own_node: false,
                 stream_first_list: false,
                 health: Default::default(),
             },
