@@ -9,6 +9,7 @@
 //! revision held (a snapshot only when the server cannot resume). While no replica gives
 //! data nothing is published: the pinned programs keep serving what they hold, and the
 //! link counts as lost (`on_link(false)`: `/healthz` fails past the health timeout).
+//! Every Node's addresses (`accepts_peers`) are published as `Snapshot::nodes`.
 
 use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
@@ -213,6 +214,7 @@ async fn open(
         epoch: epoch.to_string(),
         revision,
         accepts_parts: true,
+        accepts_peers: true,
     };
     Ok(client
         .watch(request)
@@ -366,7 +368,8 @@ async fn follow(
             changes: *changes,
             unreadable: 0,
             api_validated: state.api_validated,
-            nodes: Default::default(),
+            // Every Node's addresses; none from a server older than them.
+            nodes: state.peers.clone(),
             partial: false,
         };
         if tx.is_closed() {

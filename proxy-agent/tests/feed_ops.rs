@@ -3,13 +3,14 @@
 //! hub, the mailboxes and the wire (encoded and decoded), and the node's state — and the
 //! node view built from it — must equal what the server computes in process. Also:
 //! resuming from a revision, a node past its bound getting a snapshot, another node's
-//! Node never reaching a node.
+//! Node never reaching a node, every Node's addresses (peers) reaching the nodes that read
+//! them and no other.
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;
 use prost::Message as _;
 use proxy_agent::{
-    fanout::{Hub, HubOptions, grpc::parts_of, mailbox::Mailbox},
+    fanout::{Hub, HubOptions, Reads, grpc::parts_of, mailbox::Mailbox},
     model::{ClusterModel, NodeInfo, ObjectRef, ViewConfig, ViewTracker, node_view},
     source::Snapshot,
     wire::{NodeState, Parts, v1},
@@ -180,6 +181,25 @@ fn deliver(hub: &Hub, mb: &Mailbox, state: &mut NodeState) {
     deliver_in(hub, mb, state, 200);
 }
 
+/// Every Node as a node that reads peers holds it: name and addresses.
+fn peers_of(world: &World) -> imbl::OrdMap<String, NodeInfo> {
+    world
+        .snap
+        .nodes
+        .iter()
+        .map(|(name, n)| {
+            let peer = NodeInfo {
+                name: name.clone(),
+                addresses: n.addresses.clone(),
+                ..Default::default()
+            };
+            (name.clone(), peer)
+        })
+        .collect()
+}
+
+const PEERS: Reads = Reads { peers: true };
+
 fn same_as_server(world: &World, node: &str, state: &NodeState) -> Result<(), TestCaseError> {
     prop_assert_eq!(&state.model, &world.snap.model);
     prop_assert_eq!(state.node.as_ref(), world.snap.nodes.get(node));
@@ -214,7 +234,7 @@ proptest! {
         let mut world = World::default();
         hub.publish(&world.snap);
         let mut n0 = NodeState::default();
-        let mut mb0 = hub.subscribe("n0", "", 0);
+        let mut mb0 = hub.subscribe_reading("n0", "", 0, PEERS);
         let mut n1 = NodeState::default();
         let mb1 = hub.subscribe("n1", "", 0);
         for (i, c) in changes.iter().enumerate() {
@@ -226,13 +246,15 @@ proptest! {
             if i == resume_at {
                 // A reconnect: the new stream resumes from what n0 holds.
                 drop(mb0);
-                mb0 = hub.subscribe("n0", &n0.epoch, n0.revision);
+                mb0 = hub.subscribe_reading("n0", &n0.epoch, n0.revision, PEERS);
             }
         }
         deliver_in(&hub, &mb0, &mut n0, part_bytes);
         deliver(&hub, &mb1, &mut n1);
         same_as_server(&world, "n0", &n0)?;
         same_as_server(&world, "n1", &n1)?;
+        prop_assert_eq!(&n0.peers, &peers_of(&world));
+        prop_assert!(n1.peers.is_empty(), "a node that reads no peers got some");
     }
 
     #[test]
@@ -243,7 +265,7 @@ proptest! {
         let mut world = World::default();
         hub.publish(&world.snap);
         let mut slow = NodeState::default();
-        let mb = hub.subscribe("n2", "", 0);
+        let mb = hub.subscribe_reading("n2", "", 0, PEERS);
         deliver(&hub, &mb, &mut slow);
         for c in &changes {
             world.apply(c);
@@ -251,11 +273,13 @@ proptest! {
         }
         deliver(&hub, &mb, &mut slow);
         same_as_server(&world, "n2", &slow)?;
+        prop_assert_eq!(&slow.peers, &peers_of(&world));
         // Resuming from far behind a 4-op history: a snapshot, and still the same.
         let mut late = NodeState { epoch: slow.epoch.clone(), revision: 0, ..Default::default() };
-        let again = hub.subscribe("n2", &late.epoch, 0);
+        let again = hub.subscribe_reading("n2", &late.epoch, 0, PEERS);
         deliver(&hub, &again, &mut late);
         same_as_server(&world, "n2", &late)?;
+        prop_assert_eq!(&late.peers, &peers_of(&world));
     }
 }
 
@@ -285,6 +309,144 @@ fn node_changes_reach_only_their_node_and_no_ops_reach_nobody() {
     // The same snapshot again (a heartbeat, a no-op update): nothing for anyone.
     hub.publish(&world.snap);
     assert!(a.drain().is_err() && b.drain().is_err());
+}
+
+/// Delivers what a mailbox holds in one batch, and returns its ops.
+fn drained_ops(hub: &Hub, mb: &Mailbox, state: &mut NodeState) -> Vec<v1::op::Op> {
+    let Ok(d) = mb.drain() else {
+        return Vec::new();
+    };
+    let sent = parts_of(hub, d, &hub.epoch(), usize::MAX);
+    assert_eq!(sent.len(), 1);
+    let batch = v1::Batch::decode(sent[0].encode_to_vec().as_slice()).expect("decodes");
+    state.apply(&batch).expect("applies");
+    batch.ops.into_iter().filter_map(|o| o.op).collect()
+}
+
+fn peer_addresses(state: &NodeState, node: &str) -> Vec<String> {
+    state.peers.get(node).map_or_else(Vec::new, |n| {
+        n.addresses.iter().map(ToString::to_string).collect()
+    })
+}
+
+/// Every Node's addresses reach every node that reads peers — in its snapshot, then as
+/// ops when a Node's addresses change or it goes — whichever Node it is; a change of
+/// anything else (a label) reaches only that Node's own node; a node that reads no
+/// peers (an older agent) never gets one.
+#[test]
+fn peers_reach_every_node_that_reads_them_and_only_when_addresses_change() {
+    let hub = Hub::new(HubOptions::default());
+    let mut world = World::default();
+    for idx in 0..3 {
+        world.apply(&Change::Node {
+            idx,
+            zone: 0,
+            ip: 0,
+        });
+    }
+    hub.publish(&world.snap);
+    let a = hub.subscribe_reading("n0", "", 0, PEERS);
+    let old = hub.subscribe("n1", "", 0);
+    let (mut sa, mut so) = (NodeState::default(), NodeState::default());
+    deliver(&hub, &a, &mut sa);
+    deliver(&hub, &old, &mut so);
+    assert_eq!(sa.peers.keys().collect::<Vec<_>>(), ["n0", "n1", "n2"]);
+    assert_eq!(sa.peers["n2"].name, "n2");
+    assert!(
+        sa.peers["n2"].labels.is_empty(),
+        "peers carry addresses only"
+    );
+    assert_eq!(peer_addresses(&sa, "n2"), ["192.168.0.10"]);
+    assert!(
+        so.peers.is_empty(),
+        "an older agent got peers in its snapshot"
+    );
+
+    // n2's address changes: an op for n0 (not n2's own node), none for the older agent.
+    world.apply(&Change::Node {
+        idx: 2,
+        zone: 0,
+        ip: 1,
+    });
+    hub.publish(&world.snap);
+    let ops = drained_ops(&hub, &a, &mut sa);
+    assert!(
+        matches!(&ops[..], [v1::op::Op::SetPeer(n)] if n.name == "n2" && n.labels.is_empty()),
+        "{ops:?}"
+    );
+    assert_eq!(peer_addresses(&sa, "n2"), ["192.168.0.11"]);
+    assert!(old.drain().is_err(), "an older agent got a peer op");
+
+    // n2's zone alone changes: nothing for its peers.
+    world.apply(&Change::Node {
+        idx: 2,
+        zone: 1,
+        ip: 1,
+    });
+    hub.publish(&world.snap);
+    assert!(a.drain().is_err(), "a label change reached a peer");
+
+    // n1 goes: its peers hear it, by name.
+    world.apply(&Change::RemoveNode(1));
+    hub.publish(&world.snap);
+    let ops = drained_ops(&hub, &a, &mut sa);
+    assert!(
+        matches!(&ops[..], [v1::op::Op::DeletePeer(n)] if n == "n1"),
+        "{ops:?}"
+    );
+    assert_eq!(sa.peers.keys().collect::<Vec<_>>(), ["n0", "n2"]);
+    // The older agent n1 hears of its own Node only.
+    let ops = drained_ops(&hub, &old, &mut so);
+    assert!(
+        matches!(&ops[..], [v1::op::Op::DeleteNode(n)] if n == "n1"),
+        "{ops:?}"
+    );
+    assert!(so.peers.is_empty() && so.node.is_none());
+    world.apply(&Change::RemoveNode(0));
+    hub.publish(&world.snap);
+    deliver(&hub, &a, &mut sa);
+    assert_eq!(sa.peers.keys().collect::<Vec<_>>(), ["n2"]);
+    assert_eq!(sa.node, None, "its own Node went too");
+}
+
+/// An op this version does not know — as a later server's would be — is read as none
+/// and skipped: the rest of its batch applies. (An agent older than `set_peer` did the
+/// same with the peers' ops until it refused them; it is sent none: `accepts_peers`.)
+#[test]
+fn an_op_of_a_later_version_is_skipped_and_the_rest_of_its_batch_applies() {
+    let hub = Hub::new(HubOptions::default());
+    let mut world = World::default();
+    world.apply(&Change::Service {
+        idx: 0,
+        port: 80,
+        policy_local: false,
+    });
+    hub.publish(&world.snap);
+    let mb = hub.subscribe("n0", "", 0);
+    let mut state = NodeState::default();
+    deliver(&hub, &mb, &mut state);
+    // Field 99 of `Op`, length-delimited: a oneof member of some later version.
+    let unknown = [0x9a, 0x06, 0x03, b'n', b'e', b'w'];
+    let op = v1::Op::decode(unknown.as_slice()).expect("decodes");
+    assert_eq!(op.op, None, "prost reads an unknown oneof member as none");
+    world.apply(&Change::Service {
+        idx: 1,
+        port: 80,
+        policy_local: false,
+    });
+    hub.publish(&world.snap);
+    let Ok(d) = mb.drain() else {
+        panic!("no ops for s1")
+    };
+    let mut batch = v1::Batch::decode(
+        parts_of(&hub, d, &hub.epoch(), usize::MAX)[0]
+            .encode_to_vec()
+            .as_slice(),
+    )
+    .expect("a batch");
+    batch.ops.insert(0, op);
+    state.apply(&batch).expect("the unknown op is skipped");
+    assert_eq!(&state.model, &world.snap.model);
 }
 
 #[test]

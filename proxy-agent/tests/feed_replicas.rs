@@ -4,7 +4,7 @@
 //! counts a replica without data as its link (`/healthz` fails past the health timeout);
 //! a replica fed by the fake API server answers `/healthz` 503 and refuses (or ends) the
 //! nodes' streams with `no_view_status` until its first list, and again once its watch
-//! has failed past its bound.
+//! has failed past its bound. Also: an agent is told every Node's addresses (its peers).
 
 mod support;
 
@@ -218,6 +218,7 @@ async fn a_replica_says_it_has_no_view_until_its_first_list_and_after_its_watch_
         node_name: "proxy-agent-serve".into(),
         label_selector: source::kube::label_selector(None),
         all_nodes: true,
+        without_own_node: true,
         backoff: source::kube::Backoff::with_delays(
             Duration::from_millis(100),
             Duration::from_millis(400),
@@ -307,4 +308,70 @@ async fn a_replica_says_it_has_no_view_until_its_first_list_and_after_its_watch_
     let mut again = watch_stream(&feed).await.expect("a stream again");
     let first = again.message().await.expect("a message").expect("one");
     assert!(first.snapshot && first.ops.len() == 1, "{first:?}");
+}
+
+fn with_node(snap: &mut Snapshot, name: &str, ip: &str) {
+    let mut node = NodeInfo {
+        name: name.into(),
+        addresses: vec![ip.parse().expect("ip")],
+        ..Default::default()
+    };
+    node.labels
+        .insert("topology.kubernetes.io/zone".into(), "z1".into());
+    snap.nodes.insert(name.into(), node);
+}
+
+/// Every Node in the latest snapshot the feed published, with its first address.
+fn peers(rx: &watch::Receiver<Option<SharedSnapshot>>) -> Vec<(String, String)> {
+    rx.borrow()
+        .as_ref()
+        .map(|s| {
+            s.nodes
+                .values()
+                .map(|n| (n.name.clone(), n.addresses[0].to_string()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The agent asks for peers over real gRPC: its snapshots carry every Node's addresses
+/// (its own Node's included, which stays `Snapshot::node` with its labels), as the
+/// snapshot brings them and as a Node's address changes or it goes.
+#[tokio::test]
+async fn an_agent_is_told_every_nodes_addresses_as_they_change() {
+    let hub = Hub::new(HubOptions::default());
+    let mut snap = holding("web");
+    with_node(&mut snap, "node-a", "192.0.2.10");
+    with_node(&mut snap, "node-b", "192.0.2.11");
+    hub.publish(&snap);
+    let addr = replica(Arc::clone(&hub)).await;
+    let (rx, _status, _links) = agent(vec![addr], feed::PREFER_EVERY);
+    let pair = |n: &str, ip: &str| (n.to_string(), ip.to_string());
+    let within = Duration::from_secs(10);
+    wait_until(within, "both Nodes from the snapshot", || {
+        peers(&rx) == [pair("node-a", "192.0.2.10"), pair("node-b", "192.0.2.11")]
+    })
+    .await;
+    {
+        let got = rx.borrow();
+        let got = got.as_ref().expect("a snapshot");
+        assert_eq!(got.node.zone(), Some("z1"), "its own Node, whole");
+        assert!(
+            got.nodes["node-b"].labels.is_empty(),
+            "peers: addresses only"
+        );
+    }
+    with_node(&mut snap, "node-b", "192.0.2.12");
+    hub.publish(&snap);
+    wait_until(within, "node-b's new address", || {
+        peers(&rx) == [pair("node-a", "192.0.2.10"), pair("node-b", "192.0.2.12")]
+    })
+    .await;
+    snap.nodes.remove("node-b");
+    hub.publish(&snap);
+    wait_until(within, "node-b gone", || {
+        peers(&rx) == [pair("node-a", "192.0.2.10")]
+    })
+    .await;
+    assert_eq!(services(&rx), ["web"]);
 }

@@ -203,3 +203,84 @@ async fn unreadable_documents_are_counted_as_rejected() {
     }
     std::fs::remove_dir_all(&dir).expect("rm");
 }
+
+fn node(name: &str, internal: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Node\nmetadata: {{name: {name}}}\n\
+         status: {{addresses: [{{type: ExternalIP, address: 203.0.113.9}}, \
+         {{type: InternalIP, address: {internal}}}]}}\n---\n"
+    )
+}
+
+/// Waits until a published snapshot satisfies `done`.
+async fn until_snapshot(
+    rx: &mut watch::Receiver<Option<SharedSnapshot>>,
+    what: &str,
+    done: impl Fn(&proxy_agent::source::Snapshot) -> bool,
+) -> SharedSnapshot {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(s) = rx.borrow_and_update().clone()
+            && done(&s)
+        {
+            return s;
+        }
+        if tokio::time::timeout_at(deadline, rx.changed())
+            .await
+            .is_err()
+        {
+            panic!("timed out waiting for {what}");
+        }
+    }
+}
+
+fn addresses(s: &proxy_agent::source::Snapshot, node: &str) -> Vec<String> {
+    s.nodes
+        .get(node)
+        .map(|n| n.addresses.iter().map(ToString::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// The cluster's Nodes come from the manifests (every one, by name, InternalIP first); a
+/// change to nothing but a Node's address is published; a Node that does not read is
+/// counted unreadable, as a Service would be.
+#[tokio::test]
+async fn nodes_in_the_manifests_are_published_and_followed() {
+    let dir = temp("nodes");
+    std::fs::write(dir.join("services.yaml"), services(&["a"])).expect("write");
+    let nodes = dir.join("nodes.yaml");
+    std::fs::write(
+        &nodes,
+        format!("{}{}", node("n1", "192.0.2.1"), node("n2", "192.0.2.2")),
+    )
+    .expect("write");
+    let mut rx = start(&dir);
+    let first = until_snapshot(&mut rx, "two Nodes", |s| s.nodes.len() == 2).await;
+    assert_eq!(addresses(&first, "n1"), ["192.0.2.1", "203.0.113.9"]);
+    assert_eq!(first.nodes["n2"].name, "n2");
+    assert_eq!(first.node.name, "", "this node still comes from its flags");
+    assert_eq!(first.unreadable, 0);
+
+    // Only n2's address changes: the model is the same, the snapshot is not.
+    std::fs::write(
+        &nodes,
+        format!("{}{}", node("n1", "192.0.2.1"), node("n2", "192.0.2.22")),
+    )
+    .expect("write");
+    let moved = until_snapshot(&mut rx, "n2's new address", |s| {
+        addresses(s, "n2").first().map(String::as_str) == Some("192.0.2.22")
+    })
+    .await;
+    assert_eq!(moved.model, first.model);
+    assert_eq!(moved.changes, first.changes, "no Service or slice changed");
+
+    // n1 goes, n2 breaks: one Node left out and counted, n2's last reading gone with it.
+    std::fs::write(
+        &nodes,
+        "apiVersion: v1\nkind: Node\nmetadata: {name: n2}\nstatus: {addresses: 7}\n",
+    )
+    .expect("write");
+    let broken = until_snapshot(&mut rx, "the broken Node counted", |s| s.unreadable == 1).await;
+    assert!(broken.nodes.is_empty(), "{:?}", broken.nodes);
+    std::fs::remove_dir_all(&dir).expect("rm");
+}

@@ -649,7 +649,13 @@ fn check_named(errors: &[ManifestError]) -> Result<(), TestCaseError> {
 fn parse_text(text: &str) -> (ClusterModel, Vec<ManifestError>) {
     let mut model = ClusterModel::default();
     let mut errors = Vec::new();
-    files::add_documents(&mut model, &mut errors, Path::new("fuzz.yaml"), text);
+    files::add_documents(
+        &mut model,
+        &mut files::Nodes::new(),
+        &mut errors,
+        Path::new("fuzz.yaml"),
+        text,
+    );
     (model, errors)
 }
 
@@ -888,6 +894,7 @@ fn check_api_answers(
                     Duration::from_millis(20),
                 ),
                 all_nodes: false,
+                without_own_node: false,
                 stream_first_list: false,
                 health: Default::default(),
             },

@@ -97,6 +97,7 @@ fn start_with_caps<D: Dataplane + Send + 'static>(
             counters: status.api_counters(),
             // As `proxy-agent run` has it.
             stream_first_list: true,
+            all_nodes: true,
             ..Default::default()
         },
         tx,
@@ -467,7 +468,8 @@ async fn starting_event_on_the_node() {
 }
 
 /// A node whose Node object does not exist yet has no addresses and no topology: nothing
-/// is programmed from that empty node; the Node's creation releases the first view.
+/// is programmed from that empty node; the Node's creation releases the first view. The
+/// other Nodes, watched too (DSR's peers), never stand in for it, and are published.
 #[tokio::test]
 async fn nothing_is_programmed_until_this_nodes_node_object_exists() {
     let server = FakeApiServer::start().await;
@@ -487,10 +489,47 @@ async fn nothing_is_programmed_until_this_nodes_node_object_exists() {
     server.apply(Kind::Nodes, node());
     let v = until(&mut rx, "view once the Node exists", |v| !v.is_empty()).await;
     assert_eq!(backends(&v, "10.96.0.10", 80).len(), 1);
+    let snap = status.snapshot().expect("snapshot");
     assert_eq!(
-        status.snapshot().expect("snapshot").node.addresses,
+        snap.node.addresses,
         vec!["192.0.2.10".parse::<std::net::IpAddr>().expect("ip")]
     );
+    let peers: Vec<(&str, String)> = snap
+        .nodes
+        .values()
+        .map(|n| (n.name.as_str(), n.addresses[0].to_string()))
+        .collect();
+    assert_eq!(
+        peers,
+        [
+            ("node-a", "192.0.2.10".into()),
+            ("node-b", "192.0.2.11".into())
+        ]
+    );
+    // Another Node's new address alone reaches the snapshot.
+    let moved = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-b"},
+                       "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.12"}]}});
+    server.apply(Kind::Nodes, moved);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while status.snapshot().expect("snapshot").nodes["node-b"].addresses
+        != vec!["192.0.2.12".parse::<std::net::IpAddr>().expect("ip")]
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node-b's new address"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.delete(Kind::Nodes, "", "node-b");
+    while status
+        .snapshot()
+        .expect("snapshot")
+        .nodes
+        .contains_key("node-b")
+    {
+        assert!(tokio::time::Instant::now() < deadline, "node-b's deletion");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Owns private maps and writes views into them, as the agent's BPF dataplane does.

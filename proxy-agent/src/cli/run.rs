@@ -347,6 +347,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 counters,
                 // The runner stages the first programming as the lists arrive.
                 stream_first_list: true,
+                // The cluster's nodes, the only senders DSR believes: one more watch.
+                all_nodes: true,
                 ..Default::default()
             };
             let status = status.clone();

@@ -126,6 +126,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
                 label_selector: source::kube::label_selector(None),
                 counters,
                 all_nodes: true,
+                without_own_node: true,
                 ..Default::default()
             };
             let bound = std::time::Duration::from_secs(args.api_lost_after_s);

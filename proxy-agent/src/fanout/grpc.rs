@@ -184,9 +184,14 @@ impl NodeFeed for Feed {
             )));
         };
         let req = request.into_inner();
-        let mb = self.hub.subscribe(&node, &req.epoch, req.revision);
+        let reads = super::Reads {
+            peers: req.accepts_peers,
+        };
+        let mb = self
+            .hub
+            .subscribe_reading(&node, &req.epoch, req.revision, reads);
         tracing::info!(%node, epoch = %req.epoch, revision = req.revision,
-            parts = req.accepts_parts, "node connected");
+            parts = req.accepts_parts, peers = req.accepts_peers, "node connected");
         let part_bytes = if req.accepts_parts {
             PART_BYTES
         } else {
@@ -392,7 +397,10 @@ impl Outgoing {
         match drained {
             Drained::Snapshot(whole, after, revision) => {
                 hub.count_snapshot();
+                // The node's own Node and its peers after the objects (a few per node,
+                // not walked in parts as the objects are), then what came after.
                 let mut rest: Vec<Encoded> = whole.node.into_iter().collect();
+                rest.extend(whole.peers.values().cloned());
                 rest.extend(after);
                 Self {
                     snapshot: true,

@@ -13,14 +13,18 @@ pub enum OpKey {
     Service(ObjectRef),
     Slice(ObjectRef),
     Node,
+    /// A Node's addresses, by name (`set_peer` / `delete_peer`).
+    Peer(String),
 }
 
 /// The whole state a snapshot sends: every object's op (a persistent map: taking it
-/// copies nothing) and the node's own Node.
+/// copies nothing), the node's own Node, and every Node's `set_peer` (empty for a node
+/// that reads no peers).
 #[derive(Clone, Debug)]
 pub struct Whole {
     pub objects: imbl::OrdMap<OpKey, Encoded>,
     pub node: Option<Encoded>,
+    pub peers: imbl::OrdMap<String, Encoded>,
 }
 
 #[derive(Debug, Default)]
@@ -43,6 +47,8 @@ pub enum Drained {
 /// A node's mailbox; the hub writes, the node's stream reads.
 pub struct Mailbox {
     pub node: String,
+    /// What the node reads beyond the model and its own Node.
+    pub reads: super::Reads,
     pub pending: std::sync::Mutex<Pending>,
     pub notify: tokio::sync::Notify,
     /// The most coalesced ops held before the node gets a snapshot instead.
@@ -50,9 +56,10 @@ pub struct Mailbox {
 }
 
 impl Mailbox {
-    pub fn new(node: String, bound: usize, pending: Pending) -> Self {
+    pub fn new(node: String, reads: super::Reads, bound: usize, pending: Pending) -> Self {
         Self {
             node,
+            reads,
             pending: std::sync::Mutex::new(pending),
             notify: tokio::sync::Notify::new(),
             bound,

@@ -1,9 +1,10 @@
 //! `proxy-agent serve`'s core: one copy of the cluster model, fed by a source that
 //! watches the API server once, and a mailbox per connected node. Each model change
 //! becomes ops (an object set or removed) with a revision; every node's mailbox gets the
-//! ops that concern it — every Service and EndpointSlice, its own Node only — so no-op
-//! updates and Node heartbeats (equal in the compact model) never leave the server. A
-//! bounded history lets a reconnecting node resume from its revision.
+//! ops that concern it — every Service and EndpointSlice, its own Node, and every Node's
+//! addresses (its peers) when it reads them — so no-op updates and Node heartbeats (equal
+//! in the compact model) never leave the server. A bounded history lets a reconnecting
+//! node resume from its revision.
 //!
 //! Each op is encoded once, when the model changes (`Encoded`): the history, every
 //! mailbox and every stream share its bytes, and a snapshot is the map of every
@@ -52,12 +53,41 @@ impl Default for HubOptions {
     }
 }
 
-/// An op of the history: its revision, the node it is for (`None`: every node).
+/// An op of the history: its revision and the nodes it is for.
 struct Logged {
     revision: u64,
-    node: Option<String>,
+    to: Audience,
     key: OpKey,
     op: Encoded,
+}
+
+/// Which nodes' streams an op is for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Audience {
+    /// Every node: a Service or an EndpointSlice.
+    Every,
+    /// One node: its own Node.
+    Node(String),
+    /// Every node that reads peers (`Reads::peers`): a Node's addresses.
+    Peers,
+}
+
+impl Audience {
+    fn reaches(&self, node: &str, reads: Reads) -> bool {
+        match self {
+            Audience::Every => true,
+            Audience::Node(n) => n == node,
+            Audience::Peers => reads.peers,
+        }
+    }
+}
+
+/// What a node's stream reads beyond the model and its own Node (`WatchRequest`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reads {
+    /// Every Node's addresses (`accepts_peers`): an agent older than these ops refuses
+    /// a batch that holds one, so only those that ask get them.
+    pub peers: bool,
 }
 
 struct State {
@@ -70,6 +100,8 @@ struct State {
     /// Every Service's and EndpointSlice's op as a snapshot sends it.
     objects: imbl::OrdMap<OpKey, Encoded>,
     nodes: imbl::OrdMap<String, NodeInfo>,
+    /// Every Node's `set_peer` op, as a snapshot sends it to a node that reads peers.
+    peers: imbl::OrdMap<String, Encoded>,
     ready: bool,
     mailboxes: Vec<Weak<Mailbox>>,
 }
@@ -190,6 +222,7 @@ impl Hub {
                 model: ClusterModel::default(),
                 objects: imbl::OrdMap::new(),
                 nodes: imbl::OrdMap::new(),
+                peers: imbl::OrdMap::new(),
                 ready: false,
                 mailboxes: Vec::new(),
             }),
@@ -297,11 +330,11 @@ impl Hub {
     pub fn publish(&self, snap: &Snapshot) {
         let mut st = self.lock();
         let mut ops: Vec<Logged> = Vec::new();
-        let mut next = |st: &mut State, node: Option<String>, key: OpKey, op: Encoded| {
+        let mut next = |st: &mut State, to: Audience, key: OpKey, op: Encoded| {
             st.revision += 1;
             ops.push(Logged {
                 revision: st.revision,
-                node,
+                to,
                 key,
                 op,
             });
@@ -315,24 +348,39 @@ impl Hub {
             } else {
                 st.objects.remove(&key);
             }
-            next(&mut st, None, key, op);
+            next(&mut st, Audience::Every, key, op);
         }
         let old_nodes = st.nodes.clone();
         for d in old_nodes.diff(&snap.nodes) {
             use imbl::ordmap::DiffItem;
-            match d {
-                DiffItem::Remove(name, _) => next(
-                    &mut st,
-                    Some(name.clone()),
-                    OpKey::Node,
-                    encode(v1::op::Op::DeleteNode(name.clone())),
-                ),
-                DiffItem::Add(name, n) | DiffItem::Update { new: (name, n), .. } => next(
-                    &mut st,
-                    Some(name.clone()),
-                    OpKey::Node,
-                    encode(v1::op::Op::SetNode(convert::node_to_wire(n))),
-                ),
+            let (name, now, addresses_moved) = match d {
+                DiffItem::Remove(name, _) => (name, None, true),
+                DiffItem::Add(name, n) => (name, Some(n), true),
+                DiffItem::Update {
+                    old: (_, was),
+                    new: (name, n),
+                } => (name, Some(n), was.addresses != n.addresses),
+            };
+            let own = match now {
+                Some(n) => encode(v1::op::Op::SetNode(convert::node_to_wire(n))),
+                None => encode(v1::op::Op::DeleteNode(name.clone())),
+            };
+            next(&mut st, Audience::Node(name.clone()), OpKey::Node, own);
+            // Its peers hear of a Node only when its addresses change (labels and
+            // heartbeats are its own business).
+            if addresses_moved {
+                let peer = match now {
+                    Some(n) => {
+                        let op = encode(v1::op::Op::SetPeer(convert::peer_to_wire(n)));
+                        st.peers.insert(name.clone(), op.clone());
+                        op
+                    }
+                    None => {
+                        st.peers.remove(name);
+                        encode(v1::op::Op::DeletePeer(name.clone()))
+                    }
+                };
+                next(&mut st, Audience::Peers, OpKey::Peer(name.clone()), peer);
             }
         }
         st.model = snap.model.clone();
@@ -345,7 +393,7 @@ impl Hub {
         let revision = st.revision;
         let mut overflows = 0;
         for mb in st.mailboxes.iter().filter_map(Weak::upgrade) {
-            let whole = || st.whole(&mb.node);
+            let whole = || st.whole(&mb.node, mb.reads);
             if first {
                 // Nodes that connected before the first full list: their snapshot now.
                 let mut p = mb.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -358,7 +406,7 @@ impl Hub {
             }
             let mine = ops
                 .iter()
-                .filter(|o| o.node.as_ref().is_none_or(|n| *n == mb.node))
+                .filter(|o| o.to.reaches(&mb.node, mb.reads))
                 .map(|o| (o.key.clone(), o.op.clone()));
             if mb.push(mine, revision, whole) {
                 overflows += 1;
@@ -378,9 +426,21 @@ impl Hub {
         }
     }
 
-    /// A node's mailbox: resumed from (`epoch`, `revision`) when the history still holds
-    /// every op after it, else primed with a snapshot (once the model is complete).
+    /// A node's mailbox, for a node that reads no peers (an agent older than them).
     pub fn subscribe(&self, node: &str, epoch: &str, revision: u64) -> Arc<Mailbox> {
+        self.subscribe_reading(node, epoch, revision, Reads::default())
+    }
+
+    /// A node's mailbox: resumed from (`epoch`, `revision`) when the history still holds
+    /// every op after it, else primed with a snapshot (once the model is complete); what
+    /// it holds is what the node `reads`.
+    pub fn subscribe_reading(
+        &self,
+        node: &str,
+        epoch: &str,
+        revision: u64,
+        reads: Reads,
+    ) -> Arc<Mailbox> {
         let mut st = self.lock();
         let resumable = st.ready
             && epoch == st.epoch
@@ -395,11 +455,11 @@ impl Hub {
                 .history
                 .iter()
                 .filter(|o| o.revision > revision)
-                .filter(|o| o.node.as_ref().is_none_or(|n| n == node))
+                .filter(|o| o.to.reaches(node, reads))
                 .map(|o| (o.key.clone(), o.op.clone()))
                 .collect();
         } else if st.ready {
-            pending.snapshot = Some(st.whole(node));
+            pending.snapshot = Some(st.whole(node, reads));
         }
         {
             let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
@@ -409,6 +469,7 @@ impl Hub {
         }
         let mb = Arc::new(Mailbox::new(
             node.to_string(),
+            reads,
             self.opts.pending_bound,
             pending,
         ));
@@ -455,15 +516,20 @@ fn change_op(change: ObjectChange) -> (OpKey, v1::op::Op) {
 }
 
 impl State {
-    /// What a snapshot for `node` sends: every object's op (shared, O(1) to take) and
-    /// the node's own Node.
-    fn whole(&self, node: &str) -> Whole {
+    /// What a snapshot for `node` sends: every object's op (shared, O(1) to take), the
+    /// node's own Node, and every Node's addresses if it reads them (shared too).
+    fn whole(&self, node: &str, reads: Reads) -> Whole {
         Whole {
             objects: self.objects.clone(),
             node: self
                 .nodes
                 .get(node)
                 .map(|n| encode(v1::op::Op::SetNode(convert::node_to_wire(n)))),
+            peers: if reads.peers {
+                self.peers.clone()
+            } else {
+                imbl::OrdMap::new()
+            },
         }
     }
 }

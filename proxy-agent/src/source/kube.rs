@@ -1,5 +1,5 @@
-//! The API-server source: kube-rs watchers for Services, EndpointSlices and this node's
-//! Node object, folded into a `ClusterModel`. Watches recover as client-go's do
+//! The API-server source: kube-rs watchers for Services, EndpointSlices and Nodes (this
+//! node's, or every one: `KubeOptions::all_nodes`), folded into a `ClusterModel`. Watches recover as client-go's do
 //! (`recovery`: a growing backoff, a relist from scratch when a watch is answered with an
 //! error or an event is too large); a relist is buffered and swapped in whole. Nothing is
 //! published until every resource has been listed once, so a restart never programs a
@@ -221,6 +221,8 @@ pub struct Store {
     /// Every Node (`KubeOptions::all_nodes`), and the relist under way.
     all_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
     relisting_nodes: Option<imbl::OrdMap<String, NodeInfo>>,
+    /// Publish without this node's Node (`KubeOptions::without_own_node`).
+    without_own_node: bool,
 }
 
 impl Store {
@@ -231,11 +233,20 @@ impl Store {
         }
     }
 
-    /// A store that keeps every Node (the server's), publishing without its own.
+    /// A store that keeps every Node too (`Snapshot::nodes`); it still waits for its
+    /// own unless told otherwise (`without_own_node`).
     pub fn with_all_nodes(node_name: &str) -> Self {
         Self {
             all_nodes: Some(Default::default()),
             ..Self::new(node_name)
+        }
+    }
+
+    /// Publishes without waiting for this node's Node: the server's, which has none.
+    pub fn without_own_node(self) -> Self {
+        Self {
+            without_own_node: true,
+            ..self
         }
     }
 
@@ -248,7 +259,7 @@ impl Store {
         self.services.listed
             && self.slices.listed
             && self.nodes.listed
-            && (self.node.is_some() || self.all_nodes.is_some())
+            && (self.node.is_some() || self.without_own_node)
     }
 
     /// Puts what the first lists brought since the last call into the model (before a
@@ -280,7 +291,7 @@ impl Store {
         if !unlisted.is_empty() {
             return Some(format!("the first list of {}", unlisted.join(", ")));
         }
-        if self.node.is_none() && self.all_nodes.is_none() {
+        if self.node.is_none() && !self.without_own_node {
             return Some(format!(
                 "the Node object {:?} (NODE_NAME / --node-name / hostnameOverride, else the \
                  host name lowercased)",
@@ -658,9 +669,12 @@ pub struct KubeOptions {
     pub counters: ApiCounters,
     /// Each watcher's backoff after an error.
     pub backoff: Backoff,
-    /// Watch every Node, not only this one (`proxy-agent serve`), and publish without
-    /// waiting for this node's.
+    /// Watch every Node, not only this one, into `Snapshot::nodes`: the server's view,
+    /// and an agent's peers (DSR believes only the cluster's nodes).
     pub all_nodes: bool,
+    /// Publish without waiting for this node's Node (`proxy-agent serve`, which is no
+    /// node).
+    pub without_own_node: bool,
     /// Publish partial snapshots (`Snapshot::partial`, at most every
     /// `PARTIAL_INTERVAL`) while the first lists arrive, for a runner that stages them.
     pub stream_first_list: bool,
@@ -686,6 +700,7 @@ pub async fn run(
         counters,
         backoff,
         all_nodes,
+        without_own_node,
         stream_first_list,
         health,
     } = opts;
@@ -732,6 +747,9 @@ pub async fn run(
     } else {
         Store::new(&node_name)
     };
+    if without_own_node {
+        store = store.without_own_node();
+    }
     let mut waiting = tokio::time::interval_at(
         tokio::time::Instant::now() + WAITING_LOG_INTERVAL,
         WAITING_LOG_INTERVAL,
@@ -939,6 +957,95 @@ mod tests {
             (0, 0)
         );
         assert_eq!(store.snapshot().unreadable, 0);
+    }
+
+    fn node_event(name: &str, ip: &str) -> Decoded<Node> {
+        let node = serde_json::json!({"metadata": {"name": name},
+            "status": {"addresses": [{"type": "InternalIP", "address": ip}]}});
+        Decoded::Ok(serde_json::from_value(node).expect("a Node"))
+    }
+
+    fn listed_services_and_slices(store: &mut Store) {
+        store.apply(Update::Service(Box::new(watcher::Event::Init)));
+        store.apply(Update::Service(Box::new(watcher::Event::InitDone)));
+        store.apply(Update::Slice(Box::new(watcher::Event::Init)));
+        store.apply(Update::Slice(Box::new(watcher::Event::InitDone)));
+    }
+
+    fn addresses(snap: &Snapshot) -> Vec<(String, String)> {
+        snap.nodes
+            .values()
+            .map(|n| (n.name.clone(), n.addresses[0].to_string()))
+            .collect()
+    }
+
+    /// The agent watching every Node (its peers): every Node is kept and published, yet
+    /// nothing is until its own Node exists, which alone is `Snapshot::node`.
+    #[test]
+    fn an_agent_keeps_every_node_and_is_ready_only_with_its_own() {
+        let node = |e| Update::Node(Box::new(e));
+        let mut store = Store::with_all_nodes("node-a");
+        listed_services_and_slices(&mut store);
+        store.apply(node(watcher::Event::Init));
+        store.apply(node(watcher::Event::InitApply(node_event(
+            "node-b",
+            "192.0.2.11",
+        ))));
+        assert!(store.apply(node(watcher::Event::InitDone)));
+        assert!(!store.ready(), "another node's Node does not make this one");
+        assert!(
+            store.waiting_for().is_some_and(|w| w.contains("node-a")),
+            "{:?}",
+            store.waiting_for()
+        );
+        assert!(store.apply(node(watcher::Event::Apply(node_event(
+            "node-a",
+            "192.0.2.10"
+        )))));
+        assert!(store.ready());
+        let snap = store.snapshot();
+        assert_eq!(snap.node.name, "node-a");
+        assert_eq!(snap.node.addresses[0].to_string(), "192.0.2.10");
+        assert_eq!(
+            addresses(&snap),
+            [
+                ("node-a".into(), "192.0.2.10".into()),
+                ("node-b".into(), "192.0.2.11".into())
+            ]
+        );
+        // Another node's address alone is a change; its heartbeat (the same) is not.
+        assert!(store.apply(node(watcher::Event::Apply(node_event(
+            "node-b",
+            "192.0.2.12"
+        )))));
+        assert!(!store.apply(node(watcher::Event::Apply(node_event(
+            "node-b",
+            "192.0.2.12"
+        )))));
+        assert_eq!(addresses(&store.snapshot())[1].1, "192.0.2.12");
+        assert!(store.apply(node(watcher::Event::Delete(node_event(
+            "node-b",
+            "192.0.2.12"
+        )))));
+        assert_eq!(store.snapshot().nodes.len(), 1);
+        assert_eq!(store.snapshot().node.name, "node-a");
+        // Its own Node gone: not ready again (the agent's rule, all Nodes or not).
+        store.apply(node(watcher::Event::Delete(node_event(
+            "node-a",
+            "192.0.2.10",
+        ))));
+        assert!(!store.ready());
+        // The server's store publishes without any Node of its own.
+        let mut server = Store::with_all_nodes("proxy-agent-serve").without_own_node();
+        listed_services_and_slices(&mut server);
+        server.apply(node(watcher::Event::Init));
+        server.apply(node(watcher::Event::InitApply(node_event(
+            "node-b",
+            "192.0.2.11",
+        ))));
+        server.apply(node(watcher::Event::InitDone));
+        assert!(server.ready());
+        assert_eq!(server.snapshot().nodes.len(), 1);
     }
 
     struct CaptureWriter(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);

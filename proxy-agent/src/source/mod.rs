@@ -29,8 +29,9 @@ pub struct Snapshot {
     /// The API server validated these objects (the API-server source): the view programs
     /// what it stored without repeating its checks (`ViewConfig::api_validated`).
     pub api_validated: bool,
-    /// Every Node, by name, when the source watches them all (`proxy-agent serve`);
-    /// empty otherwise.
+    /// Every Node of the cluster, by name: the API server's (its own included), the
+    /// manifests' `kind: Node`, or the feed's peers (name and addresses only; none from
+    /// a feed server older than them).
     pub nodes: imbl::OrdMap<String, NodeInfo>,
     /// What the first lists brought so far, before they are complete: for staging a
     /// first programming only (`KubeOptions::stream_first_list`).

@@ -391,6 +391,27 @@ pub fn node_to_wire(n: &NodeInfo) -> v1::Node {
     }
 }
 
+/// A Node as its peers see it: its name and addresses, nothing else.
+pub fn peer_to_wire(n: &NodeInfo) -> v1::Node {
+    v1::Node {
+        name: n.name.clone(),
+        addresses: n.addresses.iter().copied().map(ip_to_wire).collect(),
+        ..Default::default()
+    }
+}
+
+/// A peer back: its name (which keys it) and addresses.
+pub fn peer_from_wire(n: &v1::Node) -> Result<NodeInfo, DecodeError> {
+    if n.name.is_empty() {
+        return Err(DecodeError::Missing("set_peer.name"));
+    }
+    Ok(NodeInfo {
+        name: n.name.clone(),
+        addresses: ips_from_wire(&n.addresses)?,
+        ..Default::default()
+    })
+}
+
 pub fn node_from_wire(n: &v1::Node) -> Result<NodeInfo, DecodeError> {
     Ok(NodeInfo {
         name: n.name.clone(),

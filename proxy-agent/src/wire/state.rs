@@ -1,5 +1,6 @@
 //! A node's state as the feed's ops build it: the cluster model, its own Node (when the
-//! server has one), and where in the server's history it stands. The agent applies each
+//! server has one), every Node's addresses (its peers, from a server that sends them),
+//! and where in the server's history it stands. The agent applies each
 //! batch here; the property test applies the same ops and compares with the model the
 //! server holds.
 
@@ -19,8 +20,6 @@ pub enum OpError {
         #[source]
         source: DecodeError,
     },
-    #[error("op {0}: empty")]
-    Empty(usize),
     #[error("a batch of epoch {got:?} on a stream of epoch {held:?} that is not a snapshot")]
     Epoch { held: String, got: String },
     #[error("revision {got} does not follow {held}")]
@@ -32,6 +31,9 @@ pub struct NodeState {
     pub model: ClusterModel,
     /// This node's Node object, as the server has it.
     pub node: Option<NodeInfo>,
+    /// Every Node by name, with its name and addresses only (`set_peer`); empty from a
+    /// server older than them.
+    pub peers: imbl::OrdMap<String, NodeInfo>,
     pub epoch: String,
     pub revision: u64,
     pub api_validated: bool,
@@ -62,12 +64,8 @@ impl NodeState {
             self.clone()
         };
         for (index, op) in batch.ops.iter().enumerate() {
-            next.apply_op(op).map_err(|e| {
-                e.map_or(OpError::Empty(index), |source| OpError::Decode {
-                    index,
-                    source,
-                })
-            })?;
+            next.apply_op(op)
+                .map_err(|source| OpError::Decode { index, source })?;
         }
         next.epoch = batch.epoch.clone();
         next.revision = batch.revision;
@@ -84,10 +82,14 @@ impl NodeState {
         Ok(())
     }
 
-    /// `Err(None)`: an op with nothing in it.
-    fn apply_op(&mut self, op: &v1::Op) -> Result<(), Option<DecodeError>> {
+    fn apply_op(&mut self, op: &v1::Op) -> Result<(), DecodeError> {
         use v1::op::Op;
-        match op.op.as_ref().ok_or(None)? {
+        // An op of a later version (prost reads a oneof member it does not know as none)
+        // is skipped, not refused: one that matters is sent only to nodes that ask.
+        let Some(op) = op.op.as_ref() else {
+            return Ok(());
+        };
+        match op {
             Op::SetService(s) => {
                 let (r, info) = convert::service_from_wire(s)?;
                 self.model.insert_service(r, info);
@@ -104,6 +106,13 @@ impl NodeState {
             }
             Op::SetNode(n) => self.node = Some(convert::node_from_wire(n)?),
             Op::DeleteNode(_) => self.node = None,
+            Op::SetPeer(n) => {
+                let peer = convert::peer_from_wire(n)?;
+                self.peers.insert(peer.name.clone(), peer);
+            }
+            Op::DeletePeer(name) => {
+                self.peers.remove(name);
+            }
         }
         Ok(())
     }

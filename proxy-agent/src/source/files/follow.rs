@@ -45,7 +45,7 @@ pub async fn run(
     let mut changes = ChangeCounts::default();
     loop {
         match cache.reload(&path) {
-            Ok((model, unreadable)) => publish(&tx, model, unreadable, &node, &mut changes),
+            Ok((reading, unreadable)) => publish(&tx, reading, unreadable, &node, &mut changes),
             Err(e) => tracing::error!(
                 error = format!("{e:#}"),
                 "cannot read manifests; keeping the current state"
@@ -83,7 +83,7 @@ pub async fn run(
 
 fn publish(
     tx: &watch::Sender<Option<SharedSnapshot>>,
-    model: ClusterModel,
+    reading: Reading,
     unreadable: u64,
     node: &NodeInfo,
     changes: &mut ChangeCounts,
@@ -96,7 +96,7 @@ fn publish(
         .map(|p| p.model.clone())
         .unwrap_or_default();
     let before = next.clone();
-    next.replace_with(&model);
+    next.replace_with(&reading.model);
     let diff = before.changes_to(&next);
     changes.add(&diff);
     let model_changed = diff.service_objects + diff.slices > 0;
@@ -107,13 +107,16 @@ fn publish(
         unreadable,
         // No API server has seen these files: the view checks what it would.
         api_validated: false,
-        nodes: Default::default(),
+        nodes: reading.nodes,
         partial: false,
     };
     tx.send_if_modified(|current| {
-        let changed = current
-            .as_ref()
-            .is_none_or(|c| model_changed || c.node != snapshot.node || c.unreadable != unreadable);
+        let changed = current.as_ref().is_none_or(|c| {
+            model_changed
+                || c.node != snapshot.node
+                || c.nodes != snapshot.nodes
+                || c.unreadable != unreadable
+        });
         if changed {
             *current = Some(Arc::new(snapshot));
         }
@@ -173,18 +176,25 @@ fn parent(path: &Path) -> PathBuf {
     }
 }
 
+/// What the files hold: the cluster model and every Node, by name.
+#[derive(Clone, Debug, Default)]
+struct Reading {
+    model: ClusterModel,
+    nodes: files::Nodes,
+}
+
 /// The last good reading of each file. A reading replaces it when whole and not empty
 /// (an empty file is a truncated one about to be written; removing a file is how its
 /// objects are removed).
 #[derive(Default)]
 struct FileCache {
-    files: BTreeMap<PathBuf, ClusterModel>,
+    files: BTreeMap<PathBuf, Reading>,
 }
 
 impl FileCache {
     /// Reads every file again; a file that is empty or breaks off keeps its last good
     /// reading (a writer at work), a removed file's objects go.
-    fn reload(&mut self, path: &Path) -> Result<(ClusterModel, u64)> {
+    fn reload(&mut self, path: &Path) -> Result<(Reading, u64)> {
         let paths = files::manifest_files(path)?;
         let mut fresh = BTreeMap::new();
         let mut unreadable = 0;
@@ -197,7 +207,10 @@ impl FileCache {
                     for e in &parsed.errors {
                         tracing::warn!(error = %e, "skipping manifest");
                     }
-                    parsed.model
+                    Reading {
+                        model: parsed.model,
+                        nodes: parsed.nodes,
+                    }
                 }
                 (false, Some(kept)) => {
                     let why = parsed
@@ -207,7 +220,7 @@ impl FileCache {
                     tracing::warn!(
                         file = %file.display(),
                         reason = why,
-                        services = kept.service_count(),
+                        services = kept.model.service_count(),
                         "manifest file incomplete (being written?); keeping its last good reading"
                     );
                     kept
@@ -216,11 +229,13 @@ impl FileCache {
             fresh.insert(file, reading);
         }
         self.files = fresh;
-        let mut model = ClusterModel::default();
-        for m in self.files.values() {
-            model.extend(m);
+        let mut all = Reading::default();
+        for r in self.files.values() {
+            all.model.extend(&r.model);
+            // A Node in two files: the later file's (files are read in name order).
+            all.nodes.extend(r.nodes.clone());
         }
-        Ok((model, unreadable))
+        Ok((all, unreadable))
     }
 }
 
@@ -248,10 +263,16 @@ mod tests {
         )
         .expect("write");
         let mut cache = FileCache::default();
-        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 3);
+        assert_eq!(
+            cache.reload(&dir).expect("reload").0.model.service_count(),
+            3
+        );
         // Truncated (`> file` before the writer writes): kept.
         std::fs::write(&file, "").expect("truncate");
-        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 3);
+        assert_eq!(
+            cache.reload(&dir).expect("reload").0.model.service_count(),
+            3
+        );
         // Half written, breaking off mid-YAML: kept.
         std::fs::write(
             &file,
@@ -261,16 +282,25 @@ mod tests {
             ),
         )
         .expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 3);
+        assert_eq!(
+            cache.reload(&dir).expect("reload").0.model.service_count(),
+            3
+        );
         // Whole again, with fewer objects: that is the new content.
         std::fs::write(&file, service("s0")).expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 1);
+        assert_eq!(
+            cache.reload(&dir).expect("reload").0.model.service_count(),
+            1
+        );
         // Removed: its objects go.
         std::fs::remove_file(&file).expect("rm");
-        assert!(cache.reload(&dir).expect("reload").0.service_count() == 0);
+        assert!(cache.reload(&dir).expect("reload").0.model.service_count() == 0);
         // A new broken file with no earlier reading loads what it can.
         std::fs::write(&file, format!("{}: : [\n", service("s9"))).expect("write");
-        assert_eq!(cache.reload(&dir).expect("reload").0.service_count(), 1);
+        assert_eq!(
+            cache.reload(&dir).expect("reload").0.model.service_count(),
+            1
+        );
         std::fs::remove_dir_all(&dir).expect("rm");
     }
 

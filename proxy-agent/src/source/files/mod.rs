@@ -1,5 +1,6 @@
 //! A folder of Kubernetes YAML (or JSON) manifests: the embedded default source.
-//! Multi-document files and `kind: List` are understood; anything else is skipped.
+//! Services, EndpointSlices and Nodes are read; multi-document files and `kind: List` are
+//! understood; anything else is skipped.
 
 pub mod follow;
 
@@ -8,11 +9,17 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 use serde::Deserialize as _;
 use thiserror::Error;
 
-use crate::model::ClusterModel;
+use crate::model::{ClusterModel, NodeInfo};
+
+/// Every Node the manifests hold, by name (`Snapshot::nodes`).
+pub type Nodes = imbl::OrdMap<String, NodeInfo>;
 
 /// A manifest that could not be used, with where it came from.
 #[derive(Debug, Error)]
@@ -32,7 +39,8 @@ pub enum ManifestError {
 }
 
 /// Reads every `*.yaml`, `*.yml` and `*.json` file of `dir` (or the one file `dir` names).
-/// Objects that fail to parse are reported and left out; the rest are returned.
+/// Objects that fail to parse are reported and left out; the rest are returned (Nodes
+/// are not: a one-off view needs none).
 pub fn load(dir: &Path) -> Result<(ClusterModel, Vec<ManifestError>), ManifestError> {
     let mut model = ClusterModel::default();
     let mut errors = Vec::new();
@@ -76,6 +84,7 @@ pub const MAX_FLOW_DEPTH: usize = 64;
 #[derive(Debug, Default)]
 pub struct ParsedFile {
     pub model: ClusterModel,
+    pub nodes: Nodes,
     pub errors: Vec<ManifestError>,
     /// The whole file was read and its YAML parsed to the end (objects that do not fit
     /// their kind are errors, but the file is whole); `false` for a file that could not
@@ -127,7 +136,13 @@ pub fn parse_file(path: &Path) -> ParsedFile {
         )));
         return parsed;
     }
-    parsed.complete = add_documents(&mut parsed.model, &mut parsed.errors, path, &text);
+    parsed.complete = add_documents(
+        &mut parsed.model,
+        &mut parsed.nodes,
+        &mut parsed.errors,
+        path,
+        &text,
+    );
     parsed
 }
 
@@ -150,9 +165,11 @@ fn flow_depth_beyond(text: &str, max: usize) -> Option<usize> {
     None
 }
 
-/// Parses the documents of one file into `model`; `false` when the YAML breaks off.
+/// Parses the documents of one file into `model` and `nodes`; `false` when the YAML
+/// breaks off.
 pub fn add_documents(
     model: &mut ClusterModel,
+    nodes: &mut Nodes,
     errors: &mut Vec<ManifestError>,
     path: &Path,
     text: &str,
@@ -182,7 +199,7 @@ pub fn add_documents(
             _ => vec![value],
         };
         for item in items {
-            if let Err(message) = add_object(model, item) {
+            if let Err(message) = add_object(model, nodes, item) {
                 errors.push(parse_err(message));
             }
         }
@@ -190,7 +207,11 @@ pub fn add_documents(
     true
 }
 
-fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), String> {
+fn add_object(
+    model: &mut ClusterModel,
+    nodes: &mut Nodes,
+    item: serde_json::Value,
+) -> Result<(), String> {
     let kind = item
         .get("kind")
         .and_then(|k| k.as_str())
@@ -212,11 +233,23 @@ fn add_object(model: &mut ClusterModel, item: serde_json::Value) -> Result<(), S
                 serde_json::from_value(item).map_err(|e| format!("EndpointSlice {name}: {e}"))?;
             model.add_slice(&slice);
         }
+        // The cluster's other nodes (DSR believes only them); this node's own settings
+        // still come from its flags.
+        "Node" => {
+            let node: Node =
+                serde_json::from_value(item).map_err(|e| format!("Node {name}: {e}"))?;
+            let named = node.metadata.name.clone().unwrap_or_default();
+            if named.is_empty() {
+                return Err("Node without metadata.name".to_string());
+            }
+            let info = crate::source::kube::node_info(&named, Some(&node));
+            nodes.insert(named, info);
+        }
         // Said out loud: a typo ("Servce") would otherwise drop a Service without a word.
         _ => tracing::warn!(
             kind,
             name,
-            "ignoring an object that is not a Service or an EndpointSlice"
+            "ignoring an object that is not a Service, an EndpointSlice or a Node"
         ),
     }
     Ok(())
@@ -233,7 +266,13 @@ mod tests {
 ---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: ignored}\n---\n";
         let mut model = ClusterModel::default();
         let mut errors = Vec::new();
-        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
+        add_documents(
+            &mut model,
+            &mut Nodes::new(),
+            &mut errors,
+            Path::new("t.yaml"),
+            text,
+        );
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(model.service_count(), 1);
         assert_eq!(model.slice_count(), 1);
@@ -245,7 +284,13 @@ mod tests {
 apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0.1}\n---\n: : [\n";
         let mut model = ClusterModel::default();
         let mut errors = Vec::new();
-        add_documents(&mut model, &mut errors, Path::new("t.yaml"), text);
+        add_documents(
+            &mut model,
+            &mut Nodes::new(),
+            &mut errors,
+            Path::new("t.yaml"),
+            text,
+        );
         assert_eq!(model.service_count(), 1);
         assert!(!errors.is_empty(), "{errors:?}");
         let first = errors[0].to_string();
@@ -253,6 +298,38 @@ apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0
             first.contains("t.yaml document 0") && first.contains("Service bad"),
             "{first}"
         );
+    }
+
+    #[test]
+    fn nodes_are_read_by_name_and_a_malformed_one_is_reported() {
+        let text = "apiVersion: v1\nkind: Node\nmetadata: {name: n1, labels: {topology.kubernetes.io/zone: z1}}\n\
+spec: {podCIDRs: [10.244.1.0/24]}\n\
+status: {addresses: [{type: ExternalIP, address: 203.0.113.1}, {type: Hostname, address: n1}, {type: InternalIP, address: 192.0.2.1}]}\n\
+---\napiVersion: v1\nkind: Node\nmetadata: {name: bad}\nstatus: {addresses: 7}\n\
+---\napiVersion: v1\nkind: Node\nmetadata: {labels: {a: b}}\n";
+        let mut model = ClusterModel::default();
+        let mut nodes = Nodes::new();
+        let mut errors = Vec::new();
+        add_documents(
+            &mut model,
+            &mut nodes,
+            &mut errors,
+            Path::new("t.yaml"),
+            text,
+        );
+        let n1 = nodes.get("n1").expect("n1");
+        let addrs: Vec<String> = n1.addresses.iter().map(ToString::to_string).collect();
+        assert_eq!(addrs, ["192.0.2.1", "203.0.113.1"], "InternalIP first");
+        assert_eq!(n1.zone(), Some("z1"));
+        assert_eq!(n1.pod_cidrs.len(), 1);
+        assert_eq!(nodes.len(), 1, "{nodes:?}");
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(errors[0].to_string().contains("Node bad"), "{errors:?}");
+        assert!(
+            errors[1].to_string().contains("without metadata.name"),
+            "{errors:?}"
+        );
+        assert_eq!(model.service_count(), 0);
     }
 
     /// The YAML parser's own bounds, below the file's size and flow-depth checks: an alias
@@ -276,6 +353,7 @@ apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0
             let mut errors = Vec::new();
             assert!(!add_documents(
                 &mut model,
+                &mut Nodes::new(),
                 &mut errors,
                 Path::new("t.yaml"),
                 &text
