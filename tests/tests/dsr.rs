@@ -78,7 +78,7 @@ const V4: Family = Family {
     churn: 100_000,
     mtu_sockopt: "socket.IPPROTO_IP, 14",
     flush: &["ip", "route", "flush", "cache"],
-    learned_mtu: 1492,
+    learned_mtu: 1488,
 };
 
 const V6: Family = Family {
@@ -94,7 +94,7 @@ const V6: Family = Family {
     churn: 10_000,
     mtu_sockopt: "socket.IPPROTO_IPV6, 24",
     flush: &["ip", "-6", "route", "flush", "cache"],
-    learned_mtu: 1476,
+    learned_mtu: 1460,
 };
 
 impl Family {
@@ -327,8 +327,8 @@ fn dsr_over_ipv6_answers_too_big_with_room_for_its_header() {
 /// as one GSO packet, and node A makes room for the option (IPv6: header) by shrinking
 /// its segments: the upload completes at the client's MTU. Without offload the client's
 /// full-size segments (don't-fragment; every IPv6 packet) fit the LAN as sent, but not
-/// with the 8-byte option (24-byte header): node A answers "fragmentation needed"
-/// ("packet too big") with 1,492 (1,476) (at TC; XDP leaves them to TC unchanged, where
+/// with the 12-byte option (40-byte header): node A answers "fragmentation needed"
+/// ("packet too big") with 1,488 (1,460) (at TC; XDP leaves them to TC unchanged, where
 /// GRO would merge them again unless it is off), the client learns it, and the 200 kB it
 /// sends reach the backend.
 fn too_big_with_room_for_the_option(family: &Family, xdp: bool) {
@@ -351,7 +351,7 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt({socko
     // XDP leaves to TC, too big with the option, and GRO merges again before TC): most
     // of them. A segment GRO leaves alone (a flush between two: XDP, or a busy machine
     // at TC — seen once each) is a full-size DF frame that does not fit with the
-    // option, answered with 1,492 (1,476), rightly. So either MTU is right, and what
+    // option, answered with 1,488 (1,460), rightly. So either MTU is right, and what
     // counts is that the upload completes.
     let ok: &[&str] = &["pod-b pod-b 1500", &learned];
     assert!(
