@@ -211,6 +211,10 @@ static ARRIVAL: PerCpuArray<Arrival, 1> = PerCpuArray::new();
 /// forgery never reaches the node it names.
 #[inline(never)]
 pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
+    // Most packets carry nothing of ours: told by one byte, before any map.
+    if !may_carry(ctx) {
+        return None;
+    }
     let a = ARRIVAL.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, used by one packet at a time.
     let a = unsafe { &mut *a };
@@ -300,6 +304,18 @@ fn is_peer(family: u8, addr: &[u32; 4]) -> bool {
         ))
         .is_some()
         && !is_node_address(family, addr)
+}
+
+/// Whether a packet has room for an option of ours: IPv4 with a header long enough,
+/// IPv6 with a Destination Options header first. (A leaf frame of its own: `arrival`'s
+/// sits under the classifier's deepest chain.)
+#[inline(never)]
+fn may_carry<F: Frame>(ctx: &F) -> bool {
+    match ctx.load::<u8>(ETH_HLEN) {
+        Ok(v) if v >> 4 == 4 => v & 0x0f >= 5 + DSR_OPT_LEN / 4,
+        Ok(v) if v >> 4 == 6 => matches!(ctx.load::<u8>(ETH_HLEN + 6), Ok(IPPROTO_DSTOPTS)),
+        _ => false,
+    }
 }
 
 /// Whether a packet carries an option of ours — IPv4 with room for it after the base
