@@ -11,12 +11,15 @@ pub mod health_check;
 pub mod http_server;
 pub mod kube_proxy_cleanup;
 pub mod metrics;
-pub mod model;
 pub mod netns;
 pub mod runner;
 pub mod source;
 pub mod trace;
 pub mod wire;
+
+/// The model and the node view: a crate of their own (`proxy-model`), so Cargo holds
+/// the wall below the sources, the runner and the dataplane.
+pub use proxy_model as model;
 
 // Selects rustls' crypto provider (ring) for the API client; nothing to call.
 use rustls as _;

@@ -101,11 +101,31 @@ fn bpf_modules_import_only_lower_layers() {
     );
 }
 
+/// The model is a crate of its own (`proxy-model`): Cargo refuses what its manifest does
+/// not list, so the wall is its manifest — and its code names none of them either.
 #[test]
 fn the_model_uses_no_kernel_side_crate() {
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/model");
-    let mut problems = Vec::new();
-    for file in rust_files(&model) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proxy-model");
+    let manifest = read(&root.join("Cargo.toml"));
+    let deps = manifest
+        .split("[dependencies]")
+        .nth(1)
+        .expect("[dependencies]")
+        .split("\n[")
+        .next()
+        .unwrap_or_default();
+    let mut problems: Vec<String> = NOT_IN_THE_MODEL
+        .iter()
+        .filter(|c| {
+            let name = c.replace('_', "-");
+            deps.lines().any(|l| {
+                l.trim_start().starts_with(&format!("{name} "))
+                    || l.trim_start().starts_with(&format!("{name}="))
+            })
+        })
+        .map(|c| format!("proxy-model/Cargo.toml depends on {c}"))
+        .collect();
+    for file in rust_files(&root.join("src")) {
         let code = code_of(&read(&file));
         problems.extend(foreign_crates(&code).map(|c| format!("{}: {c}", file.display())));
     }

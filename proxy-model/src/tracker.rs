@@ -355,7 +355,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::model::node_view;
+    use crate::node_view;
 
     #[test]
     fn a_lone_claimant_is_held_without_a_vector() {

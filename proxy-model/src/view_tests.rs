@@ -8,9 +8,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::json;
 
 use super::*;
-use crate::model::{
-    ClusterModel, Frontend, FrontendKind, NodeInfo, Protocol, ViewConfig, WhenEmpty,
-};
+use crate::{ClusterModel, Frontend, FrontendKind, NodeInfo, Protocol, ViewConfig, WhenEmpty};
 
 fn model(services: &[serde_json::Value], slices: &[serde_json::Value]) -> ClusterModel {
     let mut m = ClusterModel::default();
@@ -81,12 +79,12 @@ fn health_checks(
     node: &NodeInfo,
     cfg: &ViewConfig,
 ) -> std::collections::BTreeMap<u16, HealthCheck> {
-    let mut t = crate::model::ViewTracker::new(node.clone(), cfg.clone());
+    let mut t = crate::ViewTracker::new(node.clone(), cfg.clone());
     t.rebuild(m);
     t.health_checks()
 }
 
-fn view_of(m: &ClusterModel) -> (crate::model::NodeView, Vec<Rejection>) {
+fn view_of(m: &ClusterModel) -> (crate::NodeView, Vec<Rejection>) {
     node_view(m, &node_a(), &ViewConfig::default())
 }
 
@@ -573,10 +571,10 @@ fn primary_node_port_addresses_and_node_cidr() {
         .map(|(f, _)| f.ip.to_string())
         .collect();
     assert_eq!(got, ["192.0.2.10"], "primary, no loopback, IPv4 Service");
-    let settings = crate::model::NodeSettings::new(&node, [], &cfg);
+    let settings = crate::NodeSettings::new(&node, [], &cfg);
     assert_eq!(settings.pod_cidrs, node.pod_cidrs);
     assert_eq!(
-        crate::model::health_check_addresses(&node, &cfg),
+        crate::health_check_addresses(&node, &cfg),
         Some(vec![
             "192.0.2.10".parse().expect("ip"),
             "2001:db8:a::10".parse().expect("ip")
@@ -885,9 +883,8 @@ fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
         }
     }
     assert_eq!(rejected.len(), v4_special.len() + v6_special.len());
-    let why = |addr: &str| {
-        crate::model::objects::special_endpoint_ip(addr.parse().expect("ip")).unwrap_or("")
-    };
+    let why =
+        |addr: &str| crate::objects::special_endpoint_ip(addr.parse().expect("ip")).unwrap_or("");
     assert!(why("169.254.169.254").contains("link-local range"));
     assert!(why("224.0.0.251").contains("link-local multicast"));
     assert!(why("::ffff:127.0.0.1").contains("loopback"));
@@ -1071,7 +1068,7 @@ fn service_proxy_name_label_opts_in() {
 
 #[test]
 fn scheduler_comes_from_the_annotation_else_the_node() {
-    use crate::model::schedule::Scheduler;
+    use crate::schedule::Scheduler;
     let mut annotated = svc("web", web_spec());
     annotated["metadata"]["annotations"] = json!({
         "ebpf.proxy.k8s.io/scheduler": "mh",
@@ -1183,7 +1180,7 @@ fn health_check_node_ports_count_ready_local_endpoints() {
 
 #[test]
 fn direct_server_return_follows_the_mode_and_the_annotation_on_external_frontends() {
-    use crate::model::lb_mode::LbMode;
+    use crate::lb_mode::LbMode;
     let spec = |cip: &str, tcp: u16, udp: u16| {
         json!({"clusterIP": cip, "type": "NodePort",
                "ports": [{"name": "t", "port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": tcp},
@@ -1238,7 +1235,7 @@ fn peer_addresses_are_the_other_nodes_addresses() {
         // A stale twin claiming this node's address is not a peer by it.
         node("old-a", &["192.0.2.10"]),
     ];
-    let settings = crate::model::NodeSettings::new(&me, &nodes, &ViewConfig::default());
+    let settings = crate::NodeSettings::new(&me, &nodes, &ViewConfig::default());
     let got: Vec<String> = settings
         .peer_addresses
         .iter()

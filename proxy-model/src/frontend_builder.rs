@@ -102,7 +102,7 @@ impl FrontendStateBuilder {
 mod tests {
 
     use super::*;
-    use crate::model::schedule::Scheduler;
+    use crate::schedule::Scheduler;
 
     #[test]
     fn the_defaults_and_each_setter_set_their_field() {

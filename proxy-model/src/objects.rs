@@ -71,11 +71,11 @@ pub struct RareFields {
     pub problems: Vec<String>,
     pub health_check_node_port: Option<u16>,
     /// The scheduler annotation (`None`: the node's).
-    pub scheduler: Option<crate::model::schedule::Scheduler>,
+    pub scheduler: Option<crate::schedule::Scheduler>,
     /// The weights annotation.
-    pub weights: crate::model::schedule::Weights,
+    pub weights: crate::schedule::Weights,
     /// The load-balancer mode annotation (`None`: the node's).
-    pub lb_mode: Option<crate::model::lb_mode::LbMode>,
+    pub lb_mode: Option<crate::lb_mode::LbMode>,
 }
 
 /// `RareFields`, boxed only when some field is set: reads see the defaults through

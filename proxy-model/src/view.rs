@@ -142,7 +142,7 @@ pub fn service_view(
         externally_accessible,
     };
     let affinity = svc.affinity_timeout_s;
-    let schedule = crate::model::schedule::Schedule::new(
+    let schedule = crate::schedule::Schedule::new(
         svc.rare.scheduler.unwrap_or(cfg.scheduler),
         svc.rare.weights.clone(),
         cfg.maglev_table_len,
