@@ -4,6 +4,7 @@
 //! traffic leads to. Plain data in, plain data out.
 
 pub mod compact;
+mod endpoint;
 mod endpoint_set;
 mod endpoints;
 pub mod frontend_builder;

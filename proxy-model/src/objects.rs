@@ -7,8 +7,7 @@
 use std::{
     collections::HashSet,
     net::IpAddr,
-    num::NonZeroU32,
-    sync::{Arc, Mutex, OnceLock, RwLock},
+    sync::{Arc, Mutex, OnceLock},
     time::SystemTime,
 };
 
@@ -22,6 +21,7 @@ use k8s_openapi::{
 };
 use serde::Serialize;
 
+pub use super::endpoint::{EndpointInfo, NodeName};
 use super::{Protocol, slice_endpoints::SliceEndpoints, sloppy};
 use super::{lb_mode, schedule};
 
@@ -195,89 +195,11 @@ pub struct SlicePort {
     pub port: Option<i32>,
 }
 
-/// One endpoint: its first address (kube-proxy uses only that one) and conditions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct EndpointInfo {
-    pub ip: IpAddr,
-    pub ready: bool,
-    pub serving: bool,
-    pub terminating: bool,
-    pub node: Option<NodeName>,
-}
-
 /// `hints.forZones` and `hints.forNodes`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Hints {
     pub zones: Vec<Arc<str>>,
     pub nodes: Vec<Arc<str>>,
-}
-
-/// An endpoint's `nodeName`, interned as a 4-byte index (a million endpoints repeat a
-/// cluster's few node names: 16 MiB less than a shared `Arc<str>` each at 100k Services ×
-/// 10 endpoints). Equal names have equal indices.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct NodeName(NonZeroU32);
-
-/// The node names interned so far (never shrinks, as `intern`'s table).
-#[derive(Default)]
-struct NodeNames {
-    /// By index; 0 is no name's (a `NodeName` is never 0).
-    by_index: Vec<&'static str>,
-    by_name: std::collections::HashMap<&'static str, NonZeroU32>,
-}
-
-fn node_names() -> &'static RwLock<NodeNames> {
-    static NAMES: OnceLock<RwLock<NodeNames>> = OnceLock::new();
-    NAMES.get_or_init(|| {
-        RwLock::new(NodeNames {
-            by_index: vec![""],
-            ..Default::default()
-        })
-    })
-}
-
-impl NodeName {
-    pub fn new(name: &str) -> Self {
-        let table = node_names();
-        if let Some(&i) = table
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .by_name
-            .get(name)
-        {
-            return NodeName(i);
-        }
-        let mut t = table.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(&i) = t.by_name.get(name) {
-            return NodeName(i);
-        }
-        let i = u32::try_from(t.by_index.len())
-            .ok()
-            .and_then(NonZeroU32::new)
-            .unwrap_or(NonZeroU32::MAX);
-        // Leaked once per distinct name: bounded by the cluster's node names.
-        let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
-        t.by_index.push(leaked);
-        t.by_name.insert(leaked, i);
-        NodeName(i)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        let t = node_names().read().unwrap_or_else(|p| p.into_inner());
-        t.by_index.get(self.0.get() as usize).copied().unwrap_or("")
-    }
-}
-
-impl std::fmt::Debug for NodeName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Debug::fmt(self.as_str(), f)
-    }
-}
-
-impl Serialize for NodeName {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.as_str())
-    }
 }
 
 /// Past this many distinct names, new ones are no longer kept (each gets its own copy):
@@ -745,12 +667,6 @@ impl SliceInfo {
 
     pub fn node_hints(&self, i: usize) -> &[Arc<str>] {
         self.hints_of(i).map_or(&[], |h| &h.nodes)
-    }
-}
-
-impl EndpointInfo {
-    pub fn is_on(&self, node: &str) -> bool {
-        self.node.is_some_and(|n| n.as_str() == node)
     }
 }
 

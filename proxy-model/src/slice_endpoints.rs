@@ -8,8 +8,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use serde::{Serialize, ser::SerializeSeq};
 
 use super::{
+    endpoint::{EndpointInfo, NodeName},
     narrow::{self, Narrow},
-    objects::{EndpointInfo, NodeName},
 };
 
 /// A slice's endpoints, in the slice's order.
