@@ -132,6 +132,95 @@ fn the_model_uses_no_kernel_side_crate() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// Inside the model crate: no two modules import each other, however far round, and a
+/// module imports the leaf that defines what it uses, never the crate root (which only
+/// declares the modules and re-exports them for the crates above).
+#[test]
+fn the_models_modules_import_leaves_without_a_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proxy-model/src");
+    let modules: BTreeMap<String, PathBuf> = rust_files(&src)
+        .into_iter()
+        // The root, and test-only files (`view_tests`: a test module of `view`).
+        .filter(|f| {
+            f.file_name().is_some_and(|n| n != "lib.rs")
+                && !f
+                    .file_stem()
+                    .is_some_and(|n| n.to_string_lossy().ends_with("_tests"))
+        })
+        .map(|f| {
+            let stem = f.file_stem().expect("stem").to_string_lossy().to_string();
+            (stem, f)
+        })
+        .collect();
+    let mut problems = Vec::new();
+    let mut edges: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (module, file) in &modules {
+        let code = code_of(&read(file));
+        for target in imported_modules(std::slice::from_ref(module), &code) {
+            if target == *module {
+                continue;
+            }
+            if modules.contains_key(&target) {
+                edges.entry(module.clone()).or_default().push(target);
+            } else {
+                problems.push(format!(
+                    "{module} imports {target} from the crate root: import it from its module"
+                ));
+            }
+        }
+    }
+    problems.extend(circles(&edges));
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Each circle of `edges` once, as `a -> b -> a`.
+fn circles(edges: &BTreeMap<String, Vec<String>>) -> Vec<String> {
+    fn walk(
+        at: &str,
+        edges: &BTreeMap<String, Vec<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+        out: &mut Vec<String>,
+    ) {
+        if let Some(i) = path.iter().position(|p| p == at) {
+            let mut circle = path[i..].to_vec();
+            circle.push(at.to_string());
+            out.push(format!("circle: {}", circle.join(" -> ")));
+            return;
+        }
+        if !done.insert(at.to_string()) {
+            return;
+        }
+        path.push(at.to_string());
+        for next in edges.get(at).into_iter().flatten() {
+            walk(next, edges, path, done, out);
+        }
+        path.pop();
+    }
+    let mut out = Vec::new();
+    let mut done = std::collections::BTreeSet::new();
+    for start in edges.keys() {
+        walk(start, edges, &mut Vec::new(), &mut done, &mut out);
+    }
+    out
+}
+
+#[test]
+fn the_circle_finder_finds_circles() {
+    let edges = |pairs: &[(&str, &str)]| {
+        let mut e: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (a, b) in pairs {
+            e.entry(a.to_string()).or_default().push(b.to_string());
+        }
+        e
+    };
+    assert_eq!(
+        circles(&edges(&[("a", "b"), ("b", "c"), ("c", "a")])),
+        ["circle: a -> b -> c -> a"]
+    );
+    assert!(circles(&edges(&[("a", "b"), ("b", "c"), ("a", "c")])).is_empty());
+}
+
 /// The checker itself: each kind of upward import is caught, and what only looks like
 /// one (comments, strings, test modules, a module's own paths) is not.
 #[test]

@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeMap, net::SocketAddr, sync::Arc};
 
-use super::EndpointSet;
+use super::endpoint_set::EndpointSet;
 
 /// One endpoint address of one Service port, with what the view needs to know about it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -3,7 +3,10 @@
 
 use std::net::SocketAddr;
 
-use super::{BackendSet, FrontendKind, FrontendState, WhenEmpty, schedule::Schedule};
+use super::{
+    frontend::{BackendSet, FrontendKind, FrontendState, WhenEmpty},
+    schedule::Schedule,
+};
 
 impl FrontendState {
     /// A state for `service` (`namespace/name:port`) of `kind`: no backends (refused, as

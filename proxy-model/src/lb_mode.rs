@@ -8,7 +8,7 @@ use std::{fmt, str::FromStr};
 
 use serde::Serialize;
 
-use super::Protocol;
+use super::frontend::Protocol;
 
 /// The per-Service override of the node's mode.
 pub const LB_MODE_ANNOTATION: &str = "ebpf.proxy.k8s.io/lb-mode";

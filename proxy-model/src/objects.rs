@@ -22,7 +22,7 @@ use k8s_openapi::{
 use serde::Serialize;
 
 pub use super::endpoint::{EndpointInfo, NodeName};
-use super::{Protocol, slice_endpoints::SliceEndpoints, sloppy};
+use super::{frontend::Protocol, slice_endpoints::SliceEndpoints, sloppy};
 use super::{lb_mode, schedule};
 
 /// Label that ties an EndpointSlice to its Service.

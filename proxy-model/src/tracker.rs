@@ -9,9 +9,10 @@ use std::{
 };
 
 use super::{
-    ClusterModel, Frontend, FrontendState, HealthCheck, NodeInfo, NodeView, ObjectRef, Rejection,
-    ViewConfig,
-    view::{ServiceView, frontend_in, service_view},
+    cluster::{ClusterModel, ObjectRef},
+    frontend::{Frontend, FrontendState, NodeView},
+    node::{NodeInfo, ViewConfig},
+    view::{HealthCheck, Rejection, ServiceView, frontend_in, service_view},
 };
 
 /// What an update changed.
@@ -346,6 +347,18 @@ impl ViewTracker {
         }
         counts
     }
+}
+
+/// Builds this node's view. Invalid objects (or invalid parts: one bad port, one bad
+/// address) are left out and reported; everything else still applies.
+pub fn node_view(
+    model: &ClusterModel,
+    node: &NodeInfo,
+    cfg: &ViewConfig,
+) -> (NodeView, Vec<Rejection>) {
+    let mut tracker = ViewTracker::new(node.clone(), cfg.clone());
+    tracker.rebuild(model);
+    (tracker.view().clone(), tracker.rejections())
 }
 
 #[cfg(test)]

@@ -8,11 +8,12 @@ use std::{
     sync::Arc,
 };
 
-use super::EndpointSet;
 use super::{
-    BackendSet, ClusterModel, Frontend, FrontendKind, FrontendState, NodeInfo, NodeView, ObjectRef,
-    Protocol, SliceKey, ViewConfig, WhenEmpty,
+    cluster::{ClusterModel, ObjectRef, SliceKey},
+    endpoint_set::EndpointSet,
     endpoints::{Categorized, Endpoint, Policies, categorize, dedupe},
+    frontend::{BackendSet, Frontend, FrontendKind, FrontendState, Protocol, WhenEmpty},
+    node::{NodeInfo, ViewConfig},
     objects::{PortInfo, ServiceInfo, SliceInfo, TargetPort, special_endpoint_ip},
 };
 
@@ -22,18 +23,6 @@ pub struct Rejection {
     pub kind: &'static str,
     pub object: ObjectRef,
     pub reason: String,
-}
-
-/// Builds this node's view. Invalid objects (or invalid parts: one bad port, one bad
-/// address) are left out and reported; everything else still applies.
-pub fn node_view(
-    model: &ClusterModel,
-    node: &NodeInfo,
-    cfg: &ViewConfig,
-) -> (NodeView, Vec<Rejection>) {
-    let mut tracker = super::ViewTracker::new(node.clone(), cfg.clone());
-    tracker.rebuild(model);
-    (tracker.view().clone(), tracker.rejections())
 }
 
 /// What one Service contributes to the node view: its frontends (before VIP collisions

@@ -8,7 +8,9 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::json;
 
 use super::*;
-use crate::{ClusterModel, Frontend, FrontendKind, NodeInfo, Protocol, ViewConfig, WhenEmpty};
+use crate::{
+    ClusterModel, Frontend, FrontendKind, NodeInfo, Protocol, ViewConfig, WhenEmpty, node_view,
+};
 
 fn model(services: &[serde_json::Value], slices: &[serde_json::Value]) -> ClusterModel {
     let mut m = ClusterModel::default();
