@@ -408,15 +408,15 @@ fn setting() -> BoxedStrategy<(NodeInfo, ViewConfig)> {
             let node = NodeInfo {
                 name: "node-a".into(),
                 addresses: vec![
-                    "192.0.2.10".parse().unwrap(),
-                    "2001:db8::10".parse().unwrap(),
+                    "192.0.2.10".parse().expect("ip"),
+                    "2001:db8::10".parse().expect("ip"),
                 ],
                 ..NodeInfo::default()
             };
             let cfg = ViewConfig {
                 node_port_range: range,
                 localhost_node_ports: localhost,
-                node_port_addresses: npa.iter().map(|n| n.parse().unwrap()).collect(),
+                node_port_addresses: npa.iter().map(|n| n.parse().expect("cidr")).collect(),
                 node_port_primary: primary,
                 service_proxy_name: named.then(|| "other".to_string()),
                 // The BPF dataplane's limit, as the runner gives it to the view.
@@ -691,7 +691,9 @@ fn invalid_object() -> BoxedStrategy<Value> {
         match how {
             0 => {
                 spec["clusterIP"] = json!(format!("not-an-ip{ip}"));
-                spec.as_object_mut().unwrap().remove("clusterIPs");
+                spec.as_object_mut()
+                    .expect("an object")
+                    .remove("clusterIPs");
             }
             1 => {
                 let special = ["127.0.0.1", "::1", "224.0.0.1", "0.0.0.0"][ip.len() % 4];

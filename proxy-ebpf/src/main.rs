@@ -27,7 +27,10 @@
 // Atomic adds on map values: the BPF target has no `fetch_add` in `core::sync::atomic`
 // (no compare-and-swap), but LLVM lowers an unused atomic add to BPF's `lock xadd`.
 #![feature(core_intrinsics)]
-#![allow(internal_features)]
+#![allow(
+    internal_features,
+    reason = "core_intrinsics: the atomic add, as said above"
+)]
 
 mod conntrack;
 mod dsr;

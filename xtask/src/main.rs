@@ -507,6 +507,9 @@ fn build(root: &Path) -> Result<()> {
 }
 
 fn test(root: &Path, args: &[String]) -> Result<()> {
+    // The lint gate first; the tests run whatever it says, and the command fails after
+    // them when it failed.
+    let lint = lint_gate(root);
     // The cluster in a box's binaries, the nodes' too (cached under .tools/): its tests
     // fail without them. The node smoke test (tests/tests/cluster_node.rs) takes ~40 s.
     let bin_dir = cluster::build_nodes(root, false)?;
@@ -526,8 +529,39 @@ fn test(root: &Path, args: &[String]) -> Result<()> {
     let (status, mut summary) = summary::run(&mut cmd)?;
     summary.take_skips(&std::fs::read_to_string(&skips).unwrap_or_default());
     eprintln!("{}", summary.line());
+    if let Err(e) = &lint {
+        eprintln!("xtask test: the lint gate failed: {e:#}");
+    }
     if !status.success() {
         bail!("cargo test failed: {status}");
     }
-    Ok(())
+    lint
+}
+
+/// `cargo fmt --check` and clippy with every warning an error, on every crate but the BPF
+/// one (its target needs the nightly toolchain and bpf-linker; the verifier and its own
+/// build are its gate).
+fn lint_gate(root: &Path) -> Result<()> {
+    let fmt = run(cargo(root, STABLE).args(["fmt", "--all", "--check"]));
+    let clippy = run(cargo(root, STABLE).args([
+        "clippy",
+        "--workspace",
+        "--exclude",
+        "proxy-ebpf",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]));
+    match (fmt, clippy) {
+        (Ok(()), Ok(())) => Ok(()),
+        (fmt, clippy) => bail!(
+            "{}{}",
+            fmt.err()
+                .map_or(String::new(), |e| format!("cargo fmt --check: {e:#}; ")),
+            clippy
+                .err()
+                .map_or(String::new(), |e| format!("cargo clippy: {e:#}"))
+        ),
+    }
 }

@@ -45,7 +45,11 @@ pub fn is_no_view(status: &tonic::Status) -> bool {
 }
 
 /// The generated code of `proxy.nodeview.v1`.
-#[allow(clippy::all, missing_docs)]
+#[allow(
+    clippy::all,
+    missing_docs,
+    reason = "code generated from the .proto by build.rs"
+)]
 pub mod v1 {
     tonic::include_proto!("proxy.nodeview.v1");
     // The server of `NodeFeed` (build.rs): it streams `EncodedBatch`.

@@ -12,7 +12,13 @@ use anyhow::{Context as _, Result, bail};
 const WAIT: Duration = Duration::from_secs(30);
 
 /// The held lock; dropping it releases the folder.
-pub struct PinLock(#[allow(dead_code)] fs::File);
+pub struct PinLock(
+    #[allow(
+        dead_code,
+        reason = "held, never read: the lock lives as long as the file is open"
+    )]
+    fs::File,
+);
 
 /// Takes the folder's lock, waiting up to `WAIT` while another process holds it.
 pub fn lock(pin_dir: &Path) -> Result<PinLock> {
