@@ -104,7 +104,7 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
             "rev": value.rev,
             "affinity_timeout_s": value.affinity_timeout_s,
             // An unknown code (a newer release's pins): null.
-            "scheduler": bpf::writer::encode::scheduler_of_code(value.scheduler).map(|s| s.name()),
+            "scheduler": bpf::codec::scheduler_of_code(value.scheduler).map(|s| s.name()),
             "backends": backends,
         }));
     }

@@ -463,7 +463,7 @@ impl Bench {
         });
         self.schedulers
             .get(&key)
-            .and_then(|code| bpf::writer::encode::scheduler_of_code(*code))
+            .and_then(|code| bpf::codec::scheduler_of_code(*code))
             .unwrap_or_default()
             .name()
     }

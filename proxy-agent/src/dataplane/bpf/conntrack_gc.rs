@@ -12,7 +12,10 @@ use proxy_common::{
     forward_key_of, map_names, reply_key_of,
 };
 
-use super::{maps::MapSet, stats::Ended, writer::remove_ignoring_absent};
+use super::{
+    maps::{MapSet, remove_ignoring_absent},
+    stats::Ended,
+};
 
 /// How often the collector runs.
 pub const INTERVAL: Duration = Duration::from_secs(10);

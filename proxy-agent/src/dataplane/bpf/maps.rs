@@ -432,3 +432,11 @@ impl MapSet {
         Ok(out)
     }
 }
+
+/// A removal that found nothing to remove succeeded.
+pub fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
+    match r {
+        Err(e) if !is_absent(&e) => Err(e.into()),
+        _ => Ok(()),
+    }
+}

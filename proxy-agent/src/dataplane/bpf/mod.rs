@@ -10,6 +10,7 @@
 
 pub mod attach;
 mod batch;
+pub mod codec;
 mod ctnetlink;
 pub use ctnetlink::refresh_netfilter_flows;
 pub mod conntrack_gc;

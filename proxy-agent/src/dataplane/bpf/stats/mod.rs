@@ -27,8 +27,8 @@ use serde::Serialize;
 
 pub use self::table::{large_number, render_table};
 use super::{
+    maps::remove_ignoring_absent,
     maps::{MapSet, is_absent},
-    writer::remove_ignoring_absent,
 };
 use crate::model::{Frontend, Protocol, schedule::Scheduler};
 
@@ -439,7 +439,7 @@ fn backend_stats(
         present(maps.weights.get(&member, 0))
             .with_context(|| context(map_names::WEIGHTS))?
             .unwrap_or(1)
-    } else if super::writer::encode::scheduler_of_code(value.scheduler) == Some(Scheduler::Wrr) {
+    } else if super::codec::scheduler_of_code(value.scheduler) == Some(Scheduler::Wrr) {
         slots
     } else {
         1
@@ -475,7 +475,7 @@ fn protocol_of(proto: u8) -> Option<Protocol> {
 
 /// An unknown code (a newer agent's scheduler) shows as `?`, never as another's name.
 fn scheduler_name(code: u8) -> &'static str {
-    match super::writer::encode::scheduler_of_code(code) {
+    match super::codec::scheduler_of_code(code) {
         Some(s) => s.name(),
         None => "?",
     }

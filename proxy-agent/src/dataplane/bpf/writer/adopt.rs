@@ -10,7 +10,7 @@ use proxy_common::{
 };
 
 use super::{
-    Extras, MapState, Programmed, encode,
+    Extras, MapState, Programmed,
     generation::{chunk_key, chunks},
 };
 use crate::dataplane::bpf::{batch, maps::MapSet, members};
@@ -109,7 +109,8 @@ impl MapState {
                     backend_ids: backend_ids.into(),
                     endpoints,
                     schedule: Schedule {
-                        scheduler: encode::scheduler_of_code(value.scheduler).unwrap_or_default(),
+                        scheduler: crate::dataplane::bpf::codec::scheduler_of_code(value.scheduler)
+                            .unwrap_or_default(),
                         ..Default::default()
                     },
                     extras: Extras::of(table, weights, ranges),

@@ -21,10 +21,8 @@ use proxy_common::{
     ServiceKey, ServiceValue,
 };
 
-use super::{
-    Extras, MapState, Programmed, adopt::adopt_table, encode::rev_nat_of, generation::Generation,
-    remove_ignoring_absent,
-};
+use super::{Extras, MapState, Programmed, adopt::adopt_table, generation::Generation};
+use crate::dataplane::bpf::{codec::rev_nat_of, maps::remove_ignoring_absent};
 use aya::maps::IterableMap as _;
 
 use crate::dataplane::{

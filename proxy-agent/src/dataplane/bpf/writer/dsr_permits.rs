@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use anyhow::{Context as _, Result};
 use proxy_common::{DSR_ANY_NODE, DsrPermitKey, addr::to_words};
 
-use super::{encode::proto_number, remove_ignoring_absent};
+use crate::dataplane::bpf::{codec::proto_number, maps::remove_ignoring_absent};
 use crate::{
     dataplane::bpf::maps::MapSet,
     model::{Frontend, FrontendKind, FrontendState, NodeView},

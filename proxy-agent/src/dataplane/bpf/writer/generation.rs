@@ -10,7 +10,8 @@ use proxy_common::{
     ServiceValue,
 };
 
-use super::{Extras, MapState, Programmed, encode::range_key, remove_ignoring_absent};
+use super::{Extras, MapState, Programmed};
+use crate::dataplane::bpf::{codec::range_key, maps::remove_ignoring_absent};
 use crate::dataplane::bpf::{maps::MapSet, members};
 use crate::model::{EndpointSet, schedule::Schedule};
 
@@ -228,7 +229,7 @@ pub(super) fn flip(
         let _ = remove_generation(maps, value, backend_ids.len());
         return Err(e);
     }
-    maps.put_rev_nat(&id, &super::encode::rev_nat_of(&key))
+    maps.put_rev_nat(&id, &crate::dataplane::bpf::codec::rev_nat_of(&key))
         .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
     let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges());
     for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {

@@ -12,7 +12,6 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use aya::maps::MapError;
 use proxy_common::{
     Backend, CtValue, PROTO_UDP, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_DSR,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED,
@@ -26,13 +25,15 @@ mod adopt;
 mod audit;
 mod backend_table;
 mod dsr_permits;
-pub mod encode;
 mod generation;
 mod ids;
 mod node;
 
-pub use self::{encode::service_key, node::configure};
-use self::{encode::*, generation::*};
+use self::generation::*;
+pub use self::node::configure;
+pub use super::codec::service_key;
+use super::codec::{self, *};
+use super::maps::remove_ignoring_absent;
 use crate::{
     dataplane::{ApplyReport, layout::MAX_SLOTS},
     model::{
@@ -634,7 +635,7 @@ impl MapState {
             Vec::new()
         };
         weights.sort_unstable();
-        let scheduler = encode::scheduler_code(schedule.scheduler);
+        let scheduler = codec::scheduler_code(schedule.scheduler);
         let old = self.services.get(&key).cloned();
         if let Some(old) = &old
             && *old.backend_ids == *backend_ids
@@ -695,13 +696,5 @@ impl MapState {
                 p.schedule = schedule.clone();
             }
         }
-    }
-}
-
-/// A removal that found nothing to remove succeeded.
-pub(super) fn remove_ignoring_absent(r: Result<(), MapError>) -> Result<()> {
-    match r {
-        Err(e) if !super::maps::is_absent(&e) => Err(e.into()),
-        _ => Ok(()),
     }
 }
