@@ -10,6 +10,7 @@
 
 pub mod attach;
 mod batch;
+mod cleanup;
 pub mod codec;
 mod ctnetlink;
 pub use ctnetlink::refresh_netfilter_flows;
@@ -20,8 +21,10 @@ mod members;
 pub(crate) mod netlink;
 mod options;
 mod pin_lock;
+mod pins;
 pub mod port_filters;
 pub mod program_log;
+mod programs;
 mod sock_filter;
 pub mod sock_state;
 mod sockets;
@@ -29,17 +32,13 @@ pub mod stats;
 pub mod writer;
 
 use std::{
-    ffi::CString,
     fs,
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{Arc, Mutex},
 };
 
-use anyhow::{Context as _, Result, bail};
-use aya::{
-    Ebpf, EbpfLoader,
-    programs::{SchedClassifier, links::PinnedLink},
-};
+use anyhow::{Context as _, Result};
+use aya::{Ebpf, EbpfLoader};
 use proxy_common::map_names;
 
 pub use self::{
@@ -59,48 +58,24 @@ pub use self::{
     },
     writer::MapState,
 };
+pub use self::{
+    cleanup::{CleanupReport, cleanup},
+    pins::check_bpffs,
+    programs::{
+        BPF_OBJECT, CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM, TC_EGRESS_PROGRAM, TC_PROGRAM,
+        TC_SCTP_PROGRAM, XDP_BENCH_GEN_OBJECT, load_private,
+    },
+};
+use self::{
+    pins::{links_dir, maps_dir, replace_reshaped_counts, warn_if_pinned_size_differs},
+    programs::{SET_RETVAL_GLOBAL, prepare_sctp},
+};
 use super::{ApplyReport, Dataplane};
 use crate::model::NodeView;
 
 /// The most endpoints one frontend can have in the maps: each takes at least one of its
 /// backend slots (`Dataplane::max_endpoints` of both BPF dataplanes, and `trace`'s view).
 pub const MAX_ENDPOINTS: usize = super::layout::MAX_SLOTS;
-
-/// The BPF object built from `proxy-ebpf`, embedded so one binary is all a node needs.
-pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
-
-/// The throughput benchmark's packet generator (`proxy-ebpf/src/bench_gen.rs`): never
-/// loaded by the agent, embedded so the benchmark needs no second build.
-pub static XDP_BENCH_GEN_OBJECT: &[u8] =
-    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/xdp-bench-gen"));
-
-/// The cgroup sock_addr programs, by name (the name is also the attach point).
-pub const CGROUP_PROGRAMS: [&str; 8] = [
-    "connect4",
-    "connect6",
-    "sendmsg4",
-    "sendmsg6",
-    "recvmsg4",
-    "recvmsg6",
-    "getpeername4",
-    "getpeername6",
-];
-/// The cgroup sock program that forgets released sockets (`SOCK_LB`), attached beside
-/// them.
-pub const SOCK_RELEASE_PROGRAM: &str = "sock_release";
-/// The per-packet classifier.
-pub const TC_PROGRAM: &str = "tc_ingress";
-/// Its egress half on the same interfaces: replies and ICMP errors the node itself sends
-/// about translated flows (endpoints on the node's own addresses).
-pub const TC_EGRESS_PROGRAM: &str = "tc_egress";
-/// Its tail call for SCTP checksums.
-pub const TC_SCTP_PROGRAM: &str = "tc_sctp_crc";
-
-/// The programs' switch for `bpf_set_retval` (see `kernel`).
-const SET_RETVAL_GLOBAL: &str = "SET_RETVAL";
-
-/// bpffs magic number (`statfs.f_type`).
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The loaded, attached dataplane.
 pub struct BpfDataplane {
@@ -123,42 +98,6 @@ pub struct BpfDataplane {
     conntrack: ConntrackOptions,
     /// This agent's hold on the pin folder.
     _lock: pin_lock::PinLock,
-}
-
-fn maps_dir(pin_dir: &Path) -> PathBuf {
-    pin_dir.join("maps")
-}
-
-fn links_dir(pin_dir: &Path) -> PathBuf {
-    pin_dir.join("links")
-}
-
-/// Fails with a clear message unless `dir` (or its nearest existing parent) is on a bpffs.
-pub fn check_bpffs(dir: &Path) -> Result<()> {
-    let mut probe = dir.to_path_buf();
-    while !probe.exists() {
-        if !probe.pop() {
-            break;
-        }
-    }
-    let c = CString::new(probe.as_os_str().as_encoded_bytes())?;
-    // SAFETY: statfs writes into the zeroed struct we pass; the path is NUL-terminated.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        bail!(
-            "statfs {}: {}",
-            probe.display(),
-            std::io::Error::last_os_error()
-        );
-    }
-    if st.f_type != BPF_FS_MAGIC {
-        bail!(
-            "{} is not on a BPF filesystem (bpffs): mount one first, e.g. \
-             `mount -t bpf bpf /sys/fs/bpf`, or pass --bpffs with a folder on one",
-            dir.display()
-        );
-    }
-    Ok(())
 }
 
 impl BpfDataplane {
@@ -340,125 +279,6 @@ impl BpfDataplane {
     }
 }
 
-/// Maps of counts only: the counters (which grow when a release counts something new)
-/// and the statistics (keyed per frontend and backend pair since 2026-12-04). An upgraded
-/// agent would otherwise refuse an older pin of another shape. Counts are not state
-/// traffic depends on, so a pin that is not this object's shape is unpinned (the programs
-/// still attached keep theirs until the new ones are swapped in) and a fresh one is made:
-/// counts restart. Maps a release no longer has (`BACKEND_STATS`, folded into
-/// `LB_STATS`) are unpinned too.
-fn replace_reshaped_counts(maps_dir: &Path) {
-    use std::mem::size_of;
-    let shapes = [
-        (
-            map_names::COUNTERS,
-            size_of::<u32>(),
-            size_of::<u64>(),
-            Some(proxy_common::counter::COUNT),
-        ),
-        (
-            map_names::LB_STATS,
-            size_of::<proxy_common::StatsKey>(),
-            size_of::<proxy_common::LbStats>(),
-            None,
-        ),
-    ];
-    for (name, key_size, value_size, entries) in shapes {
-        let pin = maps_dir.join(name);
-        let Ok(data) = aya::maps::MapData::from_pin(&pin) else {
-            continue;
-        };
-        let Ok(info) = data.info() else { continue };
-        let ours = entries.is_none_or(|n| info.max_entries() == n)
-            && info.value_size() == value_size as u32
-            && info.key_size() == key_size as u32;
-        if !ours {
-            unpin(&pin, "changed shape with this release; counts start over");
-        }
-    }
-    for retired in RETIRED_MAPS {
-        let pin = maps_dir.join(retired);
-        if pin.exists() {
-            unpin(&pin, "is no longer used by this release");
-        }
-    }
-}
-
-/// Maps earlier releases pinned that this one does not have.
-const RETIRED_MAPS: [&str; 1] = ["BACKEND_STATS"];
-
-fn unpin(pin: &Path, why: &str) {
-    match fs::remove_file(pin) {
-        Ok(()) => tracing::info!(map = %pin.display(), "{why}"),
-        Err(e) => tracing::warn!(error = %e, map = %pin.display(), "cannot unpin ({why})"),
-    }
-}
-
-/// A pinned map keeps the size it was created with (its entries are live flows): a new
-/// size takes effect after `proxy-agent cleanup`.
-fn warn_if_pinned_size_differs(pin: &Path, wanted: u32) {
-    let Ok(data) = aya::maps::MapData::from_pin(pin) else {
-        return;
-    };
-    if let Ok(info) = data.info()
-        && info.max_entries() != wanted
-    {
-        tracing::warn!(
-            map = %pin.display(),
-            pinned = info.max_entries(),
-            wanted,
-            "pinned map keeps its size; run `proxy-agent cleanup` to resize"
-        );
-    }
-}
-
-/// Loads the object with private, unpinned maps and nothing attached: for tests and for
-/// tracing packets without touching the live maps. `max_entries` overrides capacities by
-/// map name (to exercise full maps).
-pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
-    let mut loader = EbpfLoader::new();
-    for (name, size) in max_entries {
-        loader.map_max_entries(name, *size);
-    }
-    let set_retval = u8::from(kernel::has_set_retval());
-    loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
-    let mut ebpf = loader.load(BPF_OBJECT).context("loading the BPF object")?;
-    prepare_sctp(&mut ebpf)?;
-    let maps = MapSet::take(&mut ebpf)?;
-    Ok((ebpf, maps))
-}
-
-/// Readies the SCTP checksum tail call before any program can run: the CRC32c shift
-/// table, and `tc_sctp_crc` in `TC_TAIL`.
-fn prepare_sctp(ebpf: &mut Ebpf) -> Result<()> {
-    let map = ebpf
-        .map_mut(map_names::SCTP_ZEROS)
-        .context("the BPF object has no SCTP_ZEROS map")?;
-    let mut table: aya::maps::Array<_, u32> =
-        aya::maps::Array::try_from(map).context("SCTP_ZEROS is not an array of u32")?;
-    let x8 = proxy_common::crc32c::zeros(1);
-    let mut z = proxy_common::crc32c::zeros(0);
-    for len in 0..proxy_common::crc32c::TABLE_LEN {
-        table
-            .set(len, &z, 0)
-            .with_context(|| format!("filling SCTP_ZEROS[{len}]"))?;
-        z = proxy_common::crc32c::mul(x8, z);
-    }
-    let prog: &mut SchedClassifier = ebpf
-        .program_mut(TC_SCTP_PROGRAM)
-        .context("the BPF object has no tc_sctp_crc program")?
-        .try_into()?;
-    prog.load().context("loading tc_sctp_crc")?;
-    let fd = prog.fd()?.try_clone()?;
-    let map = ebpf
-        .map_mut(map_names::TC_TAIL)
-        .context("the BPF object has no TC_TAIL map")?;
-    let mut tail = aya::maps::ProgramArray::try_from(map).context("TC_TAIL")?;
-    tail.set(proxy_common::TAIL_SCTP_CRC, &fd, 0)
-        .context("installing the SCTP checksum tail call")?;
-    Ok(())
-}
-
 impl Dataplane for BpfDataplane {
     fn max_endpoints(&self) -> usize {
         MAX_ENDPOINTS
@@ -599,100 +419,4 @@ impl Dataplane for MapsDataplane<'_> {
     fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
         writer::configure(self.maps, node, &self.conntrack)
     }
-}
-
-/// Removes everything the agent pinned under `pin_dir`: links first (which detaches the
-/// programs), then the clsact filters of this network namespace (and the qdiscs we added,
-/// when nothing else uses them), then the kernel's conntrack entries our flows left
-/// (`ctnetlink::forget_translated_flows`), then maps.
-pub fn cleanup(pin_dir: &Path) -> Result<CleanupReport> {
-    let mut report = CleanupReport::default();
-    if !pin_dir.exists() {
-        return Ok(report);
-    }
-    // Only a bpffs holds our pins: anywhere else, nothing is ours to delete.
-    check_bpffs(pin_dir).context("refusing to clean up")?;
-    // Not under a running agent, which would go on with its programs detached.
-    let _lock = pin_lock::lock_within(pin_dir, std::time::Duration::from_secs(2))
-        .context("refusing to clean up under a running agent")?;
-    let links_dir = links_dir(pin_dir);
-    remove_ours(&links_dir, is_our_link, &mut report)?;
-    attach::remove_filters(&links_dir)?;
-    if let Ok(maps) = MapSet::open_pinned(&maps_dir(pin_dir)) {
-        // The kernel releases an unpinned link in deferred work: a packet the classifier
-        // still translates meanwhile would leave its entry behind again.
-        std::thread::sleep(std::time::Duration::from_millis(250));
-        match ctnetlink::forget_translated_flows(&maps) {
-            Ok(n) => tracing::info!(
-                entries = n,
-                "the kernel's conntrack entries of our flows deleted"
-            ),
-            Err(e) => tracing::warn!(
-                error = format!("{e:#}"),
-                "the kernel's conntrack entries of our flows left"
-            ),
-        }
-    }
-    remove_ours(&maps_dir(pin_dir), is_our_map, &mut report)?;
-    // Folders go only when empty: whatever someone else put there stays.
-    for dir in [links_dir, maps_dir(pin_dir)] {
-        let _ = fs::remove_dir(&dir);
-    }
-    let _ = fs::remove_dir(pin_dir);
-    Ok(report)
-}
-
-/// What `cleanup` removed and what it left, and why.
-#[derive(Debug, Default)]
-pub struct CleanupReport {
-    pub removed: usize,
-    pub left: Vec<(PathBuf, &'static str)>,
-}
-
-/// One of our link pins: the cgroup hooks' and the classifier's, by name, and a link.
-fn is_our_link(path: &Path, name: &str) -> Option<&'static str> {
-    let named =
-        name.starts_with("cgroup_") || links::HOOK_PREFIXES.iter().any(|p| name.starts_with(p));
-    if !named {
-        return Some("not a name of ours");
-    }
-    PinnedLink::from_pin(path)
-        .is_err()
-        .then_some("not a BPF link")
-}
-
-/// One of our map pins: a name of our object's maps, and a map.
-fn is_our_map(path: &Path, name: &str) -> Option<&'static str> {
-    if !map_names::ALL.contains(&name) {
-        return Some("not a name of ours");
-    }
-    aya::maps::MapData::from_pin(path)
-        .is_err()
-        .then_some("not a BPF map")
-}
-
-/// Removes the pins in `dir` that `foreign` finds nothing against (folders are qdisc
-/// records: `clsact` owns those); the rest is reported as left.
-fn remove_ours(
-    dir: &Path,
-    foreign: fn(&Path, &str) -> Option<&'static str>,
-    report: &mut CleanupReport,
-) -> Result<()> {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return Ok(());
-    };
-    for entry in entries.flatten() {
-        if entry.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let path = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(why) = foreign(&path, &name) {
-            report.left.push((path, why));
-            continue;
-        }
-        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
-        report.removed += 1;
-    }
-    Ok(())
 }

@@ -15,7 +15,10 @@ use std::{
 use aya::programs::loaded_programs;
 use proxy_common::map_names;
 
-use crate::dataplane::bpf::{TC_EGRESS_PROGRAM, TC_PROGRAM, pin_lock};
+use crate::dataplane::bpf::{
+    pin_lock,
+    programs::{TC_EGRESS_PROGRAM, TC_PROGRAM},
+};
 
 /// The names our classifier programs carry (the kernel keeps 15 bytes: both fit).
 pub const CLASSIFIER_NAMES: [&str; 2] = [TC_PROGRAM, TC_EGRESS_PROGRAM];

@@ -16,7 +16,7 @@ use aya::{
 };
 
 use super::{audit::NodeHooks, link_update};
-use crate::dataplane::bpf::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
+use crate::dataplane::bpf::programs::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
 
 /// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
 pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {

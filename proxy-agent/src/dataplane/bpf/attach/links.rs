@@ -39,7 +39,11 @@ use super::{
     link_update,
     xdp::{self, NativeRefused, XDP_PROGRAM, XdpMode, XdpSetup},
 };
-use crate::dataplane::bpf::{TC_EGRESS_PROGRAM, TC_PROGRAM, kernel, kernel::TcHook, pin_lock};
+use crate::dataplane::bpf::{
+    kernel::{self, TcHook},
+    pin_lock,
+    programs::{TC_EGRESS_PROGRAM, TC_PROGRAM},
+};
 
 /// The programs attached to each served interface: name, hook, pin prefix.
 const HOOKS: [(&str, TcAttachType, &str); 2] = [
