@@ -498,9 +498,9 @@ fn a_snapshot_goes_in_parts_of_bounded_size_or_whole_to_a_node_that_cannot_join_
     assert_eq!(first_a.as_ptr(), whole[0].ops[0].as_ptr());
 }
 
-/// The figures behind where the node view is computed (README, "Fan-out"): per-node
-/// views on the server (a tracker per node) against one model whose ops every node
-/// takes. Not a pass/fail test: run it by hand, in release,
+/// The figures behind where the node view is computed (docs/fanout.md, "Where the node
+/// view is computed"): per-node views on the server (a tracker per node) against one
+/// model whose ops every node takes. Not a pass/fail test: run it by hand, in release,
 /// `FEED_SERVICES=10000 FEED_NODES=300 cargo test --release -p proxy-agent --test feed_ops measure -- --ignored --nocapture`.
 #[test]
 #[ignore = "a measurement, not a check: FEED_SERVICES=N FEED_NODES=M cargo test --release --test feed_ops measure -- --ignored"]
