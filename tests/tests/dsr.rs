@@ -394,6 +394,36 @@ print(first.split()[0].decode(), second.split()[0].decode(), s.getsockopt({socko
 
 const HIJACK_PORT: u16 = 30092;
 
+/// Python that builds `ip` and `tcp`: an IPv4 SYN from `src:sport` to `dst:8080` whose
+/// IP header carries DSR's option naming `frontend` through entry node `entry`, its
+/// header checksum right; the TCP checksum right only when `tcp_ok` (else 0xdead).
+fn forged_syn(
+    src: &str,
+    sport: u16,
+    dst: &str,
+    (frontend, port): (&str, u16),
+    entry: &str,
+    tcp_ok: bool,
+) -> String {
+    let tcp_ok = if tcp_ok { "True" } else { "False" };
+    format!(
+        r#"
+import socket, struct
+def csum(b):
+    if len(b) % 2: b += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while s >> 16: s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+src, dst = socket.inet_aton("{src}"), socket.inet_aton("{dst}")
+opt = bytes([0x9a, 12]) + struct.pack("!H", {port}) + socket.inet_aton("{frontend}") + socket.inet_aton("{entry}")
+tcp = struct.pack("!HHIIBBHHH", {sport}, 8080, 1000, 0, 5 << 4, 0x02, 65535, 0 if {tcp_ok} else 0xdead, 0)
+if {tcp_ok}:
+    tcp = tcp[:16] + struct.pack("!H", csum(src + dst + struct.pack("!BBH", 0, 6, len(tcp)) + tcp)) + tcp[18:]
+ip = struct.pack("!BBHHHBBH4s4s", 0x48, 0, 32 + len(tcp), 1, 0, 64, 6, 0, src, dst) + opt
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]"#
+    )
+}
+
 /// A NodePort in the default mode (masquerade, no DSR anywhere) whose backend is pod B.
 fn hijack_manifests() -> String {
     format!(
@@ -417,24 +447,14 @@ fn a_pod_cannot_hijack_a_client_with_a_forged_dsr_option() {
     tb.start_agents(FRONTENDS).expect("agents");
     let gateway = tb.pod_gateway_mac("node-a").expect("gateway MAC");
     let forge = format!(
-        r#"
-import socket, struct
-def csum(b):
-    if len(b) % 2: b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16: s = (s & 0xffff) + (s >> 16)
-    return ~s & 0xffff
-src, dst = socket.inet_aton("{CLIENT}"), socket.inet_aton("{POD_A}")
-opt = bytes([0x9a, 12]) + struct.pack("!H", {HIJACK_PORT}) + socket.inet_aton("{NODE_A}") + socket.inet_aton("{NODE_B}")
-tcp = struct.pack("!HHIIBBHHH", 45678, 8080, 1000, 0, 5 << 4, 0x02, 65535, 0xdead, 0)
-ip = struct.pack("!BBHHHBBH4s4s", 0x48, 0, 32 + len(tcp), 1, 0, 64, 6, 0, src, dst) + opt
-ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+        r#"{syn}
 eth = bytes.fromhex("{gw}") + bytes(6) + b"\x08\x00"
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
 s.bind(("eth0", 0))
 s.send(eth + ip + tcp)
 print("sent")
 "#,
+        syn = forged_syn(CLIENT, 45678, POD_A, (NODE_A, HIJACK_PORT), NODE_B, false),
         gw = gateway.replace(':', ""),
     );
     assert_eq!(
@@ -484,25 +504,14 @@ fn a_client_cannot_pose_as_an_entry_node() {
     tb.start_agents(FRONTENDS).expect("agents");
     let node_b_mac = tb.uplink_mac("node-b").expect("node B's MAC");
     let forge = format!(
-        r#"
-import socket, struct
-def csum(b):
-    if len(b) % 2: b += b"\0"
-    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
-    while s >> 16: s = (s & 0xffff) + (s >> 16)
-    return ~s & 0xffff
-src, dst = socket.inet_aton("{CLIENT}"), socket.inet_aton("{POD_B}")
-opt = bytes([0x9a, 12]) + struct.pack("!H", {PORT}) + socket.inet_aton("{NODE_A}") + socket.inet_aton("{NODE_A}")
-tcp = struct.pack("!HHIIBBHHH", 45679, 8080, 1000, 0, 5 << 4, 0x02, 65535, 0, 0)
-tcp = tcp[:16] + struct.pack("!H", csum(src + dst + struct.pack("!BBH", 0, 6, len(tcp)) + tcp)) + tcp[18:]
-ip = struct.pack("!BBHHHBBH4s4s", 0x48, 0, 32 + len(tcp), 1, 0, 64, 6, 0, src, dst) + opt
-ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+        r#"{syn}
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
 s.bind(("eth0", 0))
 eth = bytes.fromhex("{mac}") + s.getsockname()[4] + b"\x08\x00"
 s.send(eth + ip + tcp)
 print("sent")
 "#,
+        syn = forged_syn(CLIENT, 45679, POD_B, (NODE_A, PORT), NODE_A, true),
         mac = node_b_mac.replace(':', ""),
     );
     assert_eq!(
