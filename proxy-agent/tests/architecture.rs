@@ -173,6 +173,35 @@ fn the_models_modules_import_leaves_without_a_circle() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// Small modules: no source file of the product's crates over 700 lines (test files
+/// aside: a test module of its own, `tests.rs` or `*_tests.rs`).
+#[test]
+fn no_source_file_is_over_700_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut long = Vec::new();
+    for krate in [
+        "proxy-agent",
+        "proxy-model",
+        "proxy-common",
+        "proxy-ebpf",
+        "xtask",
+    ] {
+        for file in rust_files(&root.join(krate).join("src")) {
+            if file
+                .file_stem()
+                .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
+            {
+                continue;
+            }
+            let lines = read(&file).lines().count();
+            if lines > 700 {
+                long.push(format!("{}: {lines} lines", file.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "split these:\n{}", long.join("\n"));
+}
+
 /// Each circle of `edges` once, as `a -> b -> a`.
 fn circles(edges: &BTreeMap<String, Vec<String>>) -> Vec<String> {
     fn walk(
