@@ -43,11 +43,11 @@ use proxy_common::map_names;
 
 pub use self::{
     attach::{
-        audit::{ForeignClassifier, HooksReport, NodeHooks},
         cgroup::cgroup2_mount,
         follow::InterfaceFollower,
         interfaces::{self, InterfaceSelector},
         links::{self, AttachFailures},
+        ownership::{ForeignClassifier, HooksReport, NodeHooks},
         xdp::{XdpMode, XdpSetup, XdpStatus},
     },
     kernel::{TcAttachMode, TcHook},
@@ -216,7 +216,7 @@ impl BpfDataplane {
                     hook,
                     failures: opts.attach_failures.clone(),
                     hooks: opts.hooks.clone(),
-                    ownership: attach::audit::Ownership::new(&opts.pin_dir),
+                    ownership: attach::ownership::Ownership::new(&opts.pin_dir),
                     xdp: XdpSetup {
                         mode: opts.xdp,
                         status: opts.xdp_status.clone(),

@@ -15,7 +15,7 @@ use aya::{
     },
 };
 
-use super::{audit::NodeHooks, link_update};
+use super::{link_update, ownership::NodeHooks};
 use crate::dataplane::bpf::programs::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
 
 /// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).

@@ -13,7 +13,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::audit::{Owner, Ownership};
+use super::ownership::{Owner, Ownership};
 
 use anyhow::{Context as _, Result, bail};
 use aya::programs::{

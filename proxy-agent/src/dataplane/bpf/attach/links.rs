@@ -32,11 +32,11 @@ use aya::{
 };
 
 use super::{
-    audit::{CLASSIFIER_NAMES, ForeignClassifier, NodeHooks, Owner, Ownership},
     clsact,
     interfaces::{Decision, InterfaceSelector},
     link_events::{Link, LinkChange},
     link_update,
+    ownership::{CLASSIFIER_NAMES, ForeignClassifier, NodeHooks, Owner, Ownership},
     xdp::{self, NativeRefused, XDP_PROGRAM, XdpMode, XdpSetup},
 };
 use crate::dataplane::bpf::{
@@ -255,7 +255,7 @@ impl Classifiers {
             Decision::Attach if self.attached.get(&link.name) == Some(&link.index) => {}
             Decision::Attach => {
                 self.attach_logged(link);
-                self.audit(&link.name, link.index);
+                self.inspect_hooks(&link.name, link.index);
             }
         }
     }

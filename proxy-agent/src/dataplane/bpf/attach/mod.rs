@@ -4,7 +4,6 @@
 //! adopted from its pin so an agent restart swaps programs without a gap; checked again
 //! at each resync, with whatever else sits on those hooks (`audit`).
 
-pub mod audit;
 pub mod cgroup;
 mod clsact;
 pub mod follow;
@@ -13,6 +12,7 @@ pub mod link_events;
 pub mod link_update;
 pub mod links;
 mod masters;
+pub mod ownership;
 pub mod xdp;
 
 use std::path::Path;

@@ -27,7 +27,7 @@ impl Classifiers {
             .into_iter()
             .chain(failed.into_iter().map(|l| (l.name, l.index)));
         for (name, index) in all.collect::<Vec<_>>() {
-            self.audit(&name, index);
+            self.inspect_hooks(&name, index);
         }
     }
 
@@ -103,7 +103,7 @@ impl Classifiers {
 
     /// Looks at every classifier named as ours on `name`'s hooks that is not ours:
     /// takes off those of gone agents, reports the others.
-    pub(super) fn audit(&mut self, name: &str, index: u32) {
+    pub(super) fn inspect_hooks(&mut self, name: &str, index: u32) {
         let mut found = Vec::new();
         for (program, hook, _) in HOOKS {
             let ours = self.ids.get(program).copied();
