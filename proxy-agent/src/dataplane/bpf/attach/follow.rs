@@ -8,13 +8,13 @@ use anyhow::{Context as _, Result};
 use tokio::io::{Interest, unix::AsyncFd};
 
 use super::{
-    link_events::{LinkChange, LinkEvents},
+    device_events::{DeviceChange, DeviceEvents},
     links::Classifiers,
 };
 
 /// The rtnetlink subscription and the links it drives.
 pub struct InterfaceFollower {
-    events: LinkEvents,
+    events: DeviceEvents,
     classifiers: Arc<Mutex<Classifiers>>,
 }
 
@@ -29,7 +29,7 @@ impl InterfaceFollower {
     /// ends), so the agent reports ready only with its classifiers in place.
     pub fn start(classifiers: Arc<Mutex<Classifiers>>) -> Result<Self> {
         let mut follower = Self {
-            events: LinkEvents::open()?,
+            events: DeviceEvents::open()?,
             classifiers,
         };
         follower.dump_blocking()?;
@@ -63,11 +63,11 @@ impl InterfaceFollower {
     }
 
     /// Applies changes in order; `Some(interrupted)` once a dump has ended.
-    fn apply(&mut self, changes: Vec<LinkChange>) -> Option<bool> {
+    fn apply(&mut self, changes: Vec<DeviceChange>) -> Option<bool> {
         let mut done = None;
         let mut classifiers = lock(&self.classifiers);
         for change in changes {
-            if let LinkChange::DumpDone { interrupted } = change {
+            if let DeviceChange::DumpDone { interrupted } = change {
                 done = Some(interrupted);
             }
             classifiers.handle(change);
@@ -82,7 +82,7 @@ impl InterfaceFollower {
             events,
             classifiers,
         } = self;
-        // SAFETY: `LinkEvents` owns its socket for its whole life and always reports
+        // SAFETY: `DeviceEvents` owns its socket for its whole life and always reports
         // that same descriptor.
         let mut fd = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
             .map_err(|e| e.into_parts().1)
@@ -95,7 +95,7 @@ impl InterfaceFollower {
                 Ok(Ok(changes)) => {
                     let mut classifiers = lock(&classifiers);
                     changes.into_iter().any(|change| {
-                        let again = change == LinkChange::DumpDone { interrupted: true };
+                        let again = change == DeviceChange::DumpDone { interrupted: true };
                         classifiers.handle(change);
                         again
                     })

@@ -10,7 +10,7 @@ const IFNAME_MAX: usize = 15;
 ///
 /// Each entry is an exact name (`eth0`), a glob where `*` stands for any run of
 /// characters (`veth*`, `*-pod`, `cali*x`), or `auto`, which is `*`: every interface.
-/// Only devices with an Ethernet header are ever served (see [`LinkKind`]), so `auto`
+/// Only devices with an Ethernet header are ever served (see [`DeviceKind`]), so `auto`
 /// leaves out loopback, WireGuard, L3 tunnels and the like.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct InterfaceSelector {
@@ -73,7 +73,7 @@ fn glob(pattern: &str, name: &str) -> bool {
 /// What a device's link-layer type (ARPHRD_*) means for the classifier, which parses a
 /// 14-byte Ethernet header at the start of every packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LinkKind {
+pub enum DeviceKind {
     /// ARPHRD_ETHER: veths, physical NICs, bridges, bonds, VLANs, VXLAN, tap devices.
     Ethernet,
     /// ARPHRD_LOOPBACK.
@@ -94,12 +94,12 @@ pub enum Decision {
 }
 
 impl InterfaceSelector {
-    pub fn decide(&self, name: &str, kind: LinkKind) -> Decision {
+    pub fn decide(&self, name: &str, kind: DeviceKind) -> Decision {
         match kind {
             _ if !self.matches(name) => Decision::Ignore,
-            LinkKind::Ethernet => Decision::Attach,
-            LinkKind::Loopback if !self.patterns.iter().any(|p| p == name) => Decision::Ignore,
-            LinkKind::Loopback | LinkKind::Other(_) => Decision::SkipNotEthernet,
+            DeviceKind::Ethernet => Decision::Attach,
+            DeviceKind::Loopback if !self.patterns.iter().any(|p| p == name) => Decision::Ignore,
+            DeviceKind::Loopback | DeviceKind::Other(_) => Decision::SkipNotEthernet,
         }
     }
 }
@@ -137,12 +137,12 @@ mod tests {
     #[test]
     fn auto_is_every_ethernet_device_but_loopback() {
         let s = sel(&["auto"]);
-        assert_eq!(s.decide("eth0", LinkKind::Ethernet), Decision::Attach);
-        assert_eq!(s.decide("veth9", LinkKind::Ethernet), Decision::Attach);
-        assert_eq!(s.decide("lo", LinkKind::Loopback), Decision::Ignore);
+        assert_eq!(s.decide("eth0", DeviceKind::Ethernet), Decision::Attach);
+        assert_eq!(s.decide("veth9", DeviceKind::Ethernet), Decision::Attach);
+        assert_eq!(s.decide("lo", DeviceKind::Loopback), Decision::Ignore);
         // ARPHRD_NONE: WireGuard, tun.
         assert_eq!(
-            s.decide("wg0", LinkKind::Other(65534)),
+            s.decide("wg0", DeviceKind::Other(65534)),
             Decision::SkipNotEthernet
         );
     }
@@ -151,14 +151,14 @@ mod tests {
     fn named_non_ethernet_devices_are_skipped_with_a_reason() {
         let s = sel(&["lo", "tun0", "eth0"]);
         assert_eq!(
-            s.decide("lo", LinkKind::Loopback),
+            s.decide("lo", DeviceKind::Loopback),
             Decision::SkipNotEthernet
         );
         assert_eq!(
-            s.decide("tun0", LinkKind::Other(65534)),
+            s.decide("tun0", DeviceKind::Other(65534)),
             Decision::SkipNotEthernet
         );
-        assert_eq!(s.decide("eth1", LinkKind::Ethernet), Decision::Ignore);
+        assert_eq!(s.decide("eth1", DeviceKind::Ethernet), Decision::Ignore);
     }
 
     #[test]

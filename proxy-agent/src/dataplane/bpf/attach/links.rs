@@ -33,8 +33,8 @@ use aya::{
 
 use super::{
     clsact,
+    device_events::{Device, DeviceChange},
     interfaces::{Decision, InterfaceSelector},
-    link_events::{Link, LinkChange},
     link_update,
     ownership::{CLASSIFIER_NAMES, ForeignClassifier, NodeHooks, Owner, Ownership},
     xdp::{self, NativeRefused, XDP_PROGRAM, XdpMode, XdpSetup},
@@ -112,7 +112,7 @@ pub struct Classifiers {
     dumping: Option<BTreeMap<String, u32>>,
     failures: AttachFailures,
     /// Wanted interfaces whose attachment failed: tried again at each check.
-    failed: BTreeMap<String, Link>,
+    failed: BTreeMap<String, Device>,
     /// Our programs' ids, by name.
     ids: BTreeMap<&'static str, u32>,
     /// Whether the kernel has tcx (its hooks are looked at in clsact mode too).
@@ -201,13 +201,13 @@ impl Classifiers {
         self.dumping = Some(BTreeMap::new());
     }
 
-    pub fn handle(&mut self, change: LinkChange) {
+    pub fn handle(&mut self, change: DeviceChange) {
         match change {
-            LinkChange::Present(link) => self.present(&link),
-            LinkChange::Gone(link) => self.gone(&link),
-            LinkChange::DumpDone { interrupted: false } => self.end_dump(),
+            DeviceChange::Present(link) => self.present(&link),
+            DeviceChange::Gone(link) => self.gone(&link),
+            DeviceChange::DumpDone { interrupted: false } => self.end_dump(),
             // Incomplete: nothing is swept; the next dump starts afresh.
-            LinkChange::DumpDone { interrupted: true } => {}
+            DeviceChange::DumpDone { interrupted: true } => {}
         }
     }
 
@@ -216,7 +216,7 @@ impl Classifiers {
         self.attached.keys().map(String::as_str)
     }
 
-    fn present(&mut self, link: &Link) {
+    fn present(&mut self, link: &Device) {
         if let Some(seen) = &mut self.dumping {
             seen.insert(link.name.clone(), link.index);
         }
@@ -262,7 +262,7 @@ impl Classifiers {
 
     /// Attaches both programs to `link`, logging how (or why not: then it is tried again
     /// at the next check, or when the device next changes).
-    fn attach_logged(&mut self, link: &Link) {
+    fn attach_logged(&mut self, link: &Device) {
         match self.attach(link) {
             Ok(how) => {
                 tracing::info!(
@@ -291,7 +291,7 @@ impl Classifiers {
         self.set_foreign(name, Vec::new());
     }
 
-    fn gone(&mut self, link: &Link) {
+    fn gone(&mut self, link: &Device) {
         super::masters::gone(&self.ebpf, link.index);
         self.skipped.remove(&link.name);
         self.forget_failed(&link.name);
@@ -335,7 +335,7 @@ impl Classifiers {
 
     /// Both programs on `link` (ingress first), then XDP (which passes to them what it
     /// cannot finish); reports how the ingress one got there.
-    fn attach(&mut self, link: &Link) -> Result<&'static str> {
+    fn attach(&mut self, link: &Device) -> Result<&'static str> {
         let mut how = "";
         for (program, hook, prefix) in HOOKS {
             let done = self.attach_one(&link.name, link.index, program, hook, prefix)?;
@@ -347,7 +347,7 @@ impl Classifiers {
         Ok(how)
     }
 
-    fn attach_xdp(&mut self, link: &Link) -> Result<()> {
+    fn attach_xdp(&mut self, link: &Device) -> Result<()> {
         if self.xdp.mode == XdpMode::Off {
             xdp::detach(&self.xdp, &self.links_dir, &link.name);
             return Ok(());

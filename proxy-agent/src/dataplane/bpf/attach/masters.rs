@@ -9,10 +9,10 @@ use anyhow::{Context as _, Result};
 use aya::{Ebpf, maps::HashMap};
 use proxy_common::map_names::IF_MASTERS;
 
-use super::link_events::Link;
+use super::device_events::Device;
 
 /// Records `link`'s master (or that it has none).
-pub fn present(ebpf: &Mutex<Ebpf>, link: &Link) {
+pub fn present(ebpf: &Mutex<Ebpf>, link: &Device) {
     let result = with_map(ebpf, |map| match link.master {
         Some(master) => map.insert(&link.index, &master, 0).map_err(Into::into),
         None => remove(map, link.index),

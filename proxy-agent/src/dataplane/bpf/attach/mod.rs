@@ -6,9 +6,9 @@
 
 pub mod cgroup;
 mod clsact;
+pub mod device_events;
 pub mod follow;
 pub mod interfaces;
-pub mod link_events;
 pub mod link_update;
 pub mod links;
 mod masters;
@@ -22,7 +22,7 @@ use anyhow::Result;
 /// Deletes our clsact filters from every device of this network namespace, and the
 /// clsact qdiscs we added that nothing else uses.
 pub fn remove_filters(links_dir: &Path) -> Result<()> {
-    let indexes: Vec<u32> = link_events::list()?.iter().map(|l| l.index).collect();
+    let indexes: Vec<u32> = device_events::list()?.iter().map(|l| l.index).collect();
     let removed = clsact::remove_everywhere(links_dir, &indexes, &links::FILTERS)?;
     if removed > 0 {
         tracing::info!(filters = removed, "clsact filters deleted");

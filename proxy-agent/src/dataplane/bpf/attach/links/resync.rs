@@ -19,7 +19,7 @@ impl Classifiers {
         for (name, index) in &served {
             self.repair(name, *index);
         }
-        let failed: Vec<Link> = self.failed.values().cloned().collect();
+        let failed: Vec<Device> = self.failed.values().cloned().collect();
         for link in &failed {
             self.attach_logged(link);
         }

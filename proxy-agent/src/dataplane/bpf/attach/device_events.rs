@@ -16,40 +16,40 @@ use netlink_packet_route::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-use super::interfaces::LinkKind;
+use super::interfaces::DeviceKind;
 
 /// rtnetlink's multicast group for link changes (RTNLGRP_LINK).
 const RTNLGRP_LINK: u32 = 1;
 
 /// One network device as rtnetlink describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Link {
+pub struct Device {
     pub index: u32,
     pub name: String,
-    pub kind: LinkKind,
+    pub kind: DeviceKind,
     /// The device it is a port of (a bridge, a bond), if any.
     pub master: Option<u32>,
 }
 
 /// What a message from the kernel says.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LinkChange {
+pub enum DeviceChange {
     /// The device exists (new, changed, or listed by a dump).
-    Present(Link),
+    Present(Device),
     /// The device is gone from this namespace (deleted, or moved to another one).
-    Gone(Link),
+    Gone(Device),
     /// The dump is complete; `interrupted` means links changed during it (dump again).
     DumpDone { interrupted: bool },
 }
 
 /// A route netlink socket subscribed to link changes.
-pub struct LinkEvents {
+pub struct DeviceEvents {
     socket: Socket,
     seq: u32,
     dump_interrupted: bool,
 }
 
-impl LinkEvents {
+impl DeviceEvents {
     /// Subscribes first, so no change between the dump and the notifications is lost.
     pub fn open() -> Result<Self> {
         let mut socket = Socket::new(NETLINK_ROUTE).context("opening a route netlink socket")?;
@@ -67,7 +67,7 @@ impl LinkEvents {
     }
 
     /// Asks for every link; the answers come through [`Self::read`], ending with
-    /// [`LinkChange::DumpDone`].
+    /// [`DeviceChange::DumpDone`].
     pub fn request_dump(&mut self) -> Result<()> {
         self.seq += 1;
         let mut header = NetlinkHeader::default();
@@ -95,12 +95,12 @@ impl LinkEvents {
     /// Reads one datagram and decodes the link changes in it. `ENOBUFS` means
     /// notifications were dropped (the caller dumps again); `WouldBlock` that nothing
     /// is waiting on a non-blocking socket.
-    pub fn read(&mut self) -> io::Result<Vec<LinkChange>> {
+    pub fn read(&mut self) -> io::Result<Vec<DeviceChange>> {
         let (buf, _) = self.socket.recv_from_full()?;
         Ok(self.decode(&buf))
     }
 
-    fn decode(&mut self, buf: &[u8]) -> Vec<LinkChange> {
+    fn decode(&mut self, buf: &[u8]) -> Vec<DeviceChange> {
         let mut changes = Vec::new();
         let mut offset = 0;
         while offset < buf.len() {
@@ -122,17 +122,17 @@ impl LinkEvents {
             }
             match msg.payload {
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
-                    changes.extend(link_of(&m).map(LinkChange::Present));
+                    changes.extend(link_of(&m).map(DeviceChange::Present));
                 }
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
-                    changes.extend(link_of(&m).map(LinkChange::Gone));
+                    changes.extend(link_of(&m).map(DeviceChange::Gone));
                 }
-                NetlinkPayload::Done(_) => changes.push(LinkChange::DumpDone {
+                NetlinkPayload::Done(_) => changes.push(DeviceChange::DumpDone {
                     interrupted: std::mem::take(&mut self.dump_interrupted),
                 }),
                 NetlinkPayload::Error(e) if e.code.is_some() => {
                     tracing::warn!(error = %e, "rtnetlink refused the link dump");
-                    changes.push(LinkChange::DumpDone { interrupted: true });
+                    changes.push(DeviceChange::DumpDone { interrupted: true });
                 }
                 _ => {}
             }
@@ -142,17 +142,17 @@ impl LinkEvents {
 }
 
 /// Every link of the calling thread's network namespace, now.
-pub fn list() -> Result<Vec<Link>> {
-    let mut events = LinkEvents::open()?;
+pub fn list() -> Result<Vec<Device>> {
+    let mut events = DeviceEvents::open()?;
     events.request_dump()?;
     let mut links = Vec::new();
     loop {
         for change in events.read().context("reading the link dump")? {
             match change {
-                LinkChange::Present(link) => links.push(link),
-                LinkChange::Gone(_) => {}
-                LinkChange::DumpDone { interrupted: false } => return Ok(links),
-                LinkChange::DumpDone { interrupted: true } => {
+                DeviceChange::Present(link) => links.push(link),
+                DeviceChange::Gone(_) => {}
+                DeviceChange::DumpDone { interrupted: false } => return Ok(links),
+                DeviceChange::DumpDone { interrupted: true } => {
                     links.clear();
                     events.request_dump()?;
                 }
@@ -161,27 +161,27 @@ pub fn list() -> Result<Vec<Link>> {
     }
 }
 
-impl AsRawFd for LinkEvents {
+impl AsRawFd for DeviceEvents {
     fn as_raw_fd(&self) -> RawFd {
         self.socket.as_raw_fd()
     }
 }
 
-fn link_of(m: &LinkMessage) -> Option<Link> {
+fn link_of(m: &LinkMessage) -> Option<Device> {
     let name = m.attributes.iter().find_map(|a| match a {
         LinkAttribute::IfName(n) => Some(n.clone()),
         _ => None,
     })?;
     let kind = match m.header.link_layer_type {
-        LinkLayerType::Ether => LinkKind::Ethernet,
-        LinkLayerType::Loopback => LinkKind::Loopback,
-        other => LinkKind::Other(u16::from(other)),
+        LinkLayerType::Ether => DeviceKind::Ethernet,
+        LinkLayerType::Loopback => DeviceKind::Loopback,
+        other => DeviceKind::Other(u16::from(other)),
     };
     let master = m.attributes.iter().find_map(|a| match a {
         LinkAttribute::Controller(i) if *i != 0 => Some(*i),
         _ => None,
     });
-    Some(Link {
+    Some(Device {
         index: m.header.index,
         name,
         kind,
