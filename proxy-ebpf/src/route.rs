@@ -246,15 +246,7 @@ pub fn sent_by_neighbour<F: Frame>(ctx: &F, family: u8, own: &[u32; 4], node: &[
     let Some(p) = way_to(ctx, family, own, node) else {
         return false;
     };
-    // SAFETY: `p` is a valid, correctly sized parameter block; with the neighbour.
-    let rc = unsafe {
-        fib_lookup(
-            ctx.ptr(),
-            p,
-            core::mem::size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
-    };
+    let rc = with_neighbour(ctx, p);
     if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) || !leaves_by_ingress(ctx, p.ifindex) {
         return false;
     }
@@ -322,8 +314,21 @@ fn route_of<F: Frame>(ctx: &F, p: &mut bpf_fib_lookup) -> i64 {
     }
     // Kernels before 6.3 refuse SKIP_NEIGH (-EINVAL, before touching `p`): ask again with
     // the neighbour lookup, whose NO_NEIGH answer the callers accept as well.
-    // SAFETY: as above.
-    unsafe { fib_lookup(ctx.ptr(), p, size, 0) }
+    with_neighbour(ctx, p)
+}
+
+/// The FIB's answer to `p` with the neighbour: on success the union holds the MACs.
+#[inline(always)]
+fn with_neighbour<F: Frame>(ctx: &F, p: &mut bpf_fib_lookup) -> i64 {
+    // SAFETY: `p` is a valid, correctly sized parameter block.
+    unsafe {
+        fib_lookup(
+            ctx.ptr(),
+            p,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    }
 }
 
 /// Fills a zeroed FIB query for `src` -> `dst`, from interface `ingress`.
@@ -356,16 +361,7 @@ fn xdp_fib<F: Frame>(ctx: &F, family: u8, p: &mut bpf_fib_lookup, grow: u32) -> 
         _ => return 0,
     }
     p.__bindgen_anon_1.tot_len = (ctx.len() as usize - ETH_HLEN) as u16 + grow as u16;
-    // SAFETY: `p` is a valid, correctly sized parameter block.
-    let rc = unsafe {
-        fib_lookup(
-            ctx.ptr(),
-            p,
-            core::mem::size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
-    };
-    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+    if with_neighbour(ctx, p) != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
         return 0;
     }
     let Some(next) = XDP_HOP.get_ptr_mut(0) else {
