@@ -22,10 +22,10 @@ use proxy_common::{
 };
 
 use super::{Extras, MapState, Programmed, adopt::adopt_table, generation::Generation};
-use crate::dataplane::bpf::{codec::rev_nat_of, maps::remove_ignoring_absent};
+use crate::bpf::{codec::rev_nat_of, maps::remove_ignoring_absent};
 use aya::maps::IterableMap as _;
 
-use crate::dataplane::{
+use crate::{
     AuditReport,
     bpf::{
         batch::{self, Walk},

@@ -15,7 +15,7 @@ use std::{
 use aya::programs::loaded_programs;
 use proxy_common::map_names;
 
-use crate::dataplane::bpf::{
+use crate::bpf::{
     pin_lock,
     programs::{TC_EGRESS_PROGRAM, TC_PROGRAM},
 };

@@ -2,7 +2,7 @@
 //! testing everything above the kernel.
 
 use super::{ApplyReport, Dataplane};
-use crate::model::{NodeView, diff_lines};
+use proxy_model::{NodeView, diff_lines};
 
 /// Remembers the last view and logs `+`/`-` lines for each change.
 #[derive(Default)]

@@ -7,7 +7,7 @@ pub mod wrr;
 
 use std::net::{IpAddr, SocketAddr};
 
-use crate::model::schedule::{MAGLEV_TABLE_LENS, MAX_WEIGHT, Schedule, Scheduler};
+use proxy_model::schedule::{MAGLEV_TABLE_LENS, MAX_WEIGHT, Schedule, Scheduler};
 
 /// The most slots one frontend has (a service entry's 16-bit backend count).
 pub const MAX_SLOTS: usize = proxy_common::MAX_BACKENDS_PER_SERVICE as usize;
@@ -137,7 +137,7 @@ fn table_len_for(schedule: &Schedule, members: usize) -> u32 {
 mod tests {
 
     use super::*;
-    use crate::model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, parse_weights};
+    use proxy_model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, parse_weights};
 
     fn eps(n: u8) -> Vec<SocketAddr> {
         (1..=n)

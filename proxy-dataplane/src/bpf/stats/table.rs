@@ -99,7 +99,8 @@ pub fn large_number(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{dataplane::bpf::stats::BackendStats, model::Protocol};
+    use crate::bpf::stats::BackendStats;
+    use proxy_model::Protocol;
 
     #[test]
     fn numbers_abbreviate_as_ipvsadm_does() {

@@ -54,7 +54,7 @@ pub fn sweep(ebpf: &Mutex<Ebpf>, keep: impl Fn(u32) -> bool) {
 
 fn remove(map: &mut HashMap<&mut aya::maps::MapData, u32, u32>, index: u32) -> Result<()> {
     match map.remove(&index) {
-        Err(e) if !crate::dataplane::bpf::maps::is_absent(&e) => Err(e.into()),
+        Err(e) if !crate::bpf::maps::is_absent(&e) => Err(e.into()),
         _ => Ok(()),
     }
 }

@@ -1,12 +1,16 @@
-//! Applies a node view to a dataplane. Nothing here imports Kubernetes types.
+//! proxy-dataplane: applies a node view to a dataplane — the `Dataplane` trait, the log
+//! dataplane, and the BPF one (load, attach, pin, write maps, collect flows). It names the
+//! model below it and the map ABI (`proxy-common`), never the sources, the runner or the
+//! agent's config; nothing here imports Kubernetes types.
 
 pub mod bpf;
 pub mod layout;
 pub mod log;
+pub mod netns;
 
 use std::collections::BTreeSet;
 
-use crate::model::{Frontend, NodeSettings, NodeView};
+use proxy_model::{Frontend, NodeSettings, NodeView};
 
 /// What one apply changed, and what it could not.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

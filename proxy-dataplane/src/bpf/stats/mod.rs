@@ -30,7 +30,7 @@ use super::{
     maps::remove_ignoring_absent,
     maps::{MapSet, is_absent},
 };
-use crate::model::{Frontend, Protocol, schedule::Scheduler};
+use proxy_model::{Frontend, Protocol, schedule::Scheduler};
 
 /// Connections, packets and bytes, summed over CPUs (and over scopes or frontends).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]

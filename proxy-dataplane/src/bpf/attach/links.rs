@@ -39,7 +39,7 @@ use super::{
     ownership::{CLASSIFIER_NAMES, ForeignClassifier, NodeHooks, Owner, Ownership},
     xdp::{self, NativeRefused, XDP_PROGRAM, XdpMode, XdpSetup},
 };
-use crate::dataplane::bpf::{
+use crate::bpf::{
     kernel::{self, TcHook},
     pin_lock,
     programs::{TC_EGRESS_PROGRAM, TC_PROGRAM},

@@ -9,7 +9,7 @@ use proxy_common::{
     SCOPE_EXTERNAL, ServiceKey, addr::to_words, sched,
 };
 
-use crate::model::{Frontend, Protocol, schedule::Scheduler};
+use proxy_model::{Frontend, Protocol, schedule::Scheduler};
 
 /// The reverse-NAT entry of frontend `key`: the address replies are given back.
 pub fn rev_nat_of(key: &ServiceKey) -> RevNatValue {

@@ -27,7 +27,7 @@ use netlink_packet_route::{
 };
 use netlink_sys::protocols::NETLINK_ROUTE;
 
-use crate::dataplane::bpf::netlink::Channel;
+use crate::bpf::netlink::Channel;
 
 /// Our filters' priority on both hooks: below the 49152 tc picks for a filter added
 /// without one, so ours runs before those, and clear of Cilium's 1.

@@ -9,9 +9,9 @@ use proxy_common::{
     LPM_TAG_NODE, LPM_TAG_NODE_PODS, LPM_TAG_PEER_NODE, LPM_TAG_POD, LpmData, NodeConfig,
 };
 
-use crate::dataplane::bpf::{ConntrackOptions, maps::MapSet};
-use crate::dataplane::bpf::{codec::lpm_key, maps::remove_ignoring_absent};
-use crate::model::NodeSettings;
+use crate::bpf::{ConntrackOptions, maps::MapSet};
+use crate::bpf::{codec::lpm_key, maps::remove_ignoring_absent};
+use proxy_model::NodeSettings;
 
 /// Writes the node settings: the masquerade addresses and flags, the pod network and the
 /// node's own addresses (who is "inside").

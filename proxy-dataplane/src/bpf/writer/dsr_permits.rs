@@ -12,11 +12,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use anyhow::{Context as _, Result};
 use proxy_common::{DSR_ANY_NODE, DsrPermitKey, addr::to_words};
 
-use crate::dataplane::bpf::{codec::proto_number, maps::remove_ignoring_absent};
-use crate::{
-    dataplane::bpf::maps::MapSet,
-    model::{Frontend, FrontendKind, FrontendState, NodeView},
-};
+use crate::bpf::{codec::proto_number, maps::MapSet, maps::remove_ignoring_absent};
+use proxy_model::{Frontend, FrontendKind, FrontendState, NodeView};
 
 #[derive(Debug, Default)]
 pub struct DsrPermits {
@@ -143,7 +140,7 @@ fn wanted(fe: &Frontend, st: &FrontendState) -> Vec<DsrPermitKey> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Protocol;
+    use proxy_model::Protocol;
 
     fn state(kind: FrontendKind, backends: &[&str], dsr: bool) -> FrontendState {
         FrontendState::builder("web/x:http", kind)

@@ -34,12 +34,10 @@ pub use self::node::configure;
 pub use super::codec::service_key;
 use super::codec::{self, *};
 use super::maps::remove_ignoring_absent;
-use crate::{
-    dataplane::{ApplyReport, layout::MAX_SLOTS},
-    model::{
-        BackendSet, EndpointSet, Frontend, FrontendKind, FrontendState, NodeView, WhenEmpty,
-        schedule::Schedule,
-    },
+use crate::{ApplyReport, layout::MAX_SLOTS};
+use proxy_model::{
+    BackendSet, EndpointSet, Frontend, FrontendKind, FrontendState, NodeView, WhenEmpty,
+    schedule::Schedule,
 };
 
 /// Frontends from which a first programming is written in batches (below, one syscall
@@ -263,8 +261,8 @@ impl MapState {
     }
 
     /// How full the service-side maps are.
-    pub fn fill(&self) -> crate::dataplane::MapFill {
-        crate::dataplane::MapFill {
+    pub fn fill(&self) -> crate::MapFill {
+        crate::MapFill {
             services: self.services.len() as u64,
             backend_slots: self.live_slots,
             backends: self.backends.len() as u64,
@@ -607,7 +605,7 @@ impl MapState {
         // The scheduler's slot layout (each endpoint once, by weight, or a Maglev
         // table), as backend ids; each endpoint's id is looked up once.
         let mut id_of: Vec<Option<u32>> = vec![None; endpoints.len()];
-        let layout = crate::dataplane::layout::layout(schedule, &endpoints, d.frontend.ip);
+        let layout = crate::layout::layout(schedule, &endpoints, d.frontend.ip);
         let count = u16::try_from(layout.slots.len()).map_err(|_| TooManySlots {
             slots: layout.slots.len(),
         })?;

@@ -16,7 +16,7 @@ use aya::{
 };
 
 use super::{link_update, ownership::NodeHooks};
-use crate::dataplane::bpf::programs::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
+use crate::bpf::programs::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
 
 /// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
 pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {

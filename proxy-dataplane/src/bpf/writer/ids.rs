@@ -6,7 +6,7 @@ use anyhow::Result;
 use proxy_common::Backend;
 
 use super::MapState;
-use crate::dataplane::bpf::maps::MapSet;
+use crate::bpf::maps::MapSet;
 
 impl MapState {
     pub(super) fn ensure_backend(&mut self, maps: &mut MapSet, be: Backend) -> Result<u32> {

@@ -11,9 +11,9 @@ use proxy_common::{
 };
 
 use super::{Extras, MapState, Programmed};
-use crate::dataplane::bpf::{codec::range_key, maps::remove_ignoring_absent};
-use crate::dataplane::bpf::{maps::MapSet, members};
-use crate::model::{EndpointSet, schedule::Schedule};
+use crate::bpf::{codec::range_key, maps::remove_ignoring_absent};
+use crate::bpf::{maps::MapSet, members};
+use proxy_model::{EndpointSet, schedule::Schedule};
 
 impl MapState {
     /// Writes a new generation of `key`'s slots, its reverse-NAT entry and the flip.
@@ -229,7 +229,7 @@ pub(super) fn flip(
         let _ = remove_generation(maps, value, backend_ids.len());
         return Err(e);
     }
-    maps.put_rev_nat(&id, &crate::dataplane::bpf::codec::rev_nat_of(&key))
+    maps.put_rev_nat(&id, &crate::bpf::codec::rev_nat_of(&key))
         .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
     let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges());
     for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {

@@ -18,7 +18,7 @@ pub mod conntrack_gc;
 pub mod kernel;
 pub mod maps;
 mod members;
-pub(crate) mod netlink;
+pub mod netlink;
 mod options;
 mod pin_lock;
 mod pins;
@@ -71,7 +71,7 @@ use self::{
     programs::{SET_RETVAL_GLOBAL, prepare_sctp},
 };
 use super::{ApplyReport, Dataplane};
-use crate::model::NodeView;
+use proxy_model::NodeView;
 
 /// The most endpoints one frontend can have in the maps: each takes at least one of its
 /// backend slots (`Dataplane::max_endpoints` of both BPF dataplanes, and `trace`'s view).
@@ -291,7 +291,7 @@ impl Dataplane for BpfDataplane {
     fn apply_changes(
         &mut self,
         view: &NodeView,
-        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+        changed: &std::collections::BTreeSet<proxy_model::Frontend>,
     ) -> Result<ApplyReport> {
         self.apply_some(view, Some(changed))
     }
@@ -299,7 +299,7 @@ impl Dataplane for BpfDataplane {
     fn stage(
         &mut self,
         view: &NodeView,
-        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+        changed: &std::collections::BTreeSet<proxy_model::Frontend>,
     ) -> Result<usize> {
         self.state.stage(&mut self.maps, view, changed)
     }
@@ -309,11 +309,11 @@ impl Dataplane for BpfDataplane {
         Ok(())
     }
 
-    fn audit(&mut self, fraction: f64) -> Result<crate::dataplane::AuditReport> {
+    fn audit(&mut self, fraction: f64) -> Result<crate::AuditReport> {
         self.state.audit_step(&mut self.maps, fraction)
     }
 
-    fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
+    fn configure(&mut self, node: &proxy_model::NodeSettings) -> Result<()> {
         writer::configure(&mut self.maps, node, &self.conntrack)
     }
 }
@@ -324,7 +324,7 @@ impl BpfDataplane {
     fn apply_some(
         &mut self,
         view: &NodeView,
-        changed: Option<&std::collections::BTreeSet<crate::model::Frontend>>,
+        changed: Option<&std::collections::BTreeSet<proxy_model::Frontend>>,
     ) -> Result<ApplyReport> {
         let mut report = self.state.apply_changes(&mut self.maps, view, changed)?;
         let left = self.state.take_left_udp();
@@ -399,7 +399,7 @@ impl Dataplane for MapsDataplane<'_> {
     fn apply_changes(
         &mut self,
         view: &NodeView,
-        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+        changed: &std::collections::BTreeSet<proxy_model::Frontend>,
     ) -> Result<ApplyReport> {
         self.state.apply_changes(self.maps, view, Some(changed))
     }
@@ -407,16 +407,16 @@ impl Dataplane for MapsDataplane<'_> {
     fn stage(
         &mut self,
         view: &NodeView,
-        changed: &std::collections::BTreeSet<crate::model::Frontend>,
+        changed: &std::collections::BTreeSet<proxy_model::Frontend>,
     ) -> Result<usize> {
         self.state.stage(self.maps, view, changed)
     }
 
-    fn audit(&mut self, fraction: f64) -> Result<crate::dataplane::AuditReport> {
+    fn audit(&mut self, fraction: f64) -> Result<crate::AuditReport> {
         self.state.audit_step(self.maps, fraction)
     }
 
-    fn configure(&mut self, node: &crate::model::NodeSettings) -> Result<()> {
+    fn configure(&mut self, node: &proxy_model::NodeSettings) -> Result<()> {
         writer::configure(self.maps, node, &self.conntrack)
     }
 }

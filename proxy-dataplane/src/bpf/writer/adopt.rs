@@ -13,8 +13,8 @@ use super::{
     Extras, MapState, Programmed,
     generation::{chunk_key, chunks},
 };
-use crate::dataplane::bpf::{batch, maps::MapSet, members};
-use crate::model::{EndpointSet, schedule::Schedule};
+use crate::bpf::{batch, maps::MapSet, members};
+use proxy_model::{EndpointSet, schedule::Schedule};
 
 impl MapState {
     /// Rebuilds the mirror from what the maps hold (entries another agent wrote).
@@ -109,7 +109,7 @@ impl MapState {
                     backend_ids: backend_ids.into(),
                     endpoints,
                     schedule: Schedule {
-                        scheduler: crate::dataplane::bpf::codec::scheduler_of_code(value.scheduler)
+                        scheduler: crate::bpf::codec::scheduler_of_code(value.scheduler)
                             .unwrap_or_default(),
                         ..Default::default()
                     },
