@@ -7,7 +7,7 @@
 //! An IPv4-mapped IPv6 address (`::ffff:a.b.c.d`) stays IPv6 both ways: the programs
 //! compare words, and a v6 key never matches a v4 one.
 
-use crate::{FAMILY_V4, FAMILY_V6};
+use crate::ip::{FAMILY_V4, FAMILY_V6};
 use core::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// An address as the ABI's words and family (`FAMILY_V4` or `FAMILY_V6`).

@@ -1,7 +1,7 @@
 //! Connection tracking of the per-packet path (`CONNTRACK`, `CONNTRACK_NEW`,
 //! `NETFILTER_FLOWS`, the port filters): keys, values, flags, timeouts and the partner of each entry.
 
-use crate::{PROTO_SCTP, PROTO_TCP};
+use crate::ip::{PROTO_SCTP, PROTO_TCP};
 
 /// `CtValue::flags`: the flow's source was rewritten (masquerade to the node, or a new
 /// source port alone when the client's own tuple would clash with another flow's).

@@ -7,22 +7,12 @@
 //! `ABI.md` beside this crate describes each map; [`MAPS`] names each with its capacity.
 #![cfg_attr(not(test), no_std)]
 
-/// Address family tag stored in keys and values.
-pub const FAMILY_V4: u8 = 4;
-/// Address family tag stored in keys and values.
-pub const FAMILY_V6: u8 = 6;
-
-/// IP protocol numbers as they appear in the IP header.
-pub const PROTO_TCP: u8 = 6;
-/// IP protocol numbers as they appear in the IP header.
-pub const PROTO_UDP: u8 = 17;
-/// IP protocol numbers as they appear in the IP header.
-pub const PROTO_SCTP: u8 = 132;
-
 #[cfg(feature = "user")]
 pub mod addr;
 pub mod crc32c;
 pub mod sched;
+
+mod ip;
 
 mod affinity;
 mod backend;
@@ -41,6 +31,7 @@ pub use backend::*;
 pub use conntrack::*;
 pub use dsr::*;
 pub use frag::*;
+pub use ip::*;
 pub use maps::{MAPS, MapSpec, capacity, map_names};
 pub use node::*;
 pub use sched::sched_hash;

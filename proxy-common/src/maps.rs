@@ -31,7 +31,7 @@ macro_rules! maps {
             /// Every map the agent pins, in a stable order. (The SCTP ones are pinned so a
             /// tail call keeps working while the agent is down: a program array loses its
             /// entries when nothing in user space holds it.)
-            pub const ALL: [&str; super::MAPS.len()] = [$($name),*];
+            pub const ALL: [&str; crate::maps::MAPS.len()] = [$($name),*];
         }
 
         /// Default capacities; the agent may override some at load time (`ebpf.mapSizes`,
@@ -98,7 +98,7 @@ maps! {
     /// marked is for no frontend and no flow of ours, and passes after two array reads.
     FRONTEND_PORTS(1_024);
     /// Per-CPU counters, one per `counter` index.
-    COUNTERS(crate::counter::COUNT);
+    COUNTERS(crate::stats::counter::COUNT);
     NODE_CONFIG(1);
     LOCAL_NETS(16_384);
     SOURCE_RANGES(16_384);

@@ -1,6 +1,6 @@
 //! Node-wide settings (`NODE_CONFIG`) and the LPM tries (`LOCAL_NETS`, `SOURCE_RANGES`).
 
-use crate::CtTimeouts;
+use crate::conntrack::CtTimeouts;
 
 /// `NodeConfig::flags`: masquerade every service connection (kube-proxy's masqueradeAll).
 pub const CFG_MASQUERADE_ALL: u32 = 1 << 0;

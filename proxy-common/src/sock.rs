@@ -72,13 +72,13 @@ pub struct SockSlot {
 /// after another take consecutive ones) take consecutive slots: a new connection's slot
 /// shares a cache line with the last one's, where a hash bucket would be a cache miss.
 pub const fn sock_slot(cookie: u64) -> u32 {
-    cookie_index(cookie, crate::capacity::SOCK_CONNECTED)
+    cookie_index(cookie, crate::maps::capacity::SOCK_CONNECTED)
 }
 
 /// The `SOCK_LB_COUNTS` index of a socket cookie. Consecutive cookies (sockets released
 /// one after another take consecutive ones) share cache lines.
 pub const fn sock_count_slot(cookie: u64) -> u32 {
-    cookie_index(cookie, crate::capacity::SOCK_LB_COUNTS)
+    cookie_index(cookie, crate::maps::capacity::SOCK_LB_COUNTS)
 }
 
 /// The index of `cookie` in an array of `len` entries indexed by cookie.
