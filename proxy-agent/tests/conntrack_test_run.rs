@@ -15,7 +15,8 @@ use std::net::SocketAddr;
 use proxy_agent::{
     dataplane::bpf::{
         conntrack_gc::{self, monotonic_ns},
-        port_filters::{self, Fresh, marked},
+        port_backfill::{self, Fresh},
+        port_filters::{self, marked},
     },
     model::{FrontendKind, NodeView, Protocol},
 };
@@ -686,7 +687,7 @@ fn replies_are_probed_only_from_marked_ports_and_the_marks_rebuild_from_the_flow
         reply_ports: true,
         frontend_ports: false,
     };
-    let marked_now = port_filters::mark_from_tables(&mut h.maps, fresh).expect("mark");
+    let marked_now = port_backfill::mark_from_tables(&mut h.maps, fresh).expect("mark");
     assert_eq!(marked_now, (1, 0), "one reply tuple's source port");
     assert_eq!(seg(&h, be, client, ACK), (TC_ACT_OK, vip, client));
     assert_eq!(seg(&h, client, vip, ACK), (TC_ACT_OK, client, be));
@@ -715,7 +716,7 @@ fn frontend_ports_are_marked_before_their_services_and_kept_for_live_flows() {
         reply_ports: false,
         frontend_ports: true,
     };
-    let marked_now = port_filters::mark_from_tables(&mut h.maps, fresh).expect("mark");
+    let marked_now = port_backfill::mark_from_tables(&mut h.maps, fresh).expect("mark");
     assert_eq!(
         marked_now,
         (0, 1),
@@ -739,7 +740,7 @@ fn frontend_ports_are_marked_before_their_services_and_kept_for_live_flows() {
             table.remove(&k).expect("remove");
         }
     }
-    let marked_now = port_filters::mark_from_tables(&mut h.maps, fresh).expect("mark");
+    let marked_now = port_backfill::mark_from_tables(&mut h.maps, fresh).expect("mark");
     assert_eq!(
         marked_now,
         (0, 0),

@@ -83,7 +83,7 @@ pub fn spawn(
                 // While flows from before us (kube-proxy's) are left to netfilter, follow
                 // its table: they go from the map as they end there.
                 if m.netfilter_flows.keys().next().is_some()
-                    && let Err(e) = super::refresh_netfilter_flows(m)
+                    && let Err(e) = super::ctnetlink::refresh_netfilter_flows(m)
                 {
                     tracing::warn!(error = format!("{e:#}"), "netfilter flows not refreshed");
                 }

@@ -68,7 +68,7 @@ pub fn forget_udp_flows_to(gone: &[Backend]) -> Result<usize> {
 /// way back) takes them: to the same backend the connection goes on, to another one it
 /// gets a reset. Masqueraded flows are redirected past netfilter and left none. Returns
 /// how many entries went.
-pub fn forget_translated_flows(maps: &super::MapSet) -> Result<usize> {
+pub fn forget_translated_flows(maps: &super::maps::MapSet) -> Result<usize> {
     use proxy_common::CT_F_SNAT;
     let mut nl = Channel::open(NETLINK_NETFILTER, "ctnetlink")?;
     let mut deleted = 0;
@@ -218,7 +218,7 @@ pub fn dnat_flows() -> Result<HashSet<CtKey>> {
 /// Mirrors the kernel's destination-NATed flows into `NETFILTER_FLOWS` (before the
 /// classifier is attached, and then while any are left: entries go as netfilter's go).
 /// Returns how many the map holds now.
-pub fn refresh_netfilter_flows(maps: &mut super::MapSet) -> Result<usize> {
+pub fn refresh_netfilter_flows(maps: &mut super::maps::MapSet) -> Result<usize> {
     let flows = dnat_flows()?;
     let (added, removed) = mirror_netfilter_flows(&mut maps.netfilter_flows, &flows)?;
     if added + removed > 0 {

@@ -22,6 +22,7 @@ pub mod netlink;
 mod options;
 mod pin_lock;
 mod pins;
+pub mod port_backfill;
 pub mod port_filters;
 pub mod program_log;
 mod programs;
@@ -183,11 +184,11 @@ impl BpfDataplane {
                 .zip(&pinned_before)
                 .any(|((name, _), before)| *name == map && !before)
         };
-        let fresh = port_filters::Fresh {
+        let fresh = port_backfill::Fresh {
             reply_ports: made_new(map_names::REPLY_PORTS),
             frontend_ports: made_new(map_names::FRONTEND_PORTS),
         };
-        let (reply, frontend) = port_filters::mark_from_tables(&mut maps, fresh)
+        let (reply, frontend) = port_backfill::mark_from_tables(&mut maps, fresh)
             .context("marking the ports the tables already use in the port filters")?;
         if fresh.reply_ports || fresh.frontend_ports {
             tracing::info!(

@@ -6,7 +6,15 @@ use std::{fs, path::PathBuf, str::FromStr, time::Duration};
 use anyhow::{Context as _, Result, bail};
 use proxy_common::map_names;
 
-use super::{AttachFailures, InterfaceSelector, NodeHooks, TcAttachMode, XdpMode, XdpStatus};
+use super::{
+    attach::{
+        interfaces::InterfaceSelector,
+        links::AttachFailures,
+        ownership::NodeHooks,
+        xdp::{XdpMode, XdpStatus},
+    },
+    kernel::TcAttachMode,
+};
 
 /// Where the agent pins its maps and links unless told otherwise.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/proxy-agent";

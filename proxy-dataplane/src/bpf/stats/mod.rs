@@ -9,13 +9,10 @@
 //! meets the move half-way may miss or repeat them once (as it may meet the fold of a
 //! removed backend's pair).
 
+mod rows;
 mod table;
 
-use std::{
-    collections::{BTreeMap, HashMap, HashSet},
-    net::SocketAddr,
-    ops::AddAssign,
-};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{MapError, PerCpuValues};
@@ -23,53 +20,14 @@ use proxy_common::{
     BackendSlotKey, CT_DIR_FORWARD, CtKey, CtValue, LbStats, MemberKey, PROTO_SCTP, PROTO_TCP,
     PROTO_UDP, SVC_F_WEIGHTED, ServiceValue, StatsKey, map_names,
 };
-use serde::Serialize;
 
+pub use self::rows::{BackendStats, FrontendStats, Totals};
 pub use self::table::{large_number, render_table};
 use super::{
     maps::remove_ignoring_absent,
     maps::{MapSet, is_absent},
 };
 use proxy_model::{Frontend, Protocol, schedule::Scheduler};
-
-/// Connections, packets and bytes, summed over CPUs (and over scopes or frontends).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Totals {
-    pub conns: u64,
-    pub packets_in: u64,
-    pub packets_out: u64,
-    pub bytes_in: u64,
-    pub bytes_out: u64,
-}
-
-impl AddAssign<&LbStats> for Totals {
-    fn add_assign(&mut self, s: &LbStats) {
-        // Wrapping, as the programs' own counters do: a wrapped sum is still a counter.
-        self.conns = self.conns.wrapping_add(s.conns);
-        self.packets_in = self.packets_in.wrapping_add(s.packets_in);
-        self.packets_out = self.packets_out.wrapping_add(s.packets_out);
-        self.bytes_in = self.bytes_in.wrapping_add(s.bytes_in);
-        self.bytes_out = self.bytes_out.wrapping_add(s.bytes_out);
-    }
-}
-
-impl AddAssign<Totals> for Totals {
-    fn add_assign(&mut self, t: Totals) {
-        *self += &LbStats::from(t);
-    }
-}
-
-impl From<Totals> for LbStats {
-    fn from(t: Totals) -> Self {
-        LbStats {
-            conns: t.conns,
-            packets_in: t.packets_in,
-            bytes_in: t.bytes_in,
-            packets_out: t.packets_out,
-            bytes_out: t.bytes_out,
-        }
-    }
-}
 
 /// What an answered flow's entry (keyed `key`) counted — one direction's packets and
 /// bytes — and the pair it counts for; `None` when it holds nothing to add (no packets
@@ -162,60 +120,6 @@ fn add_to(maps: &mut MapSet, key: StatsKey, t: Totals) -> Result<()> {
     maps.lb_stats
         .insert(&key, sum, 0)
         .with_context(|| format!("writing {} {key:?}", map_names::LB_STATS))
-}
-
-impl<'a> std::iter::Sum<&'a LbStats> for Totals {
-    fn sum<I: Iterator<Item = &'a LbStats>>(per_cpu: I) -> Self {
-        let mut t = Totals::default();
-        for s in per_cpu {
-            t += s;
-        }
-        t
-    }
-}
-
-/// One frontend (a virtual service): both scopes' entries in one row.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct FrontendStats {
-    pub address: SocketAddr,
-    #[serde(serialize_with = "as_display")]
-    pub protocol: Protocol,
-    /// `Scheduler::name` of the external (or only) scope.
-    pub scheduler: &'static str,
-    /// The service entries (one per scope) whose counts are summed here.
-    pub service_ids: Vec<u32>,
-    pub stats: Totals,
-    /// Each backend once, however many slots (and scopes) it fills, by address.
-    pub backends: Vec<BackendStats>,
-}
-
-impl FrontendStats {
-    pub fn frontend(&self) -> Frontend {
-        Frontend {
-            ip: self.address.ip(),
-            port: self.address.port(),
-            protocol: self.protocol,
-        }
-    }
-}
-
-/// One backend (a real server) of a frontend.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct BackendStats {
-    pub address: SocketAddr,
-    pub id: u32,
-    /// `WEIGHTS` for weighted least-connection entries; for `wrr` the backend's share of
-    /// the slots (its weight over the weights' common divisor); else 1.
-    pub weight: u32,
-    /// Connections open now, as the collector last counted them (every 10 s).
-    pub active_conns: u64,
-    /// Under this frontend (both scopes), as IPVS counts a real server per virtual
-    /// service.
-    pub stats: Totals,
-}
-
-fn as_display<S: serde::Serializer>(v: &Protocol, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(v)
 }
 
 /// Every programmed frontend with its totals and its backends'.

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::{FrontendStats, Totals};
+use super::rows::{FrontendStats, Totals};
 
 /// ipvsadm's first column: 33 characters, wider for long (IPv6) addresses.
 const MIN_NAME_WIDTH: usize = 33;
@@ -99,7 +99,7 @@ pub fn large_number(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bpf::stats::BackendStats;
+    use crate::bpf::stats::rows::BackendStats;
     use proxy_model::Protocol;
 
     #[test]

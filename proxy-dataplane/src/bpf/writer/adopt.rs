@@ -10,8 +10,8 @@ use proxy_common::{
 };
 
 use super::{
-    Extras, MapState, Programmed,
     generation::{chunk_key, chunks},
+    mirror::{Extras, MapState, Programmed},
 };
 use crate::bpf::{batch, maps::MapSet, members};
 use proxy_model::{EndpointSet, schedule::Schedule};

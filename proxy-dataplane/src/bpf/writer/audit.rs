@@ -21,7 +21,12 @@ use proxy_common::{
     ServiceKey, ServiceValue,
 };
 
-use super::{Extras, MapState, Programmed, adopt::adopt_table, generation::Generation};
+use super::{
+    adopt::adopt_table,
+    audit_pass::{AuditPass, Table},
+    generation::Generation,
+    mirror::{Extras, MapState, Programmed},
+};
 use crate::bpf::{codec::rev_nat_of, maps::remove_ignoring_absent};
 use aya::maps::IterableMap as _;
 
@@ -42,25 +47,6 @@ const MAX_FRONTENDS_PER_STEP: usize = 256;
 /// The most map entries one step reads back (one batch read).
 const MAX_ENTRIES_PER_STEP: usize = 8192;
 
-/// Where the current pass is.
-#[derive(Debug, Default)]
-pub struct Audit {
-    /// The frontends still to check this pass (taken at its start).
-    frontends: Vec<ServiceKey>,
-    /// The maps still to walk this pass, in order, and the current walk.
-    walks: Vec<Table>,
-    walk: Walk,
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Table {
-    Services,
-    Slots,
-    Maglev,
-    Backends,
-    RevNat,
-}
-
 impl MapState {
     /// One step of the audit: about `fraction` of the frontends and of each map's
     /// entries. A new pass begins after the last one ended.
@@ -68,7 +54,7 @@ impl MapState {
         let mut report = AuditReport::default();
         // Nothing left of the last pass (or none yet): a new one.
         if self.audit.frontends.is_empty() && self.audit.walks.is_empty() {
-            self.audit = Audit {
+            self.audit = AuditPass {
                 frontends: self.services.keys().copied().collect(),
                 walks: vec![
                     Table::Services,

@@ -10,7 +10,7 @@ use proxy_common::{
     ServiceValue,
 };
 
-use super::{Extras, MapState, Programmed};
+use super::mirror::{Extras, MapState, Programmed};
 use crate::bpf::{codec::range_key, maps::remove_ignoring_absent};
 use crate::bpf::{maps::MapSet, members};
 use proxy_model::{EndpointSet, schedule::Schedule};

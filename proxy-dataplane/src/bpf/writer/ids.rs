@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use anyhow::Result;
 use proxy_common::Backend;
 
-use super::MapState;
+use super::mirror::MapState;
 use crate::bpf::maps::MapSet;
 
 impl MapState {

@@ -15,21 +15,24 @@ use anyhow::{Context as _, Result};
 use proxy_common::{
     Backend, CtValue, PROTO_UDP, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_DSR,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED,
-    ServiceKey, ServiceValue,
+    ServiceKey,
 };
-use rustc_hash::FxHashMap;
 
 use super::{maps::MapSet, members, stats::Ended};
 
 mod adopt;
 mod audit;
+mod audit_pass;
 mod backend_table;
 mod dsr_permits;
 mod generation;
 mod ids;
+mod mirror;
 mod node;
 
 use self::generation::*;
+use self::mirror::Programmed;
+pub use self::mirror::{LeftUdp, MapState};
 pub use self::node::configure;
 pub use super::codec::service_key;
 use super::codec::{self, *};
@@ -142,116 +145,6 @@ fn desired_entries<'a>(
         }
     }
     out
-}
-
-/// A UDP endpoint that left one frontend (kube-proxy clears such flows per Service port:
-/// the same pod may still serve another Service).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LeftUdp {
-    /// The frontend it left.
-    pub key: ServiceKey,
-    pub rev_nat_id: u32,
-    pub backend_id: u32,
-    pub backend: Backend,
-    /// No frontend uses the backend any more.
-    pub gone: bool,
-}
-
-/// What one frontend looks like in the maps.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Programmed {
-    value: ServiceValue,
-    backend_ids: Box<[u32]>,
-    /// The endpoints `backend_ids` stand for, in slot order: a sync compares these (one
-    /// run of memory) instead of looking up every endpoint's id (a cache miss each, which
-    /// made a one-change sync at 10k Services cost milliseconds). The view's own copy,
-    /// shared: usually `==` finds the one pointer and compares nothing else.
-    endpoints: EndpointSet,
-    /// `backend_ids` are exactly what `endpoints` and `schedule` make (false for an
-    /// adopted set whose slots did not all resolve).
-    complete: bool,
-    /// The schedule `backend_ids` were laid out for (adopted: the scheduler only).
-    schedule: Schedule,
-    /// What few frontends have (a Maglev table, weights, source ranges), apart: 8 bytes
-    /// here instead of three vectors' 72 in every frontend's entry.
-    extras: Option<Box<Extras>>,
-    /// The last sync whose view held this frontend (`MapState::epoch`).
-    seen: u64,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Extras {
-    /// `sh`/`mh`: the Maglev table (indexes into `backend_ids`) in `MAGLEV`.
-    table: Box<[u16]>,
-    /// (backend id, weight) in `WEIGHTS`, by id, for `SVC_F_WEIGHTED` entries: what the
-    /// maps hold, so an adopted entry compares as a written one does.
-    weights: Box<[(u32, u32)]>,
-    ranges: Box<[ipnet::IpNet]>,
-}
-
-impl Extras {
-    /// `None` when all three are empty.
-    fn of(
-        table: Vec<u16>,
-        weights: Vec<(u32, u32)>,
-        ranges: Vec<ipnet::IpNet>,
-    ) -> Option<Box<Self>> {
-        if table.is_empty() && weights.is_empty() && ranges.is_empty() {
-            return None;
-        }
-        Some(Box::new(Self {
-            table: table.into(),
-            weights: weights.into(),
-            ranges: ranges.into(),
-        }))
-    }
-}
-
-impl Programmed {
-    fn table(&self) -> &[u16] {
-        self.extras.as_ref().map_or(&[], |e| &e.table)
-    }
-
-    fn weights(&self) -> &[(u32, u32)] {
-        self.extras.as_ref().map_or(&[], |e| &e.weights)
-    }
-
-    fn ranges(&self) -> &[ipnet::IpNet] {
-        self.extras.as_ref().map_or(&[], |e| &e.ranges)
-    }
-}
-
-/// The agent's mirror of the maps' service, slot and backend entries.
-#[derive(Debug, Default)]
-pub struct MapState {
-    services: FxHashMap<ServiceKey, Programmed>,
-    /// Each backend by id and by value, with how many live slots point at it; a backend
-    /// is deleted at zero. Keeps each sync proportional to what changed, not to the
-    /// number of backends.
-    backends: backend_table::BackendTable,
-    /// Live slots in all (the sum of the backends' references), for the fill gauges.
-    live_slots: u64,
-    /// Backends whose count dropped to zero (or were never used) since the last sweep.
-    maybe_unused: HashSet<u32>,
-    used_service_ids: HashSet<u32>,
-    /// Counts syncs: frontends not `seen` in the current one are removed.
-    epoch: u64,
-    /// UDP endpoints that left a frontend since `take_left_udp` last ran.
-    left_udp: Vec<LeftUdp>,
-    /// `MEMBERS` changes adoption found necessary, written by the next apply.
-    members_fix: members::Reconcile,
-    next_service_id: u32,
-    next_backend_id: u32,
-    /// Where the audit's current pass is.
-    audit: audit::Audit,
-    /// A first programming in batches failed: the retry goes one by one (and says which
-    /// frontends do not fit).
-    bulk_failed: bool,
-    /// Frontends staged ahead of a first programming (`stage`): everything written but
-    /// the service entry, which the next apply writes.
-    unflipped: HashSet<ServiceKey>,
-    /// Direct server return's permits (`DSR_PERMITS`).
-    dsr: dsr_permits::DsrPermits,
 }
 
 impl MapState {

@@ -9,8 +9,8 @@ use proxy_common::{
     LPM_TAG_NODE, LPM_TAG_NODE_PODS, LPM_TAG_PEER_NODE, LPM_TAG_POD, LpmData, NodeConfig,
 };
 
-use crate::bpf::{ConntrackOptions, maps::MapSet};
 use crate::bpf::{codec::lpm_key, maps::remove_ignoring_absent};
+use crate::bpf::{maps::MapSet, options::ConntrackOptions};
 use proxy_model::NodeSettings;
 
 /// Writes the node settings: the masquerade addresses and flags, the pod network and the
