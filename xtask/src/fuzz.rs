@@ -9,7 +9,10 @@ use std::{path::Path, time::Instant};
 
 use anyhow::Result;
 
-use super::{STABLE, cargo, run};
+use crate::{
+    process::run,
+    toolchain::{STABLE, cargo},
+};
 
 /// The fuzzing test targets of `proxy-agent`.
 const TARGETS: [&str; 5] = [
