@@ -4,7 +4,6 @@
 //! what each may import: `docs/architecture.md`.
 
 pub mod config;
-pub mod fanout;
 pub mod feed;
 pub mod health_check;
 pub mod http_server;
@@ -13,7 +12,6 @@ pub mod metrics;
 pub mod runner;
 pub mod source;
 pub mod trace;
-pub mod wire;
 
 /// The model and the node view: a crate of their own (`proxy-model`), so Cargo holds
 /// the wall below the sources, the runner and the dataplane.

@@ -4,7 +4,10 @@
 //! `proxy_agent_` (conntrack fill, BPF events by kind, interface attachments, traffic
 //! per Service port).
 
+mod register;
 mod service_stats;
+
+use self::register::{Labels, counter, gauge, gauge_f64};
 
 use std::{path::Path, sync::atomic::AtomicU64};
 
@@ -15,26 +18,6 @@ use prometheus_client::{
 };
 
 use crate::{dataplane::bpf::MapSet, runner::Status};
-
-type Labels = Vec<(String, String)>;
-
-fn counter(registry: &mut Registry, name: &str, help: &str, v: u64) {
-    let c: Counter = Counter::default();
-    c.inc_by(v);
-    registry.register(name, help, c);
-}
-
-fn gauge(registry: &mut Registry, name: &str, help: &str, v: i64) {
-    let g: Gauge = Gauge::default();
-    g.set(v);
-    registry.register(name, help, g);
-}
-
-fn gauge_f64(registry: &mut Registry, name: &str, help: &str, v: f64) {
-    let g: Gauge<f64, AtomicU64> = Gauge::default();
-    g.set(v);
-    registry.register(name, help, g);
-}
 
 /// What `render_with` reads and includes.
 #[derive(Clone, Copy, Debug, Default)]

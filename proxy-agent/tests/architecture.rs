@@ -8,24 +8,31 @@ use std::{
     path::{Path, PathBuf},
 };
 
-/// The agent's top-level modules by layer (`cli` is the binary's: main.rs and cli/).
+/// The agent's top-level modules by layer (`cli` is the binary's: main.rs and cli/;
+/// `model`, `dataplane` and `netns` are the crates below, re-exported). The feed's folder
+/// holds three layers (`FOLDERS_OF_LAYERS`): its wire format and TLS below the sources
+/// (the feed's client is a source), its server above them.
 const AGENT_LAYERS: &[(&str, u32)] = &[
     ("model", 0),
     ("netns", 0),
-    ("source", 1),
+    ("feed", 0),
     ("dataplane", 1),
     ("health_check", 1),
-    ("wire", 1),
-    ("runner", 2),
-    ("fanout", 2),
-    ("feed", 2),
-    ("trace", 2),
-    ("kube_proxy_cleanup", 2),
-    ("metrics", 3),
-    ("config", 3),
-    ("http_server", 4),
-    ("cli", 5),
+    ("feed::wire", 1),
+    ("feed::tls", 1),
+    ("source", 2),
+    ("runner", 3),
+    ("feed::server", 3),
+    ("trace", 3),
+    ("kube_proxy_cleanup", 3),
+    ("metrics", 4),
+    ("config", 4),
+    ("http_server", 5),
+    ("cli", 6),
 ];
+
+/// Top-level folders whose children have layers of their own (`feed::wire`).
+const FOLDERS_OF_LAYERS: &[&str] = &["feed"];
 
 /// The BPF programs' modules by layer, as proxy-ebpf/src/main.rs lists them.
 const EBPF_LAYERS: &[(&str, u32)] = &[
@@ -105,7 +112,35 @@ fn bpf_modules_import_only_lower_layers() {
 /// not list, so the wall is its manifest — and its code names none of them either.
 #[test]
 fn the_model_uses_no_kernel_side_crate() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proxy-model");
+    let problems = crate_uses("proxy-model", NOT_IN_THE_MODEL);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Crates of the Kubernetes side, the HTTP servers and the agent: the dataplane knows
+/// none of them (it takes a node view and settings, and gives reports).
+const NOT_IN_THE_DATAPLANE: &[&str] = &[
+    "proxy_agent",
+    "kube",
+    "k8s_openapi",
+    "axum",
+    "hyper",
+    "tonic",
+    "prometheus_client",
+    "clap",
+];
+
+/// The dataplane is a crate of its own (`proxy-dataplane`), below the sources, the runner
+/// and the agent's config: its manifest and its code name none of their crates.
+#[test]
+fn the_dataplane_uses_no_agent_side_crate() {
+    let problems = crate_uses("proxy-dataplane", NOT_IN_THE_DATAPLANE);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Where the crate at `dir` (its manifest's `[dependencies]`, its code) names one of
+/// `forbidden`.
+fn crate_uses(dir: &str, forbidden: &[&'static str]) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(dir);
     let manifest = read(&root.join("Cargo.toml"));
     let deps = manifest
         .split("[dependencies]")
@@ -114,7 +149,7 @@ fn the_model_uses_no_kernel_side_crate() {
         .split("\n[")
         .next()
         .unwrap_or_default();
-    let mut problems: Vec<String> = NOT_IN_THE_MODEL
+    let mut problems: Vec<String> = forbidden
         .iter()
         .filter(|c| {
             let name = c.replace('_', "-");
@@ -123,13 +158,14 @@ fn the_model_uses_no_kernel_side_crate() {
                     || l.trim_start().starts_with(&format!("{name}="))
             })
         })
-        .map(|c| format!("proxy-model/Cargo.toml depends on {c}"))
+        .map(|c| format!("{dir}/Cargo.toml depends on {c}"))
         .collect();
     for file in rust_files(&root.join("src")) {
         let code = code_of(&read(&file));
-        problems.extend(foreign_crates(&code).map(|c| format!("{}: {c}", file.display())));
+        problems
+            .extend(foreign_crates(&code, forbidden).map(|c| format!("{}: {c}", file.display())));
     }
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    problems
 }
 
 /// Inside the model crate: no two modules import each other, however far round, and a
@@ -182,6 +218,7 @@ fn no_source_file_is_over_700_lines() {
     for krate in [
         "proxy-agent",
         "proxy-model",
+        "proxy-dataplane",
         "proxy-common",
         "proxy-ebpf",
         "xtask",
@@ -200,6 +237,229 @@ fn no_source_file_is_over_700_lines() {
         }
     }
     assert!(long.is_empty(), "split these:\n{}", long.join("\n"));
+}
+
+/// Inside every crate of the product, no two modules import each other however far round
+/// (a parent that uses its child, and a child that imports the parent's own items, make
+/// a circle too): each module imports the leaf that defines what it uses. Read from
+/// `crate::`, `super::`, `self::` and child-module paths, each to the deepest module it
+/// names.
+#[test]
+fn no_crate_has_a_circle_between_its_modules() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut problems = Vec::new();
+    for krate in PRODUCT_CRATES {
+        let src = root.join(krate).join("src");
+        let graph = module_graph(&src);
+        assert!(graph.len() > 1, "no modules under {}", src.display());
+        problems.extend(circles(&graph).into_iter().map(|c| format!("{krate}: {c}")));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The crates `no_crate_has_a_circle_between_its_modules` reads.
+const PRODUCT_CRATES: &[&str] = &[
+    "proxy-common",
+    "proxy-model",
+    "proxy-dataplane",
+    "proxy-agent",
+    "proxy-ebpf",
+    "xtask",
+];
+
+/// Each module of the crate at `src` (named by its path, `bpf::writer`; the root is
+/// `crate`) with the modules its code names. Test files (`tests.rs`, `*_tests.rs`) and
+/// `#[cfg(test)]` items are left out; `src/bin/` holds crates of their own.
+fn module_graph(src: &Path) -> BTreeMap<String, Vec<String>> {
+    let files: Vec<(Vec<String>, PathBuf)> = rust_files(src)
+        .into_iter()
+        .filter(|f| {
+            !f.file_stem()
+                .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
+        })
+        .filter_map(|f| {
+            let rel = f.strip_prefix(src).ok()?.to_path_buf();
+            if rel.starts_with("bin") {
+                return None;
+            }
+            let mut path = module_path(&rel);
+            if path == ["lib"] {
+                path.clear();
+            }
+            Some((path, f))
+        })
+        .collect();
+    let modules: std::collections::BTreeSet<Vec<String>> =
+        files.iter().map(|(p, _)| p.clone()).collect();
+    let name = |p: &[String]| {
+        if p.is_empty() {
+            "crate".to_string()
+        } else {
+            p.join("::")
+        }
+    };
+    let mut graph: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (own, file) in &files {
+        let code = code_of(&read(file));
+        let children: Vec<String> = modules
+            .iter()
+            .filter(|m| m.len() == own.len() + 1 && m.starts_with(own))
+            .map(|m| m[own.len()].clone())
+            .collect();
+        let edges = graph.entry(name(own)).or_default();
+        for named in named_paths(own, &children, &code) {
+            let deepest = (0..=named.len())
+                .rev()
+                .map(|n| &named[..n])
+                .find(|p| modules.contains(*p))
+                .unwrap_or(&[]);
+            let target = name(deepest);
+            if deepest != own.as_slice() && !edges.contains(&target) {
+                edges.push(target);
+            }
+        }
+    }
+    graph
+}
+
+/// The paths from the crate root that `code`, module `own`'s, names through `crate::`,
+/// `super::`, `self::` or one of its `children`; a `use` group gives each of its paths.
+fn named_paths(own: &[String], children: &[String], code: &str) -> Vec<Vec<String>> {
+    let bytes = code.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < code.len() {
+        let rest = &code[i..];
+        let boundary = i == 0
+            || !(bytes[i - 1].is_ascii_alphanumeric()
+                || bytes[i - 1] == b'_'
+                || bytes[i - 1] == b':');
+        let start: Option<(Vec<String>, &str)> = if !boundary {
+            None
+        } else if let Some(r) = rest.strip_prefix("crate::") {
+            Some((Vec::new(), r))
+        } else if rest.starts_with("super::") {
+            let mut r = rest;
+            let mut base = own.to_vec();
+            while let Some(after) = r.strip_prefix("super::") {
+                base.pop();
+                r = after;
+            }
+            Some((base, r))
+        } else if let Some(r) = rest.strip_prefix("self::") {
+            Some((own.to_vec(), r))
+        } else {
+            children.iter().find_map(|c| {
+                let r = rest.strip_prefix(c.as_str())?.strip_prefix("::")?;
+                let mut base = own.to_vec();
+                base.push(c.clone());
+                Some((base, r))
+            })
+        };
+        let Some((base, after)) = start else {
+            // Another crate's path (`aya::maps::{..}`): its group's names are not ours.
+            let foreign = boundary
+                .then(|| ident(rest))
+                .flatten()
+                .filter(|id| rest[id.len()..].starts_with("::"));
+            i += match foreign {
+                Some(id) => {
+                    let after = &rest[id.len() + 2..];
+                    let mut at = 0;
+                    use_tree_at(after, &mut at);
+                    id.len() + 2 + at.max(1)
+                }
+                None => rest.chars().next().map_or(1, char::len_utf8),
+            };
+            continue;
+        };
+        for tail in use_tree(after) {
+            let mut full = base.clone();
+            full.extend(tail);
+            out.push(full);
+        }
+        i += rest.len() - after.len();
+    }
+    out
+}
+
+/// The paths of a use tree (or an expression's path) at the start of `text`:
+/// `a::{b, c::{d, e}}` gives `a::b`, `a::c::d`, `a::c::e`.
+fn use_tree(text: &str) -> Vec<Vec<String>> {
+    use_tree_at(text, &mut 0)
+}
+
+/// [`use_tree`] from `at`, which it leaves after the tree.
+fn use_tree_at(text: &str, at: &mut usize) -> Vec<Vec<String>> {
+    return tree(text, at);
+
+    fn tree(text: &str, at: &mut usize) -> Vec<Vec<String>> {
+        let mut segs = Vec::new();
+        loop {
+            let rest = text[*at..].trim_start();
+            *at = text.len() - rest.len();
+            if let Some(group) = rest.strip_prefix('{') {
+                *at = text.len() - group.len();
+                let mut out = Vec::new();
+                loop {
+                    for tail in tree(text, at) {
+                        let mut full: Vec<String> = segs.clone();
+                        full.extend(tail);
+                        out.push(full);
+                    }
+                    let rest = text[*at..].trim_start();
+                    *at = text.len() - rest.len();
+                    match rest.chars().next() {
+                        Some(',') => {
+                            *at += 1;
+                            if text[*at..].trim_start().starts_with('}') {
+                                let r = text[*at..].trim_start();
+                                *at = text.len() - r.len() + 1;
+                                return out;
+                            }
+                        }
+                        Some('}') => {
+                            *at += 1;
+                            return out;
+                        }
+                        _ => return out,
+                    }
+                }
+            }
+            let Some(id) = ident(rest) else {
+                return vec![segs];
+            };
+            *at += id.len();
+            segs.push(id);
+            match text[*at..].strip_prefix("::") {
+                Some(_) => *at += 2,
+                None => return vec![segs],
+            }
+        }
+    }
+}
+
+#[test]
+fn the_module_graph_reads_paths() {
+    let own = ["bpf".to_string(), "writer".to_string()];
+    let children = ["node".to_string()];
+    let paths = named_paths(
+        &own,
+        &children,
+        "use crate::{a::b, c::{d, e}}; use super::maps::M; fn f() { self::node::g(); node::h(); x::node::y(); } use aya::{node::Z, maps};",
+    );
+    let paths: Vec<String> = paths.iter().map(|p| p.join("::")).collect();
+    assert_eq!(
+        paths,
+        [
+            "a::b",
+            "c::d",
+            "c::e",
+            "bpf::maps::M",
+            "bpf::writer::node::g",
+            "bpf::writer::node::h"
+        ]
+    );
 }
 
 /// Each circle of `edges` once, as `a -> b -> a`.
@@ -328,9 +588,10 @@ fn the_checker_catches_upward_imports() {
         "same layer"
     );
     assert!(bpf("pipeline", "use crate::{conntrack, nat, verdict::PASS_ON};").is_empty());
-    let foreign: Vec<&str> = foreign_crates(&code_of(
-        "use aya::maps::HashMap; fn f() { proxy_common::addr::to_words(x); }",
-    ))
+    let foreign: Vec<&str> = foreign_crates(
+        &code_of("use aya::maps::HashMap; fn f() { proxy_common::addr::to_words(x); }"),
+        NOT_IN_THE_MODEL,
+    )
     .collect();
     assert_eq!(foreign, ["proxy_common", "aya"]);
 }
@@ -360,12 +621,17 @@ fn check_crate(
     problems
 }
 
-/// The agent's top-level module a file belongs to.
+/// The agent's top-level module a file belongs to (`feed::wire` in a folder of layers).
 fn agent_module_of(rel: &Path) -> Option<String> {
-    let first = rel.iter().next()?.to_str()?;
-    Some(match first {
-        "main.rs" => "cli".to_string(),
-        f => f.trim_end_matches(".rs").to_string(),
+    let mut parts = rel.iter();
+    let first = parts.next()?.to_str()?;
+    let second = parts.next().and_then(|p| p.to_str());
+    Some(match (first, second) {
+        ("main.rs", _) => "cli".to_string(),
+        (f, Some(child)) if FOLDERS_OF_LAYERS.contains(&f) && child != "mod.rs" => {
+            format!("{f}::{}", child.trim_end_matches(".rs"))
+        }
+        (f, _) => f.trim_end_matches(".rs").to_string(),
     })
 }
 
@@ -474,9 +740,24 @@ fn first_segments(after: &str) -> Vec<String> {
             }
         }
         items.push(current);
-        return items.iter().filter_map(|it| ident(it.trim())).collect();
+        return items
+            .iter()
+            .filter_map(|it| layer_unit(it.trim()))
+            .collect();
     }
-    ident(after).into_iter().collect()
+    layer_unit(after).into_iter().collect()
+}
+
+/// The module a path starting at `s` names, as the layer tables name them: its first
+/// segment, or two in a folder of layers (`feed::wire`).
+fn layer_unit(s: &str) -> Option<String> {
+    let id = ident(s)?;
+    if FOLDERS_OF_LAYERS.contains(&id.as_str())
+        && let Some(child) = s[id.len()..].strip_prefix("::").and_then(ident)
+    {
+        return Some(format!("{id}::{child}"));
+    }
+    Some(id)
 }
 
 fn ident(s: &str) -> Option<String> {
@@ -487,9 +768,12 @@ fn ident(s: &str) -> Option<String> {
     (!id.is_empty() && id != "self").then_some(id)
 }
 
-/// Crates the model must not name.
-fn foreign_crates(code: &str) -> impl Iterator<Item = &'static str> + '_ {
-    NOT_IN_THE_MODEL.iter().copied().filter(move |c| {
+/// The crates of `forbidden` that `code` names.
+fn foreign_crates<'a>(
+    code: &'a str,
+    forbidden: &'a [&'static str],
+) -> impl Iterator<Item = &'static str> + 'a {
+    forbidden.iter().copied().filter(move |c| {
         let needle = format!("{c}::");
         code.match_indices(&needle).any(|(at, _)| {
             at == 0 || {

@@ -8,12 +8,12 @@ use std::{path::Path, sync::Arc, time::Duration};
 
 use k8s_openapi::api::core::v1::Service;
 use proxy_agent::{
-    fanout::{Cut, Hub, HubOptions, grpc},
-    source::Snapshot,
-    wire::{
+    feed::server::{Cut, Hub, HubOptions, grpc},
+    feed::{
         tls::{Reloading, TlsFiles},
-        v1,
+        wire::v1,
     },
+    source::Snapshot,
 };
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,

@@ -9,9 +9,9 @@ use std::{sync::Arc, time::Duration};
 
 use k8s_openapi::api::core::v1::Service;
 use proxy_agent::{
-    fanout::{Cut, Hub, HubOptions, grpc},
+    feed::server::{Cut, Hub, HubOptions, grpc},
+    feed::wire::v1,
     source::Snapshot,
-    wire::v1,
 };
 
 /// A hub holding `n` Services (~60 bytes each on the wire).

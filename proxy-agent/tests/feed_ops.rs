@@ -10,10 +10,10 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;
 use prost::Message as _;
 use proxy_agent::{
-    fanout::{Hub, HubOptions, Reads, grpc::parts_of, mailbox::Mailbox},
+    feed::server::{Hub, HubOptions, Reads, grpc::parts_of, mailbox::Mailbox},
+    feed::wire::{NodeState, Parts, v1},
     model::{ClusterModel, NodeInfo, ObjectRef, ViewConfig, ViewTracker, node_view},
     source::Snapshot,
-    wire::{NodeState, Parts, v1},
 };
 use serde_json::json;
 

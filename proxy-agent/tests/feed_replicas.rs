@@ -15,12 +15,12 @@ use std::{
 
 use k8s_openapi::api::core::v1::Service;
 use proxy_agent::{
-    fanout::{Cut, Hub, HubOptions, grpc, http},
-    feed::{self, FeedOptions},
+    feed::server::{Cut, Hub, HubOptions, grpc, http},
+    feed::wire::{is_no_view, v1},
     model::NodeInfo,
     runner::Status,
+    source::feed::{self, FeedOptions},
     source::{self, SharedSnapshot, Snapshot},
-    wire::{is_no_view, v1},
 };
 use serde_json::json;
 use support::fake_apiserver::{FakeApiServer, Kind};
@@ -228,14 +228,14 @@ async fn a_replica_says_it_has_no_view_until_its_first_list_and_after_its_watch_
     };
     let (tx, rx) = watch::channel(None);
     tokio::spawn(source::kube::run(api.client(), opts, tx));
-    tokio::spawn(proxy_agent::fanout::follow(Arc::clone(&hub), rx));
+    tokio::spawn(proxy_agent::feed::server::follow(Arc::clone(&hub), rx));
     let bound = Duration::from_secs(2);
-    tokio::spawn(proxy_agent::fanout::judge_view(
+    tokio::spawn(proxy_agent::feed::server::judge_view(
         Arc::downgrade(&hub),
         health.clone(),
         bound,
     ));
-    tokio::spawn(proxy_agent::fanout::probe_api(
+    tokio::spawn(proxy_agent::feed::server::probe_api(
         api.client(),
         health,
         Duration::from_millis(300),

@@ -10,9 +10,9 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proptest::prelude::*;
 use prost::Message as _;
 use proxy_agent::{
-    fanout::snapshot_ops,
+    feed::server::snapshot_ops,
+    feed::wire::{NodeState, Parts, v1},
     model::{ClusterModel, NodeInfo},
-    wire::{NodeState, Parts, v1},
 };
 use serde_json::json;
 

@@ -309,20 +309,20 @@ pub async fn run(args: RunArgs) -> Result<()> {
             });
             let tls = flags
                 .or_else(|| cfg.feed_tls.clone())
-                .map(|[cert, key, ca]| proxy_agent::wire::tls::TlsFiles { cert, key, ca });
+                .map(|[cert, key, ca]| proxy_agent::feed::tls::TlsFiles { cert, key, ca });
             let link = status.clone();
-            let opts = proxy_agent::feed::FeedOptions {
+            let opts = proxy_agent::source::feed::FeedOptions {
                 servers,
                 node,
                 tls,
                 on_link: std::sync::Arc::new(move |up| {
                     link.source_link(up, std::time::Instant::now())
                 }),
-                prefer_every: proxy_agent::feed::PREFER_EVERY,
+                prefer_every: proxy_agent::source::feed::PREFER_EVERY,
             };
             // No server yet is a link not yet made: /healthz counts from now.
             status.source_link(false, std::time::Instant::now());
-            tokio::spawn(proxy_agent::feed::run(opts, tx));
+            tokio::spawn(proxy_agent::source::feed::run(opts, tx));
         }
         SourceKind::Files => {
             let dir = args.manifests.clone();

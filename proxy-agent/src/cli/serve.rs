@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result};
 use clap::Args;
 use proxy_agent::{
-    fanout::{self, Hub, HubOptions, grpc},
+    feed::server::{self, Hub, HubOptions, grpc},
+    feed::tls::{Reloading, TlsFiles},
     source,
-    wire::tls::{Reloading, TlsFiles},
 };
 
 #[derive(Args)]
@@ -130,7 +130,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
                 ..Default::default()
             };
             let bound = std::time::Duration::from_secs(args.api_lost_after_s);
-            tokio::spawn(fanout::judge_view(
+            tokio::spawn(server::judge_view(
                 std::sync::Arc::downgrade(&hub),
                 opts.health.clone(),
                 bound,
@@ -141,7 +141,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
                 std::time::Duration::from_secs(1),
                 std::time::Duration::from_secs(10),
             );
-            tokio::spawn(fanout::probe_api(
+            tokio::spawn(server::probe_api(
                 client.clone(),
                 opts.health.clone(),
                 every,
@@ -153,13 +153,13 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         }
         other => anyhow::bail!("--source {other:?}: expected kube or files"),
     }
-    tokio::spawn(fanout::follow(std::sync::Arc::clone(&hub), rx));
+    tokio::spawn(server::follow(std::sync::Arc::clone(&hub), rx));
     if !args.metrics_address.is_empty() {
         let addr: std::net::SocketAddr = args
             .metrics_address
             .parse()
             .with_context(|| format!("--metrics-address {:?}", args.metrics_address))?;
-        let app = fanout::http::app(std::sync::Arc::clone(&hub));
+        let app = server::http::app(std::sync::Arc::clone(&hub));
         tokio::spawn(proxy_agent::health_check::serve_retrying(
             addr,
             app,

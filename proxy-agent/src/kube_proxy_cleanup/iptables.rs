@@ -11,7 +11,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use super::{Outcome, Report};
+use super::report::{Outcome, Report};
 
 /// Fixed chains of kube-proxy's iptables and IPVS modes, by table
 /// (pkg/proxy/iptables/cleanup.go, pkg/proxy/ipvs/proxier.go `iptablesCleanupChains`).

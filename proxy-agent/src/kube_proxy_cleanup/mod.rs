@@ -4,8 +4,11 @@
 //! and that dummy device — and reports what it removed, what it left and why.
 
 mod iptables;
+mod report;
 
-use std::{fmt, net::IpAddr};
+pub use report::{Outcome, Report};
+
+use std::net::IpAddr;
 
 use anyhow::{Context as _, Result, bail};
 use netlink_packet_core::{NLM_F_REQUEST, NetlinkPayload};
@@ -20,49 +23,6 @@ use crate::dataplane::bpf::netlink::Channel;
 
 /// The dummy device kube-proxy's IPVS mode binds Service addresses to.
 pub const IPVS_DEVICE: &str = "kube-ipvs0";
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Removed,
-    Left,
-    Failed,
-}
-
-/// Every line of the cleanup: what, where, and the outcome.
-#[derive(Debug, Default)]
-pub struct Report {
-    pub lines: Vec<(Outcome, String, String)>,
-}
-
-impl Report {
-    fn add(&mut self, outcome: Outcome, place: &str, what: String) {
-        self.lines.push((outcome, place.to_string(), what));
-    }
-
-    pub fn count(&self, outcome: Outcome) -> usize {
-        self.lines.iter().filter(|(o, ..)| *o == outcome).count()
-    }
-}
-
-impl fmt::Display for Report {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (outcome, place, what) in &self.lines {
-            let o = match outcome {
-                Outcome::Removed => "removed",
-                Outcome::Left => "left",
-                Outcome::Failed => "FAILED",
-            };
-            writeln!(f, "{o:<8} {place:<16} {what}")?;
-        }
-        write!(
-            f,
-            "{} removed, {} left, {} failed",
-            self.count(Outcome::Removed),
-            self.count(Outcome::Left),
-            self.count(Outcome::Failed)
-        )
-    }
-}
 
 /// Runs every step; one that fails is reported and the others still run.
 pub fn cleanup() -> Report {

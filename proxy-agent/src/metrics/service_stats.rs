@@ -10,7 +10,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use super::Labels;
+use super::register::Labels;
 use crate::{
     dataplane::bpf::stats::Totals,
     model::{Frontend, NodeView},

@@ -153,6 +153,9 @@ fn readable_meta(value: &serde_json::Value) -> ObjectMeta {
     }
 }
 
+/// The longest watch error logged (the rest is cut).
+pub const MAX_LOGGED_ERROR: usize = 1024;
+
 /// `text` cut to at most `max` bytes (at a character boundary), saying how much was cut.
 pub fn cap(text: &str, max: usize) -> String {
     if text.len() <= max {

@@ -19,9 +19,12 @@ use tokio::time::Instant;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::{
+    feed::{
+        tls::TlsFiles,
+        wire::{KEEPALIVE, NodeState, OpError, Parts, is_no_view, v1},
+    },
     model::NodeInfo,
     source::{ChangeCounts, SharedSnapshot, Snapshot},
-    wire::{KEEPALIVE, NodeState, OpError, Parts, is_no_view, tls::TlsFiles, v1},
 };
 
 /// A stream that gives no data this long is left (the server sends a keepalive every

@@ -25,9 +25,6 @@ use store::{Store, Update};
 
 use super::{api_server::ApiCounters, decoded::Decoded};
 
-/// The longest watch error logged (the rest is cut).
-const MAX_LOGGED_ERROR: usize = 1024;
-
 /// How often a source that cannot publish yet says what it waits for.
 const WAITING_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 

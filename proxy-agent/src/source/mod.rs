@@ -7,6 +7,7 @@
 pub mod api_server;
 pub mod decoded;
 pub mod events;
+pub mod feed;
 pub mod files;
 pub mod kube;
 

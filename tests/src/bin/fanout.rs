@@ -29,7 +29,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use prost::Message as _;
-use proxy_agent::{fanout::grpc, wire::v1};
+use proxy_agent::feed::{server::grpc, wire::v1};
 use proxy_e2e::{
     churn::{cpu_seconds, free_port, http_get, memory_mib},
     fake_apiserver::{FakeApiServer, Options, Population},

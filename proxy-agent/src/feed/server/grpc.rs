@@ -13,9 +13,9 @@ use super::{
     Cut, Encoded, Hub,
     mailbox::{Drained, Mailbox, OpKey},
 };
-use crate::wire::v1::{self, node_feed_server::NodeFeed};
+use crate::feed::wire::v1::{self, node_feed_server::NodeFeed};
 
-use crate::wire::KEEPALIVE;
+use crate::feed::wire::KEEPALIVE;
 
 /// How the server learns who a client is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,7 +172,7 @@ impl NodeFeed for Feed {
         if let Some(why) = self.hub.no_view_reason() {
             self.hub.count_cut(Cut::NoView);
             tracing::info!(%node, why, "a node asked for its view; there is none to give");
-            return Err(crate::wire::no_view_status(why));
+            return Err(crate::feed::wire::no_view_status(why));
         }
         let Some(slot) = self.hub.stream_slot(&node, self.limits.streams_per_node) else {
             self.hub.count_cut(Cut::StreamsPerNode);
@@ -284,7 +284,7 @@ impl Sending {
                 Next::NoView(why) => {
                     self.hub.count_cut(Cut::NoView);
                     tracing::info!(node = %self.mb.node, why, "ending the node's stream");
-                    return Err(crate::wire::no_view_status(why));
+                    return Err(crate::feed::wire::no_view_status(why));
                 }
                 Next::Idle(idle_at) => {
                     // A keepalive: no ops, and the revision as of the drain that found
@@ -549,7 +549,7 @@ pub fn raise_fd_limit() -> std::io::Result<u64> {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     feed: Feed,
-    tls: Option<Arc<crate::wire::tls::Reloading>>,
+    tls: Option<Arc<crate::feed::tls::Reloading>>,
 ) -> anyhow::Result<()> {
     use anyhow::Context as _;
     let hub = Arc::clone(&feed.hub);

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::Encoded;
+use super::stream::{Encoded, Reads};
 use crate::model::ObjectRef;
 
 /// What one op is about: a later op on the same key replaces an earlier one.
@@ -48,7 +48,7 @@ pub enum Drained {
 pub struct Mailbox {
     pub node: String,
     /// What the node reads beyond the model and its own Node.
-    pub reads: super::Reads,
+    pub reads: Reads,
     pub pending: std::sync::Mutex<Pending>,
     pub notify: tokio::sync::Notify,
     /// The most coalesced ops held before the node gets a snapshot instead.
@@ -56,7 +56,7 @@ pub struct Mailbox {
 }
 
 impl Mailbox {
-    pub fn new(node: String, reads: super::Reads, bound: usize, pending: Pending) -> Self {
+    pub fn new(node: String, reads: Reads, bound: usize, pending: Pending) -> Self {
         Self {
             node,
             reads,

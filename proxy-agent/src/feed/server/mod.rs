@@ -14,6 +14,9 @@
 pub mod grpc;
 pub mod http;
 pub mod mailbox;
+mod stream;
+
+pub use stream::{Encoded, Reads};
 
 use std::{
     collections::VecDeque,
@@ -22,14 +25,11 @@ use std::{
 
 use prost::Message as _;
 
+use crate::feed::wire::{convert, v1};
 use crate::model::{ClusterModel, NodeInfo, ObjectChange};
 use crate::source::Snapshot;
-use crate::wire::{convert, v1};
 
 use mailbox::{Mailbox, OpKey, Pending, Whole};
-
-/// An op (`v1::Op`) as it goes on the wire: encoded once, shared by every node.
-pub type Encoded = bytes::Bytes;
 
 fn encode(op: v1::op::Op) -> Encoded {
     Encoded::from(v1::Op { op: Some(op) }.encode_to_vec())
@@ -80,14 +80,6 @@ impl Audience {
             Audience::Peers => reads.peers,
         }
     }
-}
-
-/// What a node's stream reads beyond the model and its own Node (`WatchRequest`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Reads {
-    /// Every Node's addresses (`accepts_peers`): an agent older than these ops refuses
-    /// a batch that holds one, so only those that ask get them.
-    pub peers: bool,
 }
 
 struct State {

@@ -1,12 +1,18 @@
 //! The node-view feed's wire format (`proto/proxy/nodeview/v1/nodeview.proto`): the
-//! generated messages and service, the compact model spelled as messages and read back
-//! (`convert`), a node's state as the ops build it (`NodeState`), and the mutual TLS
-//! both ends use (`tls`). Shared by the
-//! server (`fanout`) and the agent's feed source (`feed`).
+//! generated messages and service (`v1`), the compact model spelled as messages and read
+//! back (`convert`), a node's state as the ops build it (`NodeState`). Shared by the
+//! server (`feed::server`) and the agent's feed source (`source::feed`).
 
 pub mod convert;
+mod parts;
 mod state;
-pub mod tls;
+/// The generated code of `proxy.nodeview.v1`.
+#[allow(
+    clippy::all,
+    missing_docs,
+    reason = "code generated from the .proto by build.rs"
+)]
+pub mod v1;
 
 /// How often an idle stream says it is alive (and at which revision): the agent counts
 /// its data as current while these arrive.
@@ -44,17 +50,4 @@ pub fn is_no_view(status: &tonic::Status) -> bool {
             .is_some_and(|v| v.as_bytes() == b"none")
 }
 
-/// The generated code of `proxy.nodeview.v1`.
-#[allow(
-    clippy::all,
-    missing_docs,
-    reason = "code generated from the .proto by build.rs"
-)]
-pub mod v1 {
-    tonic::include_proto!("proxy.nodeview.v1");
-    // The server of `NodeFeed` (build.rs): it streams `EncodedBatch`.
-    include!(concat!(env!("OUT_DIR"), "/proxy.nodeview.v1.NodeFeed.rs"));
-}
-
-mod parts;
 pub use parts::Parts;

@@ -15,7 +15,7 @@ use std::{
 use http::{Method, Request, Response, StatusCode, header::RETRY_AFTER};
 use tower::{BoxError, Service, ServiceExt as _};
 
-use super::{ApiCounters, ApiErrorKind, resource_of};
+use super::counters::{ApiCounters, ApiErrorKind, resource_of};
 
 /// client-go's `maxRetries` for a request.
 pub const MAX_RETRIES: u32 = 10;

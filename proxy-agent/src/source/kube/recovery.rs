@@ -26,10 +26,10 @@ use kube::{Api, runtime::watcher};
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
-use super::MAX_LOGGED_ERROR;
 use crate::source::api_server::{
     ApiCounters, ApiErrorKind, EventTooLarge, ListPageTooLarge, error_chain, find_in_chain,
 };
+use crate::source::decoded::MAX_LOGGED_ERROR;
 
 /// client-go's reflector backoff: 800 ms doubling to 30 s, reset after 2 quiet minutes.
 #[derive(Clone, Debug)]
