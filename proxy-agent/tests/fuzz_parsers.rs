@@ -19,7 +19,8 @@ use proptest::{prelude::*, sample::Index, test_runner::TestCaseError};
 use proxy_agent::{
     config::{Config, MAX_SYNC_PERIOD, parse_duration},
     model::{
-        ClusterModel, FrontendKind, NodeInfo, NodeView, ObjectRef, Rejection, ViewConfig, node_view,
+        ClusterModel, FrontendKind, NodeInfo, NodeView, ObjectRef, Rejection, ViewConfig,
+        error::ObjectKind, node_view,
     },
     source::files::{self, ManifestError},
     trace,
@@ -611,7 +612,10 @@ fn checked_view(
         }
     }
     for r in &rejected {
-        prop_assert!(matches!(r.kind, "Service" | "EndpointSlice"), "{r:?}");
+        prop_assert!(
+            matches!(r.kind, ObjectKind::Service | ObjectKind::EndpointSlice),
+            "{r:?}"
+        );
         prop_assert!(!r.object.name.is_empty() && !r.reason.is_empty(), "{r:?}");
     }
     for (sref, svc) in model.services() {
@@ -622,7 +626,7 @@ fn checked_view(
         let programmed = view.values().any(|st| st.service.starts_with(&prefix));
         let refused = rejected
             .iter()
-            .any(|r| r.kind == "Service" && &r.object == sref);
+            .any(|r| r.kind == ObjectKind::Service && &r.object == sref);
         prop_assert!(
             programmed || refused,
             "{sref} neither programmed nor refused: {:?}",

@@ -50,14 +50,14 @@ impl fmt::Display for LbMode {
 }
 
 impl FromStr for LbMode {
-    type Err = String;
+    type Err = crate::error::SettingError;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim();
         Self::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .ok_or_else(|| format!("unknown load-balancer mode {s:?} (one of snat, dsr, hybrid)"))
+            .ok_or_else(|| crate::error::SettingError::UnknownLbMode(s.to_string()))
     }
 }
 

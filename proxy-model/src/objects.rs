@@ -22,7 +22,13 @@ use k8s_openapi::{
 use serde::Serialize;
 
 pub use super::endpoint::{EndpointInfo, NodeName};
-use super::{frontend::Protocol, slice_endpoints::SliceEndpoints, sloppy};
+use super::{
+    error::{PortError, SpecialIp},
+    frontend::Protocol,
+    service_error::ServiceError,
+    slice_endpoints::SliceEndpoints,
+    sloppy,
+};
 use super::{lb_mode, schedule};
 
 /// Label that ties an EndpointSlice to its Service.
@@ -62,7 +68,7 @@ pub struct RareFields {
     /// The `service.kubernetes.io/service-proxy-name` label, if any.
     pub proxy_name: Option<String>,
     /// The Service as a whole cannot be used (no spec, bad ports, bad cluster IPs): why.
-    pub invalid: Option<String>,
+    pub invalid: Option<ServiceError>,
     pub external_ips: Vec<IpAddr>,
     /// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones.
     pub lb_ips: Vec<IpAddr>,
@@ -140,7 +146,7 @@ pub struct PortInfo {
     /// cluster's Services repeat a few names ("http", "dns").
     pub name: Arc<str>,
     /// Port number and protocol, or why they are unusable.
-    pub port: Result<(u16, Protocol), String>,
+    pub port: Result<(u16, Protocol), PortError>,
     pub node_port: Option<u16>,
     pub target_port: TargetPort,
 }
@@ -225,12 +231,13 @@ pub fn intern(name: &str) -> Arc<str> {
     n
 }
 
-pub fn protocol(raw: Option<&str>) -> Result<Protocol, String> {
+/// The protocol a port's `protocol` names (TCP when it names none), if we serve it.
+pub fn protocol(raw: Option<&str>) -> Option<Protocol> {
     match raw.unwrap_or("TCP") {
-        "TCP" => Ok(Protocol::Tcp),
-        "UDP" => Ok(Protocol::Udp),
-        "SCTP" => Ok(Protocol::Sctp),
-        other => Err(other.to_string()),
+        "TCP" => Some(Protocol::Tcp),
+        "UDP" => Some(Protocol::Udp),
+        "SCTP" => Some(Protocol::Sctp),
+        _ => None,
     }
 }
 
@@ -247,7 +254,7 @@ impl ServiceInfo {
             return Self {
                 rare: Rare::new(RareFields {
                     proxy_name,
-                    invalid: Some("no spec".into()),
+                    invalid: Some(ServiceError::NoSpec),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -341,13 +348,16 @@ fn port_info(port: &ServicePort) -> PortInfo {
     }
 }
 
-fn port_and_protocol(port: &ServicePort) -> Result<(u16, Protocol), String> {
+fn port_and_protocol(port: &ServicePort) -> Result<(u16, Protocol), PortError> {
     let number = u16::try_from(port.port)
         .ok()
         .filter(|p| *p != 0)
-        .ok_or_else(|| format!("port {} out of range 1-65535", port.port))?;
-    let protocol = protocol(port.protocol.as_deref())
-        .map_err(|p| format!("port {number}: unsupported protocol {p:?}"))?;
+        .ok_or(PortError::OutOfRange(port.port))?;
+    let protocol =
+        protocol(port.protocol.as_deref()).ok_or_else(|| PortError::UnsupportedProtocol {
+            port: number,
+            protocol: port.protocol.clone().unwrap_or_default(),
+        })?;
     Ok((number, protocol))
 }
 
@@ -360,7 +370,7 @@ fn check_ports<'a>(
     parsed: &mut [PortInfo],
     raw: impl Iterator<Item = &'a ServicePort>,
     problems: &mut Vec<String>,
-) -> Result<(), String> {
+) -> Result<(), ServiceError> {
     let mut seen = std::collections::BTreeSet::new();
     let mut node_ports = std::collections::BTreeMap::new();
     for (port, raw) in parsed.iter_mut().zip(raw) {
@@ -370,7 +380,10 @@ fn check_ports<'a>(
             continue;
         };
         if !seen.insert((number, protocol)) {
-            return Err(format!("port {number}/{protocol} given twice"));
+            return Err(ServiceError::PortTwice {
+                port: number,
+                protocol,
+            });
         }
         match raw.node_port {
             None | Some(0) => {}
@@ -404,7 +417,7 @@ fn check_ports<'a>(
 fn cluster_ips(
     cluster_ips: Option<&Vec<String>>,
     cluster_ip: Option<&String>,
-) -> Result<Vec<IpAddr>, String> {
+) -> Result<Vec<IpAddr>, ServiceError> {
     let raw: Vec<&String> = match (cluster_ips, cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips.iter().collect(),
         (_, Some(ip)) => vec![ip],
@@ -418,20 +431,20 @@ fn cluster_ips(
     // Exact size: a pushed vector holds room for four (68 bytes for one address).
     let mut ips = Vec::with_capacity(raw.len());
     for ip in raw {
-        let parsed = sloppy::parse_ip(ip).map_err(|e| format!("invalid clusterIP {ip:?}: {e}"))?;
+        let parsed = sloppy::parse_ip(ip).map_err(|reason| ServiceError::InvalidClusterIp {
+            ip: ip.clone(),
+            reason,
+        })?;
         if !is_unicast_service_ip(parsed) {
-            return Err(format!(
-                "clusterIP {ip:?}: not a unicast address a Service can have (loopback, \
-                 unspecified, broadcast, multicast and link-local are not)"
-            ));
+            return Err(ServiceError::NotUnicast(ip.clone()));
         }
         if ips.contains(&parsed) {
-            return Err(format!("clusterIPs: {ip} twice"));
+            return Err(ServiceError::ClusterIpTwice(ip.clone()));
         }
         ips.push(parsed);
     }
     if ips.len() == 2 && ips[0].is_ipv4() == ips[1].is_ipv4() {
-        return Err("clusterIPs: two addresses of one family".into());
+        return Err(ServiceError::TwoOfOneFamily);
     }
     Ok(ips)
 }
@@ -461,7 +474,7 @@ fn is_unicast_service_ip(ip: IpAddr) -> bool {
 /// link-local addresses make no sense as endpoints, and link-local ones are the node's
 /// own business — 169.254.169.254 is the cloud's metadata service). IPv4-mapped IPv6
 /// addresses are judged as their IPv4 address, as Go's `net.IP` methods judge them.
-pub fn special_endpoint_ip(ip: IpAddr) -> Option<&'static str> {
+pub fn special_endpoint_ip(ip: IpAddr) -> Option<SpecialIp> {
     let ip = match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,
@@ -489,13 +502,13 @@ pub fn special_endpoint_ip(ip: IpAddr) -> Option<&'static str> {
         }
     };
     if unspecified {
-        Some("may not be unspecified")
+        Some(SpecialIp::Unspecified)
     } else if loopback {
-        Some("may not be in the loopback range (127.0.0.0/8, ::1/128)")
+        Some(SpecialIp::Loopback)
     } else if link_local {
-        Some("may not be in the link-local range (169.254.0.0/16, fe80::/10)")
+        Some(SpecialIp::LinkLocal)
     } else if link_local_multicast {
-        Some("may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)")
+        Some(SpecialIp::LinkLocalMulticast)
     } else {
         None
     }
@@ -620,7 +633,7 @@ impl SliceInfo {
             .flatten()
             .map(|p| SlicePort {
                 name: intern(p.name.as_deref().unwrap_or_default()),
-                protocol: protocol(p.protocol.as_deref()).ok(),
+                protocol: protocol(p.protocol.as_deref()),
                 port: p.port,
             })
             .collect();

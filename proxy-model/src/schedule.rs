@@ -7,6 +7,8 @@ use std::{collections::BTreeMap, net::IpAddr, net::SocketAddr, sync::Arc};
 
 use serde::Serialize;
 
+use crate::error::SettingError;
+
 /// Per-Service scheduler (`rr`, `mh`, ... as `ipvs.scheduler`, or `random`).
 pub const SCHEDULER_ANNOTATION: &str = "ebpf.proxy.k8s.io/scheduler";
 /// Per-Service endpoint weights: `10.1.0.5=3,10.1.0.6=0` (by endpoint address; an
@@ -56,7 +58,7 @@ impl Scheduler {
     /// Reads a scheduler name as `ipvs.scheduler` and `ipvsadm -s` spell it; the second
     /// part says when the name was taken for another (IPVS's locality-based ones, which
     /// balance cache clusters by destination, become `wlc`).
-    pub fn parse(name: &str) -> Result<(Self, Option<String>), String> {
+    pub fn parse(name: &str) -> Result<(Self, Option<String>), SettingError> {
         let name = name.trim();
         if let Some(s) = Self::ALL.into_iter().find(|s| s.name() == name) {
             return Ok((s, None));
@@ -68,10 +70,7 @@ impl Scheduler {
                     "scheduler {name:?} (locality-based, for cache clusters) is served as wlc"
                 )),
             )),
-            _ => Err(format!(
-                "unknown scheduler {name:?} (one of random, rr, wrr, lc, wlc, lblc, lblcr, \
-                 sh, dh, sed, nq, mh)"
-            )),
+            _ => Err(SettingError::UnknownScheduler(name.to_string())),
         }
     }
 
@@ -209,14 +208,14 @@ pub fn parse_weights(text: &str) -> (BTreeMap<IpAddr, u32>, Vec<String>) {
 }
 
 /// Checks `ebpf.maglevTableSize`.
-pub fn check_table_len(len: u32) -> Result<u32, String> {
+pub fn check_table_len(len: u32) -> Result<u32, SettingError> {
     if MAGLEV_TABLE_LENS.contains(&len) {
         Ok(len)
     } else {
-        Err(format!(
-            "maglevTableSize {len}: must be one of {MAGLEV_TABLE_LENS:?} (primes, as \
-             Maglev's permutation needs)"
-        ))
+        Err(SettingError::MaglevTableLen {
+            len,
+            allowed: &MAGLEV_TABLE_LENS,
+        })
     }
 }
 

@@ -4,27 +4,29 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
+use crate::error::AddrError;
+
 /// An address, leading zeros in IPv4 parts allowed.
-pub fn parse_ip(s: &str) -> Result<IpAddr, String> {
+pub fn parse_ip(s: &str) -> Result<IpAddr, AddrError> {
     if let Ok(ip) = s.parse() {
         return Ok(ip);
     }
     parse_v4_sloppy(s)
         .map(IpAddr::V4)
-        .ok_or_else(|| "not an IP address".to_string())
+        .ok_or(AddrError::NotAnAddress)
 }
 
 /// A CIDR, leading zeros in IPv4 parts allowed.
-pub fn parse_cidr(s: &str) -> Result<ipnet::IpNet, String> {
+pub fn parse_cidr(s: &str) -> Result<ipnet::IpNet, AddrError> {
     if let Ok(net) = s.parse() {
         return Ok(net);
     }
-    let (addr, len) = s.split_once('/').ok_or("not a CIDR (ADDRESS/LENGTH)")?;
-    let ip = parse_v4_sloppy(addr).ok_or("not a CIDR")?;
-    let len: u8 = len.parse().map_err(|_| "invalid prefix length")?;
+    let (addr, len) = s.split_once('/').ok_or(AddrError::NoPrefixLength)?;
+    let ip = parse_v4_sloppy(addr).ok_or(AddrError::NotACidr)?;
+    let len: u8 = len.parse().map_err(|_| AddrError::InvalidPrefixLength)?;
     ipnet::Ipv4Net::new(ip, len)
         .map(ipnet::IpNet::V4)
-        .map_err(|e| e.to_string())
+        .map_err(|_| AddrError::InvalidPrefixLength)
 }
 
 fn parse_v4_sloppy(s: &str) -> Option<Ipv4Addr> {

@@ -276,7 +276,7 @@ impl ViewTracker {
                     .filter_map(|r| {
                         let loser = state(r)?;
                         Some(Rejection {
-                            kind: "Service",
+                            kind: crate::error::ObjectKind::Service,
                             object: r.clone(),
                             reason: format!(
                                 "{fe} already belongs to {}; not programmed for {}",

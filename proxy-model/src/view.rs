@@ -12,6 +12,7 @@ use super::{
     cluster::{ClusterModel, ObjectRef, SliceKey},
     endpoint_set::EndpointSet,
     endpoints::{Categorized, Endpoint, Policies, categorize, dedupe},
+    error::ObjectKind,
     frontend::{BackendSet, Frontend, FrontendKind, FrontendState, Protocol, WhenEmpty},
     node::{NodeInfo, ViewConfig},
     objects::{PortInfo, ServiceInfo, SliceInfo, TargetPort, special_endpoint_ip},
@@ -20,7 +21,7 @@ use super::{
 /// An object (or part of one) left out of the view, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rejection {
-    pub kind: &'static str,
+    pub kind: ObjectKind,
     pub object: ObjectRef,
     pub reason: String,
 }
@@ -80,7 +81,7 @@ pub fn service_view(
 ) -> ServiceView {
     let mut out = ServiceView::default();
     let rejection = |reason: String| Rejection {
-        kind: "Service",
+        kind: ObjectKind::Service,
         object: sref.clone(),
         reason,
     };
@@ -90,7 +91,7 @@ pub fn service_view(
     let slices: Vec<(&SliceKey, &SliceInfo)> = model.slices_of(sref).collect();
     out.health = health_check(sref, svc, &slices, node, cfg);
     if let Some(reason) = &svc.rare.invalid {
-        out.rejections.push(rejection(reason.clone()));
+        out.rejections.push(rejection(reason.to_string()));
         return out;
     }
     if svc.cluster_ips.is_empty() {
@@ -102,7 +103,7 @@ pub fn service_view(
     for (key, slice) in &slices {
         for addr in &slice.bad_addresses {
             out.rejections.push(Rejection {
-                kind: "EndpointSlice",
+                kind: ObjectKind::EndpointSlice,
                 object: key.object(),
                 reason: format!("invalid endpoint address {addr:?}"),
             });
@@ -113,7 +114,7 @@ pub fn service_view(
             for ep in slice.endpoints.iter() {
                 if let Some(why) = special_endpoint_ip(ep.ip) {
                     out.rejections.push(Rejection {
-                        kind: "EndpointSlice",
+                        kind: ObjectKind::EndpointSlice,
                         object: key.object(),
                         reason: format!(
                             "endpoint address {}: {why}, as the API server says; left out",
@@ -140,7 +141,7 @@ pub fn service_view(
         let (number, protocol) = match &port.port {
             Ok(p) => *p,
             Err(reason) => {
-                out.rejections.push(rejection(reason.clone()));
+                out.rejections.push(rejection(reason.to_string()));
                 continue;
             }
         };
@@ -463,7 +464,7 @@ fn endpoints_for<'a>(
             Some(Ok(p)) => p,
             Some(Err(n)) => {
                 bad.push(Rejection {
-                    kind: "EndpointSlice",
+                    kind: ObjectKind::EndpointSlice,
                     object: key.object(),
                     reason: format!("port {n} out of range 1-65535"),
                 });

@@ -733,7 +733,8 @@ fn objects_the_api_server_would_refuse_are_refused_by_name() {
     assert!(
         rejected
             .iter()
-            .any(|r| r.kind == "EndpointSlice" && r.reason.contains("port 0 out of range")),
+            .any(|r| r.kind == crate::error::ObjectKind::EndpointSlice
+                && r.reason.contains("port 0 out of range")),
         "{rejected:?}"
     );
 }
@@ -876,17 +877,21 @@ fn endpoint_addresses_the_api_server_refuses_are_refused_from_files_by_name() {
         for addr in addrs {
             let shown = addr.parse::<std::net::IpAddr>().expect("ip").to_string();
             assert!(
-                rejected.iter().any(|r| r.kind == "EndpointSlice"
-                    && *r.object.name == *slice_name
-                    && r.reason
-                        .starts_with(&format!("endpoint address {shown}: may not be"))),
+                rejected
+                    .iter()
+                    .any(|r| r.kind == crate::error::ObjectKind::EndpointSlice
+                        && *r.object.name == *slice_name
+                        && r.reason
+                            .starts_with(&format!("endpoint address {shown}: may not be"))),
                 "{addr} not refused: {rejected:?}"
             );
         }
     }
     assert_eq!(rejected.len(), v4_special.len() + v6_special.len());
-    let why =
-        |addr: &str| crate::objects::special_endpoint_ip(addr.parse().expect("ip")).unwrap_or("");
+    let why = |addr: &str| {
+        crate::objects::special_endpoint_ip(addr.parse().expect("ip"))
+            .map_or(String::new(), |w| w.to_string())
+    };
     assert!(why("169.254.169.254").contains("link-local range"));
     assert!(why("224.0.0.251").contains("link-local multicast"));
     assert!(why("::ffff:127.0.0.1").contains("loopback"));

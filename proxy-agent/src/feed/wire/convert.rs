@@ -11,12 +11,14 @@ use std::{
 
 use crate::model::{
     NodeInfo, ObjectRef, Protocol,
+    error::PortError,
     lb_mode::LbMode,
     objects::{
         EndpointInfo, Hints, NodeName, PortInfo, Rare, RareFields, ServiceInfo, SliceInfo,
         SlicePort, TargetPort, intern,
     },
     schedule::Scheduler,
+    service_error::ServiceError,
 };
 
 use super::v1;
@@ -143,7 +145,7 @@ pub fn service_to_wire(r: &ObjectRef, s: &ServiceInfo) -> v1::Service {
     v1::Service {
         r#ref: Some(ref_to_wire(r)),
         proxy_name: s.rare.proxy_name.clone(),
-        invalid: s.rare.invalid.clone(),
+        invalid: s.rare.invalid.as_ref().map(ToString::to_string),
         external_name: s.external_name,
         cluster_ips: s.cluster_ips.iter().copied().map(ip_to_wire).collect(),
         external_ips: s
@@ -179,7 +181,7 @@ pub fn service_to_wire(r: &ObjectRef, s: &ServiceInfo) -> v1::Service {
 fn port_to_wire(p: &PortInfo) -> v1::ServicePort {
     let (port, protocol, invalid) = match &p.port {
         Ok((n, proto)) => (u32::from(*n), protocol_to_wire(Some(*proto)), None),
-        Err(why) => (0, 0, Some(why.clone())),
+        Err(why) => (0, 0, Some(why.to_string())),
     };
     v1::ServicePort {
         name: p.name.to_string(),
@@ -208,7 +210,7 @@ pub fn service_from_wire(s: &v1::Service) -> Result<(ObjectRef, ServiceInfo), De
         .collect::<Result<BTreeMap<_, _>, DecodeError>>()?;
     let rare = RareFields {
         proxy_name: s.proxy_name.clone(),
-        invalid: s.invalid.clone(),
+        invalid: s.invalid.clone().map(ServiceError::Reported),
         external_ips: ips_from_wire(&s.external_ips)?,
         lb_ips: ips_from_wire(&s.lb_ips)?,
         source_ranges: s
@@ -244,7 +246,7 @@ pub fn service_from_wire(s: &v1::Service) -> Result<(ObjectRef, ServiceInfo), De
 
 fn port_from_wire(p: &v1::ServicePort) -> Result<PortInfo, DecodeError> {
     let port = match &p.invalid {
-        Some(why) => Err(why.clone()),
+        Some(why) => Err(PortError::Reported(why.clone())),
         None => {
             let proto = protocol_from_wire(p.protocol)?.ok_or(DecodeError::Enum {
                 what: "service port protocol",
