@@ -11,7 +11,7 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::{ApplyReport, Dataplane, bpf},
+    dataplane::{ApplyReport, Dataplane, FrontendIssue, Issue, bpf},
     model::{NodeView, ViewConfig},
     runner::{self, Status, Timing},
     source::Snapshot,
@@ -287,7 +287,14 @@ impl Dataplane for Refusing {
             refused: view
                 .iter()
                 .take(1)
-                .map(|(fe, st)| format!("{fe} ({}): too big", st.service))
+                .map(|(fe, st)| FrontendIssue {
+                    frontend: *fe,
+                    service: st.service.clone(),
+                    issue: Issue::TooManySlots {
+                        slots: 300,
+                        max: 256,
+                    },
+                })
                 .collect(),
             ..ApplyReport::default()
         })
@@ -326,8 +333,10 @@ async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
     assert!((1..=6).contains(&c.frontends_refused), "{c:?}");
     assert_eq!((c.syncs_failed, c.frontends_failed), (0, 0), "{c:?}");
     assert!(
-        !log.lines_with("10.96.0.2:80/TCP (ns/svc-1:80): too big")
-            .is_empty()
+        !log.lines_with(
+            "10.96.0.2:80/TCP (ns/svc-1:80): 300 backend slots exceed the 256 per frontend"
+        )
+        .is_empty()
     );
     drop(tx);
 }
@@ -342,7 +351,7 @@ async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
 async fn wrr_weights_past_a_frontends_slots_are_scaled_and_the_node_stays_healthy() {
     let (log, _guard) = support::logs::Captured::start();
     let (_ebpf, mut maps) = bpf::load_private(&[]).expect("load");
-    let mut state = bpf::MapState::adopt(&maps).expect("adopt");
+    let mut state = bpf::Mirror::adopt(&maps).expect("adopt");
     let addrs: Vec<String> = (0..1000)
         .map(|i| format!("10.1.{}.{}", i / 250, i % 250 + 1))
         .collect();

@@ -308,7 +308,10 @@ fn full_map_is_reported_and_other_services_keep_working() {
     );
     let report = h.apply(&NodeView::from([a.clone(), b]));
     assert_eq!(report.failed.len(), 1, "{report:?}");
-    assert!(report.failed[0].contains("10.96.0.11"), "{report:?}");
+    assert!(
+        report.failed[0].to_string().contains("10.96.0.11"),
+        "{report:?}"
+    );
     assert_eq!(
         h.maps.services.iter().count(),
         1,

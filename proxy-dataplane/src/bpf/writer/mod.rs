@@ -32,12 +32,15 @@ mod node;
 
 use self::generation::*;
 use self::mirror::Programmed;
-pub use self::mirror::{LeftUdp, MapState};
+pub use self::mirror::{LeftUdp, Mirror};
 pub use self::node::configure;
 pub use super::codec::service_key;
 use super::codec::{self, *};
 use super::maps::remove_ignoring_absent;
-use crate::{ApplyReport, layout::MAX_SLOTS};
+use crate::{
+    layout::MAX_SLOTS,
+    report::{ApplyReport, FrontendIssue, Issue},
+};
 use proxy_model::{
     BackendSet, EndpointSet, Frontend, FrontendKind, FrontendState, NodeView, WhenEmpty,
     schedule::Schedule,
@@ -147,7 +150,7 @@ fn desired_entries<'a>(
     out
 }
 
-impl MapState {
+impl Mirror {
     /// Number of frontends programmed.
     pub fn frontends(&self) -> usize {
         self.services.len()
@@ -218,9 +221,9 @@ impl MapState {
         if let Err(e) = maps.flush_staged() {
             // As a failed first programming: read back what the kernel holds (no service
             // entry), and let the apply go one by one.
-            *self = MapState {
+            *self = Mirror {
                 bulk_failed: true,
-                ..MapState::adopt(maps)?
+                ..Mirror::adopt(maps)?
             };
             return Err(e.context("staging the first programming stopped"));
         }
@@ -257,38 +260,87 @@ impl MapState {
         }
 
         self.epoch += 1;
-        // 1. Entries that are new or changed.
-        for (key, d) in &desired {
+        // 1. Entries that are new or changed; staged ones the view still has flipped.
+        self.write_desired(maps, &desired, &mut report);
+        self.flip_staged(maps, &desired, &mut report);
+        if bulk && let Err(e) = maps.flush_staged() {
+            // What the kernel took is unknown here: read it back, and let the next
+            // apply write the rest one by one (naming what does not fit).
+            maps.staged = None;
+            *self = Mirror {
+                bulk_failed: true,
+                ..Mirror::adopt(maps)?
+            };
+            return Err(e.context("the first programming, in batches, stopped"));
+        }
+        // 2. Frontends (or scopes of them) no longer wanted.
+        report.frontends_removed = self.remove_stale(maps, changed)?;
+        // 3. Backends no frontend uses any more.
+        report.backends_removed = self.remove_unused_backends(maps)?;
+        // 4. UDP flows of endpoints that left their frontend.
+        self.clear_left_udp_flows(maps)?;
+        // 5. Direct server return's permits, after the frontends they name.
+        self.dsr.sync(maps, view, changed)?;
+        report.fill = Some(self.fill());
+        Ok(report)
+    }
+
+    /// Step 1 of an apply: writes each desired frontend that differs from the mirror;
+    /// what cannot be written as the view gives it is reported, the rest still written.
+    fn write_desired(
+        &mut self,
+        maps: &mut MapSet,
+        desired: &[(ServiceKey, Desired<'_>)],
+        report: &mut ApplyReport,
+    ) {
+        for (key, d) in desired {
             let written = self.write_frontend(maps, *key, d);
             // Still wanted, even if rewriting it failed (it keeps its old entries).
             if let Some(p) = self.services.get_mut(key) {
                 p.seen = self.epoch;
             }
+            let issue = |issue| FrontendIssue {
+                frontend: *d.frontend,
+                service: d.state.service.clone(),
+                issue,
+            };
             match written {
                 Ok(Wrote::Entry) => report.frontends_written += 1,
                 Ok(Wrote::Scaled { wanted, slots }) => {
                     report.frontends_written += 1;
-                    report.adjusted.push(format!(
-                        "{} ({}): wrr weights scaled down to fit the {MAX_SLOTS} backend \
-                         slots of a frontend ({wanted} slots wanted, {slots} written)",
-                        d.frontend, d.state.service
-                    ));
+                    report.adjusted.push(issue(Issue::WeightsScaled {
+                        wanted,
+                        written: slots,
+                        max: MAX_SLOTS,
+                    }));
                 }
                 Ok(Wrote::Nothing) => {}
-                Err(e) if e.downcast_ref::<TooManySlots>().is_some() => {
-                    let (fe, svc) = (d.frontend, &d.state.service);
-                    report.refused.push(format!("{fe} ({svc}): {e:#}"));
-                }
-                Err(e) => {
-                    let (fe, svc) = (d.frontend, &d.state.service);
-                    tracing::error!(frontend = %fe, service = %svc, error = format!("{e:#}"),
-                        "could not program frontend; its previous entries stay");
-                    report.failed.push(format!("{fe} ({svc}): {e:#}"));
-                }
+                Err(e) => match e.downcast_ref::<TooManySlots>() {
+                    Some(too_many) => report.refused.push(issue(Issue::TooManySlots {
+                        slots: too_many.slots,
+                        max: MAX_SLOTS,
+                    })),
+                    None => {
+                        let (fe, svc) = (d.frontend, &d.state.service);
+                        tracing::error!(frontend = %fe, service = %svc, error = format!("{e:#}"),
+                            "could not program frontend; its previous entries stay");
+                        report
+                            .failed
+                            .push(issue(Issue::WriteFailed(format!("{e:#}"))));
+                    }
+                },
             }
         }
-        // Staged frontends the loop found unchanged: their service entries now. (Those
-        // the view no longer has are removed below, never seen.)
+    }
+
+    /// Staged frontends the view still has, found unchanged by `write_desired`: their
+    /// service entries now. (Those the view no longer has are removed, never seen.)
+    fn flip_staged(
+        &mut self,
+        maps: &mut MapSet,
+        desired: &[(ServiceKey, Desired<'_>)],
+        report: &mut ApplyReport,
+    ) {
         let wanted: Vec<ServiceKey> = self
             .unflipped
             .iter()
@@ -303,22 +355,27 @@ impl MapState {
                 Ok(()) => {
                     self.unflipped.remove(&key);
                 }
-                Err(e) => report
-                    .failed
-                    .push(format!("{key:?}: writing service entry: {e}")),
+                Err(e) => {
+                    // Seen this epoch: the view has it, so `desired` names it.
+                    if let Some((_, d)) = desired.iter().find(|(k, _)| *k == key) {
+                        report.failed.push(FrontendIssue {
+                            frontend: *d.frontend,
+                            service: d.state.service.clone(),
+                            issue: Issue::WriteFailed(format!("writing service entry: {e}")),
+                        });
+                    }
+                }
             }
         }
-        if bulk && let Err(e) = maps.flush_staged() {
-            // What the kernel took is unknown here: read it back, and let the next
-            // apply write the rest one by one (naming what does not fit).
-            maps.staged = None;
-            *self = MapState {
-                bulk_failed: true,
-                ..MapState::adopt(maps)?
-            };
-            return Err(e.context("the first programming, in batches, stopped"));
-        }
-        // 2. Frontends (or scopes of them) no longer wanted.
+    }
+
+    /// Step 2: removes the frontends (or scopes of them) the view no longer has — of
+    /// `changed` only, when given. Returns how many.
+    fn remove_stale(
+        &mut self,
+        maps: &mut MapSet,
+        changed: Option<&BTreeSet<Frontend>>,
+    ) -> Result<usize> {
         let stale: Vec<ServiceKey> = match changed {
             None => self
                 .services
@@ -341,11 +398,15 @@ impl MapState {
                 .filter(|k| self.services.get(k).is_some_and(|p| p.seen != self.epoch))
                 .collect(),
         };
+        let removed = stale.len();
         for key in stale {
             self.remove_frontend(maps, key)?;
-            report.frontends_removed += 1;
         }
-        // 3. Backends no frontend uses any more.
+        Ok(removed)
+    }
+
+    /// Step 3: removes the backends no frontend uses any more. Returns how many.
+    fn remove_unused_backends(&mut self, maps: &mut MapSet) -> Result<usize> {
         let candidates: Vec<u32> = self.maybe_unused.drain().collect();
         // A first programming or a big change leaves a big, empty set behind.
         self.maybe_unused.shrink_to(64);
@@ -357,15 +418,18 @@ impl MapState {
             remove_ignoring_absent(maps.backends.remove(&id))?;
             self.backends.remove(id);
             removed.insert(id);
-            report.backends_removed += 1;
         }
         for left in &mut self.left_udp {
             left.gone |= removed.contains(&left.backend_id);
         }
-        // 4. UDP flows of endpoints that left their frontend: their entries go now, so a
-        // UDP client (which never closes its flow) is rebalanced on its next packet, even
-        // if the pod still serves another Service or a new backend later reuses the id.
-        // TCP flows stay: a terminating pod finishes them.
+        Ok(removed.len())
+    }
+
+    /// Step 4: UDP flows of endpoints that left their frontend: their entries go now, so
+    /// a UDP client (which never closes its flow) is rebalanced on its next packet, even
+    /// if the pod still serves another Service or a new backend later reuses the id.
+    /// TCP flows stay: a terminating pod finishes them.
+    fn clear_left_udp_flows(&mut self, maps: &mut MapSet) -> Result<()> {
         let pairs: HashSet<(u32, u32)> = self
             .left_udp
             .iter()
@@ -400,10 +464,7 @@ impl MapState {
                 tracing::debug!(entries = cleared, "flows of removed backends cleared");
             }
         }
-        // 5. Direct server return's permits, after the frontends they name.
-        self.dsr.sync(maps, view, changed)?;
-        report.fill = Some(self.fill());
-        Ok(report)
+        Ok(())
     }
 
     /// Removes one service-map entry with its slots, reverse-NAT entry, members and
