@@ -169,7 +169,7 @@ fn main() {
         println!("  (BPF map diff skipped: loading maps needs root)");
     } else {
         let (_ebpf, mut maps) = bpf::load_private(&[]).expect("load BPF object");
-        let mut state = bpf::MapState::adopt(&maps).expect("adopt");
+        let mut state = bpf::Mirror::adopt(&maps).expect("adopt");
         let t = Instant::now();
         let r = bpf::MapsDataplane::new(&mut maps, &mut state)
             .apply(&view)

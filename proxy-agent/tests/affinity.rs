@@ -8,7 +8,7 @@ mod support;
 use std::{collections::BTreeSet, net::SocketAddr};
 
 use proxy_agent::{
-    dataplane::bpf::MapState,
+    dataplane::bpf::Mirror,
     model::{Frontend, FrontendKind, FrontendState, NodeView, Protocol},
     trace,
 };
@@ -32,7 +32,7 @@ impl Harness {
 
     /// A restarted agent: a fresh mirror adopted from the maps.
     fn restart(&mut self) {
-        self.0.state = MapState::adopt(&self.0.maps).expect("adopt");
+        self.0.state = Mirror::adopt(&self.0.maps).expect("adopt");
     }
 
     /// Where a new TCP flow from client `i` (10.244.0.i, source port `port`) to `vip` goes.

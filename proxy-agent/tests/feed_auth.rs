@@ -276,7 +276,7 @@ async fn idle_connections_from_one_peer_are_bounded_and_closed_soon() {
             started.elapsed()
         );
     }
-    let cuts = hub.stats().cuts;
+    let cuts = hub.counts().cuts;
     assert_eq!(
         cuts.get(Cut::HandshakesPerPeer),
         200 - grpc::HANDSHAKES_PER_PEER as u64,

@@ -89,7 +89,7 @@ async fn one_node_holds_a_bounded_number_of_streams() {
         tonic::Code::ResourceExhausted,
         "{refused:?}"
     );
-    assert_eq!(hub.stats().cuts.get(Cut::StreamsPerNode), 1);
+    assert_eq!(hub.counts().cuts.get(Cut::StreamsPerNode), 1);
     // Another node is not counted against node A; a stream closed gives its slot back.
     open(&addr, "node-b", true).await.expect("node B");
     drop(held.pop());
@@ -120,10 +120,10 @@ async fn streams_that_take_whole_batches_and_never_read_are_cut_past_the_budget(
     // are cut.
     tokio::time::sleep(LIMITS.whole_wait + Duration::from_secs(1)).await;
     assert_eq!(
-        hub.stats().cuts.get(Cut::WholeBudget),
+        hub.counts().cuts.get(Cut::WholeBudget),
         18,
         "{:?}",
-        hub.stats()
+        hub.counts()
     );
     let mut cut = 0;
     let mut got = 0;

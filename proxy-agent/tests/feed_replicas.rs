@@ -146,9 +146,9 @@ async fn an_agent_is_fed_by_the_first_replica_with_data_and_goes_back_when_it_ha
     )
     .await;
     assert!(
-        first.stats().cuts.get(Cut::NoView) >= 2,
+        first.counts().cuts.get(Cut::NoView) >= 2,
         "{:?}",
-        first.stats()
+        first.counts()
     );
 }
 
@@ -228,7 +228,7 @@ async fn a_replica_says_it_has_no_view_until_its_first_list_and_after_its_watch_
     };
     let (tx, rx) = watch::channel(None);
     tokio::spawn(source::kube::run(api.client(), opts, tx));
-    tokio::spawn(proxy_agent::feed::server::follow(Arc::clone(&hub), rx));
+    tokio::spawn(proxy_agent::feed::server::ingest(Arc::clone(&hub), rx));
     let bound = Duration::from_secs(2);
     tokio::spawn(proxy_agent::feed::server::judge_view(
         Arc::downgrade(&hub),

@@ -12,7 +12,7 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::bpf::{self, MapSet, MapState},
+    dataplane::bpf::{self, MapSet, Mirror},
     model::schedule::{Schedule, Scheduler},
     model::{BackendSet, Frontend, FrontendKind, FrontendState, NodeView, Protocol, WhenEmpty},
 };
@@ -160,8 +160,8 @@ fn contents(maps: &MapSet) -> Contents {
 fn applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply() {
     let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
     let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
-    let mut a = MapState::adopt(&a_maps).expect("adopt");
-    let mut b = MapState::adopt(&b_maps).expect("adopt");
+    let mut a = Mirror::adopt(&a_maps).expect("adopt");
+    let mut b = Mirror::adopt(&b_maps).expect("adopt");
     let mut rng = StdRng::seed_from_u64(7);
     let mut view = NodeView::new();
     let mut applied = NodeView::new();
@@ -215,7 +215,7 @@ fn applying_only_the_changed_frontends_leaves_the_maps_as_a_full_apply() {
 #[test]
 fn adopting_the_maps_rewrites_only_a_torn_set() {
     let (_obj, mut maps) = bpf::load_private(&[]).expect("load");
-    let mut state = MapState::adopt(&maps).expect("adopt");
+    let mut state = Mirror::adopt(&maps).expect("adopt");
     let mut rng = StdRng::seed_from_u64(11);
     let mut view = NodeView::new();
     for _ in 0..300 {
@@ -228,7 +228,7 @@ fn adopting_the_maps_rewrites_only_a_torn_set() {
         state.apply(&mut maps, &view).expect("apply");
     }
     let before = contents(&maps);
-    let mut adopted = MapState::adopt(&maps).expect("adopt");
+    let mut adopted = Mirror::adopt(&maps).expect("adopt");
     assert_eq!(adopted.frontends(), state.frontends());
     let report = adopted.apply(&mut maps, &view).expect("apply over adopted");
     assert_eq!(
@@ -252,7 +252,7 @@ fn adopting_the_maps_rewrites_only_a_torn_set() {
             slot: 1,
         })
         .expect("remove a slot");
-    let mut adopted = MapState::adopt(&maps).expect("adopt a torn set");
+    let mut adopted = Mirror::adopt(&maps).expect("adopt a torn set");
     let report = adopted.apply(&mut maps, &view).expect("apply");
     assert_eq!(report.frontends_written, 1, "only the torn frontend");
     let after = contents(&maps);
@@ -268,7 +268,7 @@ fn adopting_the_maps_rewrites_only_a_torn_set() {
 fn the_audit_repairs_lost_entries_and_removes_strays() {
     use proxy_common::{Backend, BackendSlot, ServiceKey};
     let (_obj, mut maps) = bpf::load_private(&[]).expect("load");
-    let mut state = MapState::adopt(&maps).expect("adopt");
+    let mut state = Mirror::adopt(&maps).expect("adopt");
     let mut rng = StdRng::seed_from_u64(5);
     let mut view = NodeView::new();
     for _ in 0..200 {
@@ -392,7 +392,7 @@ fn the_audit_repairs_lost_entries_and_removes_strays() {
         }
     }
     // And the writer still agrees with a fresh adoption.
-    let mut adopted = MapState::adopt(&maps).expect("adopt");
+    let mut adopted = Mirror::adopt(&maps).expect("adopt");
     let report = adopted.apply(&mut maps, &view).expect("apply");
     assert_eq!((report.frontends_written, report.frontends_removed), (0, 0));
 }
@@ -405,7 +405,7 @@ fn the_audit_repairs_lost_entries_and_removes_strays() {
 fn an_audit_step_compares_at_most_256_frontends() {
     let view = many_frontends(2);
     let (_obj, mut maps) = bpf::load_private(&[]).expect("load");
-    let mut state = MapState::adopt(&maps).expect("adopt");
+    let mut state = Mirror::adopt(&maps).expect("adopt");
     state.apply(&mut maps, &view).expect("apply");
     let before = contents(&maps);
     let keys: Vec<proxy_common::ServiceKey> = maps.services.keys().filter_map(Result::ok).collect();
@@ -470,8 +470,8 @@ fn a_first_programming_in_batches_writes_what_one_by_one_writes() {
     let view = many_frontends(5);
     let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
     let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
-    let mut a = MapState::adopt(&a_maps).expect("adopt");
-    let mut b = MapState::adopt(&b_maps).expect("adopt");
+    let mut a = Mirror::adopt(&a_maps).expect("adopt");
+    let mut b = Mirror::adopt(&b_maps).expect("adopt");
     let ra = a.apply(&mut a_maps, &view).expect("in batches");
     // Naming the changed frontends: entry by entry.
     let all: BTreeSet<Frontend> = view.keys().copied().collect();
@@ -482,7 +482,7 @@ fn a_first_programming_in_batches_writes_what_one_by_one_writes() {
     assert_eq!(rb.frontends_written, 300);
     assert_eq!(contents(&a_maps), contents(&b_maps));
     // And the batch-written maps adopt exactly.
-    let mut adopted = MapState::adopt(&a_maps).expect("adopt");
+    let mut adopted = Mirror::adopt(&a_maps).expect("adopt");
     let r = adopted.apply(&mut a_maps, &view).expect("again");
     assert_eq!((r.frontends_written, r.frontends_removed), (0, 0));
 }
@@ -496,7 +496,7 @@ fn a_first_programming_that_does_not_fit_fails_whole_frontends_only() {
     let view = many_frontends(5);
     let (_obj, mut maps) =
         bpf::load_private(&[(proxy_common::map_names::BACKEND_SLOTS, 1_000)]).expect("load");
-    let mut state = MapState::adopt(&maps).expect("adopt");
+    let mut state = Mirror::adopt(&maps).expect("adopt");
     let err = state
         .apply(&mut maps, &view)
         .expect_err("1,500 slots do not fit in 1,000");
@@ -556,7 +556,7 @@ fn udp_view(endpoints: &[u8]) -> NodeView {
 #[test]
 fn an_endpoint_that_left_a_udp_frontend_is_reported_unless_it_is_back() {
     let (_obj, mut maps) = bpf::load_private(&[]).expect("load");
-    let mut state = MapState::adopt(&maps).expect("adopt");
+    let mut state = Mirror::adopt(&maps).expect("adopt");
     state.apply(&mut maps, &udp_view(&[2, 3])).expect("apply");
     assert!(state.take_left_udp().is_empty());
 
@@ -631,8 +631,8 @@ fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply()
 
     let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
     let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
-    let mut a = MapState::adopt(&a_maps).expect("adopt");
-    let mut b = MapState::adopt(&b_maps).expect("adopt");
+    let mut a = Mirror::adopt(&a_maps).expect("adopt");
+    let mut b = Mirror::adopt(&b_maps).expect("adopt");
     let mut staged_view = NodeView::new();
     for partial in [&first, &second] {
         let changed = staged_view.changed_frontends(partial);
@@ -668,7 +668,7 @@ fn a_first_programming_staged_ahead_serves_nothing_early_and_ends_as_one_apply()
     assert_eq!(a.stage(&mut a_maps, &first, &changed).expect("stage"), 0);
     assert_eq!(contents(&a_maps), cb);
     // And the maps adopt exactly.
-    let mut adopted = MapState::adopt(&a_maps).expect("adopt");
+    let mut adopted = Mirror::adopt(&a_maps).expect("adopt");
     let r = adopted.apply(&mut a_maps, &full).expect("again");
     assert_eq!((r.frontends_written, r.frontends_removed), (0, 0));
 }
@@ -687,11 +687,11 @@ fn an_agent_killed_while_staging_leaves_nothing_its_successor_keeps() {
     }
     let (_a_obj, mut a_maps) = bpf::load_private(&[]).expect("load");
     let (_b_obj, mut b_maps) = bpf::load_private(&[]).expect("load");
-    let mut dead = MapState::adopt(&a_maps).expect("adopt");
+    let mut dead = Mirror::adopt(&a_maps).expect("adopt");
     let all_of_half: BTreeSet<Frontend> = half.keys().copied().collect();
     dead.stage(&mut a_maps, &half, &all_of_half).expect("stage");
     drop(dead);
-    let mut next = MapState::adopt(&a_maps).expect("adopt");
+    let mut next = Mirror::adopt(&a_maps).expect("adopt");
     let all: BTreeSet<Frontend> = full.keys().copied().collect();
     assert!(next.stage(&mut a_maps, &full, &all).expect("stage") > 0);
     next.apply(&mut a_maps, &full).expect("apply");
@@ -700,7 +700,7 @@ fn an_agent_killed_while_staging_leaves_nothing_its_successor_keeps() {
             break;
         }
     }
-    let mut plain = MapState::adopt(&b_maps).expect("adopt");
+    let mut plain = Mirror::adopt(&b_maps).expect("adopt");
     plain.apply(&mut b_maps, &full).expect("apply");
     assert_eq!(contents(&a_maps), contents(&b_maps));
 }

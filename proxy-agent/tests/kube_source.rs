@@ -535,7 +535,7 @@ async fn nothing_is_programmed_until_this_nodes_node_object_exists() {
 /// Owns private maps and writes views into them, as the agent's BPF dataplane does.
 struct Maps {
     maps: bpf::MapSet,
-    state: bpf::MapState,
+    state: bpf::Mirror,
     _ebpf: aya::Ebpf,
     applied: mpsc::UnboundedSender<()>,
 }
@@ -576,7 +576,7 @@ async fn services_appear_change_and_disappear_in_the_bpf_maps() {
     let (ebpf, maps) = bpf::load_private(&[]).expect("load");
     // A second handle on the same maps, for the test to read.
     let (tx, mut applied) = mpsc::unbounded_channel();
-    let state = bpf::MapState::adopt(&maps).expect("adopt");
+    let state = bpf::Mirror::adopt(&maps).expect("adopt");
     let reader = maps.duplicate().expect("second handle on the maps");
     start(
         &server,

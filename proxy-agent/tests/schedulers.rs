@@ -13,7 +13,7 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::bpf::MapState,
+    dataplane::bpf::Mirror,
     model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, Schedule, Scheduler, parse_weights},
     model::{Frontend, FrontendState, NodeView, Protocol},
     trace,
@@ -232,7 +232,7 @@ fn maglev_picks_the_same_backend_on_every_node() {
     }
     // A restarted agent adopts the table from the maps: nothing to rewrite.
     let mut node_a = node_a;
-    node_a.0.state = MapState::adopt(&node_a.0.maps).expect("adopt");
+    node_a.0.state = Mirror::adopt(&node_a.0.maps).expect("adopt");
     let report = node_a.0.apply(&std::iter::once(svc).collect());
     assert_eq!(
         report.frontends_written, 0,

@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context as _, Result};
 use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
-    dataplane::bpf::{self, MapState},
+    dataplane::bpf::{self, Mirror},
     model::schedule::Schedule,
     model::{Frontend, FrontendKind, FrontendState, NodeView, Protocol},
     trace::packet,
@@ -371,7 +371,7 @@ pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
         prog.load()?;
     }
     let view = view_of(&services(n))?;
-    let mut state = MapState::adopt(&maps)?;
+    let mut state = Mirror::adopt(&maps)?;
     state.apply(&mut maps, &view)?;
     let vip: SocketAddr = format!("{VIP}:80").parse()?;
     // The established flow: a completed handshake (SYN, SYN-ACK, ACK), so its packets
@@ -440,7 +440,7 @@ pub fn per_packet(n: usize, runs: u32) -> Result<PerPacket> {
 /// Ours: programming all Services into (private) maps, and one endpoint change.
 pub fn our_control_plane(n: usize) -> Result<(f64, f64)> {
     let (_ebpf, mut maps) = bpf::load_private(&[])?;
-    let mut state = MapState::adopt(&maps)?;
+    let mut state = Mirror::adopt(&maps)?;
     let svcs = services(n);
     let view = view_of(&svcs)?;
     let t = Instant::now();

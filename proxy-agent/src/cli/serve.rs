@@ -153,7 +153,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         }
         other => anyhow::bail!("--source {other:?}: expected kube or files"),
     }
-    tokio::spawn(server::follow(std::sync::Arc::clone(&hub), rx));
+    tokio::spawn(server::ingest(std::sync::Arc::clone(&hub), rx));
     if !args.metrics_address.is_empty() {
         let addr: std::net::SocketAddr = args
             .metrics_address

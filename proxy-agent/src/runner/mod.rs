@@ -123,7 +123,7 @@ fn stage<D: Dataplane>(
 
 fn log_rejections(rejections: &[crate::model::Rejection]) {
     for r in rejections {
-        tracing::warn!(kind = r.kind, object = %r.object, reason = %r.reason, "skipping invalid object");
+        tracing::warn!(kind = r.kind.as_str(), object = %r.object, reason = %r.reason, "skipping invalid object");
     }
 }
 
@@ -405,7 +405,7 @@ pub async fn run<D: Dataplane>(
             }
             Ok(report) => {
                 for f in &report.failed {
-                    tracing::error!(frontend = f, "frontend not programmed; will retry");
+                    tracing::error!(frontend = %f, "frontend not programmed; will retry");
                 }
                 full_apply = true;
                 retry_at = Some(Instant::now() + retry_delay);

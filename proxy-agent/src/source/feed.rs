@@ -90,7 +90,7 @@ struct Opened {
     first: Option<v1::Batch>,
 }
 
-enum Followed {
+enum StreamEnd {
     ReceiverGone,
     /// Left; `delivered`: it had given data.
     Lost {
@@ -134,15 +134,15 @@ pub async fn run(opts: FeedOptions, tx: watch::Sender<Option<SharedSnapshot>>) {
                 },
             };
             let at = opened.index;
-            match follow(&opts, opened, &mut state, &mut changes, &tx).await {
-                Followed::ReceiverGone => return,
-                Followed::Switch(o) => {
+            match read_stream(&opts, opened, &mut state, &mut changes, &tx).await {
+                StreamEnd::ReceiverGone => return,
+                StreamEnd::Switch(o) => {
                     tracing::info!(from = %opts.servers[at], to = %opts.servers[o.index],
                         "an earlier feed replica has data again; following it");
                     switched = Some(*o);
                     continue;
                 }
-                Followed::Lost { error, delivered } => {
+                StreamEnd::Lost { error, delivered } => {
                     report_lost(&opts, at, &error);
                     delivered_any |= delivered;
                     if delivered {
@@ -279,13 +279,14 @@ fn jittered(every: Duration) -> Duration {
     every + Duration::from_millis(rand::random_range(0..=every.as_millis() as u64 / 4))
 }
 
-async fn follow(
+/// Applies one replica's stream (batches, keepalives) until it ends, and says how.
+async fn read_stream(
     opts: &FeedOptions,
     opened: Opened,
     state: &mut NodeState,
     changes: &mut ChangeCounts,
     tx: &watch::Sender<Option<SharedSnapshot>>,
-) -> Followed {
+) -> StreamEnd {
     let Opened {
         index,
         mut stream,
@@ -293,7 +294,7 @@ async fn follow(
     } = opened;
     let server = &opts.servers[index];
     let mut delivered = false;
-    let lost = |error, delivered| Followed::Lost { error, delivered };
+    let lost = |error, delivered| StreamEnd::Lost { error, delivered };
     let mut parts = Parts::default();
     // Past this without data (or a part of a batch under way), the stream is left.
     let mut deadline = Instant::now() + SILENCE;
@@ -310,7 +311,7 @@ async fn follow(
                     },
                     found = async { asking.as_mut().expect("probing").await }, if probing => {
                         match found {
-                            Some(o) => return Followed::Switch(Box::new(o)),
+                            Some(o) => return StreamEnd::Switch(Box::new(o)),
                             None => {
                                 asking = Some(probe(opts, index, state));
                                 continue;
@@ -376,7 +377,7 @@ async fn follow(
             partial: false,
         };
         if tx.is_closed() {
-            return Followed::ReceiverGone;
+            return StreamEnd::ReceiverGone;
         }
         tx.send_replace(Some(Arc::new(snapshot)));
     }

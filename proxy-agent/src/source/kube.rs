@@ -87,11 +87,11 @@ pub async fn run(
     } = opts;
     let cfg = watcher::Config::default();
     let selected = cfg.clone().labels(&label_selector);
-    let follow = |label, name| Resource { label, name };
+    let resource = |label, name| Resource { label, name };
     let services = recovery::recovering(
         Api::<Decoded<Service>>::all(client.clone()),
         selected.clone(),
-        follow("services", "Services"),
+        resource("services", "Services"),
         counters.clone(),
         backoff.clone(),
         health.clone(),
@@ -100,7 +100,7 @@ pub async fn run(
     let slices = recovery::recovering(
         Api::<Decoded<EndpointSlice>>::all(client.clone()),
         selected,
-        follow("endpointslices", "EndpointSlices"),
+        resource("endpointslices", "EndpointSlices"),
         counters.clone(),
         backoff.clone(),
         health.clone(),
@@ -114,7 +114,7 @@ pub async fn run(
     let nodes = recovery::recovering(
         Api::<Decoded<Node>>::all(client),
         node_cfg,
-        follow("nodes", "Nodes"),
+        resource("nodes", "Nodes"),
         counters,
         backoff,
         health,

@@ -20,7 +20,7 @@ use aya::{Ebpf, TestRun as _, TestRunOptions, programs::SchedClassifier};
 
 use self::scenario::{Case, Expect, Packet, Verdict};
 use crate::{
-    dataplane::bpf::{self, MapSet, MapState, TC_PROGRAM},
+    dataplane::bpf::{self, MapSet, Mirror, TC_PROGRAM},
     model::{NodeSettings, NodeView, Protocol, node_view},
 };
 
@@ -97,7 +97,7 @@ fn load_programs() -> Result<(Ebpf, MapSet)> {
 impl Bench {
     fn new(case: &Case) -> Result<Self> {
         let (ebpf, mut maps) = load_programs()?;
-        let mut state = MapState::adopt(&maps)?;
+        let mut state = Mirror::adopt(&maps)?;
         bpf::writer::configure(
             &mut maps,
             &NodeSettings::new(&case.node.info, [], &case.node.view),

@@ -8,7 +8,7 @@ use aya::{
     programs::{SchedClassifier, Xdp},
 };
 use proxy_agent::{
-    dataplane::bpf::{self, MapSet, MapState, load_private},
+    dataplane::bpf::{self, MapSet, Mirror, load_private},
     model::{Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol},
     trace::{
         self,
@@ -29,7 +29,7 @@ pub const XDP_REDIRECT: u32 = 4;
 pub struct Harness {
     pub ebpf: Ebpf,
     pub maps: MapSet,
-    pub state: MapState,
+    pub state: Mirror,
 }
 
 impl Harness {
@@ -41,7 +41,7 @@ impl Harness {
             .try_into()
             .expect("type");
         prog.load().expect("verifier accepts tc_ingress");
-        let state = MapState::adopt(&maps).expect("adopt");
+        let state = Mirror::adopt(&maps).expect("adopt");
         Harness { ebpf, maps, state }
     }
 

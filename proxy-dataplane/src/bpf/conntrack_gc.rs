@@ -33,7 +33,7 @@ const ORPHAN_GRACE_NS: u64 = 5_000_000_000;
 
 /// What one pass saw and did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct CtStats {
+pub struct Collected {
     /// Entries (two per flow) left in the table of answered flows, and its capacity.
     pub answered: u64,
     pub answered_capacity: u64,
@@ -61,7 +61,7 @@ pub struct Collector {
 /// every SIGTERM (the agent logged "shutting down" and waited for SIGKILL).
 pub fn spawn(
     maps_dir: PathBuf,
-    mut record: impl FnMut(CtStats) + Send + 'static,
+    mut record: impl FnMut(Collected) + Send + 'static,
 ) -> Result<Collector> {
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
     std::thread::Builder::new()
@@ -116,13 +116,13 @@ pub fn monotonic_ns() -> u64 {
 
 /// One pass over both tables at time `now_ns`, with the timeouts the programs use
 /// (`NODE_CONFIG`).
-pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<CtStats> {
+pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<Collected> {
     let timeouts = maps
         .node_config
         .get(&0, 0)
         .context("reading NODE_CONFIG")?
         .timeouts;
-    let mut stats = CtStats::default();
+    let mut stats = Collected::default();
     // The counts of the answered flows' entries this pass removes (the unanswered
     // ones' count in `LB_STATS` already).
     let mut ended = Ended::default();

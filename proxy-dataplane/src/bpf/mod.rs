@@ -57,7 +57,7 @@ pub use self::{
         BpfLogLevel, ConntrackOptions, DEFAULT_PIN_DIR, MapSizes, Options, check_masquerade_ports,
         conntrack_capacities,
     },
-    writer::MapState,
+    writer::Mirror,
 };
 pub use self::{
     cleanup::{CleanupReport, cleanup},
@@ -85,7 +85,7 @@ pub struct BpfDataplane {
     /// through their links.
     pub ebpf: Arc<Mutex<Ebpf>>,
     pub maps: MapSet,
-    pub state: MapState,
+    pub mirror: Mirror,
     /// Where the connect-time hooks are attached (whose sockets may need destroying).
     cgroup: Option<PathBuf>,
     /// Follows interfaces for the classifier, until [`Self::take_interface_follower`].
@@ -204,7 +204,7 @@ impl BpfDataplane {
         if let Some(cgroup) = &opts.cgroup {
             attach::cgroup::attach_cgroup_programs(&mut ebpf, cgroup, &links_dir)?;
         }
-        let state = MapState::adopt(&maps)?;
+        let mirror = Mirror::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
 
         let (interfaces, classifiers) = if let Some(hook) = kernel.tc_hook {
@@ -243,13 +243,13 @@ impl BpfDataplane {
         };
         tracing::info!(
             pin_dir = %opts.pin_dir.display(),
-            adopted_frontends = state.frontends(),
+            adopted_frontends = mirror.frontends(),
             "BPF dataplane ready"
         );
         Ok(Self {
             ebpf,
             maps,
-            state,
+            mirror,
             cgroup: opts.cgroup.clone(),
             interfaces,
             classifiers,
@@ -302,7 +302,7 @@ impl Dataplane for BpfDataplane {
         view: &NodeView,
         changed: &std::collections::BTreeSet<proxy_model::Frontend>,
     ) -> Result<usize> {
-        self.state.stage(&mut self.maps, view, changed)
+        self.mirror.stage(&mut self.maps, view, changed)
     }
 
     fn resync(&mut self) -> Result<()> {
@@ -311,7 +311,7 @@ impl Dataplane for BpfDataplane {
     }
 
     fn audit(&mut self, fraction: f64) -> Result<crate::AuditReport> {
-        self.state.audit_step(&mut self.maps, fraction)
+        self.mirror.audit_step(&mut self.maps, fraction)
     }
 
     fn configure(&mut self, node: &proxy_model::NodeSettings) -> Result<()> {
@@ -327,8 +327,8 @@ impl BpfDataplane {
         view: &NodeView,
         changed: Option<&std::collections::BTreeSet<proxy_model::Frontend>>,
     ) -> Result<ApplyReport> {
-        let mut report = self.state.apply_changes(&mut self.maps, view, changed)?;
-        let left = self.state.take_left_udp();
+        let mut report = self.mirror.apply_changes(&mut self.maps, view, changed)?;
+        let left = self.mirror.take_left_udp();
         // The kernel's entries carry no Service: only backends no frontend uses go.
         let gone: Vec<_> = left.iter().filter(|l| l.gone).map(|l| l.backend).collect();
         if !gone.is_empty() {
@@ -373,16 +373,16 @@ impl BpfDataplane {
 /// The map-writing half of the dataplane, on any set of maps (pinned or private).
 pub struct MapsDataplane<'a> {
     pub maps: &'a mut MapSet,
-    pub state: &'a mut MapState,
+    pub mirror: &'a mut Mirror,
     pub conntrack: ConntrackOptions,
 }
 
 impl<'a> MapsDataplane<'a> {
     /// On `maps`, with the default connection-tracking options.
-    pub fn new(maps: &'a mut MapSet, state: &'a mut MapState) -> Self {
+    pub fn new(maps: &'a mut MapSet, mirror: &'a mut Mirror) -> Self {
         Self {
             maps,
-            state,
+            mirror,
             conntrack: ConntrackOptions::default(),
         }
     }
@@ -394,7 +394,7 @@ impl Dataplane for MapsDataplane<'_> {
     }
 
     fn apply(&mut self, view: &NodeView) -> Result<ApplyReport> {
-        self.state.apply(self.maps, view)
+        self.mirror.apply(self.maps, view)
     }
 
     fn apply_changes(
@@ -402,7 +402,7 @@ impl Dataplane for MapsDataplane<'_> {
         view: &NodeView,
         changed: &std::collections::BTreeSet<proxy_model::Frontend>,
     ) -> Result<ApplyReport> {
-        self.state.apply_changes(self.maps, view, Some(changed))
+        self.mirror.apply_changes(self.maps, view, Some(changed))
     }
 
     fn stage(
@@ -410,11 +410,11 @@ impl Dataplane for MapsDataplane<'_> {
         view: &NodeView,
         changed: &std::collections::BTreeSet<proxy_model::Frontend>,
     ) -> Result<usize> {
-        self.state.stage(self.maps, view, changed)
+        self.mirror.stage(self.maps, view, changed)
     }
 
     fn audit(&mut self, fraction: f64) -> Result<crate::AuditReport> {
-        self.state.audit_step(self.maps, fraction)
+        self.mirror.audit_step(self.maps, fraction)
     }
 
     fn configure(&mut self, node: &proxy_model::NodeSettings) -> Result<()> {

@@ -1,6 +1,6 @@
 //! How long a Maglev table takes to rebuild (issue 14): the table alone, in user space
 //! (`Schedule::layout` for `mh`), and one endpoint change of an `mh` frontend applied to
-//! private maps through `MapState::apply` (the new table and slots written as a new
+//! private maps through `Mirror::apply` (the new table and slots written as a new
 //! generation, the flip, the old ones removed): what an operator waits for.
 
 use std::{
@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use proxy_agent::{
-    dataplane::bpf::{self, MapSet, MapState},
+    dataplane::bpf::{self, MapSet, Mirror},
     model::NodeView,
     model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
 };
@@ -55,7 +55,7 @@ fn endpoints(n: usize) -> Vec<SocketAddr> {
 pub fn rebuild_times(backend_counts: &[usize], reps: u32) -> Result<Vec<MaglevRebuild>> {
     let reps = reps.max(1);
     let (_ebpf, mut maps) = bpf::load_private(&[])?;
-    let mut state = MapState::adopt(&maps)?;
+    let mut state = Mirror::adopt(&maps)?;
     let mut out = Vec::new();
     for &n in backend_counts {
         let all = endpoints(n);
@@ -104,10 +104,10 @@ pub fn rebuild_times(backend_counts: &[usize], reps: u32) -> Result<Vec<MaglevRe
     Ok(out)
 }
 
-/// Milliseconds `MapState::apply` takes to give the one frontend `endpoints`; it must
+/// Milliseconds `Mirror::apply` takes to give the one frontend `endpoints`; it must
 /// write it (a frontend left as it was, or failed, would time something else).
 fn timed_apply<'e>(
-    state: &mut MapState,
+    state: &mut Mirror,
     maps: &mut MapSet,
     endpoints: impl Iterator<Item = &'e SocketAddr>,
     schedule: &Schedule,

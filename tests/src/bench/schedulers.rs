@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{TestRun as _, TestRunOptions, programs::SchedClassifier};
 use proxy_agent::{
-    dataplane::bpf::{self, MapSet, MapState},
+    dataplane::bpf::{self, MapSet, Mirror},
     model::NodeView,
     model::schedule::{DEFAULT_MAGLEV_TABLE_LEN, MAGLEV_TABLE_LENS, Schedule, Scheduler},
     trace::packet,
@@ -127,7 +127,7 @@ pub fn new_flow_costs(runs: Runs) -> Result<SchedulerCosts> {
         let (fe, state) = cluster_ip(m.vip.ip(), m.endpoints.clone(), m.schedule.clone());
         view.insert(fe, state);
     }
-    let report = MapState::adopt(&maps)?.apply(&mut maps, &view)?;
+    let report = Mirror::adopt(&maps)?.apply(&mut maps, &view)?;
     if !report.failed.is_empty() {
         bail!("programming the measured Services: {:?}", report.failed);
     }

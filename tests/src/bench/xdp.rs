@@ -12,7 +12,7 @@ use aya::{
     programs::{SchedClassifier, Xdp},
 };
 use proxy_agent::{
-    dataplane::bpf::{self, MapState},
+    dataplane::bpf::{self, Mirror},
     trace::packet,
 };
 
@@ -90,7 +90,7 @@ pub(super) fn load_with_services(
         let tc: &mut SchedClassifier = ebpf.program_mut(name).context("program")?.try_into()?;
         tc.load()?;
     }
-    let mut state = MapState::adopt(&maps)?;
+    let mut state = Mirror::adopt(&maps)?;
     state.apply(&mut maps, &view_of(svcs)?)?;
     Ok((ebpf, maps))
 }

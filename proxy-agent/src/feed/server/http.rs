@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use super::{Cut, Hub, HubStats};
+use super::{Cut, Hub, HubCounts};
 
 /// The server's `/metrics` (Prometheus text) from the hub's counts.
-pub fn metrics_text(s: &HubStats) -> String {
+pub fn metrics_text(s: &HubCounts) -> String {
     let series: [(&str, &str, &str, u64); 9] = [
         (
             "proxy_agent_feed_ready",
@@ -92,7 +92,7 @@ pub fn app(hub: Arc<Hub>) -> axum::Router {
         .route(
             "/metrics",
             get(move || {
-                let text = metrics_text(&metrics_hub.stats());
+                let text = metrics_text(&metrics_hub.counts());
                 async move { text }
             }),
         )

@@ -100,7 +100,7 @@ struct State {
 
 /// Counts for the server's metrics and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HubStats {
+pub struct HubCounts {
     pub revision: u64,
     pub nodes_connected: usize,
     pub snapshots_sent: u64,
@@ -168,8 +168,8 @@ impl CutCounts {
 pub struct Hub {
     state: Mutex<State>,
     opts: HubOptions,
-    stats: Mutex<HubStats>,
-    /// Apart from `stats`: every stream adds to it for every message.
+    counts: Mutex<HubCounts>,
+    /// Apart from `counts`: every stream adds to it for every message.
     bytes_sent: std::sync::atomic::AtomicU64,
     /// Apart from `state`: every stream reads it for every message.
     api_validated: std::sync::atomic::AtomicBool,
@@ -219,7 +219,7 @@ impl Hub {
                 mailboxes: Vec::new(),
             }),
             opts,
-            stats: Mutex::new(HubStats::default()),
+            counts: Mutex::new(HubCounts::default()),
             bytes_sent: std::sync::atomic::AtomicU64::new(0),
             api_validated: std::sync::atomic::AtomicBool::new(false),
             api_lost: std::sync::atomic::AtomicBool::new(false),
@@ -292,8 +292,8 @@ impl Hub {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn stats(&self) -> HubStats {
-        let mut s = *self.stats.lock().unwrap_or_else(|p| p.into_inner());
+    pub fn counts(&self) -> HubCounts {
+        let mut s = *self.counts.lock().unwrap_or_else(|p| p.into_inner());
         let st = self.lock();
         s.revision = st.revision;
         s.nodes_connected = st.mailboxes.iter().filter(|m| m.strong_count() > 0).count();
@@ -405,7 +405,7 @@ impl Hub {
             }
         }
         if overflows > 0 {
-            self.stats
+            self.counts
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .overflows += overflows;
@@ -454,9 +454,9 @@ impl Hub {
             pending.snapshot = Some(st.whole(node, reads));
         }
         {
-            let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+            let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
             if resumable {
-                stats.resumes += 1;
+                counts.resumes += 1;
             }
         }
         let mb = Arc::new(Mailbox::new(
@@ -478,7 +478,7 @@ impl Hub {
     }
 
     pub(crate) fn count_snapshot(&self) {
-        self.stats
+        self.counts
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .snapshots_sent += 1;
@@ -585,7 +585,7 @@ pub async fn probe_api(
 }
 
 /// Feeds the hub from a source until the source stops.
-pub async fn follow(
+pub async fn ingest(
     hub: Arc<Hub>,
     mut source: tokio::sync::watch::Receiver<Option<crate::source::SharedSnapshot>>,
 ) {

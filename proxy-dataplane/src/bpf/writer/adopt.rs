@@ -11,15 +11,15 @@ use proxy_common::{
 
 use super::{
     generation::{chunk_key, chunks},
-    mirror::{Extras, MapState, Programmed},
+    mirror::{Extras, Mirror, Programmed},
 };
 use crate::bpf::{batch, maps::MapSet, members};
 use proxy_model::{EndpointSet, schedule::Schedule};
 
-impl MapState {
+impl Mirror {
     /// Rebuilds the mirror from what the maps hold (entries another agent wrote).
     pub fn adopt(maps: &MapSet) -> Result<Self> {
-        let mut state = MapState {
+        let mut state = Mirror {
             next_service_id: 1,
             next_backend_id: 1,
             ..Default::default()

@@ -25,7 +25,7 @@ use super::{
     adopt::adopt_table,
     audit_pass::{AuditPass, Table},
     generation::Generation,
-    mirror::{Extras, MapState, Programmed},
+    mirror::{Extras, Mirror, Programmed},
 };
 use crate::bpf::{codec::rev_nat_of, maps::remove_ignoring_absent};
 use aya::maps::IterableMap as _;
@@ -47,7 +47,7 @@ const MAX_FRONTENDS_PER_STEP: usize = 256;
 /// The most map entries one step reads back (one batch read).
 const MAX_ENTRIES_PER_STEP: usize = 8192;
 
-impl MapState {
+impl Mirror {
     /// One step of the audit: about `fraction` of the frontends and of each map's
     /// entries. A new pass begins after the last one ended.
     pub fn audit_step(&mut self, maps: &mut MapSet, fraction: f64) -> Result<AuditReport> {

@@ -10,12 +10,12 @@ use proxy_common::{
     ServiceValue,
 };
 
-use super::mirror::{Extras, MapState, Programmed};
+use super::mirror::{Extras, Mirror, Programmed};
 use crate::bpf::{codec::range_key, maps::remove_ignoring_absent};
 use crate::bpf::{maps::MapSet, members};
 use proxy_model::{EndpointSet, schedule::Schedule};
 
-impl MapState {
+impl Mirror {
     /// Writes a new generation of `key`'s slots, its reverse-NAT entry and the flip.
     pub(super) fn write_generation(
         &mut self,

@@ -5,10 +5,10 @@ use std::collections::HashSet;
 use anyhow::Result;
 use proxy_common::Backend;
 
-use super::mirror::MapState;
+use super::mirror::Mirror;
 use crate::bpf::maps::MapSet;
 
-impl MapState {
+impl Mirror {
     pub(super) fn ensure_backend(&mut self, maps: &mut MapSet, be: Backend) -> Result<u32> {
         if let Some(id) = self.backends.id_of(&be) {
             return Ok(id);

@@ -42,7 +42,7 @@ pub(super) struct Programmed {
     /// What few frontends have (a Maglev table, weights, source ranges), apart: 8 bytes
     /// here instead of three vectors' 72 in every frontend's entry.
     pub(super) extras: Option<Box<Extras>>,
-    /// The last sync whose view held this frontend (`MapState::epoch`).
+    /// The last sync whose view held this frontend (`Mirror::epoch`).
     pub(super) seen: u64,
 }
 
@@ -90,7 +90,7 @@ impl Programmed {
 
 /// The agent's mirror of the maps' service, slot and backend entries.
 #[derive(Debug, Default)]
-pub struct MapState {
+pub struct Mirror {
     pub(super) services: FxHashMap<ServiceKey, Programmed>,
     /// Each backend by id and by value, with how many live slots point at it; a backend
     /// is deleted at zero. Keeps each sync proportional to what changed, not to the
