@@ -6,7 +6,7 @@
 //!
 //! Layer 3. Owns: the refusals (TCP reset, ICMP port unreachable, "too big") and their
 //! rate limit, `REJECT_CREDIT`. May import: layers 0-2 (`maps`, `verdict`, `packet`,
-//! `stats`, `node`).
+//! `stats`, `drop`, `node`).
 
 use aya_ebpf::{
     bindings::{TC_ACT_REDIRECT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
@@ -18,6 +18,7 @@ use aya_ebpf::{
 use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
 
 use crate::{
+    drop::{self, Reason},
     frame::{Frame, csum},
     maps::count,
     packet::{ETH_HLEN, Packet},
@@ -39,14 +40,13 @@ const REFUSAL_COST_NS: u64 = 1_000_000;
 /// refused connection; past the rate limit the packet is dropped (and counted).
 pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     if !take_credit() {
-        count(counter::REJECT_RATE_LIMITED);
-        return Err(DROP);
+        return Err(drop::packet(Reason::RejectRateLimited));
     }
     match pkt.proto {
         PROTO_TCP => tcp_reset(ctx, pkt),
         // kube-proxy's REJECT answers UDP and SCTP alike.
         PROTO_UDP | PROTO_SCTP => icmp_error(ctx, pkt, 0),
-        _ => Err(DROP),
+        _ => Err(drop::packet(Reason::Unreachable)), // frontends are of those three
     }
 }
 
@@ -87,8 +87,7 @@ const ICMP_HLEN: usize = 8;
 /// refusals.
 pub fn too_big(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
     if !take_credit() {
-        count(counter::REJECT_RATE_LIMITED);
-        return Err(DROP);
+        return Err(drop::packet(Reason::RejectRateLimited));
     }
     let verdict = icmp_error(ctx, pkt, mtu)?;
     count(counter::TOO_BIG_SENT);
