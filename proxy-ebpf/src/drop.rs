@@ -30,6 +30,11 @@ pub enum Reason {
     RewriteFailed = counter::REWRITE_FAILED,
     /// A refusal or "too big" over the rate limit.
     RejectRateLimited = counter::REJECT_RATE_LIMITED,
+    /// A refusal or "too big" not made: the packet has IP options or an IPv6 extension
+    /// header.
+    RejectIpOptions = counter::REJECT_IP_OPTIONS,
+    /// Making a refusal or "too big" failed half-way (a helper failed).
+    RejectFailed = counter::REJECT_FAILED,
     /// Direct server return's option not believed, by reason (`dsr::refusal`).
     DsrRefusedSource = counter::DSR_REFUSED_SOURCE,
     DsrRefusedFrontend = counter::DSR_REFUSED_FRONTEND,
