@@ -42,6 +42,7 @@ const EBPF_LAYERS: &[(&str, u32)] = &[
     ("mem", 0),
     ("packet", 1),
     ("stats", 1),
+    ("drop", 1),
     ("node", 2),
     ("conntrack", 3),
     ("lb", 3),

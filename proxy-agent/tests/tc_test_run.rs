@@ -577,6 +577,44 @@ fn refusals_are_rate_limited() {
     assert_eq!(h.counter("reject_rate_limited"), 300 - sent);
 }
 
+/// A refusal the packet cannot have (IP options: not worth a reset or an error) is a
+/// drop, counted by its reason like every other, not a silent one.
+#[needs_root]
+#[test]
+fn a_refusal_not_made_is_dropped_and_counted_by_its_reason() {
+    let mut h = Harness::new(&[]);
+    h.apply(&NodeView::from([
+        frontend("10.96.0.20", 80, Protocol::Tcp, &[]),
+        frontend("10.96.0.20", 53, Protocol::Udp, &[]),
+    ]));
+    for (dst, tcp) in [("10.96.0.20:80", true), ("10.96.0.20:53", false)] {
+        let pkt = with_ip_options(packet(sa("10.244.0.3:40000"), sa(dst), tcp));
+        let (verdict, _) = h.run(&pkt);
+        assert_eq!(verdict, TC_ACT_SHOT, "{dst}");
+    }
+    assert_eq!(
+        h.counter("no_backend_reject"),
+        2,
+        "both reached the refusal"
+    );
+    assert_eq!(h.counter("reject_ip_options"), 2);
+    assert_eq!(h.counter("reject_sent"), 0);
+    assert_eq!(h.counter("drop_unreachable"), 0);
+}
+
+/// `pkt` (IPv4, as `packet` builds it) with 4 bytes of IP options (three NOPs, the end of
+/// the list); its lengths and header checksum follow.
+fn with_ip_options(mut pkt: Vec<u8>) -> Vec<u8> {
+    pkt.splice(34..34, [1, 1, 1, 0]);
+    pkt[14] = 0x46;
+    let total = u16::from_be_bytes([pkt[16], pkt[17]]) + 4;
+    pkt[16..18].copy_from_slice(&total.to_be_bytes());
+    pkt[24..26].fill(0);
+    let c = fold(sum16(&pkt[14..38], 0));
+    pkt[24..26].copy_from_slice(&c.to_be_bytes());
+    pkt
+}
+
 #[needs_root]
 #[test]
 fn flows_of_removed_backends_are_cleared() {

@@ -104,7 +104,7 @@ pub mod counter {
     /// fragment, SCTP, a refusal to send, no neighbour or route the FIB could give).
     pub const XDP_TO_TC: u32 = 22;
     /// XDP dropped a packet (source ranges, a mid-stream segment of no flow, no backend
-    /// with a drop policy): counted by its reason too.
+    /// with a drop policy, …): counted by its reason too, as every drop is.
     pub const XDP_DROP: u32 = 23;
     /// Direct server return: a packet left for a backend on another node with the
     /// frontend in its IP option.
@@ -136,8 +136,18 @@ pub mod counter {
     /// come from that node's neighbour (its MAC, by the interface the route to it
     /// takes), or no neighbour entry is known for it yet.
     pub const DSR_REFUSED_NODE: u32 = 32;
+    /// A packet dropped where a lookup or helper cannot fail and did (index 0 of a
+    /// one-entry array, a valid scratch index, a helper given valid arguments): a bug if
+    /// ever counted.
+    pub const DROP_UNREACHABLE: u32 = 33;
+    /// A refusal or "too big" not made, its packet dropped: the packet has IP options or
+    /// an IPv6 extension header.
+    pub const REJECT_IP_OPTIONS: u32 = 34;
+    /// A refusal or "too big" whose making failed half-way (a helper failed): its packet
+    /// dropped.
+    pub const REJECT_FAILED: u32 = 35;
     /// Length of the array.
-    pub const COUNT: u32 = 33;
+    pub const COUNT: u32 = 36;
     /// Human-readable names, by index.
     pub const NAMES: [&str; COUNT as usize] = [
         "service_hit",
@@ -173,6 +183,9 @@ pub mod counter {
         "ct_reply_unverified",
         "snat_port_reclaimed",
         "dsr_refused_node",
+        "drop_unreachable",
+        "reject_ip_options",
+        "reject_failed",
     ];
 }
 
@@ -190,5 +203,14 @@ mod tests {
     #[test]
     fn counter_names_cover_every_index() {
         assert_eq!(counter::NAMES.len(), counter::COUNT as usize);
+    }
+
+    /// The names are metric labels: one per index.
+    #[test]
+    fn counter_names_are_unique() {
+        let mut names = counter::NAMES.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), counter::NAMES.len());
     }
 }

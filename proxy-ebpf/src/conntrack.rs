@@ -12,7 +12,7 @@
 //! expiry, promotion, removal), the claims on reply tuples and the masquerade port
 //! allocation that retries them, the reply-port marks (`REPLY_PORTS`: set and read),
 //! the flows' clock, and `CT_SCRATCH`. May import: layers 0-2 (`maps`,
-//! `verdict`, `packet`, `stats`, `node`); never `nat`, which may use it.
+//! `verdict`, `packet`, `stats`, `drop`, `node`); never `nat`, which may use it.
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -27,10 +27,10 @@ use proxy_common::{
 };
 
 use crate::{
+    drop::{self, Reason},
     maps::{CONNTRACK, CONNTRACK_NEW, NODE_CONFIG, REPLY_PORTS, count, port_marked},
     packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     stats,
-    verdict::DROP,
 };
 
 /// Per-CPU room for a new flow's two conntrack values while they are built (forward at
@@ -524,7 +524,7 @@ pub fn record(pkt: &Packet, fwd: &mut CtValue) -> Result<(), i32> {
     let now = now();
     fwd.last_seen_ns = now;
     let Some(reply) = ct_scratch(SCRATCH_REPLY) else {
-        return Err(DROP); // unreachable: a valid index
+        return Err(drop::packet(Reason::Unreachable)); // a valid index
     };
     reply.last_seen_ns = now;
     reply.backend_id = fwd.backend_id;
@@ -554,8 +554,7 @@ pub fn record(pkt: &Packet, fwd: &mut CtValue) -> Result<(), i32> {
     reply.nat_port = pkt.sport;
     reply_key.daddr = fwd.nat_addr;
     let Some(port) = allocate_port(&mut reply_key, reply) else {
-        count(counter::SNAT_PORTS_EXHAUSTED);
-        return Err(DROP);
+        return Err(drop::packet(Reason::SnatPortsExhausted));
     };
     fwd.flags = CT_F_SNAT;
     fwd.nat_port = port;

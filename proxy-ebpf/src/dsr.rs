@@ -35,6 +35,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, SCRATCH_FORWARD, SCRATCH_REPLY, ct_scratch},
+    drop::{self, Reason},
     frame::{Frame, csum},
     maps::{DSR_PERMITS, LOCAL_NETS, NODE_CONFIG, count},
     node::{is_node_address, lpm_key, on_node, on_node_pods, origin},
@@ -95,7 +96,7 @@ pub fn push<F: Frame>(ctx: &F, pkt: &Packet) -> Result<(), i32> {
     // This node, as the backend's node will check it: its address of the family (zero
     // when it has none, which the backend's node refuses).
     let Some(cfg) = NODE_CONFIG.get(0) else {
-        return Err(crate::verdict::DROP); // unreachable: index 0 of a one-entry array
+        return Err(drop::packet(Reason::Unreachable)); // index 0 of a one-entry array
     };
     if is_v6(ctx) {
         push_v6(ctx, pkt, &cfg.snat_v6)
@@ -107,8 +108,7 @@ pub fn push<F: Frame>(ctx: &F, pkt: &Packet) -> Result<(), i32> {
 }
 
 fn push_failed(_: i64) -> i32 {
-    count(counter::REWRITE_FAILED);
-    crate::verdict::DROP
+    drop::packet(Reason::RewriteFailed)
 }
 
 /// IPv4: 12 bytes after the base header, the header's length fields and checksum updated
@@ -122,7 +122,7 @@ fn push_v4<F: Frame>(ctx: &F, addr: u32, port: u16, entry: u32) -> Result<(), i3
         ctx.load::<u16>(ETH_HLEN + 2),
         ctx.load::<u16>(IPV4_CSUM_OFF),
     ) else {
-        return Err(crate::verdict::DROP);
+        return Err(drop::packet(Reason::RewriteFailed));
     };
     ctx.grow_network_header::<{ ETH_HLEN + 20 }, { DSR_OPT_LEN as usize }>()
         .map_err(push_failed)?;
@@ -154,7 +154,7 @@ fn push_v6<F: Frame>(ctx: &F, pkt: &Packet, entry: &[u32; 4]) -> Result<(), i32>
     let (Ok(payload), Ok(next_hop)) =
         (ctx.load::<u16>(ETH_HLEN + 4), ctx.load::<u16>(ETH_HLEN + 6))
     else {
-        return Err(crate::verdict::DROP);
+        return Err(drop::packet(Reason::RewriteFailed));
     };
     ctx.grow_network_header::<{ ETH_HLEN + IPV6_HLEN }, { DSR_HDR6_LEN as usize }>()
         .map_err(push_failed)?;
@@ -224,10 +224,8 @@ pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
     if !found(ctx, &mut a.named) {
         return None;
     }
-    let refused = refusal(ctx, pkt);
-    if refused != 0 {
-        count(refused);
-        return Some(crate::verdict::DROP);
+    if let Some(reason) = refusal(ctx, pkt) {
+        return Some(drop::packet(reason));
     }
     a.pkt = Packet {
         daddr: a.named.frontend,
@@ -240,20 +238,20 @@ pub fn arrival<F: Frame>(ctx: &F, pkt: &Packet) -> Option<i32> {
     Some(PASS_ON)
 }
 
-/// Why the option in `ARRIVAL` is not believed (a `counter`), or 0. (Its own frame,
-/// apart from `arrival`'s; its key in `ARRIVAL`: the classifier's call chain shares 512
-/// bytes of stack.)
+/// Why the option in `ARRIVAL` is not believed, or `None`. (Its own frame, apart from
+/// `arrival`'s; its key in `ARRIVAL`: the classifier's call chain shares 512 bytes of
+/// stack.)
 #[inline(never)]
-fn refusal<F: Frame>(ctx: &F, pkt: &Packet) -> u32 {
+fn refusal<F: Frame>(ctx: &F, pkt: &Packet) -> Option<Reason> {
     let Some(cfg) = NODE_CONFIG.get(0) else {
-        return counter::DSR_REFUSED_SOURCE; // unreachable: index 0 of a one-entry array
+        return Some(Reason::Unreachable); // index 0 of a one-entry array
     };
     let from = origin(pkt, cfg);
     if from.pod || from.node || !route::arrived_by_route(ctx, pkt.family, &pkt.saddr, &pkt.daddr) {
-        return counter::DSR_REFUSED_SOURCE;
+        return Some(Reason::DsrRefusedSource);
     }
     let Some(a) = ARRIVAL.get_ptr_mut(0) else {
-        return counter::DSR_REFUSED_FRONTEND; // unreachable: index 0 of a one-entry array
+        return Some(Reason::Unreachable); // index 0 of a one-entry array
     };
     // SAFETY: this CPU's slot, used by one packet at a time.
     let a = unsafe { &mut *a };
@@ -262,7 +260,7 @@ fn refusal<F: Frame>(ctx: &F, pkt: &Packet) -> u32 {
     if !is_peer(pkt.family, &a.named.entry)
         || !route::sent_by_neighbour(ctx, pkt.family, &pkt.daddr, &a.named.entry)
     {
-        return counter::DSR_REFUSED_NODE;
+        return Some(Reason::DsrRefusedNode);
     }
     let frontend = &a.named.frontend;
     let port = a.named.port;
@@ -281,16 +279,16 @@ fn refusal<F: Frame>(ctx: &F, pkt: &Packet) -> u32 {
         // node's own (a packet naming those was never sent by another node).
         key.frontend = DSR_ANY_NODE;
         if is_node_address(pkt.family, frontend) || DSR_PERMITS.get_ptr(key).is_none() {
-            return counter::DSR_REFUSED_FRONTEND;
+            return Some(Reason::DsrRefusedFrontend);
         }
     }
     // (A node that does not know its pod CIDRs cannot tell: its entry nodes send the
     // option to its local backends too, and `DSR_PERMITS` still binds the pair. The
     // node's own addresses are not asked: a DSR backend is a pod on another node.)
     if cfg.flags & CFG_NODE_PODS != 0 && !on_node_pods(pkt.family, &pkt.daddr) {
-        return counter::DSR_REFUSED_BACKEND;
+        return Some(Reason::DsrRefusedBackend);
     }
-    0
+    None
 }
 
 /// Another node of the cluster (the agent writes their addresses), not this one.

@@ -9,8 +9,8 @@
 //! about a reply (from the client's side) through its forward entry.
 //!
 //! Layer 4. Owns: the translation of ICMP errors about translated flows, and
-//! `ICMP_SCRATCH`. May import: layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `node`,
-//! `conntrack`, `lb`, `reject`, `route`).
+//! `ICMP_SCRATCH`. May import: layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `drop`,
+//! `node`, `conntrack`, `lb`, `reject`, `route`).
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use proxy_common::{
@@ -20,12 +20,13 @@ use proxy_common::{
 
 use crate::{
     conntrack,
+    drop::{self, Reason},
     frame::csum::{delta, delta16, fixed},
     maps::count,
     node::is_node_address,
     packet::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     route,
-    verdict::{DONE, DROP, PASS_ON},
+    verdict::{DONE, PASS_ON},
 };
 
 const IPPROTO_ICMP: u8 = 1;
@@ -266,10 +267,7 @@ fn plan(q: &Quote, e: &mut Edit) -> bool {
 /// checksum state of the skb applies to a quote.
 #[inline(never)]
 fn rewrite(ctx: &TcContext, q: &Quote, e: &Edit) -> Result<(), i32> {
-    let fail = |_| {
-        count(counter::REWRITE_FAILED);
-        DROP
-    };
+    let fail = |_| drop::packet(Reason::RewriteFailed);
     let v4 = q.family == FAMILY_V4;
     let words = if v4 { 1 } else { 4 };
     let mut addrs = 0u64; // the quote's address changes

@@ -3,7 +3,8 @@
 //!
 //! Layer 3. Owns: service lookup (and the frontend-port filter before it), the
 //! schedulers, backend selection, session affinity, the active-connection counts, and
-//! `LC_SCRATCH`. May import: layers 0-2 (`maps`, `verdict`, `packet`, `stats`, `node`).
+//! `LC_SCRATCH`. May import: layers 0-2 (`maps`, `verdict`, `packet`, `stats`, `drop`,
+//! `node`).
 
 use aya_ebpf::{
     btf_maps::PerCpuArray,
@@ -21,17 +22,22 @@ use proxy_common::{
     SVC_F_WEIGHTED, ServiceKey, ServiceValue, counter, sched, sched_hash,
 };
 
-use crate::maps::{
-    ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, FRONTEND_PORTS, MAGLEV, MEMBERS, RR_CURSORS,
-    SERVICES, WEIGHTS, count, port_marked,
+use crate::{
+    drop::{self, Reason},
+    maps::{
+        ACTIVE_CONNS, AFFINITY, BACKEND_SLOTS, BACKENDS, FRONTEND_PORTS, MAGLEV, MEMBERS,
+        RR_CURSORS, SERVICES, WEIGHTS, count, port_marked,
+    },
 };
 
 /// Why no backend was chosen for a packet or connection addressed to a service.
 pub enum NoBackend {
     /// kube-proxy's REJECT: refuse at once.
     Reject,
-    /// Drop silently.
-    Drop,
+    /// Drop silently: the drop's verdict, its reason counted (`no_backend_drop`, for a
+    /// connection too). (Counted here, in `select_backend`'s frame: the per-packet
+    /// caller's has no stack to spare.)
+    Drop(i32),
 }
 
 /// Who is asking, for session affinity and the hashing schedulers.
@@ -448,8 +454,7 @@ fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
 #[inline(always)]
 fn no_backend(svc: &ServiceValue) -> NoBackend {
     if svc.flags & SVC_F_DROP_NO_BACKENDS != 0 {
-        count(counter::NO_BACKEND_DROP);
-        NoBackend::Drop
+        NoBackend::Drop(drop::packet(Reason::NoBackend))
     } else {
         count(counter::NO_BACKEND_REJECT);
         NoBackend::Reject

@@ -10,7 +10,7 @@
 //! - layer 0: `verdict` (verdict codes), `maps` (the pinned maps, `count`), `frame` (the
 //!   packet at either hook, TC or XDP, and checksum arithmetic), `mem` (zeroing);
 //! - layer 1: `packet` (parsing, fragments), `stats` (per-frontend and per-backend
-//!   statistics);
+//!   statistics), `drop` (the one drop exit: a reason, counted);
 //! - layer 2: `node` (the node's addresses, the local-traffic detector);
 //! - layer 3: `conntrack` (flows, tuple claims, masquerade ports), `lb` (services,
 //!   backends), `reject` (refusals), `route` (FIB lookup, redirect);
@@ -33,6 +33,7 @@
 )]
 
 mod conntrack;
+mod drop;
 mod dsr;
 mod frame;
 mod icmp;

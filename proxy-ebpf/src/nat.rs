@@ -5,24 +5,24 @@
 //!
 //! Layer 4. Owns: the address and port rewrites with their checksums, the masquerade
 //! decision, and the SCTP checksum's tail call (`finish`, `sctp_checksum`). May import:
-//! layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `node`, `conntrack`, `lb`, `reject`,
-//! `route`).
+//! layers 0-3 (`maps`, `verdict`, `packet`, `stats`, `drop`, `node`, `conntrack`, `lb`,
+//! `reject`, `route`).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, FAMILY_V4, NodeConfig, PROTO_SCTP, PROTO_TCP,
-    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, ServiceValue, TAIL_SCTP_CRC, counter, crc32c,
+    SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, ServiceValue, TAIL_SCTP_CRC, crc32c,
 };
 
 use crate::{
+    drop::{self, Reason},
     frame::{CsumKind, Frame, csum},
-    maps::{SCTP_PENDING, SCTP_ZEROS, TC_TAIL, count},
+    maps::{SCTP_PENDING, SCTP_ZEROS, TC_TAIL},
     node::Origin,
     packet::{
         ETH_HLEN, IPV4_CSUM_OFF, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
         Packet,
     },
-    verdict::DROP,
 };
 
 /// kube-proxy's masquerade rules: hairpin (a pod reaching itself); external frontends
@@ -78,10 +78,7 @@ pub fn rewrite<F: Frame>(
         // A zero UDP checksum (IPv4) means "none" and must stay zero.
         (pkt.l4_off + 6, CsumKind::ZeroIsNone)
     };
-    let fail = |_| {
-        count(counter::REWRITE_FAILED);
-        DROP
-    };
+    let fail = |_| drop::packet(Reason::RewriteFailed);
     // The writes go straight into the packet; each checksum is folded once from the
     // sum of its changes.
     let mut pseudo = 0u64;
@@ -133,10 +130,7 @@ fn rewrite_ipv4_address<F: Frame>(
     side: Side,
     addr: &[u32; 4],
 ) -> Result<(), i32> {
-    let fail = |_| {
-        count(counter::REWRITE_FAILED);
-        DROP
-    };
+    let fail = |_| drop::packet(Reason::RewriteFailed);
     let (old_addr, addr_off) = match side {
         Side::Source => (pkt.saddr[0], IPV4_SADDR_OFF),
         Side::Destination => (pkt.daddr[0], IPV4_DADDR_OFF),
@@ -155,10 +149,7 @@ fn rewrite_sctp<F: Frame>(
     addr: &[u32; 4],
     port: u16,
 ) -> Result<(), i32> {
-    let fail = |_| {
-        count(counter::REWRITE_FAILED);
-        DROP
-    };
+    let fail = |_| drop::packet(Reason::RewriteFailed);
     let (old_port, port_off, source) = match side {
         Side::Source => (pkt.sport, pkt.l4_off, true),
         Side::Destination => (pkt.dport, pkt.l4_off + 2, false),
@@ -181,7 +172,7 @@ fn rewrite_sctp<F: Frame>(
     ctx.store(port_off, &port).map_err(fail)?;
     // The checksum is finished once per packet, by the tail call `finish` makes.
     let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
-        return Err(DROP); // unreachable: index 0 of a one-entry array
+        return Err(drop::packet(Reason::Unreachable)); // index 0 of a one-entry array
     };
     // SAFETY: this CPU's slot, used by one packet at a time.
     let p = unsafe { &mut *p };
@@ -208,15 +199,14 @@ pub fn finish(ctx: &TcContext, verdict: i32) -> i32 {
     // SAFETY: a valid context and program array; returns only if the call fails.
     unsafe { TC_TAIL.tail_call(ctx, TAIL_SCTP_CRC) };
     p.delta = 0;
-    count(counter::REWRITE_FAILED);
-    DROP // a wrong checksum would be dropped by the receiver anyway
+    drop::packet(Reason::RewriteFailed) // a wrong checksum would be dropped by the receiver anyway
 }
 
 /// The tail call: applies the pending port change to the SCTP checksum, returns the
 /// classifier's verdict.
 pub fn sctp_checksum(ctx: &TcContext) -> i32 {
     let Some(p) = SCTP_PENDING.get_ptr_mut(0) else {
-        return DROP;
+        return drop::packet(Reason::Unreachable); // index 0 of a one-entry array
     };
     // SAFETY: this CPU's slot, used by one packet at a time.
     let p = unsafe { &mut *p };
@@ -228,13 +218,11 @@ pub fn sctp_checksum(ctx: &TcContext) -> i32 {
     };
     let off = p.sum_off as usize;
     let Ok(sum) = ctx.load::<u32>(off) else {
-        count(counter::REWRITE_FAILED);
-        return DROP;
+        return drop::packet(Reason::RewriteFailed);
     };
     let sum = crc32c::after_first_word_change(sum, delta, *zeros);
     if ctx.store(off, &sum, 0).is_err() {
-        count(counter::REWRITE_FAILED);
-        return DROP;
+        return drop::packet(Reason::RewriteFailed);
     }
     verdict
 }

@@ -27,6 +27,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, SCRATCH_FORWARD, ct_scratch, scratch},
+    drop::{self, Reason},
     dsr,
     frame::Frame,
     icmp,
@@ -377,8 +378,7 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
     };
     count(counter::SVC_HIT);
     if svc.flags & SVC_F_SOURCE_RANGES != 0 && !source_allowed(svc.id, pkt) {
-        count(counter::SOURCE_RANGE_DROP);
-        return Err(DROP);
+        return Err(drop::packet(Reason::SourceRange));
     }
     // A flow netfilter translated before we were attached (kube-proxy's, during a
     // migration): its conntrack entry still carries it, DNAT included, so it goes on
@@ -392,8 +392,7 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
     // what netfilter marks INVALID; the client's retransmissions end in its own timeout
     // or a reset from a backend it reconnects to.
     if pkt.proto == PROTO_TCP && !pkt.is_syn() {
-        count(counter::CT_INVALID);
-        return Err(DROP);
+        return Err(drop::packet(Reason::CtInvalid));
     }
     let client = Client {
         id: pkt.saddr,
@@ -411,10 +410,10 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
                 None => Ok(Some(TO_TC)),
             };
         }
-        Err(NoBackend::Drop) => return Err(DROP),
+        Err(NoBackend::Drop(verdict)) => return Err(verdict),
     };
     let Some(entry) = ct_scratch(SCRATCH_FORWARD) else {
-        return Err(DROP); // unreachable: a valid index
+        return Err(drop::packet(Reason::Unreachable)); // a valid index
     };
     entry.backend_id = backend_id;
     entry.xlate_addr = be.addr;
@@ -525,7 +524,7 @@ fn dsr_seen<F: Frame>(ctx: &F, pkt: &Packet, ct: &mut CtValue, new: bool, now: u
 #[inline(never)]
 fn open_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<i32, i32> {
     let Some(entry) = scratch(SCRATCH_FORWARD) else {
-        return Err(DROP); // unreachable: a valid index
+        return Err(drop::packet(Reason::Unreachable)); // a valid index
     };
     conntrack::record(pkt, entry)?;
     stats::account(

@@ -6,7 +6,7 @@
 //!
 //! Layer 3. Owns: the refusals (TCP reset, ICMP port unreachable, "too big") and their
 //! rate limit, `REJECT_CREDIT`. May import: layers 0-2 (`maps`, `verdict`, `packet`,
-//! `stats`, `node`).
+//! `stats`, `drop`, `node`).
 
 use aya_ebpf::{
     bindings::{TC_ACT_REDIRECT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
@@ -18,10 +18,10 @@ use aya_ebpf::{
 use proxy_common::{FAMILY_V4, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter};
 
 use crate::{
+    drop::{self, Reason},
     frame::{Frame, csum},
     maps::count,
     packet::{ETH_HLEN, Packet},
-    verdict::DROP,
 };
 
 const TCP_FIN: u8 = 0x01;
@@ -35,18 +35,20 @@ const TCP_HLEN: usize = 20;
 const REFUSAL_BURST: u64 = 100;
 const REFUSAL_COST_NS: u64 = 1_000_000;
 
+/// A helper failed while the refusal was being made or sent.
+const FAILED: Reason = Reason::RejectFailed;
+
 /// Answers `pkt` with a TCP reset or an ICMP port unreachable, as the verdict for a
 /// refused connection; past the rate limit the packet is dropped (and counted).
 pub fn refuse(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
     if !take_credit() {
-        count(counter::REJECT_RATE_LIMITED);
-        return Err(DROP);
+        return Err(drop::packet(Reason::RejectRateLimited));
     }
     match pkt.proto {
         PROTO_TCP => tcp_reset(ctx, pkt),
         // kube-proxy's REJECT answers UDP and SCTP alike.
         PROTO_UDP | PROTO_SCTP => icmp_error(ctx, pkt, 0),
-        _ => Err(DROP),
+        _ => Err(drop::packet(Reason::Unreachable)), // frontends are of those three
     }
 }
 
@@ -87,8 +89,7 @@ const ICMP_HLEN: usize = 8;
 /// refusals.
 pub fn too_big(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
     if !take_credit() {
-        count(counter::REJECT_RATE_LIMITED);
-        return Err(DROP);
+        return Err(drop::packet(Reason::RejectRateLimited));
     }
     let verdict = icmp_error(ctx, pkt, mtu)?;
     count(counter::TOO_BIG_SENT);
@@ -96,23 +97,31 @@ pub fn too_big(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
 }
 
 /// ICMP type 3 code 3 (IPv4) or ICMPv6 type 1 code 4, quoting the packet; with `mtu`,
-/// type 3 code 4 (IPv4) or ICMPv6 type 2 carrying it. Room for the new headers is opened
-/// in front of the original ones, which become the quote.
+/// type 3 code 4 (IPv4) or ICMPv6 type 2 carrying it; or the packet dropped, its reason
+/// counted (here, in this function's own frame).
 #[inline(never)]
 fn icmp_error(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
+    make_icmp_error(ctx, pkt, mtu).map_err(drop::packet)
+}
+
+/// `icmp_error`'s making: room for the new headers is opened in front of the original
+/// ones, which become the quote.
+#[inline(always)]
+fn make_icmp_error(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, Reason> {
     let v4 = pkt.family == FAMILY_V4;
     let ip_hlen = if v4 { 20 } else { 40 };
     if pkt.l4_off != ETH_HLEN + ip_hlen {
-        return Err(DROP); // IP options, an extension header: not worth an error
+        // IP options, an extension header: not worth an error.
+        return Err(Reason::RejectIpOptions);
     }
     let quote = ip_hlen + if mtu == 0 { QUOTE_L4 } else { QUOTE_L4_TOO_BIG };
     let room = ip_hlen + ICMP_HLEN;
     // Cut to the quote first: that also ends a GSO packet's offload state, which
     // opening room in front would otherwise have to adjust.
     ctx.change_tail((ETH_HLEN + quote) as u32, 0)
-        .map_err(|_| DROP)?;
+        .map_err(|_| FAILED)?;
     ctx.adjust_room(room as i32, BPF_ADJ_ROOM_MAC, 0)
-        .map_err(|_| DROP)?;
+        .map_err(|_| FAILED)?;
     swap_macs(ctx)?;
     let icmp_off = ETH_HLEN + ip_hlen;
     let payload_len = (ICMP_HLEN + quote) as u16;
@@ -125,7 +134,7 @@ fn icmp_error(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
         (false, _) => (2, 0),
     };
     let icmp_head = [u32::from_ne_bytes([kind, code, 0, 0]), mtu.to_be()];
-    ctx.store(icmp_off, &icmp_head, 0).map_err(|_| DROP)?;
+    ctx.store(icmp_off, &icmp_head, 0).map_err(|_| FAILED)?;
     let mut sum: u64 = u64::from(icmp_head[0]) + u64::from(icmp_head[1]);
     if v4 {
         let ip = [
@@ -138,14 +147,16 @@ fn icmp_error(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
         ];
         let csum = fold(csum_diff(&ip)?);
         let ip = [ip[0], ip[1], ip[2] | u32::from(csum) << 16, ip[3], ip[4]];
-        ctx.store(ETH_HLEN, &ip, 0).map_err(|_| DROP)?;
+        ctx.store(ETH_HLEN, &ip, 0).map_err(|_| FAILED)?;
     } else {
         let len_nh_hop = u32::from(payload_len.to_be()) | u32::from_ne_bytes([0, 0, 58, 64]);
         ctx.store(ETH_HLEN, &u32::from_ne_bytes([0x60, 0, 0, 0]), 0)
-            .map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 4, &len_nh_hop, 0).map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 8, &pkt.daddr, 0).map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 24, &pkt.saddr, 0).map_err(|_| DROP)?;
+            .map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 4, &len_nh_hop, 0)
+            .map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 8, &pkt.daddr, 0).map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 24, &pkt.saddr, 0)
+            .map_err(|_| FAILED)?;
         // ICMPv6's checksum covers a pseudo-header.
         for i in 0..4 {
             sum += u64::from(pkt.daddr[i]) + u64::from(pkt.saddr[i]);
@@ -159,57 +170,66 @@ fn icmp_error(ctx: &TcContext, pkt: &Packet, mtu: u32) -> Result<i32, i32> {
         if i * 4 >= quote {
             break;
         }
-        sum += u64::from(ctx.load::<u32>(quote_off + i * 4).map_err(|_| DROP)?);
+        sum += u64::from(ctx.load::<u32>(quote_off + i * 4).map_err(|_| FAILED)?);
     }
-    ctx.store(icmp_off + 2, &fold(sum), 0).map_err(|_| DROP)?;
+    ctx.store(icmp_off + 2, &fold(sum), 0).map_err(|_| FAILED)?;
     if mtu == 0 {
         count(counter::REJECT_SENT);
     }
     send_back(ctx)
 }
 
-fn swap_macs(ctx: &TcContext) -> Result<(), i32> {
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| DROP)?;
+fn swap_macs(ctx: &TcContext) -> Result<(), Reason> {
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| FAILED)?;
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);
-    ctx.store(0, &swapped, 0).map_err(|_| DROP)
+    ctx.store(0, &swapped, 0).map_err(|_| FAILED)
 }
 
 /// Sends the rewritten packet back out of the interface it came in on.
-fn send_back(ctx: &TcContext) -> Result<i32, i32> {
+fn send_back(ctx: &TcContext) -> Result<i32, Reason> {
     // SAFETY: helper with no memory arguments.
     let verdict = unsafe { bpf_redirect(Frame::ifindex(ctx), 0) };
     if verdict == i64::from(TC_ACT_REDIRECT) {
         Ok(TC_ACT_REDIRECT as i32)
     } else {
-        Err(DROP)
+        Err(Reason::Unreachable) // the helper fails only for flags it does not know
     }
 }
 
-/// A TCP reset answering `pkt`.
+/// A TCP reset answering `pkt`; or the packet dropped, its reason counted (here, in this
+/// function's own frame).
 #[inline(never)]
 fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
+    make_tcp_reset(ctx, pkt).map_err(drop::packet)
+}
+
+#[inline(always)]
+fn make_tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, Reason> {
     let l4 = pkt.l4_off;
-    let flags: u8 = ctx.load(l4 + 13).map_err(|_| DROP)?;
+    let flags: u8 = ctx.load(l4 + 13).map_err(|_| FAILED)?;
     if flags & TCP_RST != 0 {
-        return Err(DROP); // never answer a reset
+        // Never answer a reset. (None gets here: only a SYN opens a flow, and a SYN with
+        // RST is none: `Packet::is_syn`.)
+        return Err(Reason::Unreachable);
     }
-    let seq = u32::from_be(ctx.load::<u32>(l4 + 4).map_err(|_| DROP)?);
-    let ack = u32::from_be(ctx.load::<u32>(l4 + 8).map_err(|_| DROP)?);
-    let doff = usize::from(ctx.load::<u8>(l4 + 12).map_err(|_| DROP)? >> 4) * 4;
+    let seq = u32::from_be(ctx.load::<u32>(l4 + 4).map_err(|_| FAILED)?);
+    let ack = u32::from_be(ctx.load::<u32>(l4 + 8).map_err(|_| FAILED)?);
+    let doff = usize::from(ctx.load::<u8>(l4 + 12).map_err(|_| FAILED)? >> 4) * 4;
     let v4 = pkt.family == FAMILY_V4;
     if l4 != ETH_HLEN + if v4 { 20 } else { 40 } {
-        return Err(DROP); // IP options, an extension header: not worth a reset
+        // IP options, an extension header: not worth a reset.
+        return Err(Reason::RejectIpOptions);
     }
     let ip_payload = if v4 {
         let tot = usize::from(u16::from_be(
-            ctx.load::<u16>(ETH_HLEN + 2).map_err(|_| DROP)?,
+            ctx.load::<u16>(ETH_HLEN + 2).map_err(|_| FAILED)?,
         ));
         tot.saturating_sub(l4 - ETH_HLEN)
     } else {
         usize::from(u16::from_be(
-            ctx.load::<u16>(ETH_HLEN + 4).map_err(|_| DROP)?,
+            ctx.load::<u16>(ETH_HLEN + 4).map_err(|_| FAILED)?,
         ))
     };
     let data_len = ip_payload.saturating_sub(doff) as u32;
@@ -224,7 +244,7 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
 
     // Keep only the headers, then rewrite them in place, swapped.
     let new_len = (l4 + TCP_HLEN) as u32;
-    ctx.change_tail(new_len, 0).map_err(|_| DROP)?;
+    ctx.change_tail(new_len, 0).map_err(|_| FAILED)?;
     swap_macs(ctx)?;
 
     let tcp = TcpHeader {
@@ -242,16 +262,16 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         let ihl = l4 - ETH_HLEN;
         // IPv4: swap addresses, new length, fresh TTL, recomputed header checksum.
         ctx.store(ETH_HLEN + 2, &((ihl + TCP_HLEN) as u16).to_be(), 0)
-            .map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 8, &64u8, 0).map_err(|_| DROP)?;
+            .map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 8, &64u8, 0).map_err(|_| FAILED)?;
         ctx.store(ETH_HLEN + 12, &pkt.daddr[0], 0)
-            .map_err(|_| DROP)?;
+            .map_err(|_| FAILED)?;
         ctx.store(ETH_HLEN + 16, &pkt.saddr[0], 0)
-            .map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 10, &0u16, 0).map_err(|_| DROP)?;
-        let iph: [u32; 5] = ctx.load(ETH_HLEN).map_err(|_| DROP)?;
+            .map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 10, &0u16, 0).map_err(|_| FAILED)?;
+        let iph: [u32; 5] = ctx.load(ETH_HLEN).map_err(|_| FAILED)?;
         let ip_csum = fold(csum_diff(&iph)?);
-        ctx.store(ETH_HLEN + 10, &ip_csum, 0).map_err(|_| DROP)?;
+        ctx.store(ETH_HLEN + 10, &ip_csum, 0).map_err(|_| FAILED)?;
         let pseudo = [
             pkt.daddr[0],
             pkt.saddr[0],
@@ -261,10 +281,11 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         fold(csum_diff(&pseudo)? as u64 + csum_diff(tcp.words())? as u64)
     } else {
         ctx.store(ETH_HLEN + 4, &(TCP_HLEN as u16).to_be(), 0)
-            .map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 7, &64u8, 0).map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 8, &pkt.daddr, 0).map_err(|_| DROP)?;
-        ctx.store(ETH_HLEN + 24, &pkt.saddr, 0).map_err(|_| DROP)?;
+            .map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 7, &64u8, 0).map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 8, &pkt.daddr, 0).map_err(|_| FAILED)?;
+        ctx.store(ETH_HLEN + 24, &pkt.saddr, 0)
+            .map_err(|_| FAILED)?;
         let mut pseudo = [0u32; 10];
         pseudo[..4].copy_from_slice(&pkt.daddr);
         pseudo[4..8].copy_from_slice(&pkt.saddr);
@@ -273,7 +294,7 @@ fn tcp_reset(ctx: &TcContext, pkt: &Packet) -> Result<i32, i32> {
         fold(csum_diff(&pseudo)? as u64 + csum_diff(tcp.words())? as u64)
     };
     let tcp = TcpHeader { csum, ..tcp };
-    ctx.store(l4, &tcp, 0).map_err(|_| DROP)?;
+    ctx.store(l4, &tcp, 0).map_err(|_| FAILED)?;
     count(counter::REJECT_SENT);
     send_back(ctx)
 }
@@ -299,7 +320,7 @@ impl TcpHeader {
 }
 
 /// One's-complement sum of `words` (a multiple of 4 bytes), unfolded.
-fn csum_diff<const N: usize>(words: &[u32; N]) -> Result<u32, i32> {
+fn csum_diff<const N: usize>(words: &[u32; N]) -> Result<u32, Reason> {
     // SAFETY: the helper reads N*4 bytes from a valid stack buffer and writes nothing.
     let sum = unsafe {
         bpf_csum_diff(
@@ -310,7 +331,7 @@ fn csum_diff<const N: usize>(words: &[u32; N]) -> Result<u32, i32> {
             0,
         )
     };
-    if sum < 0 { Err(DROP) } else { Ok(sum as u32) }
+    if sum < 0 { Err(FAILED) } else { Ok(sum as u32) }
 }
 
 /// Folds a 32-bit one's-complement sum to the 16-bit checksum field value.

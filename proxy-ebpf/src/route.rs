@@ -14,7 +14,7 @@
 //! (`arrived_by_route`) and the neighbour check (`sent_by_neighbour`), the redirect out
 //! of an interface, and
 //! XDP's next hop (`XDP_HOP`: MAC addresses, TTL). May import: layers 0-2 (`maps`,
-//! `verdict`, `frame`, `packet`, `stats`, `node`).
+//! `verdict`, `frame`, `packet`, `stats`, `drop`, `node`).
 
 use aya_ebpf::{
     bindings::{
@@ -28,6 +28,7 @@ use aya_ebpf::{
 use proxy_common::{FAMILY_V4, PROTO_TCP, counter};
 
 use crate::{
+    drop::{self, Reason},
     frame::{Frame, csum},
     maps::{IF_MASTERS, count},
     packet::{ETH_HLEN, Packet},
@@ -124,8 +125,7 @@ fn send<F: Frame>(ctx: &F) -> Verdict {
     // SAFETY: this CPU's slot, written by `fib` for this packet.
     let next = unsafe { *next };
     if ctx.store(0, &next.macs).is_err() || decrement_ttl(ctx).is_err() {
-        count(counter::REWRITE_FAILED);
-        return Verdict::Redirected(crate::verdict::DROP);
+        return Verdict::Redirected(drop::packet(Reason::RewriteFailed));
     }
     if next.ifindex == ctx.ifindex() {
         count(counter::XDP_TX);

@@ -121,7 +121,7 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
             }
             DENY
         }
-        Err(NoBackend::Drop) => DENY,
+        Err(NoBackend::Drop(_)) => DENY,
     }
 }
 

@@ -31,6 +31,7 @@ impl Verdict {
 /// Not ours: let the next program (or the stack) have it.
 pub const PASS_ON: i32 = TC_ACT_UNSPEC;
 pub const DONE: i32 = TC_ACT_OK as i32;
+/// Dropped: given only by `drop::packet`, which counts why.
 pub const DROP: i32 = TC_ACT_SHOT as i32;
 
 /// XDP: translated and sent back out of the interface it came in on (`XDP_TX`). (Outside

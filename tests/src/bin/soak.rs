@@ -102,7 +102,7 @@ const NODE4: &str = "10.10.0.1";
 const NODE6: &str = "fd10::1";
 const METRICS: &str = "127.0.0.1:10249";
 /// BPF counters that must stay zero: each means a packet or socket the proxy failed.
-const MUST_STAY_ZERO: [&str; 9] = [
+const MUST_STAY_ZERO: [&str; 11] = [
     "no_backend_reject",
     "no_backend_drop",
     "backend_missing",
@@ -112,6 +112,8 @@ const MUST_STAY_ZERO: [&str; 9] = [
     "snat_ports_exhausted",
     "ct_full",
     "reject_sent",
+    "reject_failed",
+    "drop_unreachable",
 ];
 
 /// Client processes, killed when dropped: no client outlives the run, however it ends.
