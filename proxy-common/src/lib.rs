@@ -9,6 +9,7 @@
 
 #[cfg(feature = "user")]
 pub mod addr;
+pub mod counter;
 pub mod crc32c;
 pub mod sched;
 

@@ -98,7 +98,7 @@ maps! {
     /// marked is for no frontend and no flow of ours, and passes after two array reads.
     FRONTEND_PORTS(1_024);
     /// Per-CPU counters, one per `counter` index.
-    COUNTERS(crate::stats::counter::COUNT);
+    COUNTERS(crate::counter::COUNT);
     NODE_CONFIG(1);
     LOCAL_NETS(16_384);
     SOURCE_RANGES(16_384);
