@@ -12,6 +12,8 @@ use proxy_agent::{
     source,
 };
 
+use super::source::SourceArgs;
+
 #[derive(Args)]
 pub struct RunArgs {
     /// kube-proxy's KubeProxyConfiguration file (plus our `ebpf:` section); flags override it.
@@ -31,19 +33,8 @@ pub struct RunArgs {
     feed_key: Option<PathBuf>,
     #[arg(long, requires = "feed_cert")]
     feed_ca: Option<PathBuf>,
-    /// Folder of Kubernetes manifests (Services, EndpointSlices), re-read on change
-    /// (`--source files`).
-    #[arg(long, default_value = "deploy/examples")]
-    manifests: PathBuf,
-    /// kubeconfig for `--source kube`; default: the config file's, else in-cluster, else
-    /// ~/.kube/config.
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    /// The API server's URL for `--source kube` (`https://HOST:PORT`), overriding the
-    /// kubeconfig's; with no kubeconfig, used with the in-cluster ServiceAccount
-    /// credentials (the in-cluster address is a ClusterIP that only a proxy serves).
-    #[arg(long, env = "PROXY_AGENT_API_SERVER")]
-    api_server: Option<String>,
+    #[command(flatten)]
+    from: SourceArgs,
     /// Folder on a bpffs where maps and links are pinned [default: /sys/fs/bpf/proxy-agent].
     #[arg(long)]
     bpffs: Option<PathBuf>,
@@ -133,10 +124,10 @@ impl RunArgs {
         if let Some(v) = &self.debug_addr {
             cfg.debug_bind_address = if v == "off" { String::new() } else { v.clone() };
         }
-        if let Some(v) = &self.kubeconfig {
+        if let Some(v) = &self.from.kubeconfig {
             cfg.kubeconfig = Some(v.display().to_string());
         }
-        if let Some(v) = self.api_server.as_ref().filter(|v| !v.is_empty()) {
+        if let Some(v) = self.from.api_server.as_ref().filter(|v| !v.is_empty()) {
             cfg.api_server = Some(v.clone());
         }
         if let Some(v) = &self.node.node_name {
@@ -224,11 +215,8 @@ impl NodeArgs {
 pub async fn run(args: RunArgs) -> Result<()> {
     let cfg = args.config()?;
     // Before anything is attached: a typo must not leave a node with programs and no source.
-    if matches!(args.source, SourceKind::Files) && !args.manifests.exists() {
-        anyhow::bail!(
-            "--manifests {}: no such file or folder",
-            args.manifests.display()
-        );
+    if matches!(args.source, SourceKind::Files) {
+        args.from.existing_manifests()?;
     }
     let status = runner::Status::default();
     let opts = bpf::Options {
@@ -325,7 +313,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             tokio::spawn(proxy_agent::feed::run(opts, tx));
         }
         SourceKind::Files => {
-            let dir = args.manifests.clone();
+            let dir = args.from.manifests.clone();
             tokio::spawn(async move {
                 if let Err(e) = source::files::follow::run(dir, node, tx).await {
                     tracing::error!(error = format!("{e:#}"), "file source stopped");

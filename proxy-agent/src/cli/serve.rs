@@ -11,18 +11,15 @@ use proxy_agent::{
     wire::tls::{Reloading, TlsFiles},
 };
 
+use super::source::SourceArgs;
+
 #[derive(Args)]
 pub struct ServeArgs {
     /// Where Services, EndpointSlices and Nodes come from: `kube` or `files`.
     #[arg(long, default_value = "kube")]
     source: String,
-    /// Folder of manifests (`--source files`), re-read on change.
-    #[arg(long, default_value = "deploy/examples")]
-    manifests: PathBuf,
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    #[arg(long, env = "PROXY_AGENT_API_SERVER")]
-    api_server: Option<String>,
+    #[command(flatten)]
+    from: SourceArgs,
     /// Where the feed listens.
     #[arg(long, default_value = "0.0.0.0:10270")]
     listen: String,
@@ -95,12 +92,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let (tx, rx) = tokio::sync::watch::channel(None);
     match args.source.as_str() {
         "files" => {
-            anyhow::ensure!(
-                args.manifests.exists(),
-                "--manifests {}: no such file or folder",
-                args.manifests.display()
-            );
-            let dir = args.manifests.clone();
+            let dir = args.from.existing_manifests()?;
             let node = proxy_agent::model::NodeInfo {
                 name: "proxy-agent-serve".into(),
                 ..Default::default()
@@ -113,8 +105,12 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         }
         "kube" => {
             let api = source::api_server::ApiServerOptions {
-                kubeconfig: args.kubeconfig.as_ref().map(|p| p.display().to_string()),
-                api_server: args.api_server.clone(),
+                kubeconfig: args
+                    .from
+                    .kubeconfig
+                    .as_ref()
+                    .map(|p| p.display().to_string()),
+                api_server: args.from.api_server.clone(),
             };
             let config = source::api_server::client_config(&api).await?;
             let url = config.cluster_url.to_string();
