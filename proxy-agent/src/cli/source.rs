@@ -1,9 +1,15 @@
-//! The source flags `run` and `serve` share.
+//! The source flags `run` and `serve` share, and the two sources both start from them:
+//! a folder of manifests, and the API server's client.
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
+use proxy_agent::{
+    model::NodeInfo,
+    source::{self, SharedSnapshot, api_server},
+};
+use tokio::sync::watch;
 
 /// Where the objects come from, besides `--source` (whose choices differ by command).
 #[derive(Args)]
@@ -34,6 +40,25 @@ impl SourceArgs {
         );
         Ok(self.manifests.clone())
     }
+}
+
+/// Follows the manifests in `dir` as `node` sees them, sending each snapshot to `tx`.
+pub fn spawn_files(dir: PathBuf, node: NodeInfo, tx: watch::Sender<Option<SharedSnapshot>>) {
+    tokio::spawn(async move {
+        if let Err(e) = source::files::follow::run(dir, node, tx).await {
+            tracing::error!(error = format!("{e:#}"), "file source stopped");
+        }
+    });
+}
+
+/// The API server's client, counting its errors in `counters`, and its URL.
+pub async fn kube_client(
+    api: &api_server::ApiServerOptions,
+    counters: &api_server::ApiCounters,
+) -> Result<(kube::Client, String)> {
+    let config = api_server::client_config(api).await?;
+    let url = config.cluster_url.to_string();
+    Ok((api_server::client(config, counters)?, url))
 }
 
 #[cfg(test)]
