@@ -1,7 +1,10 @@
 //! The sync loop's own promises: a shutdown never waits for the coalescing interval
 //! (`minSyncPeriod: 60s` once kept SIGTERM waiting for up to two minutes); only the
-//! frontends that changed reach the dataplane; a frontend the dataplane can never hold
-//! never makes the node unhealthy (`wrr` weights past a frontend's slots once did).
+//! frontends that changed reach the dataplane; a failed apply is retried on the pacing's
+//! schedule; a frontend the dataplane can never hold never makes the node unhealthy
+//! (`wrr` weights past a frontend's slots once did). The timing rules themselves are
+//! `runner::pacing`'s tests; these check the loop follows them, on tokio's paused clock
+//! (time moves only when every task waits), so none waits for real time.
 
 mod support;
 
@@ -18,21 +21,22 @@ use proxy_agent::{
 };
 use test_support::needs_root;
 
-struct Counting(Arc<std::sync::atomic::AtomicUsize>);
+/// Counts applies; a test waits for the count.
+struct Counting(tokio::sync::watch::Sender<usize>);
 
 impl Dataplane for Counting {
     fn apply(&mut self, _view: &NodeView) -> anyhow::Result<ApplyReport> {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.send_modify(|n| *n += 1);
         Ok(ApplyReport::default())
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn shutdown_does_not_wait_for_the_minimum_sync_interval() {
     let (tx, rx) = tokio::sync::watch::channel(None);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let applied = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut dataplane = Counting(applied.clone());
+    let (applied, mut applies) = tokio::sync::watch::channel(0);
+    let mut dataplane = Counting(applied);
     let timing = Timing {
         min_interval: Duration::from_secs(60),
         resync: Duration::from_secs(600),
@@ -53,16 +57,15 @@ async fn shutdown_does_not_wait_for_the_minimum_sync_interval() {
     });
     let mut snapshot = Snapshot::default();
     tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while applied.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "first sync never came");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    tokio::time::timeout(Duration::from_secs(5), applies.wait_for(|n| *n > 0))
+        .await
+        .expect("the first sync came")
+        .expect("the dataplane is there");
     // A second change now waits for the 60 s interval; a shutdown must not.
     snapshot.node.name = "changed".into();
     tx.send(Some(Arc::new(snapshot))).expect("send");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let asked = Instant::now();
+    let asked = tokio::time::Instant::now();
     stop_tx.send(()).expect("stop");
     tokio::time::timeout(Duration::from_secs(2), task)
         .await
@@ -70,11 +73,12 @@ async fn shutdown_does_not_wait_for_the_minimum_sync_interval() {
         .expect("join")
         .expect("run");
     assert!(asked.elapsed() < Duration::from_secs(2));
+    assert_eq!(*applies.borrow(), 1, "the second change waited");
 }
 
 /// Records what each apply was given.
-#[derive(Clone, Default)]
-struct Recording(Arc<std::sync::Mutex<Vec<Applied>>>);
+#[derive(Clone)]
+struct Recording(Arc<tokio::sync::watch::Sender<Vec<Applied>>>);
 
 #[derive(Clone, Debug, PartialEq)]
 enum Applied {
@@ -86,15 +90,36 @@ enum Applied {
     Staged(usize),
 }
 
+impl Default for Recording {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::channel(Vec::new()).0))
+    }
+}
+
 impl Recording {
     fn log(&self) -> Vec<Applied> {
-        self.0.lock().expect("lock").clone()
+        self.0.borrow().clone()
+    }
+
+    fn push(&self, applied: Applied) {
+        self.0.send_modify(|log| log.push(applied));
+    }
+
+    /// Waits (on the test's clock) for the `n`th apply or stage.
+    async fn wait_for(&self, n: usize) {
+        let mut log = self.0.subscribe();
+        let waited = tokio::time::timeout(Duration::from_secs(10), log.wait_for(|l| l.len() >= n));
+        assert!(
+            matches!(waited.await, Ok(Ok(_))),
+            "not {n} applies: {:?}",
+            self.log()
+        );
     }
 }
 
 impl Dataplane for Recording {
     fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
-        self.0.lock().expect("lock").push(Applied::All(view.len()));
+        self.push(Applied::All(view.len()));
         Ok(ApplyReport::default())
     }
 
@@ -104,7 +129,7 @@ impl Dataplane for Recording {
         changed: &std::collections::BTreeSet<proxy_agent::model::Frontend>,
     ) -> anyhow::Result<ApplyReport> {
         let only = changed.iter().map(ToString::to_string).collect();
-        self.0.lock().expect("lock").push(Applied::Only(only));
+        self.push(Applied::Only(only));
         Ok(ApplyReport::default())
     }
 
@@ -117,10 +142,7 @@ impl Dataplane for Recording {
             changed.iter().all(|fe| view.get(fe).is_some()),
             "staged frontends are the partial view's"
         );
-        self.0
-            .lock()
-            .expect("lock")
-            .push(Applied::Staged(changed.len()));
+        self.push(Applied::Staged(changed.len()));
         Ok(changed.len())
     }
 }
@@ -145,7 +167,7 @@ fn slice(i: usize, addr: &str) -> k8s_openapi::api::discovery::v1::EndpointSlice
     .expect("slice")
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
     let (tx, rx) = tokio::sync::watch::channel(None);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -174,18 +196,8 @@ async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
         snapshot.model.add_service(&service(i));
         snapshot.model.add_slice(&slice(i, "10.244.0.1"));
     }
-    let wait_for = |n: usize| {
-        let recording = recording.clone();
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while recording.log().len() < n {
-                assert!(Instant::now() < deadline, "{:?}", recording.log());
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
-    };
     tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
-    wait_for(1).await;
+    recording.wait_for(1).await;
     // One endpoint moves in one Service; another Service changes only in what the view
     // does not use (an annotation): nothing of it reaches the dataplane.
     snapshot.model.add_slice(&slice(1234, "10.244.9.9"));
@@ -193,7 +205,7 @@ async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
     annotated.metadata.annotations = Some([("a".to_string(), "b".to_string())].into());
     snapshot.model.add_service(&annotated);
     tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
-    wait_for(2).await;
+    recording.wait_for(2).await;
     assert_eq!(
         recording.log(),
         vec![
@@ -208,7 +220,7 @@ async fn one_changed_service_hands_the_dataplane_its_frontend_alone() {
 /// Partial snapshots (the first lists arriving) are only staged, each with the frontends
 /// it added; nothing is applied until the first complete snapshot, whose apply compares
 /// everything.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn partial_snapshots_are_staged_and_only_the_complete_one_is_applied() {
     let (tx, rx) = tokio::sync::watch::channel(None);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -232,16 +244,6 @@ async fn partial_snapshots_are_staged_and_only_the_complete_one_is_applied() {
         )
         .await
     });
-    let wait_for = |n: usize| {
-        let recording = recording.clone();
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while recording.log().len() < n {
-                assert!(Instant::now() < deadline, "{:?}", recording.log());
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
-    };
     let mut snapshot = Snapshot {
         partial: true,
         ..Snapshot::default()
@@ -251,20 +253,21 @@ async fn partial_snapshots_are_staged_and_only_the_complete_one_is_applied() {
         snapshot.model.add_slice(&slice(i, "10.244.0.1"));
     }
     tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
-    wait_for(1).await;
+    recording.wait_for(1).await;
     for i in 1000..1500 {
         snapshot.model.add_service(&service(i));
         snapshot.model.add_slice(&slice(i, "10.244.0.1"));
     }
     tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
-    wait_for(2).await;
+    recording.wait_for(2).await;
     for i in 1500..2000 {
         snapshot.model.add_service(&service(i));
         snapshot.model.add_slice(&slice(i, "10.244.0.1"));
     }
     snapshot.partial = false;
     tx.send(Some(Arc::new(snapshot.clone()))).expect("send");
-    wait_for(3).await;
+    recording.wait_for(3).await;
+    // Nothing more comes of it (50 ms on the test's clock, past the 10 ms interval).
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(
         recording.log(),
@@ -303,7 +306,7 @@ impl Dataplane for Refusing {
 
 /// A frontend the dataplane refuses is named and counted, not retried, and the node stays
 /// healthy past two sync periods (a failed frontend fails `/healthz` by then).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
     let (log, _guard) = support::logs::Captured::start();
     let (tx, rx) = tokio::sync::watch::channel(None);
@@ -326,7 +329,8 @@ async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
     )
     .await
     .expect("run");
-    let health = status.health(Instant::now());
+    // The loop ran a second on the test's clock; the health clock is the real one.
+    let health = status.health(Instant::now() + timing.resync * 2);
     assert!(health.healthy, "{health:?}");
     let c = status.counters();
     // Once, then once per resync (every 200 ms): never retried with backoff (20 ms).
@@ -341,13 +345,66 @@ async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
     drop(tx);
 }
 
+/// Fails its first `fails` applies, and records when each apply came (tokio's clock).
+struct Flaky {
+    fails: usize,
+    at: Vec<tokio::time::Instant>,
+}
+
+impl Dataplane for Flaky {
+    fn apply(&mut self, _view: &NodeView) -> anyhow::Result<ApplyReport> {
+        self.at.push(tokio::time::Instant::now());
+        if self.at.len() <= self.fails {
+            anyhow::bail!("map full");
+        }
+        Ok(ApplyReport::default())
+    }
+}
+
+/// A failed apply is tried again after the retry delay, doubling with each failure, and
+/// not again once it succeeds (`pacing` has the rule; this, the loop following it).
+#[tokio::test(start_paused = true)]
+async fn a_failed_apply_is_retried_after_a_delay_that_doubles() {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    tx.send(Some(Arc::new(Snapshot::default()))).expect("send");
+    let mut dataplane = Flaky {
+        fails: 3,
+        at: Vec::new(),
+    };
+    let timing = Timing {
+        min_interval: Duration::from_millis(10),
+        resync: Duration::from_secs(600),
+        retry: Duration::from_millis(100),
+    };
+    let status = Status::default();
+    runner::run(
+        rx,
+        ViewConfig::default(),
+        &mut dataplane,
+        timing,
+        status.clone(),
+        tokio::time::sleep(Duration::from_secs(5)),
+    )
+    .await
+    .expect("run");
+    let after: Vec<u128> = dataplane
+        .at
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    assert_eq!(after, [100, 200, 400], "{:?}", dataplane.at);
+    let c = status.counters();
+    assert_eq!((c.syncs_failed, c.syncs_ok), (3, 1), "{c:?}");
+    drop(tx);
+}
+
 /// `wrr` weights of 255 and 256 over 1,000 endpoints (legal objects) wanted 255,500
 /// backend slots, past a frontend's 65,535: the writer refused the frontend, the runner
 /// retried it forever, and `/healthz` and `/livez` went 503 after two sync periods. Now
 /// its weights are scaled to fit: it is programmed (1,000 slots), named in the log,
 /// counted in `proxy_agent_frontends_adjusted_total`, and the node stays healthy.
 #[needs_root]
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn wrr_weights_past_a_frontends_slots_are_scaled_and_the_node_stays_healthy() {
     let (log, _guard) = support::logs::Captured::start();
     let (_ebpf, mut maps) = bpf::load_private(&[]).expect("load");
@@ -396,7 +453,8 @@ async fn wrr_weights_past_a_frontends_slots_are_scaled_and_the_node_stays_health
     )
     .await
     .expect("run");
-    let health = status.health(Instant::now());
+    // Two seconds passed on the test's clock; on the health clock, past two periods.
+    let health = status.health(Instant::now() + timing.resync * 2);
     assert!(health.healthy, "two sync periods have passed: {health:?}");
     let c = status.counters();
     assert_eq!((c.frontends_failed, c.frontends_refused), (0, 0), "{c:?}");

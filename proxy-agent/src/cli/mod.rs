@@ -27,4 +27,5 @@ pub mod dump;
 pub mod log;
 pub mod run;
 pub mod serve;
+pub mod source;
 pub mod trace;

@@ -8,9 +8,12 @@ use clap::Args;
 use proxy_agent::{
     config::{BpfLogLevel, CgroupChoice, Config, LocalDetector, TcAttachMode, XdpMode},
     dataplane::bpf::{self, BpfDataplane, InterfaceSelector},
+    model::{NodeInfo, ViewConfig},
     runner::{self, Timing, status::ConntrackFill},
-    source,
+    source::{self, SharedSnapshot},
 };
+
+use super::source::{SourceArgs, kube_client, spawn_files};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -31,19 +34,8 @@ pub struct RunArgs {
     feed_key: Option<PathBuf>,
     #[arg(long, requires = "feed_cert")]
     feed_ca: Option<PathBuf>,
-    /// Folder of Kubernetes manifests (Services, EndpointSlices), re-read on change
-    /// (`--source files`).
-    #[arg(long, default_value = "deploy/examples")]
-    manifests: PathBuf,
-    /// kubeconfig for `--source kube`; default: the config file's, else in-cluster, else
-    /// ~/.kube/config.
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    /// The API server's URL for `--source kube` (`https://HOST:PORT`), overriding the
-    /// kubeconfig's; with no kubeconfig, used with the in-cluster ServiceAccount
-    /// credentials (the in-cluster address is a ClusterIP that only a proxy serves).
-    #[arg(long, env = "PROXY_AGENT_API_SERVER")]
-    api_server: Option<String>,
+    #[command(flatten)]
+    from: SourceArgs,
     /// Folder on a bpffs where maps and links are pinned [default: /sys/fs/bpf/proxy-agent].
     #[arg(long)]
     bpffs: Option<PathBuf>,
@@ -133,10 +125,10 @@ impl RunArgs {
         if let Some(v) = &self.debug_addr {
             cfg.debug_bind_address = if v == "off" { String::new() } else { v.clone() };
         }
-        if let Some(v) = &self.kubeconfig {
+        if let Some(v) = &self.from.kubeconfig {
             cfg.kubeconfig = Some(v.display().to_string());
         }
-        if let Some(v) = self.api_server.as_ref().filter(|v| !v.is_empty()) {
+        if let Some(v) = self.from.api_server.as_ref().filter(|v| !v.is_empty()) {
             cfg.api_server = Some(v.clone());
         }
         if let Some(v) = &self.node.node_name {
@@ -211,8 +203,8 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 }
 
 impl NodeArgs {
-    fn info(&self, name_override: Option<&str>) -> Result<proxy_agent::model::NodeInfo> {
-        Ok(proxy_agent::model::NodeInfo {
+    fn info(&self, name_override: Option<&str>) -> Result<NodeInfo> {
+        Ok(NodeInfo {
             name: proxy_agent::source::node_name(name_override)?,
             labels: self.node_labels.iter().cloned().collect(),
             addresses: self.node_ips.clone(),
@@ -221,17 +213,255 @@ impl NodeArgs {
     }
 }
 
+/// Starts the agent's parts, each once, in the order the kernel needs them: the source
+/// first (its first lists arrive while the programs load), then the dataplane, what
+/// serves and collects beside it, and the runner last — which writes no map before the
+/// source's first full sync (what arrives before it is only staged).
 pub async fn run(args: RunArgs) -> Result<()> {
-    let cfg = args.config()?;
-    // Before anything is attached: a typo must not leave a node with programs and no source.
-    if matches!(args.source, SourceKind::Files) && !args.manifests.exists() {
-        anyhow::bail!(
-            "--manifests {}: no such file or folder",
-            args.manifests.display()
-        );
+    let agent = Agent::new(args)?;
+    let snapshots = agent.start_source().await?;
+    // After the source is under way: its lists (seconds at 100k Services) arrive while
+    // the programs load and the maps are made; the runner stages them from then on.
+    let mut dataplane = agent.start_dataplane()?;
+    agent.serve_http();
+    // Stops when dropped, as this function returns.
+    let _collector = agent.collect_conntrack()?;
+    runner::run(
+        snapshots,
+        agent.view_config(),
+        &mut dataplane,
+        agent.timing(),
+        agent.status,
+        shutdown_signal(),
+    )
+    .await
+}
+
+/// What `run` decided from its flags and the config file before starting anything.
+struct Agent {
+    args: RunArgs,
+    cfg: Config,
+    status: runner::Status,
+    node: NodeInfo,
+    dataplane: bpf::Options,
+}
+
+impl Agent {
+    /// The flags over the config file, and every check that can fail before anything is
+    /// attached: a typo must not leave a node with programs and no source.
+    fn new(args: RunArgs) -> Result<Self> {
+        let cfg = args.config()?;
+        if matches!(args.source, SourceKind::Files) {
+            args.from.existing_manifests()?;
+        }
+        let status = runner::Status::default();
+        let dataplane = dataplane_options(&cfg, &status)?;
+        bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;
+        tracing::info!(cgroup = ?dataplane.cgroup, interfaces = ?cfg.interfaces, "starting");
+        let node = args.node.info(cfg.hostname_override.as_deref())?;
+        if cfg.local_detector == LocalDetector::NodeCidr && matches!(args.source, SourceKind::Files)
+        {
+            anyhow::bail!(
+                "detectLocalMode NodeCIDR reads this Node's spec.podCIDRs: it needs --source kube"
+            );
+        }
+        Ok(Self {
+            args,
+            cfg,
+            status,
+            node,
+            dataplane,
+        })
     }
-    let status = runner::Status::default();
-    let opts = bpf::Options {
+
+    /// The source `--source` names, under way: its snapshots.
+    async fn start_source(&self) -> Result<Snapshots> {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        match &self.args.source {
+            SourceKind::Server(servers) => self.start_feed(servers, tx)?,
+            SourceKind::Files => {
+                spawn_files(self.args.from.manifests.clone(), self.node.clone(), tx)
+            }
+            SourceKind::Kube => self.start_kube(tx).await?,
+        }
+        Ok(rx)
+    }
+
+    /// `--source server=`: the feed from `proxy-agent serve` replicas.
+    fn start_feed(&self, servers: &[String], tx: SnapshotSender) -> Result<()> {
+        let servers = if servers.is_empty() {
+            self.cfg.feed_servers.clone()
+        } else {
+            servers.to_vec()
+        };
+        anyhow::ensure!(
+            !servers.is_empty(),
+            "--source server names no server: give server=ADDR or ebpf.feed.servers"
+        );
+        let flags = self.args.feed_cert.clone().map(|cert| {
+            [
+                cert,
+                self.args.feed_key.clone().unwrap_or_default(),
+                self.args.feed_ca.clone().unwrap_or_default(),
+            ]
+        });
+        let tls = flags
+            .or_else(|| self.cfg.feed_tls.clone())
+            .map(|[cert, key, ca]| proxy_agent::feed::tls::TlsFiles { cert, key, ca });
+        let link = self.status.clone();
+        let opts = proxy_agent::source::feed::FeedOptions {
+            servers,
+            node: self.node.clone(),
+            tls,
+            on_link: std::sync::Arc::new(move |up| link.source_link(up, std::time::Instant::now())),
+            prefer_every: proxy_agent::source::feed::PREFER_EVERY,
+        };
+        // No server yet is a link not yet made: /healthz counts from now.
+        self.status.source_link(false, std::time::Instant::now());
+        tokio::spawn(proxy_agent::source::feed::run(opts, tx));
+        Ok(())
+    }
+
+    /// `--source kube`: the API server's watches, once it answers, and the "Starting"
+    /// event beside them.
+    async fn start_kube(&self, tx: SnapshotSender) -> Result<()> {
+        let api = source::api_server::ApiServerOptions {
+            kubeconfig: self.cfg.kubeconfig.clone(),
+            api_server: self.cfg.api_server.clone(),
+        };
+        let counters = self.status.api_counters();
+        let (client, url) = kube_client(&api, &counters).await?;
+        let opts = source::kube::KubeOptions {
+            node_name: self.node.name.clone(),
+            label_selector: source::kube::label_selector(self.cfg.service_proxy_name.as_deref()),
+            counters,
+            // The runner stages the first programming as the lists arrive.
+            stream_first_list: true,
+            // The cluster's nodes, the only senders DSR believes: one more watch.
+            all_nodes: true,
+            ..Default::default()
+        };
+        let (status, name) = (self.status.clone(), self.node.name.clone());
+        tokio::spawn(async move {
+            source::api_server::wait_reachable(&client, &url).await;
+            // Beside the source, never before it: an events endpoint that does not
+            // answer must not leave the node unprogrammed.
+            let events = client.clone();
+            tokio::spawn(async move {
+                if let Err(e) = source::events::announce_start(events, &name).await {
+                    tracing::warn!(error = format!("{e:#}"), "no Starting event");
+                    status.count_event_failure();
+                }
+            });
+            source::kube::run(client, opts, tx).await
+        });
+        Ok(())
+    }
+
+    /// Loads and attaches the programs, with the pump of their log and the follower of
+    /// new interfaces.
+    fn start_dataplane(&self) -> Result<BpfDataplane> {
+        let mut dataplane = BpfDataplane::start(&self.dataplane)?;
+        {
+            let mut ebpf = dataplane
+                .ebpf
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the BPF object's lock is poisoned"))?;
+            bpf::program_log::spawn(&mut ebpf);
+        }
+        if let Some(follower) = dataplane.take_interface_follower() {
+            tokio::spawn(async move {
+                // Interfaces already served keep their classifier; new ones wait for a restart.
+                if let Err(e) = follower.run().await {
+                    tracing::error!(error = format!("{e:#}"), "no longer following interfaces");
+                }
+            });
+        }
+        Ok(dataplane)
+    }
+
+    /// The health, metrics and debug endpoints, each where the config puts it (empty:
+    /// not served).
+    fn serve_http(&self) {
+        use proxy_agent::http_server::{self, Endpoints};
+        for (addr, endpoints) in [
+            (&self.cfg.healthz_bind_address, Endpoints::Healthz),
+            (&self.cfg.metrics_bind_address, Endpoints::Metrics),
+            (&self.cfg.debug_bind_address, Endpoints::Debug),
+        ] {
+            if addr.is_empty() {
+                continue;
+            }
+            let (addr, st) = (addr.clone(), self.status.clone());
+            let maps = self.dataplane.pin_dir.join("maps");
+            let service_metrics = self.cfg.service_metrics;
+            tokio::spawn(async move {
+                // A port that is taken is retried; an address that does not parse is
+                // reported. Proxying goes on either way.
+                if let Err(e) =
+                    http_server::serve(&addr, endpoints, st, Some(maps), service_metrics).await
+                {
+                    tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
+                }
+            });
+        }
+    }
+
+    /// The conntrack collector on the pinned maps, its passes recorded in the status.
+    fn collect_conntrack(&self) -> Result<bpf::conntrack_gc::Collector> {
+        let status = self.status.clone();
+        bpf::conntrack_gc::spawn(self.dataplane.pin_dir.join("maps"), move |st| {
+            let fill = ConntrackFill {
+                answered: st.answered,
+                answered_capacity: st.answered_capacity,
+                new: st.new,
+                new_capacity: st.new_capacity,
+                collected_total: 0,
+                evicted_total: 0,
+            };
+            status.record_conntrack(fill, st.collected, st.evicted);
+        })
+    }
+
+    /// The node view's settings from the config.
+    fn view_config(&self) -> ViewConfig {
+        let cfg = &self.cfg;
+        ViewConfig {
+            pod_cidrs: match &cfg.local_detector {
+                LocalDetector::ClusterCidr(nets) => nets.clone(),
+                LocalDetector::NodeCidr | LocalDetector::None => Vec::new(),
+            },
+            pod_cidrs_from_node: cfg.local_detector == LocalDetector::NodeCidr,
+            masquerade_all: cfg.masquerade_all,
+            node_port_addresses: cfg.node_port_addresses.clone(),
+            node_port_primary: cfg.node_port_primary,
+            node_port_range: cfg.node_port_range,
+            localhost_node_ports: cfg.localhost_node_ports,
+            service_proxy_name: cfg.service_proxy_name.clone(),
+            scheduler: cfg.scheduler,
+            lb_mode: cfg.lb_mode,
+            maglev_table_len: cfg.maglev_table_len,
+            ..Default::default()
+        }
+    }
+
+    /// The runner's timing from the config (kube-proxy's minSyncPeriod and syncPeriod).
+    fn timing(&self) -> Timing {
+        Timing {
+            min_interval: self.cfg.min_sync_period,
+            resync: self.cfg.sync_period.max(Duration::from_secs(1)),
+            ..Timing::default()
+        }
+    }
+}
+
+type Snapshots = tokio::sync::watch::Receiver<Option<SharedSnapshot>>;
+type SnapshotSender = tokio::sync::watch::Sender<Option<SharedSnapshot>>;
+
+/// The dataplane's options from the config; the status hands out the counters the
+/// dataplane shares with it.
+fn dataplane_options(cfg: &Config, status: &runner::Status) -> Result<bpf::Options> {
+    Ok(bpf::Options {
         pin_dir: cfg.bpffs.clone(),
         cgroup: match &cfg.cgroup {
             CgroupChoice::None => None,
@@ -248,181 +478,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
         attach_failures: status.attach_failures(),
         hooks: status.hooks(),
         map_sizes: cfg.map_sizes,
-    };
-    bpf::check_masquerade_ports(cfg.conntrack.masquerade_ports)?;
-    tracing::info!(cgroup = ?opts.cgroup, interfaces = ?cfg.interfaces, "starting");
-    let timing = Timing {
-        min_interval: cfg.min_sync_period,
-        resync: cfg.sync_period.max(Duration::from_secs(1)),
-        ..Timing::default()
-    };
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing a SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutting down; pinned programs keep serving traffic");
-    };
-    let node = args.node.info(cfg.hostname_override.as_deref())?;
-    if cfg.local_detector == LocalDetector::NodeCidr && matches!(args.source, SourceKind::Files) {
-        anyhow::bail!(
-            "detectLocalMode NodeCIDR reads this Node's spec.podCIDRs: it needs --source kube"
-        );
+    })
+}
+
+/// Resolves on SIGINT or SIGTERM: the agent ends, and the pinned programs serve on.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
     }
-    let view_cfg = proxy_agent::model::ViewConfig {
-        pod_cidrs: match &cfg.local_detector {
-            LocalDetector::ClusterCidr(nets) => nets.clone(),
-            LocalDetector::NodeCidr | LocalDetector::None => Vec::new(),
-        },
-        pod_cidrs_from_node: cfg.local_detector == LocalDetector::NodeCidr,
-        masquerade_all: cfg.masquerade_all,
-        node_port_addresses: cfg.node_port_addresses.clone(),
-        node_port_primary: cfg.node_port_primary,
-        node_port_range: cfg.node_port_range,
-        localhost_node_ports: cfg.localhost_node_ports,
-        service_proxy_name: cfg.service_proxy_name.clone(),
-        scheduler: cfg.scheduler,
-        lb_mode: cfg.lb_mode,
-        maglev_table_len: cfg.maglev_table_len,
-        ..Default::default()
-    };
-    let (tx, rx) = tokio::sync::watch::channel(None);
-    match args.source.clone() {
-        SourceKind::Server(servers) => {
-            let servers = if servers.is_empty() {
-                cfg.feed_servers.clone()
-            } else {
-                servers
-            };
-            anyhow::ensure!(
-                !servers.is_empty(),
-                "--source server names no server: give server=ADDR or ebpf.feed.servers"
-            );
-            let flags = args.feed_cert.clone().map(|cert| {
-                [
-                    cert,
-                    args.feed_key.clone().unwrap_or_default(),
-                    args.feed_ca.clone().unwrap_or_default(),
-                ]
-            });
-            let tls = flags
-                .or_else(|| cfg.feed_tls.clone())
-                .map(|[cert, key, ca]| proxy_agent::feed::tls::TlsFiles { cert, key, ca });
-            let link = status.clone();
-            let opts = proxy_agent::source::feed::FeedOptions {
-                servers,
-                node,
-                tls,
-                on_link: std::sync::Arc::new(move |up| {
-                    link.source_link(up, std::time::Instant::now())
-                }),
-                prefer_every: proxy_agent::source::feed::PREFER_EVERY,
-            };
-            // No server yet is a link not yet made: /healthz counts from now.
-            status.source_link(false, std::time::Instant::now());
-            tokio::spawn(proxy_agent::source::feed::run(opts, tx));
-        }
-        SourceKind::Files => {
-            let dir = args.manifests.clone();
-            tokio::spawn(async move {
-                if let Err(e) = source::files::follow::run(dir, node, tx).await {
-                    tracing::error!(error = format!("{e:#}"), "file source stopped");
-                }
-            });
-        }
-        SourceKind::Kube => {
-            let api = source::api_server::ApiServerOptions {
-                kubeconfig: cfg.kubeconfig.clone(),
-                api_server: cfg.api_server.clone(),
-            };
-            let config = source::api_server::client_config(&api).await?;
-            let url = config.cluster_url.to_string();
-            let counters = status.api_counters();
-            let client = source::api_server::client(config, &counters)?;
-            let opts = source::kube::KubeOptions {
-                node_name: node.name.clone(),
-                label_selector: source::kube::label_selector(cfg.service_proxy_name.as_deref()),
-                counters,
-                // The runner stages the first programming as the lists arrive.
-                stream_first_list: true,
-                // The cluster's nodes, the only senders DSR believes: one more watch.
-                all_nodes: true,
-                ..Default::default()
-            };
-            let status = status.clone();
-            tokio::spawn(async move {
-                source::api_server::wait_reachable(&client, &url).await;
-                // Beside the source, never before it: an events endpoint that does not
-                // answer must not leave the node unprogrammed.
-                let (events, name) = (client.clone(), node.name.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = source::events::announce_start(events, &name).await {
-                        tracing::warn!(error = format!("{e:#}"), "no Starting event");
-                        status.count_event_failure();
-                    }
-                });
-                source::kube::run(client, opts, tx).await
-            });
-        }
-    }
-    // After the source is under way: its lists (seconds at 100k Services) arrive while
-    // the programs load and the maps are made; the runner stages them from then on.
-    let mut dataplane = BpfDataplane::start(&opts)?;
-    {
-        let mut ebpf = dataplane
-            .ebpf
-            .lock()
-            .map_err(|_| anyhow::anyhow!("the BPF object's lock is poisoned"))?;
-        bpf::program_log::spawn(&mut ebpf);
-    }
-    if let Some(follower) = dataplane.take_interface_follower() {
-        tokio::spawn(async move {
-            // Interfaces already served keep their classifier; new ones wait for a restart.
-            if let Err(e) = follower.run().await {
-                tracing::error!(error = format!("{e:#}"), "no longer following interfaces");
-            }
-        });
-    }
-    use proxy_agent::http_server::Endpoints;
-    for (addr, endpoints) in [
-        (&cfg.healthz_bind_address, Endpoints::Healthz),
-        (&cfg.metrics_bind_address, Endpoints::Metrics),
-        (&cfg.debug_bind_address, Endpoints::Debug),
-    ] {
-        if addr.is_empty() {
-            continue;
-        }
-        let (addr, st, maps) = (addr.clone(), status.clone(), opts.pin_dir.join("maps"));
-        let service_metrics = cfg.service_metrics;
-        tokio::spawn(async move {
-            // A port that is taken is retried; an address that does not parse is reported.
-            // Proxying goes on either way.
-            if let Err(e) =
-                proxy_agent::http_server::serve(&addr, endpoints, st, Some(maps), service_metrics)
-                    .await
-            {
-                tracing::error!(error = format!("{e:#}"), ?endpoints, "endpoint unavailable");
-            }
-        });
-    }
-    // Stops when dropped, as this function returns.
-    let _collector = {
-        let status = status.clone();
-        bpf::conntrack_gc::spawn(opts.pin_dir.join("maps"), move |st| {
-            let fill = ConntrackFill {
-                answered: st.answered,
-                answered_capacity: st.answered_capacity,
-                new: st.new,
-                new_capacity: st.new_capacity,
-                collected_total: 0,
-                evicted_total: 0,
-            };
-            status.record_conntrack(fill, st.collected, st.evicted);
-        })?
-    };
-    runner::run(rx, view_cfg, &mut dataplane, timing, status, shutdown).await
+    tracing::info!("shutting down; pinned programs keep serving traffic");
 }
 
 #[cfg(test)]

@@ -8,21 +8,18 @@ use clap::Args;
 use proxy_agent::{
     feed::server::{self, Hub, HubOptions, grpc},
     feed::tls::{Reloading, TlsFiles},
-    source,
+    source::{self, SharedSnapshot},
 };
+
+use super::source::{SourceArgs, kube_client, spawn_files};
 
 #[derive(Args)]
 pub struct ServeArgs {
     /// Where Services, EndpointSlices and Nodes come from: `kube` or `files`.
     #[arg(long, default_value = "kube")]
     source: String,
-    /// Folder of manifests (`--source files`), re-read on change.
-    #[arg(long, default_value = "deploy/examples")]
-    manifests: PathBuf,
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    #[arg(long, env = "PROXY_AGENT_API_SERVER")]
-    api_server: Option<String>,
+    #[command(flatten)]
+    from: SourceArgs,
     /// Where the feed listens.
     #[arg(long, default_value = "0.0.0.0:10270")]
     listen: String,
@@ -92,67 +89,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         history: args.history.max(1),
         pending_bound: args.pending_bound.max(1),
     });
-    let (tx, rx) = tokio::sync::watch::channel(None);
-    match args.source.as_str() {
-        "files" => {
-            anyhow::ensure!(
-                args.manifests.exists(),
-                "--manifests {}: no such file or folder",
-                args.manifests.display()
-            );
-            let dir = args.manifests.clone();
-            let node = proxy_agent::model::NodeInfo {
-                name: "proxy-agent-serve".into(),
-                ..Default::default()
-            };
-            tokio::spawn(async move {
-                if let Err(e) = source::files::follow::run(dir, node, tx).await {
-                    tracing::error!(error = format!("{e:#}"), "file source stopped");
-                }
-            });
-        }
-        "kube" => {
-            let api = source::api_server::ApiServerOptions {
-                kubeconfig: args.kubeconfig.as_ref().map(|p| p.display().to_string()),
-                api_server: args.api_server.clone(),
-            };
-            let config = source::api_server::client_config(&api).await?;
-            let url = config.cluster_url.to_string();
-            let counters = source::api_server::ApiCounters::default();
-            let client = source::api_server::client(config, &counters)?;
-            let opts = source::kube::KubeOptions {
-                node_name: std::env::var("NODE_NAME")
-                    .unwrap_or_else(|_| "proxy-agent-serve".into()),
-                label_selector: source::kube::label_selector(None),
-                counters,
-                all_nodes: true,
-                without_own_node: true,
-                ..Default::default()
-            };
-            let bound = std::time::Duration::from_secs(args.api_lost_after_s);
-            tokio::spawn(server::judge_view(
-                std::sync::Arc::downgrade(&hub),
-                opts.health.clone(),
-                bound,
-            ));
-            // Asked six times within the bound (every 1–10 s): a hung API server is seen
-            // well before the watches time out.
-            let every = (bound / 6).clamp(
-                std::time::Duration::from_secs(1),
-                std::time::Duration::from_secs(10),
-            );
-            tokio::spawn(server::probe_api(
-                client.clone(),
-                opts.health.clone(),
-                every,
-            ));
-            tokio::spawn(async move {
-                source::api_server::wait_reachable(&client, &url).await;
-                source::kube::run(client, opts, tx).await
-            });
-        }
-        other => anyhow::bail!("--source {other:?}: expected kube or files"),
-    }
+    let rx = start_source(&args, &hub).await?;
     tokio::spawn(server::ingest(std::sync::Arc::clone(&hub), rx));
     if !args.metrics_address.is_empty() {
         let addr: std::net::SocketAddr = args
@@ -178,4 +115,73 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let feed = grpc::Feed::with_limits(hub, identity, limits)
         .with_batch_window(std::time::Duration::from_millis(args.batch_window_ms));
     grpc::serve(listener, feed, tls).await
+}
+
+/// The source `--source` names, under way: its snapshots, for the hub.
+async fn start_source(
+    args: &ServeArgs,
+    hub: &std::sync::Arc<Hub>,
+) -> Result<tokio::sync::watch::Receiver<Option<SharedSnapshot>>> {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    match args.source.as_str() {
+        "files" => {
+            let node = proxy_agent::model::NodeInfo {
+                name: "proxy-agent-serve".into(),
+                ..Default::default()
+            };
+            spawn_files(args.from.existing_manifests()?, node, tx);
+        }
+        "kube" => start_kube(args, hub, tx).await?,
+        other => anyhow::bail!("--source {other:?}: expected kube or files"),
+    }
+    Ok(rx)
+}
+
+/// `--source kube`: the API server's watches, once it answers, with the judge of the
+/// view and the probe of the API server that keep this replica honest about it.
+async fn start_kube(
+    args: &ServeArgs,
+    hub: &std::sync::Arc<Hub>,
+    tx: tokio::sync::watch::Sender<Option<SharedSnapshot>>,
+) -> Result<()> {
+    let api = source::api_server::ApiServerOptions {
+        kubeconfig: args
+            .from
+            .kubeconfig
+            .as_ref()
+            .map(|p| p.display().to_string()),
+        api_server: args.from.api_server.clone(),
+    };
+    let counters = source::api_server::ApiCounters::default();
+    let (client, url) = kube_client(&api, &counters).await?;
+    let opts = source::kube::KubeOptions {
+        node_name: std::env::var("NODE_NAME").unwrap_or_else(|_| "proxy-agent-serve".into()),
+        label_selector: source::kube::label_selector(None),
+        counters,
+        all_nodes: true,
+        without_own_node: true,
+        ..Default::default()
+    };
+    let bound = std::time::Duration::from_secs(args.api_lost_after_s);
+    tokio::spawn(server::judge_view(
+        std::sync::Arc::downgrade(hub),
+        opts.health.clone(),
+        bound,
+    ));
+    // Asked six times within the bound (every 1–10 s): a hung API server is seen
+    // well before the watches time out.
+    let every = (bound / 6).clamp(
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(10),
+    );
+    tokio::spawn(server::probe_api(
+        client.clone(),
+        opts.health.clone(),
+        every,
+    ));
+    tokio::spawn(async move {
+        source::api_server::wait_reachable(&client, &url).await;
+        source::kube::run(client, opts, tx).await
+    });
+    Ok(())
 }
