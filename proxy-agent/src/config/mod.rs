@@ -28,7 +28,7 @@ pub enum ConfigError {
 }
 
 pub use self::duration::parse_duration;
-use self::file::KubeProxyConfiguration;
+use self::file::{Conntrack, EbpfSection, KubeProxyConfiguration};
 pub use crate::dataplane::bpf::{BpfLogLevel, ConntrackOptions, MapSizes, TcAttachMode, XdpMode};
 pub use crate::model::lb_mode::LbMode;
 use crate::{
@@ -358,39 +358,82 @@ impl Config {
                 warnings.push(format!("{key}: unknown field, ignored"));
             }
         }
-        let cidrs = parse_cidrs(file.cluster_cidr.as_deref().unwrap_or(""), "clusterCIDR")?;
-        let detect = file.detect_local.unwrap_or_default();
-        // Unset or empty (kubeadm's ""): kube-proxy's default, ClusterCIDR when there is one.
-        let mode = file.detect_local_mode.as_deref().filter(|m| !m.is_empty());
-        cfg.local_detector = match mode.unwrap_or(if cidrs.is_empty() { "" } else { "ClusterCIDR" })
-        {
-            "" => LocalDetector::None,
-            "ClusterCIDR" if cidrs.is_empty() => {
-                return Err("detectLocalMode ClusterCIDR needs clusterCIDR".into());
-            }
-            "ClusterCIDR" => LocalDetector::ClusterCidr(cidrs),
-            // Refused rather than accepted and ignored: traffic from pods would then be
-            // masqueraded (or not) against the operator's intent.
-            mode @ ("BridgeInterface" | "InterfaceNamePrefix") => {
-                let named = if mode == "BridgeInterface" {
-                    detect.bridge_interface
-                } else {
-                    detect.interface_name_prefix
-                };
-                return Err(format!(
-                    "detectLocalMode {mode} ({:?}) is not supported by the eBPF proxy: use \
-                     ClusterCIDR (with clusterCIDR) or NodeCIDR",
-                    named.unwrap_or_default()
-                ));
-            }
-            "NodeCIDR" => LocalDetector::NodeCidr,
-            other => return Err(format!("unknown detectLocalMode {other:?}")),
-        };
+        cfg.local_detector = Self::local_detector(&file)?;
         if let Some(list) = &file.node_port_addresses {
             let (nets, primary) = parse_node_port_addresses(list)?;
             cfg.node_port_addresses = nets;
             cfg.node_port_primary = primary;
         }
+        cfg.read_mode(&file, &mut warnings)?;
+        cfg.min_sync_period = duration_or(
+            file.min_sync_period.as_deref(),
+            "minSyncPeriod",
+            cfg.min_sync_period,
+        )?;
+        cfg.sync_period = duration_or(file.sync_period.as_deref(), "syncPeriod", cfg.sync_period)?;
+        // Empty means unset (kubeadm writes ""), as kube-proxy reads it: the default.
+        if let Some(a) = file.healthz_bind_address.filter(|a| !a.is_empty()) {
+            cfg.healthz_bind_address = a;
+        }
+        if let Some(a) = file.metrics_bind_address.filter(|a| !a.is_empty()) {
+            cfg.metrics_bind_address = a;
+        }
+        cfg.hostname_override = file.hostname_override.filter(|h| !h.is_empty());
+        if let Some(ct) = file.conntrack {
+            cfg.read_conntrack(ct, &mut warnings)?;
+        }
+        if let Some(cc) = file.client_connection {
+            cfg.kubeconfig = cc.kubeconfig.filter(|k| !k.is_empty());
+            for key in cc.rest.keys() {
+                warnings.push(format!("clientConnection.{key}: not supported, ignored"));
+            }
+        }
+        if let Some(e) = file.ebpf {
+            cfg.read_ebpf(e)?;
+        }
+        Ok((cfg, warnings))
+    }
+
+    /// `detectLocalMode` with `clusterCIDR`: how this node tells its pods' traffic.
+    fn local_detector(file: &KubeProxyConfiguration) -> Result<LocalDetector, String> {
+        let cidrs = parse_cidrs(file.cluster_cidr.as_deref().unwrap_or(""), "clusterCIDR")?;
+        let detect = file.detect_local.clone().unwrap_or_default();
+        // Unset or empty (kubeadm's ""): kube-proxy's default, ClusterCIDR when there is one.
+        let mode = file.detect_local_mode.as_deref().filter(|m| !m.is_empty());
+        Ok(
+            match mode.unwrap_or(if cidrs.is_empty() { "" } else { "ClusterCIDR" }) {
+                "" => LocalDetector::None,
+                "ClusterCIDR" if cidrs.is_empty() => {
+                    return Err("detectLocalMode ClusterCIDR needs clusterCIDR".into());
+                }
+                "ClusterCIDR" => LocalDetector::ClusterCidr(cidrs),
+                // Refused rather than accepted and ignored: traffic from pods would then be
+                // masqueraded (or not) against the operator's intent.
+                mode @ ("BridgeInterface" | "InterfaceNamePrefix") => {
+                    let named = if mode == "BridgeInterface" {
+                        detect.bridge_interface
+                    } else {
+                        detect.interface_name_prefix
+                    };
+                    return Err(format!(
+                        "detectLocalMode {mode} ({:?}) is not supported by the eBPF proxy: use \
+                     ClusterCIDR (with clusterCIDR) or NodeCIDR",
+                        named.unwrap_or_default()
+                    ));
+                }
+                "NodeCIDR" => LocalDetector::NodeCidr,
+                other => return Err(format!("unknown detectLocalMode {other:?}")),
+            },
+        )
+    }
+
+    /// `mode` and the mode sections (`iptables`, `nftables`, `ipvs`): `ipvs` chooses the
+    /// scheduler; masqueradeAll and the sync periods apply whichever mode named them.
+    fn read_mode(
+        &mut self,
+        file: &KubeProxyConfiguration,
+        warnings: &mut Vec<String>,
+    ) -> Result<(), String> {
         // The mode: ours whatever it says; `ipvs` only chooses the node's scheduler, as
         // IPVS would (kube-proxy's default for it is rr).
         let mode = file.mode.as_deref().unwrap_or("").trim();
@@ -401,7 +444,7 @@ impl Config {
                 let name = name.filter(|n| !n.trim().is_empty()).unwrap_or("rr");
                 let (s, note) =
                     Scheduler::parse(name).map_err(|e| format!("ipvs.scheduler: {e}"))?;
-                cfg.scheduler = s;
+                self.scheduler = s;
                 warnings.extend(note.map(|n| format!("ipvs.scheduler: {n}")));
             }
             other => warnings.push(format!(
@@ -426,20 +469,20 @@ impl Config {
                 ));
             }
             if let Some(m) = section.masquerade_all {
-                cfg.masquerade_all |= m;
+                self.masquerade_all |= m;
             }
             if let Some(l) = section.localhost_node_ports {
-                cfg.localhost_node_ports = l;
+                self.localhost_node_ports = l;
             }
-            cfg.min_sync_period = duration_or(
+            self.min_sync_period = duration_or(
                 section.min_sync_period.as_deref(),
                 &format!("{name}.minSyncPeriod"),
-                cfg.min_sync_period,
+                self.min_sync_period,
             )?;
-            cfg.sync_period = duration_or(
+            self.sync_period = duration_or(
                 section.sync_period.as_deref(),
                 &format!("{name}.syncPeriod"),
-                cfg.sync_period,
+                self.sync_period,
             )?;
             for key in section.rest.keys() {
                 warnings.push(format!(
@@ -447,142 +490,129 @@ impl Config {
                 ));
             }
         }
-        cfg.min_sync_period = duration_or(
-            file.min_sync_period.as_deref(),
-            "minSyncPeriod",
-            cfg.min_sync_period,
-        )?;
-        cfg.sync_period = duration_or(file.sync_period.as_deref(), "syncPeriod", cfg.sync_period)?;
-        // Empty means unset (kubeadm writes ""), as kube-proxy reads it: the default.
-        if let Some(a) = file.healthz_bind_address.filter(|a| !a.is_empty()) {
-            cfg.healthz_bind_address = a;
-        }
-        if let Some(a) = file.metrics_bind_address.filter(|a| !a.is_empty()) {
-            cfg.metrics_bind_address = a;
-        }
-        cfg.hostname_override = file.hostname_override.filter(|h| !h.is_empty());
-        if let Some(ct) = file.conntrack {
-            // `0s` (kubeadm's) leaves a timeout at its default, never at zero.
-            let d = |v: &Option<String>, name: &str, default: Duration| {
-                duration_or(v.as_deref(), &format!("conntrack.{name}"), default)
-            };
-            let size = |v: Option<i64>, name: &str, default: u32| -> Result<u32, String> {
-                match v {
-                    None => Ok(default),
-                    // kube-proxy: 0 leaves the kernel's limit alone; ours is the default.
-                    Some(0) => Ok(default),
-                    Some(n) => u32::try_from(n)
-                        .map_err(|_| format!("conntrack.{name}: {n} is out of range")),
-                }
-            };
-            let defaults = ConntrackOptions::default();
-            cfg.conntrack = ConntrackOptions {
-                tcp_syn: cfg.conntrack.tcp_syn,
-                tcp_established: d(
-                    &ct.tcp_established_timeout,
-                    "tcpEstablishedTimeout",
-                    cfg.conntrack.tcp_established,
-                )?,
-                tcp_close_wait: d(
-                    &ct.tcp_close_wait_timeout,
-                    "tcpCloseWaitTimeout",
-                    cfg.conntrack.tcp_close_wait,
-                )?,
-                udp: d(&ct.udp_timeout, "udpTimeout", cfg.conntrack.udp)?,
-                udp_stream: d(
-                    &ct.udp_stream_timeout,
-                    "udpStreamTimeout",
-                    cfg.conntrack.udp_stream,
-                )?,
-                max_per_core: size(ct.max_per_core, "maxPerCore", defaults.max_per_core)?,
-                min: size(ct.min, "min", defaults.min)?,
-                masquerade_ports: cfg.conntrack.masquerade_ports,
-            };
-            for key in ct.rest.keys() {
-                warnings.push(format!("conntrack.{key}: not supported, ignored"));
-            }
-        }
-        if let Some(cc) = file.client_connection {
-            cfg.kubeconfig = cc.kubeconfig.filter(|k| !k.is_empty());
-            for key in cc.rest.keys() {
-                warnings.push(format!("clientConnection.{key}: not supported, ignored"));
-            }
-        }
-        if let Some(e) = file.ebpf {
-            if let Some(f) = e.feed {
-                cfg.feed_servers = f.servers.unwrap_or_default();
-                for addr in &cfg.feed_servers {
-                    check_feed_server(addr).map_err(|e| format!("ebpf.feed.servers: {e}"))?;
-                }
-                cfg.feed_tls = match (f.cert, f.key, f.ca) {
-                    (Some(c), Some(k), Some(a)) => Some([c.into(), k.into(), a.into()]),
-                    (None, None, None) => None,
-                    _ => return Err("ebpf.feed: cert, key and ca go together".into()),
-                };
-            }
-            if let Some(v) = e.bpffs {
-                cfg.bpffs = PathBuf::from(v);
-            }
-            if let Some(v) = e.cgroup {
-                cfg.cgroup = v.parse().map_err(|e| format!("ebpf.cgroup: {e}"))?;
-            }
-            if let Some(v) = e.interfaces {
-                cfg.interfaces = v;
-            }
-            if let Some(v) = e.tc_attach {
-                cfg.tc_attach = v.parse().map_err(|e| format!("ebpf.tcAttach: {e}"))?;
-            }
-            if let Some(v) = e.xdp {
-                cfg.xdp = v.parse().map_err(|e| format!("ebpf.xdp: {e}"))?;
-            }
-            if let Some(v) = e.load_balancer.and_then(|l| l.mode) {
-                cfg.lb_mode = v
-                    .parse()
-                    .map_err(|e| format!("ebpf.loadBalancer.mode: {e}"))?;
-            }
-            if let Some(v) = e.bpf_log_level {
-                cfg.bpf_log_level = v.parse().map_err(|e| format!("ebpf.bpfLogLevel: {e}"))?;
-            }
-            cfg.service_proxy_name = e.service_proxy_name;
-            if let Some(v) = e.debug_bind_address {
-                cfg.debug_bind_address = v;
-            }
-            if let Some(v) = e.service_metrics {
-                cfg.service_metrics = v;
-            }
-            cfg.api_server = e.api_server.filter(|s| !s.is_empty());
-            if let Some(v) = e.node_port_range {
-                cfg.node_port_range =
-                    parse_port_range(&v, 1).map_err(|e| format!("ebpf.nodePortRange: {e}"))?;
-            }
-            if let Some(v) = e.masquerade_port_range {
-                cfg.conntrack.masquerade_ports = parse_port_range(&v, 1024)
-                    .map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;
-            }
-            if let Some(n) = e.maglev_table_size {
-                cfg.maglev_table_len =
-                    crate::model::schedule::check_table_len(n).map_err(|e| format!("ebpf.{e}"))?;
-            }
-            if let Some(m) = e.map_sizes {
-                let sizes = &mut cfg.map_sizes;
-                for (field, given, size) in [
-                    ("services", m.services, &mut sizes.services),
-                    ("backendSlots", m.backend_slots, &mut sizes.backend_slots),
-                    ("backends", m.backends, &mut sizes.backends),
-                ] {
-                    let Some(n) = given else { continue };
-                    if !(MapSizes::MIN..=MapSizes::MAX).contains(&n) {
-                        return Err(format!(
-                            "ebpf.mapSizes.{field}: {n} outside {}-{}",
-                            MapSizes::MIN,
-                            MapSizes::MAX
-                        ));
-                    }
-                    *size = n;
+        Ok(())
+    }
+
+    /// The `conntrack` section: the flow tables' timeouts and sizes.
+    fn read_conntrack(&mut self, ct: Conntrack, warnings: &mut Vec<String>) -> Result<(), String> {
+        // `0s` (kubeadm's) leaves a timeout at its default, never at zero.
+        let d = |v: &Option<String>, name: &str, default: Duration| {
+            duration_or(v.as_deref(), &format!("conntrack.{name}"), default)
+        };
+        let size = |v: Option<i64>, name: &str, default: u32| -> Result<u32, String> {
+            match v {
+                None => Ok(default),
+                // kube-proxy: 0 leaves the kernel's limit alone; ours is the default.
+                Some(0) => Ok(default),
+                Some(n) => {
+                    u32::try_from(n).map_err(|_| format!("conntrack.{name}: {n} is out of range"))
                 }
             }
+        };
+        let defaults = ConntrackOptions::default();
+        self.conntrack = ConntrackOptions {
+            tcp_syn: self.conntrack.tcp_syn,
+            tcp_established: d(
+                &ct.tcp_established_timeout,
+                "tcpEstablishedTimeout",
+                self.conntrack.tcp_established,
+            )?,
+            tcp_close_wait: d(
+                &ct.tcp_close_wait_timeout,
+                "tcpCloseWaitTimeout",
+                self.conntrack.tcp_close_wait,
+            )?,
+            udp: d(&ct.udp_timeout, "udpTimeout", self.conntrack.udp)?,
+            udp_stream: d(
+                &ct.udp_stream_timeout,
+                "udpStreamTimeout",
+                self.conntrack.udp_stream,
+            )?,
+            max_per_core: size(ct.max_per_core, "maxPerCore", defaults.max_per_core)?,
+            min: size(ct.min, "min", defaults.min)?,
+            masquerade_ports: self.conntrack.masquerade_ports,
+        };
+        for key in ct.rest.keys() {
+            warnings.push(format!("conntrack.{key}: not supported, ignored"));
         }
-        Ok((cfg, warnings))
+        Ok(())
+    }
+
+    /// The `ebpf` section: what is ours alone.
+    fn read_ebpf(&mut self, e: EbpfSection) -> Result<(), String> {
+        if let Some(f) = e.feed {
+            self.feed_servers = f.servers.unwrap_or_default();
+            for addr in &self.feed_servers {
+                check_feed_server(addr).map_err(|e| format!("ebpf.feed.servers: {e}"))?;
+            }
+            self.feed_tls = match (f.cert, f.key, f.ca) {
+                (Some(c), Some(k), Some(a)) => Some([c.into(), k.into(), a.into()]),
+                (None, None, None) => None,
+                _ => return Err("ebpf.feed: cert, key and ca go together".into()),
+            };
+        }
+        if let Some(v) = e.bpffs {
+            self.bpffs = PathBuf::from(v);
+        }
+        if let Some(v) = e.cgroup {
+            self.cgroup = v.parse().map_err(|e| format!("ebpf.cgroup: {e}"))?;
+        }
+        if let Some(v) = e.interfaces {
+            self.interfaces = v;
+        }
+        if let Some(v) = e.tc_attach {
+            self.tc_attach = v.parse().map_err(|e| format!("ebpf.tcAttach: {e}"))?;
+        }
+        if let Some(v) = e.xdp {
+            self.xdp = v.parse().map_err(|e| format!("ebpf.xdp: {e}"))?;
+        }
+        if let Some(v) = e.load_balancer.and_then(|l| l.mode) {
+            self.lb_mode = v
+                .parse()
+                .map_err(|e| format!("ebpf.loadBalancer.mode: {e}"))?;
+        }
+        if let Some(v) = e.bpf_log_level {
+            self.bpf_log_level = v.parse().map_err(|e| format!("ebpf.bpfLogLevel: {e}"))?;
+        }
+        self.service_proxy_name = e.service_proxy_name;
+        if let Some(v) = e.debug_bind_address {
+            self.debug_bind_address = v;
+        }
+        if let Some(v) = e.service_metrics {
+            self.service_metrics = v;
+        }
+        self.api_server = e.api_server.filter(|s| !s.is_empty());
+        if let Some(v) = e.node_port_range {
+            self.node_port_range =
+                parse_port_range(&v, 1).map_err(|e| format!("ebpf.nodePortRange: {e}"))?;
+        }
+        if let Some(v) = e.masquerade_port_range {
+            self.conntrack.masquerade_ports =
+                parse_port_range(&v, 1024).map_err(|e| format!("ebpf.masqueradePortRange: {e}"))?;
+        }
+        if let Some(n) = e.maglev_table_size {
+            self.maglev_table_len =
+                crate::model::schedule::check_table_len(n).map_err(|e| format!("ebpf.{e}"))?;
+        }
+        if let Some(m) = e.map_sizes {
+            let sizes = &mut self.map_sizes;
+            for (field, given, size) in [
+                ("services", m.services, &mut sizes.services),
+                ("backendSlots", m.backend_slots, &mut sizes.backend_slots),
+                ("backends", m.backends, &mut sizes.backends),
+            ] {
+                let Some(n) = given else { continue };
+                if !(MapSizes::MIN..=MapSizes::MAX).contains(&n) {
+                    return Err(format!(
+                        "ebpf.mapSizes.{field}: {n} outside {}-{}",
+                        MapSizes::MIN,
+                        MapSizes::MAX
+                    ));
+                }
+                *size = n;
+            }
+        }
+        Ok(())
     }
 }
 
