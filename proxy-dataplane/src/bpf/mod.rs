@@ -16,6 +16,7 @@ mod ctnetlink;
 pub use ctnetlink::refresh_netfilter_flows;
 pub mod conntrack_gc;
 pub mod kernel;
+mod load;
 pub mod maps;
 mod members;
 pub mod netlink;
@@ -34,12 +35,12 @@ pub mod writer;
 
 use std::{
     fs,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex},
 };
 
 use anyhow::{Context as _, Result};
-use aya::{Ebpf, EbpfLoader};
+use aya::Ebpf;
 use proxy_common::map_names;
 
 pub use self::{
@@ -68,8 +69,8 @@ pub use self::{
     },
 };
 use self::{
-    pins::{links_dir, maps_dir, replace_reshaped_counts, warn_if_pinned_size_differs},
-    programs::{SET_RETVAL_GLOBAL, prepare_sctp},
+    pins::{links_dir, maps_dir},
+    programs::prepare_sctp,
 };
 use super::{ApplyReport, Dataplane};
 use proxy_model::NodeView;
@@ -77,6 +78,96 @@ use proxy_model::NodeView;
 /// The most endpoints one frontend can have in the maps: each takes at least one of its
 /// backend slots (`Dataplane::max_endpoints` of both BPF dataplanes, and `trace`'s view).
 pub const MAX_ENDPOINTS: usize = super::layout::MAX_SLOTS;
+
+/// The maps taken from the loaded object, once each is ready for the programs: SCTP's
+/// tail call, sock_release's filter armed, netfilter's flows noted and the port filters
+/// made new (`made_new`) marked with the ports the tables already use.
+fn take_maps(ebpf: &mut Ebpf, made_new: &[&str]) -> Result<MapSet> {
+    prepare_sctp(ebpf)?;
+    // Before the hooks are swapped in: an older release's hooks may still be making
+    // entries nothing counts.
+    let filter = sock_filter::arm(ebpf).context("arming sock_release's filter")?;
+    tracing::debug!(
+        generation = filter.generation,
+        "sock_release's filter armed"
+    );
+    let mut maps = MapSet::take(ebpf)?;
+    // Before the classifier meets their packets: flows netfilter is translating
+    // (kube-proxy's, while migrating) stay with it instead of being dropped as
+    // unknown mid-stream segments.
+    if let Err(e) = ctnetlink::refresh_netfilter_flows(&mut maps) {
+        tracing::warn!(
+            error = format!("{e:#}"),
+            "the kernel's conntrack table is unreadable: connections kube-proxy translated before this start may break"
+        );
+    }
+    // Port filters new beside older tables (an upgrade): the ports those tables use
+    // marked before their packets meet the classifier.
+    let made_new = |map: &str| made_new.contains(&map);
+    let fresh = port_backfill::Fresh {
+        reply_ports: made_new(map_names::REPLY_PORTS),
+        frontend_ports: made_new(map_names::FRONTEND_PORTS),
+    };
+    let (reply, frontend) = port_backfill::mark_from_tables(&mut maps, fresh)
+        .context("marking the ports the tables already use in the port filters")?;
+    if fresh.reply_ports || fresh.frontend_ports {
+        tracing::info!(
+            ?fresh,
+            reply,
+            frontend,
+            "port filters made; ports in use marked"
+        );
+    }
+    Ok(maps)
+}
+
+/// The classifiers on the selected interfaces, and the follower that attaches them to
+/// interfaces that appear later (none without a TC hook: then our filters and links of
+/// interfaces no longer configured go).
+fn follow_interfaces(
+    opts: &Options,
+    kernel: &kernel::Kernel,
+    ebpf: &Arc<Mutex<Ebpf>>,
+    links_dir: &Path,
+) -> Result<(
+    Option<InterfaceFollower>,
+    Option<Arc<Mutex<links::Classifiers>>>,
+)> {
+    Ok(if let Some(hook) = kernel.tc_hook {
+        tracing::info!(mode = %opts.tc_attach, ?hook, "classifier hook chosen");
+        let classifiers = Arc::new(Mutex::new(links::Classifiers::new(
+            Arc::clone(ebpf),
+            links::Setup {
+                links_dir: links_dir.to_path_buf(),
+                selector: opts.interfaces.clone(),
+                hook,
+                failures: opts.attach_failures.clone(),
+                hooks: opts.hooks.clone(),
+                ownership: attach::ownership::Ownership::new(&opts.pin_dir),
+                xdp: XdpSetup {
+                    mode: opts.xdp,
+                    status: opts.xdp_status.clone(),
+                },
+            },
+        )?));
+        let watch = InterfaceFollower::start(Arc::clone(&classifiers))?;
+        // What else sits on those hooks, before the agent reports ready.
+        attach::follow::lock(&classifiers).check();
+        if let Some((interface, why)) = attach::follow::lock(&classifiers).xdp_refused() {
+            anyhow::bail!("ebpf.xdp is native, and {interface} cannot run it: {why}");
+        }
+        tracing::info!(mode = %opts.xdp, running = ?opts.xdp_status.running(), "XDP");
+        tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
+        (Some(watch), Some(classifiers))
+    } else {
+        // Links and filters of interfaces no longer configured: unpinning detaches.
+        links::prune_pins(links_dir, |_| false);
+        if let Err(e) = attach::remove_filters(links_dir) {
+            tracing::warn!(error = format!("{e:#}"), "clsact filters left");
+        }
+        (None, None)
+    })
+}
 
 /// The loaded, attached dataplane.
 pub struct BpfDataplane {
@@ -118,86 +209,9 @@ impl BpfDataplane {
             .with_context(|| format!("creating {}", links_dir.display()))?;
         let lock = pin_lock::lock(&opts.pin_dir)?;
 
-        let mut loader = EbpfLoader::new();
-        let pins: Vec<(&str, PathBuf)> = map_names::ALL
-            .iter()
-            .map(|n| (*n, maps_dir.join(n)))
-            .collect();
-        for (name, path) in &pins {
-            loader.map_pin_path(name, path.as_path());
-        }
-        let level = opts.bpf_log_level.code();
-        loader.override_global("AYA_LOG_LEVEL", &level, false);
-        let set_retval = u8::from(kernel.set_retval);
-        loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        for (name, size) in conntrack_capacities(opts.conntrack.table_entries(cpus)) {
-            loader.map_max_entries(name, size);
-            warn_if_pinned_size_differs(&maps_dir.join(name), size);
-        }
-        for (name, size) in opts.map_sizes.capacities() {
-            loader.map_max_entries(name, size);
-            warn_if_pinned_size_differs(&maps_dir.join(name), size);
-        }
-        replace_reshaped_counts(&maps_dir);
-        let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();
-        let mut ebpf = match loader.load(BPF_OBJECT) {
-            Ok(ebpf) => ebpf,
-            Err(e) => {
-                // A pin set this object cannot use (another version's maps) fails midway:
-                // the pins this attempt made go again, so nothing half-made is left for
-                // the next run to trip on; the older pins stay for their own agent.
-                for ((_, path), existed) in pins.iter().zip(pinned_before) {
-                    if !existed {
-                        let _ = fs::remove_file(path);
-                    }
-                }
-                return Err(anyhow::Error::new(e).context(
-                    "loading the BPF object (is this kernel eBPF-capable, are we root? pins of \
-                     another version under the pin folder: `proxy-agent cleanup` removes them)",
-                ));
-            }
-        };
-
-        prepare_sctp(&mut ebpf)?;
-        // Before the hooks are swapped in: an older release's hooks may still be making
-        // entries nothing counts.
-        let filter = sock_filter::arm(&mut ebpf).context("arming sock_release's filter")?;
-        tracing::debug!(
-            generation = filter.generation,
-            "sock_release's filter armed"
-        );
-        let mut maps = MapSet::take(&mut ebpf)?;
-        // Before the classifier meets their packets: flows netfilter is translating
-        // (kube-proxy's, while migrating) stay with it instead of being dropped as
-        // unknown mid-stream segments.
-        if let Err(e) = ctnetlink::refresh_netfilter_flows(&mut maps) {
-            tracing::warn!(
-                error = format!("{e:#}"),
-                "the kernel's conntrack table is unreadable: connections kube-proxy translated before this start may break"
-            );
-        }
-        // Port filters new beside older tables (an upgrade): the ports those tables use
-        // marked before their packets meet the classifier.
-        let made_new = |map: &str| {
-            pins.iter()
-                .zip(&pinned_before)
-                .any(|((name, _), before)| *name == map && !before)
-        };
-        let fresh = port_backfill::Fresh {
-            reply_ports: made_new(map_names::REPLY_PORTS),
-            frontend_ports: made_new(map_names::FRONTEND_PORTS),
-        };
-        let (reply, frontend) = port_backfill::mark_from_tables(&mut maps, fresh)
-            .context("marking the ports the tables already use in the port filters")?;
-        if fresh.reply_ports || fresh.frontend_ports {
-            tracing::info!(
-                ?fresh,
-                reply,
-                frontend,
-                "port filters made; ports in use marked"
-            );
-        }
+        let loaded = load::load(opts, &kernel, &maps_dir)?;
+        let mut ebpf = loaded.ebpf;
+        let maps = take_maps(&mut ebpf, &loaded.made_new)?;
         // The connect-time hooks read `FRONTEND_PORTS` too: swapped in only now, after the
         // ports the tables use are marked (an upgrade that makes the filter new would
         // otherwise leave Services unbalanced until the writer marks their ports again).
@@ -207,40 +221,7 @@ impl BpfDataplane {
         let mirror = Mirror::adopt(&maps)?;
         let ebpf = Arc::new(Mutex::new(ebpf));
 
-        let (interfaces, classifiers) = if let Some(hook) = kernel.tc_hook {
-            tracing::info!(mode = %opts.tc_attach, ?hook, "classifier hook chosen");
-            let classifiers = Arc::new(Mutex::new(links::Classifiers::new(
-                Arc::clone(&ebpf),
-                links::Setup {
-                    links_dir: links_dir.clone(),
-                    selector: opts.interfaces.clone(),
-                    hook,
-                    failures: opts.attach_failures.clone(),
-                    hooks: opts.hooks.clone(),
-                    ownership: attach::ownership::Ownership::new(&opts.pin_dir),
-                    xdp: XdpSetup {
-                        mode: opts.xdp,
-                        status: opts.xdp_status.clone(),
-                    },
-                },
-            )?));
-            let watch = InterfaceFollower::start(Arc::clone(&classifiers))?;
-            // What else sits on those hooks, before the agent reports ready.
-            attach::follow::lock(&classifiers).check();
-            if let Some((interface, why)) = attach::follow::lock(&classifiers).xdp_refused() {
-                anyhow::bail!("ebpf.xdp is native, and {interface} cannot run it: {why}");
-            }
-            tracing::info!(mode = %opts.xdp, running = ?opts.xdp_status.running(), "XDP");
-            tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
-            (Some(watch), Some(classifiers))
-        } else {
-            // Links and filters of interfaces no longer configured: unpinning detaches.
-            links::prune_pins(&links_dir, |_| false);
-            if let Err(e) = attach::remove_filters(&links_dir) {
-                tracing::warn!(error = format!("{e:#}"), "clsact filters left");
-            }
-            (None, None)
-        };
+        let (interfaces, classifiers) = follow_interfaces(opts, &kernel, &ebpf, &links_dir)?;
         tracing::info!(
             pin_dir = %opts.pin_dir.display(),
             adopted_frontends = mirror.frontends(),

@@ -1,0 +1,76 @@
+//! Loading the BPF object: maps reused from their pins (or pinned), their sizes as the
+//! options say, the globals set; a failed load leaves no pin of its own behind.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::Result;
+use aya::{Ebpf, EbpfLoader};
+use proxy_common::map_names;
+
+use super::{
+    kernel::Kernel,
+    options::{Options, conntrack_capacities},
+    pins::{replace_reshaped_counts, warn_if_pinned_size_differs},
+    programs::{BPF_OBJECT, SET_RETVAL_GLOBAL},
+};
+
+/// The loaded object, and which maps it pinned anew (none were pinned before it).
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub made_new: Vec<&'static str>,
+}
+
+/// Loads the object with its maps pinned under `maps_dir`.
+pub fn load(opts: &Options, kernel: &Kernel, maps_dir: &Path) -> Result<Loaded> {
+    let mut loader = EbpfLoader::new();
+    let pins: Vec<(&str, PathBuf)> = map_names::ALL
+        .iter()
+        .map(|n| (*n, maps_dir.join(n)))
+        .collect();
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let level = opts.bpf_log_level.code();
+    loader.override_global("AYA_LOG_LEVEL", &level, false);
+    let set_retval = u8::from(kernel.set_retval);
+    loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (name, size) in conntrack_capacities(opts.conntrack.table_entries(cpus)) {
+        loader.map_max_entries(name, size);
+        warn_if_pinned_size_differs(&maps_dir.join(name), size);
+    }
+    for (name, size) in opts.map_sizes.capacities() {
+        loader.map_max_entries(name, size);
+        warn_if_pinned_size_differs(&maps_dir.join(name), size);
+    }
+    replace_reshaped_counts(&maps_dir);
+    let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();
+    let ebpf = match loader.load(BPF_OBJECT) {
+        Ok(ebpf) => ebpf,
+        Err(e) => {
+            // A pin set this object cannot use (another version's maps) fails midway:
+            // the pins this attempt made go again, so nothing half-made is left for
+            // the next run to trip on; the older pins stay for their own agent.
+            for ((_, path), existed) in pins.iter().zip(pinned_before) {
+                if !existed {
+                    let _ = fs::remove_file(path);
+                }
+            }
+            return Err(anyhow::Error::new(e).context(
+                "loading the BPF object (is this kernel eBPF-capable, are we root? pins of \
+                 another version under the pin folder: `proxy-agent cleanup` removes them)",
+            ));
+        }
+    };
+
+    let made_new = pins
+        .iter()
+        .zip(&pinned_before)
+        .filter(|(_, before)| !**before)
+        .map(|((name, _), _)| *name)
+        .collect();
+    Ok(Loaded { ebpf, made_new })
+}
