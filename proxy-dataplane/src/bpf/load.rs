@@ -46,7 +46,7 @@ pub fn load(opts: &Options, kernel: &Kernel, maps_dir: &Path) -> Result<Loaded> 
         loader.map_max_entries(name, size);
         warn_if_pinned_size_differs(&maps_dir.join(name), size);
     }
-    replace_reshaped_counts(&maps_dir);
+    replace_reshaped_counts(maps_dir);
     let pinned_before: Vec<bool> = pins.iter().map(|(_, p)| p.exists()).collect();
     let ebpf = match loader.load(BPF_OBJECT) {
         Ok(ebpf) => ebpf,

@@ -121,6 +121,12 @@ fn take_maps(ebpf: &mut Ebpf, made_new: &[&str]) -> Result<MapSet> {
     Ok(maps)
 }
 
+/// The interface follower and the classifiers it keeps.
+type Following = (
+    Option<InterfaceFollower>,
+    Option<Arc<Mutex<links::Classifiers>>>,
+);
+
 /// The classifiers on the selected interfaces, and the follower that attaches them to
 /// interfaces that appear later (none without a TC hook: then our filters and links of
 /// interfaces no longer configured go).
@@ -129,10 +135,7 @@ fn follow_interfaces(
     kernel: &kernel::Kernel,
     ebpf: &Arc<Mutex<Ebpf>>,
     links_dir: &Path,
-) -> Result<(
-    Option<InterfaceFollower>,
-    Option<Arc<Mutex<links::Classifiers>>>,
-)> {
+) -> Result<Following> {
     Ok(if let Some(hook) = kernel.tc_hook {
         tracing::info!(mode = %opts.tc_attach, ?hook, "classifier hook chosen");
         let classifiers = Arc::new(Mutex::new(links::Classifiers::new(
