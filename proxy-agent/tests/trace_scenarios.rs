@@ -1,5 +1,6 @@
-//! `proxy-agent trace` on the scenario corpus (tests/scenarios/*.json, including the
-//! shared examples) through the real classifier, and its exit statuses. Root only.
+//! `proxy-agent trace` on the scenario corpus (tests/scenarios/*.json, a copy of the
+//! steering repository's examples among them) through the real classifier, and its exit
+//! statuses. Root only.
 
 mod support;
 
@@ -15,12 +16,6 @@ fn scenario_files() -> Vec<PathBuf> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
         .collect();
-    // The steering repository's copy, when this checkout sits beside it.
-    let shared =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/scenarios/examples.json");
-    if shared.exists() {
-        files.push(shared);
-    }
     files.sort();
     files
 }

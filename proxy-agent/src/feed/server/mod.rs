@@ -228,12 +228,6 @@ impl Hub {
         })
     }
 
-    /// Whether streams are served: the first full list is in and the API watch has not
-    /// been failing past its bound.
-    pub fn has_view(&self) -> bool {
-        self.lock().ready && !self.api_lost.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Why there is no view (`None`: there is one).
     pub fn no_view_reason(&self) -> Option<&'static str> {
         if !self.lock().ready {

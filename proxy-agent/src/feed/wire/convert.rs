@@ -6,7 +6,7 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, UNIX_EPOCH},
 };
 
 use crate::model::{
@@ -426,12 +426,4 @@ pub fn node_from_wire(n: &v1::Node) -> Result<NodeInfo, DecodeError> {
             .map(cidr_from_wire)
             .collect::<Result<_, _>>()?,
     })
-}
-
-/// A trigger time as the wire carries it, for tests that compare round trips.
-pub fn wire_time(t: SystemTime) -> SystemTime {
-    let nanos = t
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    UNIX_EPOCH + Duration::from_nanos(nanos)
 }

@@ -91,3 +91,37 @@ pub fn detach_now(pin: &Path) -> Result<()> {
         .with_context(|| format!("detaching {}", pin.display()))?;
     Ok(())
 }
+
+/// The link pinned at `pin`, when it is attached to the device `index` (`name`, for the
+/// log): a program swapped into it keeps the device served without a gap. `None` when
+/// the pin is of an earlier device of this name, or unreadable: the caller replaces it.
+pub fn pinned_on_device(
+    pin: &Path,
+    index: u32,
+    name: &str,
+) -> Result<Option<aya::programs::links::FdLink>> {
+    match pinned_field(pin, "ifindex") {
+        Ok(pinned) if pinned == u64::from(index) => {
+            let link = aya::programs::links::PinnedLink::from_pin(pin)
+                .with_context(|| format!("opening pinned link {}", pin.display()))?;
+            Ok(Some(link.into()))
+        }
+        Ok(pinned) => {
+            tracing::info!(
+                interface = name,
+                pinned_ifindex = pinned,
+                ifindex = index,
+                "pinned link belongs to an earlier device of this name; replacing it"
+            );
+            Ok(None)
+        }
+        Err(e) => {
+            tracing::warn!(
+                interface = name,
+                error = format!("{e:#}"),
+                "pinned link unreadable; replacing it"
+            );
+            Ok(None)
+        }
+    }
+}

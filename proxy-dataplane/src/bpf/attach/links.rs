@@ -26,7 +26,7 @@ use aya::{
     Ebpf,
     programs::{
         SchedClassifier, TcAttachType, Xdp,
-        links::{FdLink, PinnedLink},
+        links::FdLink,
         tc::{SchedClassifierLink, TcAttach},
     },
 };
@@ -464,29 +464,13 @@ fn attach_tcx(
     pin: &Path,
 ) -> Result<&'static str> {
     if pin.exists() {
-        match link_update::pinned_field(pin, "ifindex") {
-            Ok(pinned) if pinned == u64::from(index) => {
-                let fd_link: FdLink = PinnedLink::from_pin(pin)
-                    .with_context(|| format!("opening pinned link {}", pin.display()))?
-                    .into();
-                let id = prog
-                    .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
-                    .with_context(|| format!("replacing {program} on {name}"))?;
-                // Pinned already: dropping our fd keeps it attached.
-                drop(FdLink::try_from(prog.take_link(id)?)?);
-                return Ok("adopted pinned link");
-            }
-            Ok(pinned) => tracing::info!(
-                interface = name,
-                pinned_ifindex = pinned,
-                ifindex = index,
-                "pinned link belongs to an earlier device of this name; replacing it"
-            ),
-            Err(e) => tracing::warn!(
-                interface = name,
-                error = format!("{e:#}"),
-                "pinned link unreadable; replacing it"
-            ),
+        if let Some(fd_link) = link_update::pinned_on_device(pin, index, name)? {
+            let id = prog
+                .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
+                .with_context(|| format!("replacing {program} on {name}"))?;
+            // Pinned already: dropping our fd keeps it attached.
+            drop(FdLink::try_from(prog.take_link(id)?)?);
+            return Ok("adopted pinned link");
         }
         remove_pin(pin)?;
     }

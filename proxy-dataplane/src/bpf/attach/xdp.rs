@@ -13,7 +13,7 @@
 use std::{
     collections::BTreeMap,
     fmt, fs,
-    path::{Path, PathBuf},
+    path::Path,
     str::FromStr,
     sync::{
         Arc, Mutex,
@@ -22,11 +22,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use aya::programs::{
-    Xdp, XdpMode as KernelMode,
-    links::{FdLink, PinnedLink},
-    xdp::XdpLink,
-};
+use aya::programs::{Xdp, XdpMode as KernelMode, links::FdLink, xdp::XdpLink};
 
 use super::link_update;
 
@@ -345,32 +341,18 @@ fn attach_as(
 }
 
 /// Swaps our program into the link pinned at `pin` if it is on this very device.
-fn adopt(prog: &mut Xdp, pin: &PathBuf, name: &str, index: u32) -> Result<bool> {
+fn adopt(prog: &mut Xdp, pin: &Path, name: &str, index: u32) -> Result<bool> {
     if !pin.exists() {
         return Ok(false);
     }
-    match link_update::pinned_field(pin, "ifindex") {
-        Ok(pinned) if pinned == u64::from(index) => {
-            let fd_link: FdLink = PinnedLink::from_pin(pin)
-                .with_context(|| format!("opening pinned link {}", pin.display()))?
-                .into();
-            let id = prog
-                .attach_to_link(XdpLink::try_from(fd_link)?)
-                .with_context(|| format!("replacing {XDP_PROGRAM} on {name}"))?;
-            // Pinned already: dropping our fd keeps it attached.
-            drop(FdLink::try_from(prog.take_link(id)?)?);
-            tracing::info!(interface = name, "XDP link adopted");
-            return Ok(true);
-        }
-        Ok(_) => tracing::info!(
-            interface = name,
-            "pinned XDP link belongs to an earlier device of this name; replacing it"
-        ),
-        Err(e) => tracing::warn!(
-            interface = name,
-            error = format!("{e:#}"),
-            "pinned XDP link unreadable; replacing it"
-        ),
+    if let Some(fd_link) = link_update::pinned_on_device(pin, index, name)? {
+        let id = prog
+            .attach_to_link(XdpLink::try_from(fd_link)?)
+            .with_context(|| format!("replacing {XDP_PROGRAM} on {name}"))?;
+        // Pinned already: dropping our fd keeps it attached.
+        drop(FdLink::try_from(prog.take_link(id)?)?);
+        tracing::info!(interface = name, "XDP link adopted");
+        return Ok(true);
     }
     remove_pin(pin);
     Ok(false)
