@@ -74,8 +74,21 @@ pub fn dump_stats(bpffs: &Path, json: bool, exact: bool) -> Result<()> {
     Ok(())
 }
 
+/// `dump`: every frontend with its backends, the counters, and what the tables and hooks
+/// hold, as text or JSON.
 pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
     let maps = open_pins(bpffs)?;
+    let rows = service_rows(&maps)?;
+    let state = State::read(&maps, bpffs)?;
+    if json {
+        print_json(&rows, &state)
+    } else {
+        print_text(&rows, &state)
+    }
+}
+
+/// Each service entry with its backends, as `dump` shows it.
+fn service_rows(maps: &MapSet) -> Result<Vec<serde_json::Value>> {
     let mut rows = Vec::new();
     for entry in maps.services.iter() {
         let (key, value) = entry?;
@@ -108,114 +121,168 @@ pub fn dump(bpffs: &Path, json: bool) -> Result<()> {
             "backends": backends,
         }));
     }
-    let counters = maps.counters()?;
-    // Live sockets the connect-time hooks remember (in a slot or an entry: both go when a
-    // socket closes), and how many of them in a `SOCK_LB` entry.
-    let state = bpf::sock_state::SockState::read(&maps)?;
-    let (sockets, sock_lb) = (state.sockets(), state.entries.len());
-    // sock_release's filter: the generation, whether uncounted entries may be left, and
-    // the entries counted (the socket entries made under this generation).
-    let filter = maps.sock_lb_filter.get(&0, 0).unwrap_or_default();
-    let counted: u64 = maps
-        .sock_lb_counts
+    Ok(rows)
+}
+
+/// What the tables and hooks hold besides the services.
+struct State {
+    counters: Vec<(&'static str, u64)>,
+    /// Live sockets the connect-time hooks remember (in a slot or an entry: both go when
+    /// a socket closes), and how many of them in a `SOCK_LB` entry.
+    sockets: usize,
+    sock_lb: usize,
+    /// sock_release's filter: the generation, whether uncounted entries may be left, and
+    /// the entries counted (the socket entries made under this generation).
+    filter: proxy_common::SockLbFilter,
+    counted: u64,
+    /// Per-packet flows (two entries each): answered, and not answered yet.
+    answered: usize,
+    new: usize,
+    /// Flows netfilter translated before the classifier was attached (kube-proxy's).
+    netfilter: usize,
+    /// Direct server return's (frontend, backend) pairs this node believes an option for.
+    dsr_permits: usize,
+    /// Which interfaces run the XDP program, and in which mode (by their pinned links).
+    xdp: std::collections::BTreeMap<String, bpf::attach::xdp::Running>,
+    /// Each map's memory as the kernel charges it (fdinfo memlock).
+    memory: Vec<(&'static str, u64)>,
+}
+
+impl State {
+    fn read(maps: &MapSet, bpffs: &Path) -> Result<Self> {
+        let sock = bpf::sock_state::SockState::read(maps)?;
+        Ok(Self {
+            counters: maps.counters()?,
+            sockets: sock.sockets(),
+            sock_lb: sock.entries.len(),
+            filter: maps.sock_lb_filter.get(&0, 0).unwrap_or_default(),
+            counted: maps
+                .sock_lb_counts
+                .iter()
+                .filter_map(Result::ok)
+                .map(u64::from)
+                .sum(),
+            answered: maps.conntrack.keys().filter(Result::is_ok).count(),
+            new: maps.conntrack_new.keys().filter(Result::is_ok).count(),
+            netfilter: maps.netfilter_flows.keys().filter(Result::is_ok).count(),
+            dsr_permits: maps.dsr_permits.keys().filter(Result::is_ok).count(),
+            xdp: bpf::attach::xdp::pinned(&bpffs.join("links")),
+            memory: bpf::maps::memory(&bpffs.join("maps")),
+        })
+    }
+}
+
+fn print_json(rows: &[serde_json::Value], state: &State) -> Result<()> {
+    let State {
+        counters,
+        sockets,
+        sock_lb,
+        filter,
+        counted,
+        answered,
+        new,
+        netfilter,
+        dsr_permits,
+        xdp,
+        memory,
+    } = state;
+    let map_memory: serde_json::Map<String, serde_json::Value> = memory
         .iter()
-        .filter_map(Result::ok)
-        .map(u64::from)
-        .sum();
-    // Per-packet flows (two entries each): answered, and not answered yet.
-    let answered = maps.conntrack.keys().filter(Result::is_ok).count();
-    let new = maps.conntrack_new.keys().filter(Result::is_ok).count();
-    // Flows netfilter translated before the classifier was attached (kube-proxy's).
-    let netfilter = maps.netfilter_flows.keys().filter(Result::is_ok).count();
-    // Direct server return's (frontend, backend) pairs this node believes an option for.
-    let dsr_permits = maps.dsr_permits.keys().filter(Result::is_ok).count();
-    // Which interfaces run the XDP program, and in which mode (by their pinned links).
-    let xdp = bpf::attach::xdp::pinned(&bpffs.join("links"));
-    // Each map's memory as the kernel charges it (fdinfo memlock).
-    let memory = bpf::maps::memory(&bpffs.join("maps"));
-    if json {
-        let map_memory: serde_json::Map<String, serde_json::Value> = memory
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), (*v).into()))
-            .collect();
-        let counters: serde_json::Map<String, serde_json::Value> = counters
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), (*v).into()))
-            .collect();
+        .map(|(k, v)| ((*k).to_string(), (*v).into()))
+        .collect();
+    let counters: serde_json::Map<String, serde_json::Value> = counters
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), (*v).into()))
+        .collect();
+    outln!(
+        "{}",
+        serde_json::to_string_pretty(&serde_json::json!({
+            "services": rows,
+            "counters": counters,
+            "sockets": sockets,
+            "sock_lb_entries": sock_lb,
+            "socket_filter": {
+                "generation": filter.generation,
+                "uncounted": filter.uncounted != 0,
+                "counted": counted,
+            },
+            "conntrack": {"answered": answered, "new": new},
+            "netfilter_flows": netfilter,
+            "dsr_permits": dsr_permits,
+            "xdp": xdp,
+            "map_memory_bytes": map_memory,
+        }))?
+    );
+    Ok(())
+}
+
+fn print_text(rows: &[serde_json::Value], state: &State) -> Result<()> {
+    let State {
+        counters,
+        sockets,
+        sock_lb,
+        filter,
+        counted,
+        answered,
+        new,
+        netfilter,
+        dsr_permits,
+        xdp,
+        memory,
+    } = state;
+    outln!(
+        "{:<28} {:<5} {:>5} {:>4} {:<6}  BACKENDS",
+        "FRONTEND",
+        "PROTO",
+        "ID",
+        "REV",
+        "SCHED"
+    );
+    for r in rows {
         outln!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "services": rows,
-                "counters": counters,
-                "sockets": sockets,
-                "sock_lb_entries": sock_lb,
-                "socket_filter": {
-                    "generation": filter.generation,
-                    "uncounted": filter.uncounted != 0,
-                    "counted": counted,
-                },
-                "conntrack": {"answered": answered, "new": new},
-                "netfilter_flows": netfilter,
-                "dsr_permits": dsr_permits,
-                "xdp": xdp,
-                "map_memory_bytes": map_memory,
-            }))?
+            "{:<28} {:<5} {:>5} {:>4} {:<6}  {}",
+            r["frontend"].as_str().unwrap_or(""),
+            r["protocol"].as_str().unwrap_or(""),
+            r["id"].as_u64().unwrap_or(0),
+            r["rev"].as_u64().unwrap_or(0),
+            r["scheduler"].as_str().unwrap_or("?"),
+            r["backends"]
+                .as_array()
+                .map(|b| b
+                    .iter()
+                    .filter_map(|v| v.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" "))
+                .unwrap_or_default()
         );
-    } else {
-        outln!(
-            "{:<28} {:<5} {:>5} {:>4} {:<6}  BACKENDS",
-            "FRONTEND",
-            "PROTO",
-            "ID",
-            "REV",
-            "SCHED"
-        );
-        for r in &rows {
-            outln!(
-                "{:<28} {:<5} {:>5} {:>4} {:<6}  {}",
-                r["frontend"].as_str().unwrap_or(""),
-                r["protocol"].as_str().unwrap_or(""),
-                r["id"].as_u64().unwrap_or(0),
-                r["rev"].as_u64().unwrap_or(0),
-                r["scheduler"].as_str().unwrap_or("?"),
-                r["backends"]
-                    .as_array()
-                    .map(|b| b
-                        .iter()
-                        .filter_map(|v| v.as_str())
-                        .collect::<Vec<_>>()
-                        .join(" "))
-                    .unwrap_or_default()
-            );
+    }
+    outln!("\nsockets tracked: {sockets} ({sock_lb} in SOCK_LB)");
+    outln!(
+        "sock_release filter: generation {}, {counted} counted{}",
+        filter.generation,
+        if filter.uncounted != 0 {
+            " (entries of another generation may be left: every release looks up)"
+        } else {
+            ""
         }
-        outln!("\nsockets tracked: {sockets} ({sock_lb} in SOCK_LB)");
-        outln!(
-            "sock_release filter: generation {}, {counted} counted{}",
-            filter.generation,
-            if filter.uncounted != 0 {
-                " (entries of another generation may be left: every release looks up)"
-            } else {
-                ""
-            }
-        );
-        outln!("conntrack entries: {answered} answered, {new} new (two per flow)");
-        outln!("flows left to netfilter (translated before the classifier): {netfilter}");
-        outln!("direct server return pairs believed (DSR_PERMITS): {dsr_permits}");
-        if xdp.is_empty() {
-            outln!("XDP: off");
-        }
-        for (interface, how) in &xdp {
-            outln!("XDP on {interface}: {}", how.as_str());
-        }
-        outln!("");
-        for (name, value) in counters {
-            outln!("{name:<24} {value}");
-        }
-        let total: u64 = memory.iter().map(|(_, b)| b).sum();
-        outln!("\nBPF map memory (kernel's memlock), {total} bytes in all:");
-        for (name, bytes) in &memory {
-            outln!("{name:<24} {bytes}");
-        }
+    );
+    outln!("conntrack entries: {answered} answered, {new} new (two per flow)");
+    outln!("flows left to netfilter (translated before the classifier): {netfilter}");
+    outln!("direct server return pairs believed (DSR_PERMITS): {dsr_permits}");
+    if xdp.is_empty() {
+        outln!("XDP: off");
+    }
+    for (interface, how) in xdp {
+        outln!("XDP on {interface}: {}", how.as_str());
+    }
+    outln!("");
+    for (name, value) in counters {
+        outln!("{name:<24} {value}");
+    }
+    let total: u64 = memory.iter().map(|(_, b)| b).sum();
+    outln!("\nBPF map memory (kernel's memlock), {total} bytes in all:");
+    for (name, bytes) in memory {
+        outln!("{name:<24} {bytes}");
     }
     Ok(())
 }
