@@ -10,7 +10,10 @@
 mod recovery;
 mod store;
 
-use futures::{StreamExt as _, stream::BoxStream};
+use futures::{
+    StreamExt as _,
+    stream::{BoxStream, SelectAll},
+};
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
@@ -68,6 +71,61 @@ pub struct KubeOptions {
 /// view update and a batch of map writes, so not per page.
 const PARTIAL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// What `run` watches, and how it recovers.
+struct Watched<'a> {
+    node_name: &'a str,
+    label_selector: &'a str,
+    all_nodes: bool,
+    counters: ApiCounters,
+    backoff: Backoff,
+    health: WatchHealth,
+}
+
+impl Watched<'_> {
+    /// Services and EndpointSlices (by the label selector) and Nodes (this one, or all),
+    /// each recovering from errors on its own, as one stream of updates.
+    fn updates(self, client: Client) -> SelectAll<BoxStream<'static, Update>> {
+        let cfg = watcher::Config::default();
+        let selected = cfg.clone().labels(self.label_selector);
+        let resource = |label, name| Resource { label, name };
+        let services = recovery::recovering(
+            Api::<Decoded<Service>>::all(client.clone()),
+            selected.clone(),
+            resource("services", "Services"),
+            self.counters.clone(),
+            self.backoff.clone(),
+            self.health.clone(),
+        )
+        .map(|e| Update::Service(Box::new(e)));
+        let slices = recovery::recovering(
+            Api::<Decoded<EndpointSlice>>::all(client.clone()),
+            selected,
+            resource("endpointslices", "EndpointSlices"),
+            self.counters.clone(),
+            self.backoff.clone(),
+            self.health.clone(),
+        )
+        .map(|e| Update::Slice(Box::new(e)));
+        let node_cfg = if self.all_nodes {
+            cfg
+        } else {
+            cfg.fields(&format!("metadata.name={}", self.node_name))
+        };
+        let nodes = recovery::recovering(
+            Api::<Decoded<Node>>::all(client),
+            node_cfg,
+            resource("nodes", "Nodes"),
+            self.counters,
+            self.backoff,
+            self.health,
+        )
+        .map(|e| Update::Node(Box::new(e)));
+        let streams: Vec<BoxStream<'static, Update>> =
+            vec![services.boxed(), slices.boxed(), nodes.boxed()];
+        futures::stream::select_all(streams)
+    }
+}
+
 /// Watches the API server and publishes a snapshot after the first full list of every
 /// resource, then after every change. Runs until the receiver is dropped.
 pub async fn run(
@@ -85,44 +143,15 @@ pub async fn run(
         stream_first_list,
         health,
     } = opts;
-    let cfg = watcher::Config::default();
-    let selected = cfg.clone().labels(&label_selector);
-    let resource = |label, name| Resource { label, name };
-    let services = recovery::recovering(
-        Api::<Decoded<Service>>::all(client.clone()),
-        selected.clone(),
-        resource("services", "Services"),
-        counters.clone(),
-        backoff.clone(),
-        health.clone(),
-    )
-    .map(|e| Update::Service(Box::new(e)));
-    let slices = recovery::recovering(
-        Api::<Decoded<EndpointSlice>>::all(client.clone()),
-        selected,
-        resource("endpointslices", "EndpointSlices"),
-        counters.clone(),
-        backoff.clone(),
-        health.clone(),
-    )
-    .map(|e| Update::Slice(Box::new(e)));
-    let node_cfg = if all_nodes {
-        cfg
-    } else {
-        cfg.fields(&format!("metadata.name={node_name}"))
-    };
-    let nodes = recovery::recovering(
-        Api::<Decoded<Node>>::all(client),
-        node_cfg,
-        resource("nodes", "Nodes"),
+    let watched = Watched {
+        node_name: &node_name,
+        label_selector: &label_selector,
+        all_nodes,
         counters,
         backoff,
         health,
-    )
-    .map(|e| Update::Node(Box::new(e)));
-    let streams: Vec<BoxStream<'static, Update>> =
-        vec![services.boxed(), slices.boxed(), nodes.boxed()];
-    let mut updates = futures::stream::select_all(streams);
+    };
+    let mut updates = watched.updates(client);
     let mut store = if all_nodes {
         Store::with_all_nodes(&node_name)
     } else {
