@@ -80,11 +80,7 @@ pub fn service_view(
     cfg: &ViewConfig,
 ) -> ServiceView {
     let mut out = ServiceView::default();
-    let rejection = |reason: String| Rejection {
-        kind: ObjectKind::Service,
-        object: sref.clone(),
-        reason,
-    };
+    let rejection = |reason: String| rejection(sref, reason);
     if !is_ours(svc, cfg) || svc.external_name {
         return out;
     }
@@ -100,38 +96,13 @@ pub fn service_view(
     }
     out.rejections
         .extend(svc.rare.problems.iter().cloned().map(rejection));
-    for (key, slice) in &slices {
-        for addr in &slice.bad_addresses {
-            out.rejections.push(Rejection {
-                kind: ObjectKind::EndpointSlice,
-                object: key.object(),
-                reason: format!("invalid endpoint address {addr:?}"),
-            });
-        }
-        // What the API server refuses, from a source it did not validate: each endpoint
-        // alone (endpoints_for leaves them out).
-        if !cfg.api_validated {
-            for ep in slice.endpoints.iter() {
-                if let Some(why) = special_endpoint_ip(ep.ip) {
-                    out.rejections.push(Rejection {
-                        kind: ObjectKind::EndpointSlice,
-                        object: key.object(),
-                        reason: format!(
-                            "endpoint address {}: {why}, as the API server says; left out",
-                            ep.ip
-                        ),
-                    });
-                }
-            }
-        }
-    }
+    slice_rejections(&slices, cfg, &mut out.rejections);
     let externally_accessible = !svc.rare.external_ips.is_empty() || svc.node_port_type;
     let policies = Policies {
         internal_local: svc.internal_local,
         external_local: externally_accessible && svc.external_policy_local,
         externally_accessible,
     };
-    let affinity = svc.affinity_timeout_s;
     let schedule = crate::schedule::Schedule::new(
         svc.rare.scheduler.unwrap_or(cfg.scheduler),
         svc.rare.weights.clone(),
@@ -160,97 +131,200 @@ pub fn service_view(
             }
             other => other,
         };
-        for v4 in [true, false] {
-            let family_ips = |ips: &[IpAddr]| -> Vec<IpAddr> {
-                ips.iter()
-                    .copied()
-                    .filter(|ip| ip.is_ipv4() == v4)
-                    .collect()
-            };
-            let cips = family_ips(&svc.cluster_ips);
-            if cips.is_empty() {
-                // The Service is not of this family (ipFamilies).
-                continue;
-            }
-            let (eps, bad) = endpoints_for(&slices, port, protocol, v4, &node.name, cfg);
-            out.rejections.extend(bad);
-            let sets = categorize(&eps, policies, &node.name, node.zone());
-            // Too many for one frontend's backend slots: refused alone, named and
-            // counted, so the rest of the node stays programmed and healthy.
-            let most = sets.cluster.len().max(sets.local.len());
-            if most > cfg.max_endpoints {
-                out.rejections.push(rejection(format!(
-                    "port {} ({}): {most} endpoints exceed the {} one Service port can hold",
-                    number,
-                    if v4 { "IPv4" } else { "IPv6" },
-                    cfg.max_endpoints
-                )));
-                continue;
-            }
-            // Every frontend of this port and family shares one state per kind.
-            let mut states: BTreeMap<FrontendKind, Arc<FrontendState>> = BTreeMap::new();
-            let mut state_for = |kind: FrontendKind| {
-                Arc::clone(states.entry(kind).or_insert_with(|| {
-                    let mut st = frontend_state(&service, kind, &sets, policies, affinity);
-                    st.schedule = schedule.clone();
-                    st.dsr = kind != FrontendKind::ClusterIp
-                        && svc
-                            .rare
-                            .lb_mode
-                            .unwrap_or(cfg.lb_mode)
-                            .direct_return(protocol);
-                    if kind == FrontendKind::LoadBalancer {
-                        st.source_ranges = lb_source_ranges(svc, node, v4).into();
-                    }
-                    Arc::new(st)
-                }))
-            };
-            let mut wanted: Vec<(Frontend, Arc<FrontendState>)> = Vec::new();
-            // ClusterIPs, external IPs, load-balancer IPs, then NodePorts: the order in
-            // which this Service's own collisions are settled below.
-            for (ips, kind) in [
-                (cips, FrontendKind::ClusterIp),
-                (family_ips(&svc.rare.external_ips), FrontendKind::ExternalIp),
-                (family_ips(&svc.rare.lb_ips), FrontendKind::LoadBalancer),
-            ] {
-                for ip in ips {
-                    let fe = Frontend {
-                        ip,
-                        port: number,
-                        protocol,
-                    };
-                    wanted.push((fe, state_for(kind)));
-                }
-            }
-            if let Some(node_port) = node_port {
-                for ip in node_port_ips(node, cfg, v4) {
-                    wanted.push((
-                        Frontend {
-                            ip,
-                            port: node_port,
-                            protocol,
-                        },
-                        state_for(FrontendKind::NodePort),
-                    ));
-                }
-            }
-            for (fe, st) in wanted {
-                // Two ports of this Service on one VIP and port: the first keeps it.
-                // (Between Services the tracker settles it.)
-                if let Some(other) = out.frontend(&fe).filter(|o| o.service != st.service) {
-                    out.rejections.push(rejection(format!(
-                        "{fe} already belongs to {}; not programmed for {service}",
-                        other.service
-                    )));
-                    continue;
-                }
-                out.set_frontend(fe, st);
-            }
-        }
+        let view = PortView {
+            sref,
+            svc,
+            slices: &slices,
+            node,
+            cfg,
+            policies,
+            schedule: &schedule,
+            port,
+            number,
+            protocol,
+            service: &service,
+            node_port,
+        };
+        view.family(true, &mut out);
+        view.family(false, &mut out);
     }
     out.frontends.shrink_to_fit();
     out.no_local = no_local_endpoints(&out.frontends);
     out
+}
+
+/// A rejection of the Service `sref`.
+fn rejection(sref: &ObjectRef, reason: String) -> Rejection {
+    Rejection {
+        kind: ObjectKind::Service,
+        object: sref.clone(),
+        reason,
+    }
+}
+
+/// What the slices say that the API server would have refused: addresses that are not
+/// addresses, and (from a source it did not validate) addresses no endpoint may have,
+/// each endpoint alone (`endpoints_for` leaves them out).
+fn slice_rejections(
+    slices: &[(&SliceKey, &SliceInfo)],
+    cfg: &ViewConfig,
+    rejections: &mut Vec<Rejection>,
+) {
+    for (key, slice) in slices {
+        for addr in &slice.bad_addresses {
+            rejections.push(Rejection {
+                kind: ObjectKind::EndpointSlice,
+                object: key.object(),
+                reason: format!("invalid endpoint address {addr:?}"),
+            });
+        }
+        // What the API server refuses, from a source it did not validate: each endpoint
+        // alone (endpoints_for leaves them out).
+        if !cfg.api_validated {
+            for ep in slice.endpoints.iter() {
+                if let Some(why) = special_endpoint_ip(ep.ip) {
+                    rejections.push(Rejection {
+                        kind: ObjectKind::EndpointSlice,
+                        object: key.object(),
+                        reason: format!(
+                            "endpoint address {}: {why}, as the API server says; left out",
+                            ep.ip
+                        ),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// One port of a Service, as `service_view` reads it.
+#[derive(Clone, Copy)]
+struct PortView<'a> {
+    sref: &'a ObjectRef,
+    svc: &'a ServiceInfo,
+    slices: &'a [(&'a SliceKey, &'a SliceInfo)],
+    node: &'a NodeInfo,
+    cfg: &'a ViewConfig,
+    policies: Policies,
+    schedule: &'a crate::schedule::Schedule,
+    port: &'a PortInfo,
+    number: u16,
+    protocol: Protocol,
+    /// `namespace/name:port`.
+    service: &'a str,
+    /// The NodePort, when this node programs it.
+    node_port: Option<u16>,
+}
+
+impl PortView<'_> {
+    /// The port's frontends of one family (`v4`, else IPv6), into `out`.
+    fn family(&self, v4: bool, out: &mut ServiceView) {
+        let PortView {
+            sref,
+            svc,
+            slices,
+            node,
+            cfg,
+            policies,
+            schedule,
+            port,
+            number,
+            protocol,
+            service,
+            node_port,
+        } = *self;
+        let family_ips = |ips: &[IpAddr]| -> Vec<IpAddr> {
+            ips.iter()
+                .copied()
+                .filter(|ip| ip.is_ipv4() == v4)
+                .collect()
+        };
+        let cips = family_ips(&svc.cluster_ips);
+        if cips.is_empty() {
+            // The Service is not of this family (ipFamilies).
+            return;
+        }
+        let (eps, bad) = endpoints_for(slices, port, protocol, v4, &node.name, cfg);
+        out.rejections.extend(bad);
+        let sets = categorize(&eps, policies, &node.name, node.zone());
+        // Too many for one frontend's backend slots: refused alone, named and
+        // counted, so the rest of the node stays programmed and healthy.
+        let most = sets.cluster.len().max(sets.local.len());
+        if most > cfg.max_endpoints {
+            out.rejections.push(rejection(
+                sref,
+                format!(
+                    "port {} ({}): {most} endpoints exceed the {} one Service port can hold",
+                    number,
+                    if v4 { "IPv4" } else { "IPv6" },
+                    cfg.max_endpoints
+                ),
+            ));
+            return;
+        }
+        // Every frontend of this port and family shares one state per kind.
+        let mut states: BTreeMap<FrontendKind, Arc<FrontendState>> = BTreeMap::new();
+        let mut state_for = |kind: FrontendKind| {
+            Arc::clone(states.entry(kind).or_insert_with(|| {
+                let mut st = frontend_state(service, kind, &sets, policies, svc.affinity_timeout_s);
+                st.schedule = schedule.clone();
+                st.dsr = kind != FrontendKind::ClusterIp
+                    && svc
+                        .rare
+                        .lb_mode
+                        .unwrap_or(cfg.lb_mode)
+                        .direct_return(protocol);
+                if kind == FrontendKind::LoadBalancer {
+                    st.source_ranges = lb_source_ranges(svc, node, v4).into();
+                }
+                Arc::new(st)
+            }))
+        };
+        let mut wanted: Vec<(Frontend, Arc<FrontendState>)> = Vec::new();
+        // ClusterIPs, external IPs, load-balancer IPs, then NodePorts: the order in
+        // which this Service's own collisions are settled below.
+        for (ips, kind) in [
+            (cips, FrontendKind::ClusterIp),
+            (family_ips(&svc.rare.external_ips), FrontendKind::ExternalIp),
+            (family_ips(&svc.rare.lb_ips), FrontendKind::LoadBalancer),
+        ] {
+            for ip in ips {
+                let fe = Frontend {
+                    ip,
+                    port: number,
+                    protocol,
+                };
+                wanted.push((fe, state_for(kind)));
+            }
+        }
+        if let Some(node_port) = node_port {
+            for ip in node_port_ips(node, cfg, v4) {
+                wanted.push((
+                    Frontend {
+                        ip,
+                        port: node_port,
+                        protocol,
+                    },
+                    state_for(FrontendKind::NodePort),
+                ));
+            }
+        }
+        for (fe, st) in wanted {
+            // Two ports of this Service on one VIP and port: the first keeps it.
+            // (Between Services the tracker settles it.)
+            if let Some(other) = out.frontend(&fe).filter(|o| o.service != st.service) {
+                out.rejections.push(rejection(
+                    sref,
+                    format!(
+                        "{fe} already belongs to {}; not programmed for {service}",
+                        other.service
+                    ),
+                ));
+                continue;
+            }
+            out.set_frontend(fe, st);
+        }
+    }
 }
 
 /// `loadBalancerSourceRanges` of one family on a load-balancer frontend.
