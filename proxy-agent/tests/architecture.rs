@@ -463,6 +463,69 @@ fn the_module_graph_reads_paths() {
     );
 }
 
+/// Small functions: none of the product's crates over 100 lines (a function's first line
+/// to its closing brace at the same indentation; test files aside).
+#[test]
+fn no_function_is_over_100_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut long = Vec::new();
+    for krate in PRODUCT_CRATES {
+        for file in rust_files(&root.join(krate).join("src")) {
+            if file
+                .file_stem()
+                .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
+            {
+                continue;
+            }
+            let text = read(&file);
+            for (name, line, lines) in long_functions(&text, 100) {
+                long.push(format!("{}:{line}: {name}, {lines} lines", file.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "split these:\n{}", long.join("\n"));
+}
+
+/// The functions of `text` over `max` lines: name, first line (1-based), length.
+fn long_functions(text: &str, max: usize) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let indent = &line[..line.len() - trimmed.len()];
+        let after_vis = trimmed
+            .strip_prefix("pub ")
+            .or_else(|| {
+                trimmed
+                    .strip_prefix("pub(")
+                    .and_then(|r| r.split_once(") ").map(|(_, r)| r))
+            })
+            .unwrap_or(trimmed);
+        let after_kw = ["const ", "async ", "unsafe "]
+            .iter()
+            .fold(after_vis, |r, kw| r.strip_prefix(kw).unwrap_or(r));
+        let Some(name) = after_kw.strip_prefix("fn ").and_then(ident) else {
+            continue;
+        };
+        let close = format!("{indent}}}");
+        if let Some(end) = lines[i + 1..].iter().position(|l| *l == close) {
+            let n = end + 2;
+            if n > max {
+                out.push((name, i + 1, n));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_length_check_measures_functions() {
+    let body = "    x();\n".repeat(101);
+    let text = format!("pub(crate) async fn long() {{\n{body}}}\n\nfn short() {{\n}}\n");
+    assert_eq!(long_functions(&text, 100), [("long".to_string(), 1, 103)]);
+    assert!(long_functions(&text, 103).is_empty());
+}
+
 /// Each circle of `edges` once, as `a -> b -> a`.
 fn circles(edges: &BTreeMap<String, Vec<String>>) -> Vec<String> {
     fn walk(

@@ -197,6 +197,29 @@ fn slice_rejections(
     }
 }
 
+/// Gives each `wanted` frontend its state in `out`; two ports of this Service on one VIP
+/// and port: the first keeps it. (Between Services the tracker settles it.)
+fn claim(
+    out: &mut ServiceView,
+    wanted: Vec<(Frontend, Arc<FrontendState>)>,
+    sref: &ObjectRef,
+    service: &str,
+) {
+    for (fe, st) in wanted {
+        if let Some(other) = out.frontend(&fe).filter(|o| o.service != st.service) {
+            out.rejections.push(rejection(
+                sref,
+                format!(
+                    "{fe} already belongs to {}; not programmed for {service}",
+                    other.service
+                ),
+            ));
+            continue;
+        }
+        out.set_frontend(fe, st);
+    }
+}
+
 /// One port of a Service, as `service_view` reads it.
 #[derive(Clone, Copy)]
 struct PortView<'a> {
@@ -309,21 +332,7 @@ impl PortView<'_> {
                 ));
             }
         }
-        for (fe, st) in wanted {
-            // Two ports of this Service on one VIP and port: the first keeps it.
-            // (Between Services the tracker settles it.)
-            if let Some(other) = out.frontend(&fe).filter(|o| o.service != st.service) {
-                out.rejections.push(rejection(
-                    sref,
-                    format!(
-                        "{fe} already belongs to {}; not programmed for {service}",
-                        other.service
-                    ),
-                ));
-                continue;
-            }
-            out.set_frontend(fe, st);
-        }
+        claim(out, wanted, sref, service);
     }
 }
 

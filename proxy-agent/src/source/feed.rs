@@ -279,6 +279,20 @@ fn jittered(every: Duration) -> Duration {
     every + Duration::from_millis(rand::random_range(0..=every.as_millis() as u64 / 4))
 }
 
+/// What the node's state says, as the other sources publish it.
+fn snapshot_of(state: &NodeState, opts: &FeedOptions, changes: ChangeCounts) -> Snapshot {
+    Snapshot {
+        model: state.model.clone(),
+        node: state.node.clone().unwrap_or_else(|| opts.node.clone()),
+        changes,
+        unreadable: 0,
+        api_validated: state.api_validated,
+        // Every Node's addresses; none from a server older than them.
+        nodes: state.peers.clone(),
+        partial: false,
+    }
+}
+
 /// Applies one replica's stream (batches, keepalives) until it ends, and says how.
 async fn read_stream(
     opts: &FeedOptions,
@@ -366,19 +380,9 @@ async fn read_stream(
             asking = Some(probe(opts, index, state));
         }
         changes.add(&before.changes_to(&state.model));
-        let snapshot = Snapshot {
-            model: state.model.clone(),
-            node: state.node.clone().unwrap_or_else(|| opts.node.clone()),
-            changes: *changes,
-            unreadable: 0,
-            api_validated: state.api_validated,
-            // Every Node's addresses; none from a server older than them.
-            nodes: state.peers.clone(),
-            partial: false,
-        };
         if tx.is_closed() {
             return StreamEnd::ReceiverGone;
         }
-        tx.send_replace(Some(Arc::new(snapshot)));
+        tx.send_replace(Some(Arc::new(snapshot_of(state, opts, *changes))));
     }
 }

@@ -44,40 +44,9 @@ impl Mirror {
             state.maybe_unused.insert(id);
             state.next_backend_id = state.next_backend_id.max(id.wrapping_add(1));
         }
-        let mut ranges_by_id: HashMap<u32, Vec<ipnet::IpNet>> = HashMap::new();
-        for key in maps.source_ranges.keys() {
-            let key = key?;
-            let data = key.data();
-            let (family, bits) =
-                if data.addr[1..] == [0, 0, 0] && key.prefix_len() <= LPM_TAG_BITS + 32 {
-                    (FAMILY_V4, key.prefix_len() - LPM_TAG_BITS)
-                } else {
-                    (FAMILY_V6, key.prefix_len() - LPM_TAG_BITS)
-                };
-            if let Ok(net) = ipnet::IpNet::new(
-                proxy_common::addr::from_words(data.addr, family),
-                bits as u8,
-            ) {
-                ranges_by_id.entry(data.tag).or_default().push(net);
-            }
-        }
+        let mut ranges_by_id = source_ranges(maps)?;
         for (key, value) in batch::read_all(&maps.services)? {
-            let mut backend_ids = Vec::with_capacity(usize::from(value.count));
-            for slot in 0..u32::from(value.count) {
-                let slot_key = BackendSlotKey {
-                    service_id: value.id,
-                    rev: value.rev,
-                    slot,
-                };
-                match slots.get(&slot_key) {
-                    Some(&id) => backend_ids.push(id),
-                    // A torn set (agent died mid-write) is rewritten on the next apply.
-                    None => {
-                        backend_ids.clear();
-                        break;
-                    }
-                }
-            }
+            let backend_ids = slot_ids(&slots, &value);
             let table = adopt_table(|k| maglev.get(k).copied(), &value);
             state.next_service_id = state.next_service_id.max(value.id.wrapping_add(1));
             state.used_service_ids.insert(value.id);
@@ -132,6 +101,50 @@ impl Mirror {
         state.dsr = super::dsr_permits::DsrPermits::adopt(maps)?;
         Ok(state)
     }
+}
+
+/// Each frontend's source ranges (`SOURCE_RANGES`), by its service id.
+fn source_ranges(maps: &MapSet) -> Result<HashMap<u32, Vec<ipnet::IpNet>>> {
+    let mut ranges_by_id: HashMap<u32, Vec<ipnet::IpNet>> = HashMap::new();
+    for key in maps.source_ranges.keys() {
+        let key = key?;
+        let data = key.data();
+        let (family, bits) = if data.addr[1..] == [0, 0, 0] && key.prefix_len() <= LPM_TAG_BITS + 32
+        {
+            (FAMILY_V4, key.prefix_len() - LPM_TAG_BITS)
+        } else {
+            (FAMILY_V6, key.prefix_len() - LPM_TAG_BITS)
+        };
+        if let Ok(net) = ipnet::IpNet::new(
+            proxy_common::addr::from_words(data.addr, family),
+            bits as u8,
+        ) {
+            ranges_by_id.entry(data.tag).or_default().push(net);
+        }
+    }
+    Ok(ranges_by_id)
+}
+
+/// The backend ids of a service entry's slots, in order; empty for a torn set (an agent
+/// that died mid-write), which the next apply rewrites.
+fn slot_ids(slots: &HashMap<BackendSlotKey, u32>, value: &ServiceValue) -> Vec<u32> {
+    let mut backend_ids = Vec::with_capacity(usize::from(value.count));
+    for slot in 0..u32::from(value.count) {
+        let slot_key = BackendSlotKey {
+            service_id: value.id,
+            rev: value.rev,
+            slot,
+        };
+        match slots.get(&slot_key) {
+            Some(&id) => backend_ids.push(id),
+            // A torn set (agent died mid-write) is rewritten on the next apply.
+            None => {
+                backend_ids.clear();
+                break;
+            }
+        }
+    }
+    backend_ids
 }
 
 /// Reads an adopted entry's Maglev table; empty when it has none or a chunk is missing
