@@ -54,8 +54,6 @@ const EBPF_LAYERS: &[(&str, u32)] = &[
     ("pipeline", 5),
     ("sock", 5),
     ("main", 6),
-    // The throughput benchmark's generator: an object of its own (imports no module).
-    ("bench_gen", 0),
 ];
 
 /// Crates of the kernel side or the runtime: the model knows none of them.

@@ -3,6 +3,7 @@
 //! of the real classifier (and of the XDP program: `xdp`), and parsing wrk's report. The schedulers' own figures are in
 //! `schedulers` (new-flow cost) and `maglev` (table rebuilds).
 
+mod gen_object;
 pub mod maglev;
 pub mod schedulers;
 pub mod steady;

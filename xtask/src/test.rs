@@ -20,7 +20,14 @@ pub fn test(root: &Path, args: &[String]) -> Result<()> {
     // fail without them. The node smoke test (tests/tests/cluster_node.rs) takes ~40 s.
     let bin_dir = cluster::build_nodes(root, false)?;
     let mut cmd = cargo(root, STABLE);
-    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
+    cmd.args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "proxy-ebpf",
+        "--exclude",
+        "bench-ebpf",
+    ]);
     // Every binary runs, whichever fails first.
     if !args.iter().any(|a| a == "--no-fail-fast") {
         cmd.arg("--no-fail-fast");
@@ -54,6 +61,8 @@ fn lint_gate(root: &Path) -> Result<()> {
         "--workspace",
         "--exclude",
         "proxy-ebpf",
+        "--exclude",
+        "bench-ebpf",
         "--all-targets",
         "--",
         "-D",

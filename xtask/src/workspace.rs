@@ -51,6 +51,8 @@ pub fn build(root: &Path) -> Result<()> {
         "--workspace",
         "--exclude",
         "proxy-ebpf",
+        "--exclude",
+        "bench-ebpf",
         "--bins",
         "--tests",
     ]);

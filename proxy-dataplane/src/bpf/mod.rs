@@ -65,7 +65,7 @@ pub use self::{
     pins::check_bpffs,
     programs::{
         BPF_OBJECT, CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM, TC_EGRESS_PROGRAM, TC_PROGRAM,
-        TC_SCTP_PROGRAM, XDP_BENCH_GEN_OBJECT, load_private,
+        TC_SCTP_PROGRAM, load_private,
     },
 };
 use self::{

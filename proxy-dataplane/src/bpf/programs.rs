@@ -10,11 +10,6 @@ use super::{kernel, maps::MapSet};
 /// The BPF object built from `proxy-ebpf`, embedded so one binary is all a node needs.
 pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-/// The throughput benchmark's packet generator (`proxy-ebpf/src/bench_gen.rs`): never
-/// loaded by the agent, embedded so the benchmark needs no second build.
-pub static XDP_BENCH_GEN_OBJECT: &[u8] =
-    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/xdp-bench-gen"));
-
 /// The cgroup sock_addr programs, by name (the name is also the attach point).
 pub const CGROUP_PROGRAMS: [&str; 8] = [
     "connect4",

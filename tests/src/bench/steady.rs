@@ -6,13 +6,13 @@
 //! flows, takes the next source port — then tail-calls it; the pass-through program
 //! behind the front is the baseline. Medians of interleaved rounds, with their spread.
 
+use super::gen_object::BENCH_GEN_OBJECT;
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader, TestRun as _, TestRunOptions,
     maps::{Array, ProgramArray},
     programs::{ProgramFd, SchedClassifier, Xdp},
 };
-use proxy_agent::dataplane::bpf::XDP_BENCH_GEN_OBJECT;
 
 use super::{median, spread_of};
 
@@ -71,7 +71,7 @@ pub struct Packets<'a> {
 /// the fronts, `rounds` interleaved rounds of `repeat` runs each.
 pub fn measure(ebpf: &Ebpf, p: &Packets<'_>, rounds: u32, repeat: u32) -> Result<Steady> {
     let mut front: Ebpf = EbpfLoader::new()
-        .load(XDP_BENCH_GEN_OBJECT)
+        .load(BENCH_GEN_OBJECT)
         .context("loading the front")?;
     {
         let x: &mut Xdp = front

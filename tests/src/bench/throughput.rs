@@ -23,10 +23,7 @@ use aya::{
     maps::{Array, ProgramArray},
     programs::{SchedClassifier, TcAttachType, Xdp},
 };
-use proxy_agent::{
-    dataplane::bpf::{self, XDP_BENCH_GEN_OBJECT},
-    trace::packet,
-};
+use proxy_agent::{dataplane::bpf, trace::packet};
 
 use super::{TCP_ACK, TCP_SYN, VIP, median, range, services};
 use crate::kube_proxy;
@@ -212,7 +209,7 @@ fn measure(n: usize, frames: u32, rounds: u32, only: &[String]) -> Result<Throug
 
     // The generator, its frame, and its tail call.
     let mut gen_obj: Ebpf = EbpfLoader::new()
-        .load(XDP_BENCH_GEN_OBJECT)
+        .load(super::gen_object::BENCH_GEN_OBJECT)
         .context("loading the generator")?;
     let mut frame: Array<_, [u8; HEADERS]> =
         Array::try_from(gen_obj.map_mut("FRAME").context("FRAME")?)?;
