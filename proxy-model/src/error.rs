@@ -17,6 +17,9 @@ pub enum AddrError {
     NotACidr,
     #[error("invalid prefix length")]
     InvalidPrefixLength,
+    /// A number, but no prefix length of the family (ipnet's `PrefixLenError`).
+    #[error("invalid IP prefix length")]
+    PrefixLengthOutOfRange,
 }
 
 /// Why one Service port cannot be programmed (the Service's other ports still are).

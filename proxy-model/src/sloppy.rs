@@ -26,7 +26,7 @@ pub fn parse_cidr(s: &str) -> Result<ipnet::IpNet, AddrError> {
     let len: u8 = len.parse().map_err(|_| AddrError::InvalidPrefixLength)?;
     ipnet::Ipv4Net::new(ip, len)
         .map(ipnet::IpNet::V4)
-        .map_err(|_| AddrError::InvalidPrefixLength)
+        .map_err(|_| AddrError::PrefixLengthOutOfRange)
 }
 
 fn parse_v4_sloppy(s: &str) -> Option<Ipv4Addr> {

@@ -116,7 +116,11 @@ impl Bench {
         anyhow::ensure!(
             report.failed.is_empty(),
             "programming the case failed: {:?}",
-            report.failed
+            report
+                .failed
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
         );
         let schedulers = schedulers(&maps);
         drop::<MapSet>(maps);

@@ -65,6 +65,19 @@ pub fn service_key(fe: &Frontend) -> ServiceKey {
     }
 }
 
+/// The frontend a service key stands for (either scope).
+pub fn frontend_of(key: &ServiceKey) -> Frontend {
+    Frontend {
+        ip: proxy_common::addr::from_words(key.addr, key.family),
+        port: u16::from_be(key.port),
+        protocol: match key.proto {
+            PROTO_UDP => Protocol::Udp,
+            PROTO_SCTP => Protocol::Sctp,
+            _ => Protocol::Tcp,
+        },
+    }
+}
+
 pub(super) fn backend_value(sa: SocketAddr, protocol: Protocol) -> Backend {
     let (addr, family) = to_words(sa.ip());
     Backend {
@@ -95,6 +108,23 @@ mod tests {
     use proxy_common::FAMILY_V4;
 
     use super::*;
+
+    /// A key names its frontend back, for each protocol and family.
+    #[test]
+    fn a_key_gives_its_frontend_back() {
+        for (ip, protocol) in [
+            ("10.96.0.10", Protocol::Tcp),
+            ("2001:db8::1", Protocol::Udp),
+            ("192.0.2.1", Protocol::Sctp),
+        ] {
+            let fe = Frontend {
+                ip: ip.parse().expect("ip"),
+                port: 8443,
+                protocol,
+            };
+            assert_eq!(frontend_of(&service_key(&fe)), fe);
+        }
+    }
 
     #[test]
     fn frontend_key_is_network_order() {

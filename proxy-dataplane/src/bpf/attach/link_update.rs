@@ -92,6 +92,13 @@ pub fn detach_now(pin: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Which pinned device link `pinned_on_device` reads (its log lines name it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceLink {
+    Tcx,
+    Xdp,
+}
+
 /// The link pinned at `pin`, when it is attached to the device `index` (`name`, for the
 /// log): a program swapped into it keeps the device served without a gap. `None` when
 /// the pin is of an earlier device of this name, or unreadable: the caller replaces it.
@@ -99,14 +106,15 @@ pub fn pinned_on_device(
     pin: &Path,
     index: u32,
     name: &str,
+    link: DeviceLink,
 ) -> Result<Option<aya::programs::links::FdLink>> {
-    match pinned_field(pin, "ifindex") {
-        Ok(pinned) if pinned == u64::from(index) => {
+    match (pinned_field(pin, "ifindex"), link) {
+        (Ok(pinned), _) if pinned == u64::from(index) => {
             let link = aya::programs::links::PinnedLink::from_pin(pin)
                 .with_context(|| format!("opening pinned link {}", pin.display()))?;
             Ok(Some(link.into()))
         }
-        Ok(pinned) => {
+        (Ok(pinned), DeviceLink::Tcx) => {
             tracing::info!(
                 interface = name,
                 pinned_ifindex = pinned,
@@ -115,11 +123,26 @@ pub fn pinned_on_device(
             );
             Ok(None)
         }
-        Err(e) => {
+        (Ok(_), DeviceLink::Xdp) => {
+            tracing::info!(
+                interface = name,
+                "pinned XDP link belongs to an earlier device of this name; replacing it"
+            );
+            Ok(None)
+        }
+        (Err(e), DeviceLink::Tcx) => {
             tracing::warn!(
                 interface = name,
                 error = format!("{e:#}"),
                 "pinned link unreadable; replacing it"
+            );
+            Ok(None)
+        }
+        (Err(e), DeviceLink::Xdp) => {
+            tracing::warn!(
+                interface = name,
+                error = format!("{e:#}"),
+                "pinned XDP link unreadable; replacing it"
             );
             Ok(None)
         }

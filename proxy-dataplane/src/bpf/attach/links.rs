@@ -464,7 +464,9 @@ fn attach_tcx(
     pin: &Path,
 ) -> Result<&'static str> {
     if pin.exists() {
-        if let Some(fd_link) = link_update::pinned_on_device(pin, index, name)? {
+        if let Some(fd_link) =
+            link_update::pinned_on_device(pin, index, name, link_update::DeviceLink::Tcx)?
+        {
             let id = prog
                 .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
                 .with_context(|| format!("replacing {program} on {name}"))?;

@@ -345,7 +345,9 @@ fn adopt(prog: &mut Xdp, pin: &Path, name: &str, index: u32) -> Result<bool> {
     if !pin.exists() {
         return Ok(false);
     }
-    if let Some(fd_link) = link_update::pinned_on_device(pin, index, name)? {
+    if let Some(fd_link) =
+        link_update::pinned_on_device(pin, index, name, link_update::DeviceLink::Xdp)?
+    {
         let id = prog
             .attach_to_link(XdpLink::try_from(fd_link)?)
             .with_context(|| format!("replacing {XDP_PROGRAM} on {name}"))?;

@@ -356,14 +356,17 @@ impl Mirror {
                     self.unflipped.remove(&key);
                 }
                 Err(e) => {
-                    // Seen this epoch: the view has it, so `desired` names it.
-                    if let Some((_, d)) = desired.iter().find(|(k, _)| *k == key) {
-                        report.failed.push(FrontendIssue {
-                            frontend: *d.frontend,
-                            service: d.state.service.clone(),
-                            issue: Issue::WriteFailed(format!("writing service entry: {e}")),
-                        });
-                    }
+                    // Seen this epoch: the view has it, so `desired` names it (else the
+                    // key says which frontend, without its Service).
+                    let (frontend, service) = match desired.iter().find(|(k, _)| *k == key) {
+                        Some((_, d)) => (*d.frontend, d.state.service.clone()),
+                        None => (codec::frontend_of(&key), String::new()),
+                    };
+                    report.failed.push(FrontendIssue {
+                        frontend,
+                        service,
+                        issue: Issue::WriteFailed(format!("writing service entry: {e}")),
+                    });
                 }
             }
         }
