@@ -110,14 +110,35 @@ pub fn build(src: SocketAddr, dst: SocketAddr, protocol: Protocol) -> Vec<u8> {
             PROTO_SCTP
         }
     };
+    // Mixed families: callers never build these.
+    let Some(mut pkt) = ip_frame(src.ip(), dst.ip(), proto, 0, l4_len) else {
+        return Vec::new();
+    };
+    if proto == PROTO_SCTP {
+        let c = sctp_checksum(&l4);
+        l4[8..12].copy_from_slice(&c.to_le_bytes());
+    } else {
+        let csum_off = if proto == PROTO_TCP { 16 } else { 6 };
+        let c = l4_checksum(&pkt, &l4, proto);
+        l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
+    }
+    pkt.extend_from_slice(&l4);
+    pkt
+}
+
+/// Ethernet and an IP header (TTL 64, `tos` the IPv4 type of service) from `src` to `dst`
+/// for `l4_len` bytes of protocol `proto`, the IPv4 checksum made; `None` for mixed
+/// families. The caller appends the L4 bytes.
+pub fn ip_frame(src: IpAddr, dst: IpAddr, proto: u8, tos: u8, l4_len: usize) -> Option<Vec<u8>> {
     let mut pkt = vec![0u8; 12];
     pkt[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
     pkt[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 2]);
-    match (src.ip(), dst.ip()) {
+    match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             pkt.extend_from_slice(&0x0800u16.to_be_bytes());
             let mut ip = vec![0u8; 20];
             ip[0] = 0x45;
+            ip[1] = tos;
             ip[2..4].copy_from_slice(&((20 + l4_len) as u16).to_be_bytes());
             ip[8] = 64;
             ip[9] = proto;
@@ -138,19 +159,9 @@ pub fn build(src: SocketAddr, dst: SocketAddr, protocol: Protocol) -> Vec<u8> {
             ip[24..40].copy_from_slice(&d.octets());
             pkt.extend_from_slice(&ip);
         }
-        // Mixed families: callers never build these.
-        _ => return Vec::new(),
+        _ => return None,
     }
-    if proto == PROTO_SCTP {
-        let c = sctp_checksum(&l4);
-        l4[8..12].copy_from_slice(&c.to_le_bytes());
-    } else {
-        let csum_off = if proto == PROTO_TCP { 16 } else { 6 };
-        let c = l4_checksum(&pkt, &l4, proto);
-        l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
-    }
-    pkt.extend_from_slice(&l4);
-    pkt
+    Some(pkt)
 }
 
 /// The L4 checksum of segment `l4` of protocol `proto` (not necessarily the IP header's

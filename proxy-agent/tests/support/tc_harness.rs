@@ -246,44 +246,23 @@ pub fn icmp_error(
     let mut msg = vec![kind, code, 0, 0];
     msg.extend_from_slice(&info.to_be_bytes());
     msg.extend_from_slice(quote);
-    let mut pkt = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2];
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let c = fold(sum16(&msg, 0));
-            msg[2..4].copy_from_slice(&c.to_be_bytes());
-            pkt.extend_from_slice(&[0x08, 0x00]);
-            let mut ip = vec![0u8; 20];
-            ip[0] = 0x45;
-            ip[1] = 0xc0;
-            ip[2..4].copy_from_slice(&((20 + msg.len()) as u16).to_be_bytes());
-            ip[8] = 64;
-            ip[9] = 1;
-            ip[12..16].copy_from_slice(&s.octets());
-            ip[16..20].copy_from_slice(&d.octets());
-            let c = fold(sum16(&ip, 0));
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            pkt.extend_from_slice(&ip);
-        }
+    // ICMP's checksum covers the message; ICMPv6's a pseudo-header too.
+    let (proto, acc) = match (src, dst) {
+        (IpAddr::V4(_), _) => (1, 0),
         (IpAddr::V6(s), IpAddr::V6(d)) => {
             let mut pseudo = Vec::new();
             pseudo.extend_from_slice(&s.octets());
             pseudo.extend_from_slice(&d.octets());
             pseudo.extend_from_slice(&(msg.len() as u32).to_be_bytes());
             pseudo.extend_from_slice(&[0, 0, 0, 58]);
-            let c = fold(sum16(&msg, sum16(&pseudo, 0)));
-            msg[2..4].copy_from_slice(&c.to_be_bytes());
-            pkt.extend_from_slice(&[0x86, 0xdd]);
-            let mut ip = vec![0u8; 40];
-            ip[0] = 0x60;
-            ip[4..6].copy_from_slice(&(msg.len() as u16).to_be_bytes());
-            ip[6] = 58;
-            ip[7] = 64;
-            ip[8..24].copy_from_slice(&s.octets());
-            ip[24..40].copy_from_slice(&d.octets());
-            pkt.extend_from_slice(&ip);
+            (58, sum16(&pseudo, 0))
         }
         _ => unreachable!("one family"),
-    }
+    };
+    let c = fold(sum16(&msg, acc));
+    msg[2..4].copy_from_slice(&c.to_be_bytes());
+    // IPv4's ICMP errors go as network control (TOS 0xc0), as the kernel sends them.
+    let mut pkt = trace::packet::ip_frame(src, dst, proto, 0xc0, msg.len()).expect("one family");
     pkt.extend_from_slice(&msg);
     pkt
 }
