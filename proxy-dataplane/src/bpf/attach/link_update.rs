@@ -108,43 +108,28 @@ pub fn pinned_on_device(
     name: &str,
     link: DeviceLink,
 ) -> Result<Option<aya::programs::links::FdLink>> {
-    match (pinned_field(pin, "ifindex"), link) {
-        (Ok(pinned), _) if pinned == u64::from(index) => {
+    // The log names XDP's link as it always has, a tcx link plainly.
+    let what = match link {
+        DeviceLink::Tcx => "link",
+        DeviceLink::Xdp => "XDP link",
+    };
+    match pinned_field(pin, "ifindex") {
+        Ok(pinned) if pinned == u64::from(index) => {
             let link = aya::programs::links::PinnedLink::from_pin(pin)
                 .with_context(|| format!("opening pinned link {}", pin.display()))?;
-            Ok(Some(link.into()))
+            return Ok(Some(link.into()));
         }
-        (Ok(pinned), DeviceLink::Tcx) => {
-            tracing::info!(
-                interface = name,
-                pinned_ifindex = pinned,
-                ifindex = index,
-                "pinned link belongs to an earlier device of this name; replacing it"
-            );
-            Ok(None)
-        }
-        (Ok(_), DeviceLink::Xdp) => {
-            tracing::info!(
-                interface = name,
-                "pinned XDP link belongs to an earlier device of this name; replacing it"
-            );
-            Ok(None)
-        }
-        (Err(e), DeviceLink::Tcx) => {
-            tracing::warn!(
-                interface = name,
-                error = format!("{e:#}"),
-                "pinned link unreadable; replacing it"
-            );
-            Ok(None)
-        }
-        (Err(e), DeviceLink::Xdp) => {
-            tracing::warn!(
-                interface = name,
-                error = format!("{e:#}"),
-                "pinned XDP link unreadable; replacing it"
-            );
-            Ok(None)
-        }
+        Ok(pinned) => tracing::info!(
+            interface = name,
+            pinned_ifindex = pinned,
+            ifindex = index,
+            "pinned {what} belongs to an earlier device of this name; replacing it"
+        ),
+        Err(e) => tracing::warn!(
+            interface = name,
+            error = format!("{e:#}"),
+            "pinned {what} unreadable; replacing it"
+        ),
     }
+    Ok(None)
 }
