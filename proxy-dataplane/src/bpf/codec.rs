@@ -52,6 +52,16 @@ pub(super) fn proto_number(p: Protocol) -> u8 {
     }
 }
 
+/// The protocol an IP protocol number names, if we serve it (`proto_number`'s inverse).
+pub fn protocol_of(proto: u8) -> Option<Protocol> {
+    match proto {
+        PROTO_TCP => Some(Protocol::Tcp),
+        PROTO_UDP => Some(Protocol::Udp),
+        PROTO_SCTP => Some(Protocol::Sctp),
+        _ => None,
+    }
+}
+
 /// The service-map key of a frontend.
 pub fn service_key(fe: &Frontend) -> ServiceKey {
     let (addr, family) = to_words(fe.ip);
@@ -70,11 +80,8 @@ pub fn frontend_of(key: &ServiceKey) -> Frontend {
     Frontend {
         ip: proxy_common::addr::from_words(key.addr, key.family),
         port: u16::from_be(key.port),
-        protocol: match key.proto {
-            PROTO_UDP => Protocol::Udp,
-            PROTO_SCTP => Protocol::Sctp,
-            _ => Protocol::Tcp,
-        },
+        // A key the writer made carries one of the three.
+        protocol: protocol_of(key.proto).unwrap_or(Protocol::Tcp),
     }
 }
 
@@ -124,6 +131,7 @@ mod tests {
             };
             assert_eq!(frontend_of(&service_key(&fe)), fe);
         }
+        assert_eq!(protocol_of(1), None, "ICMP is no frontend's");
     }
 
     #[test]

@@ -17,17 +17,18 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use anyhow::{Context as _, Result};
 use aya::maps::{MapError, PerCpuValues};
 use proxy_common::{
-    BackendSlotKey, CT_DIR_FORWARD, CtKey, CtValue, LbStats, MemberKey, PROTO_SCTP, PROTO_TCP,
-    PROTO_UDP, SVC_F_WEIGHTED, ServiceValue, StatsKey, map_names,
+    BackendSlotKey, CT_DIR_FORWARD, CtKey, CtValue, LbStats, MemberKey, SVC_F_WEIGHTED,
+    ServiceValue, StatsKey, map_names,
 };
 
 pub use self::rows::{BackendStats, FrontendStats, Totals};
 pub use self::table::{large_number, render_table};
 use super::{
+    codec::protocol_of,
     maps::remove_ignoring_absent,
     maps::{MapSet, is_absent},
 };
-use proxy_model::{Frontend, Protocol, schedule::Scheduler};
+use proxy_model::{Frontend, schedule::Scheduler};
 
 /// What an answered flow's entry (keyed `key`) counted — one direction's packets and
 /// bytes — and the pair it counts for; `None` when it holds nothing to add (no packets
@@ -368,15 +369,6 @@ fn present<T>(r: Result<T, MapError>) -> Result<Option<T>, MapError> {
     }
 }
 
-fn protocol_of(proto: u8) -> Option<Protocol> {
-    match proto {
-        PROTO_TCP => Some(Protocol::Tcp),
-        PROTO_UDP => Some(Protocol::Udp),
-        PROTO_SCTP => Some(Protocol::Sctp),
-        _ => None,
-    }
-}
-
 /// An unknown code (a newer agent's scheduler) shows as `?`, never as another's name.
 fn scheduler_name(code: u8) -> &'static str {
     match super::codec::scheduler_of_code(code) {
@@ -387,6 +379,8 @@ fn scheduler_name(code: u8) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use proxy_model::Protocol;
+
     use super::*;
 
     #[test_support::needs_root]
@@ -464,7 +458,5 @@ mod tests {
     fn codes_of_a_newer_agent_are_not_misnamed() {
         assert_eq!(scheduler_name(proxy_common::sched::MH), "mh");
         assert_eq!(scheduler_name(200), "?");
-        assert_eq!(protocol_of(PROTO_SCTP), Some(Protocol::Sctp));
-        assert_eq!(protocol_of(1), None);
     }
 }
