@@ -173,44 +173,29 @@ impl State {
 }
 
 fn print_json(rows: &[serde_json::Value], state: &State) -> Result<()> {
-    let State {
-        counters,
-        sockets,
-        sock_lb,
-        filter,
-        counted,
-        answered,
-        new,
-        netfilter,
-        dsr_permits,
-        xdp,
-        memory,
-    } = state;
-    let map_memory: serde_json::Map<String, serde_json::Value> = memory
-        .iter()
-        .map(|(k, v)| ((*k).to_string(), (*v).into()))
-        .collect();
-    let counters: serde_json::Map<String, serde_json::Value> = counters
-        .iter()
-        .map(|(k, v)| ((*k).to_string(), (*v).into()))
-        .collect();
+    let by_name = |pairs: &[(&str, u64)]| -> serde_json::Map<String, serde_json::Value> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).into()))
+            .collect()
+    };
     outln!(
         "{}",
         serde_json::to_string_pretty(&serde_json::json!({
             "services": rows,
-            "counters": counters,
-            "sockets": sockets,
-            "sock_lb_entries": sock_lb,
+            "counters": by_name(&state.counters),
+            "sockets": state.sockets,
+            "sock_lb_entries": state.sock_lb,
             "socket_filter": {
-                "generation": filter.generation,
-                "uncounted": filter.uncounted != 0,
-                "counted": counted,
+                "generation": state.filter.generation,
+                "uncounted": state.filter.uncounted != 0,
+                "counted": state.counted,
             },
-            "conntrack": {"answered": answered, "new": new},
-            "netfilter_flows": netfilter,
-            "dsr_permits": dsr_permits,
-            "xdp": xdp,
-            "map_memory_bytes": map_memory,
+            "conntrack": {"answered": state.answered, "new": state.new},
+            "netfilter_flows": state.netfilter,
+            "dsr_permits": state.dsr_permits,
+            "xdp": state.xdp,
+            "map_memory_bytes": by_name(&state.memory),
         }))?
     );
     Ok(())
