@@ -176,12 +176,7 @@ fn the_models_modules_import_leaves_without_a_circle() {
     let modules: BTreeMap<String, PathBuf> = rust_files(&src)
         .into_iter()
         // The root, and test-only files (`view_tests`, `objects/tests`: test modules).
-        .filter(|f| {
-            f.file_name().is_some_and(|n| n != "lib.rs")
-                && !f
-                    .file_stem()
-                    .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
-        })
+        .filter(|f| f.file_name().is_some_and(|n| n != "lib.rs") && !is_test_file(f))
         .map(|f| {
             let stem = f.file_stem().expect("stem").to_string_lossy().to_string();
             (stem, f)
@@ -212,27 +207,11 @@ fn the_models_modules_import_leaves_without_a_circle() {
 /// aside: a test module of its own, `tests.rs` or `*_tests.rs`).
 #[test]
 fn no_source_file_is_over_700_lines() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut long = Vec::new();
-    for krate in [
-        "proxy-agent",
-        "proxy-model",
-        "proxy-dataplane",
-        "proxy-common",
-        "proxy-ebpf",
-        "xtask",
-    ] {
-        for file in rust_files(&root.join(krate).join("src")) {
-            if file
-                .file_stem()
-                .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
-            {
-                continue;
-            }
-            let lines = read(&file).lines().count();
-            if lines > 700 {
-                long.push(format!("{}: {lines} lines", file.display()));
-            }
+    for file in product_sources() {
+        let lines = read(&file).lines().count();
+        if lines > 700 {
+            long.push(format!("{}: {lines} lines", file.display()));
         }
     }
     assert!(long.is_empty(), "split these:\n{}", long.join("\n"));
@@ -256,7 +235,24 @@ fn no_crate_has_a_circle_between_its_modules() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
-/// The crates `no_crate_has_a_circle_between_its_modules` reads.
+/// A test module in a file of its own (`tests.rs`, `*_tests.rs`): the size and module
+/// checks leave it out.
+fn is_test_file(file: &Path) -> bool {
+    file.file_stem()
+        .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
+}
+
+/// Every source file of the product's crates, test files aside.
+fn product_sources() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    PRODUCT_CRATES
+        .iter()
+        .flat_map(|krate| rust_files(&root.join(krate).join("src")))
+        .filter(|f| !is_test_file(f))
+        .collect()
+}
+
+/// The product's crates: the module, size and length checks read them.
 const PRODUCT_CRATES: &[&str] = &[
     "proxy-common",
     "proxy-model",
@@ -272,10 +268,7 @@ const PRODUCT_CRATES: &[&str] = &[
 fn module_graph(src: &Path) -> BTreeMap<String, Vec<String>> {
     let files: Vec<(Vec<String>, PathBuf)> = rust_files(src)
         .into_iter()
-        .filter(|f| {
-            !f.file_stem()
-                .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
-        })
+        .filter(|f| !is_test_file(f))
         .filter_map(|f| {
             let rel = f.strip_prefix(src).ok()?.to_path_buf();
             if rel.starts_with("bin") {
@@ -465,20 +458,10 @@ fn the_module_graph_reads_paths() {
 /// to its closing brace at the same indentation; test files aside).
 #[test]
 fn no_function_is_over_100_lines() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut long = Vec::new();
-    for krate in PRODUCT_CRATES {
-        for file in rust_files(&root.join(krate).join("src")) {
-            if file
-                .file_stem()
-                .is_some_and(|n| n.to_string_lossy().ends_with("tests"))
-            {
-                continue;
-            }
-            let text = read(&file);
-            for (name, line, lines) in long_functions(&text, 100) {
-                long.push(format!("{}:{line}: {name}, {lines} lines", file.display()));
-            }
+    for file in product_sources() {
+        for (name, line, lines) in long_functions(&read(&file), 100) {
+            long.push(format!("{}:{line}: {name}, {lines} lines", file.display()));
         }
     }
     assert!(long.is_empty(), "split these:\n{}", long.join("\n"));
