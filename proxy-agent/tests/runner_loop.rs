@@ -22,6 +22,27 @@ use proxy_agent::{
 use test_support::needs_root;
 
 /// Counts applies; a test waits for the count.
+/// Runs the loop on `rx` with the default view settings for `how_long` of the test's
+/// clock.
+async fn run_for(
+    rx: tokio::sync::watch::Receiver<Option<proxy_agent::source::SharedSnapshot>>,
+    dataplane: &mut impl Dataplane,
+    timing: Timing,
+    status: &Status,
+    how_long: Duration,
+) {
+    runner::run(
+        rx,
+        ViewConfig::default(),
+        dataplane,
+        timing,
+        status.clone(),
+        tokio::time::sleep(how_long),
+    )
+    .await
+    .expect("run");
+}
+
 struct Counting(tokio::sync::watch::Sender<usize>);
 
 impl Dataplane for Counting {
@@ -319,16 +340,7 @@ async fn a_frontend_the_dataplane_refuses_never_makes_the_node_unhealthy() {
         resync: Duration::from_millis(200),
         retry: Duration::from_millis(20),
     };
-    runner::run(
-        rx,
-        ViewConfig::default(),
-        &mut Refusing,
-        timing,
-        status.clone(),
-        tokio::time::sleep(Duration::from_secs(1)),
-    )
-    .await
-    .expect("run");
+    run_for(rx, &mut Refusing, timing, &status, Duration::from_secs(1)).await;
     // The loop ran a second on the test's clock; the health clock is the real one.
     let health = status.health(Instant::now() + timing.resync * 2);
     assert!(health.healthy, "{health:?}");
@@ -377,16 +389,7 @@ async fn a_failed_apply_is_retried_after_a_delay_that_doubles() {
         retry: Duration::from_millis(100),
     };
     let status = Status::default();
-    runner::run(
-        rx,
-        ViewConfig::default(),
-        &mut dataplane,
-        timing,
-        status.clone(),
-        tokio::time::sleep(Duration::from_secs(5)),
-    )
-    .await
-    .expect("run");
+    run_for(rx, &mut dataplane, timing, &status, Duration::from_secs(5)).await;
     let after: Vec<u128> = dataplane
         .at
         .windows(2)
@@ -443,16 +446,7 @@ async fn wrr_weights_past_a_frontends_slots_are_scaled_and_the_node_stays_health
         retry: Duration::from_millis(50),
     };
     let mut dataplane = bpf::MapsDataplane::new(&mut maps, &mut state);
-    runner::run(
-        rx,
-        ViewConfig::default(),
-        &mut dataplane,
-        timing,
-        status.clone(),
-        tokio::time::sleep(Duration::from_secs(2)),
-    )
-    .await
-    .expect("run");
+    run_for(rx, &mut dataplane, timing, &status, Duration::from_secs(2)).await;
     // Two seconds passed on the test's clock; on the health clock, past two periods.
     let health = status.health(Instant::now() + timing.resync * 2);
     assert!(health.healthy, "two sync periods have passed: {health:?}");
