@@ -160,7 +160,7 @@ async fn unreadable_documents_are_counted_as_rejected() {
         fn apply(
             &mut self,
             _view: &proxy_agent::model::NodeView,
-        ) -> anyhow::Result<proxy_agent::dataplane::ApplyReport> {
+        ) -> proxy_agent::dataplane::error::Result<proxy_agent::dataplane::ApplyReport> {
             Ok(Default::default())
         }
     }

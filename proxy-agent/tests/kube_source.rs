@@ -58,7 +58,7 @@ fn backends(view: &NodeView, ip: &str, port: u16) -> Vec<SocketAddr> {
 struct Recording(mpsc::UnboundedSender<NodeView>);
 
 impl Dataplane for Recording {
-    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+    fn apply(&mut self, view: &NodeView) -> proxy_agent::dataplane::error::Result<ApplyReport> {
         let _ = self.0.send(view.clone());
         Ok(ApplyReport::default())
     }
@@ -541,7 +541,7 @@ struct Maps {
 }
 
 impl Dataplane for Maps {
-    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+    fn apply(&mut self, view: &NodeView) -> proxy_agent::dataplane::error::Result<ApplyReport> {
         let r = bpf::MapsDataplane::new(&mut self.maps, &mut self.state).apply(view);
         let _ = self.applied.send(());
         r

@@ -14,7 +14,7 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::{ApplyReport, Dataplane, FrontendIssue, Issue, bpf},
+    dataplane::{ApplyReport, Dataplane, ErrorKind, FrontendIssue, Issue, bpf},
     model::{NodeView, ViewConfig},
     runner::{self, Status, Timing},
     source::Snapshot,
@@ -46,7 +46,7 @@ async fn run_for(
 struct Counting(tokio::sync::watch::Sender<usize>);
 
 impl Dataplane for Counting {
-    fn apply(&mut self, _view: &NodeView) -> anyhow::Result<ApplyReport> {
+    fn apply(&mut self, _view: &NodeView) -> proxy_agent::dataplane::error::Result<ApplyReport> {
         self.0.send_modify(|n| *n += 1);
         Ok(ApplyReport::default())
     }
@@ -139,7 +139,7 @@ impl Recording {
 }
 
 impl Dataplane for Recording {
-    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+    fn apply(&mut self, view: &NodeView) -> proxy_agent::dataplane::error::Result<ApplyReport> {
         self.push(Applied::All(view.len()));
         Ok(ApplyReport::default())
     }
@@ -148,7 +148,7 @@ impl Dataplane for Recording {
         &mut self,
         _view: &NodeView,
         changed: &std::collections::BTreeSet<proxy_agent::model::Frontend>,
-    ) -> anyhow::Result<ApplyReport> {
+    ) -> proxy_agent::dataplane::error::Result<ApplyReport> {
         let only = changed.iter().map(ToString::to_string).collect();
         self.push(Applied::Only(only));
         Ok(ApplyReport::default())
@@ -158,7 +158,7 @@ impl Dataplane for Recording {
         &mut self,
         view: &NodeView,
         changed: &std::collections::BTreeSet<proxy_agent::model::Frontend>,
-    ) -> anyhow::Result<usize> {
+    ) -> proxy_agent::dataplane::error::Result<usize> {
         assert!(
             changed.iter().all(|fe| view.get(fe).is_some()),
             "staged frontends are the partial view's"
@@ -306,7 +306,7 @@ async fn partial_snapshots_are_staged_and_only_the_complete_one_is_applied() {
 struct Refusing;
 
 impl Dataplane for Refusing {
-    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+    fn apply(&mut self, view: &NodeView) -> proxy_agent::dataplane::error::Result<ApplyReport> {
         Ok(ApplyReport {
             refused: view
                 .iter()
@@ -364,17 +364,22 @@ struct Flaky {
 }
 
 impl Dataplane for Flaky {
-    fn apply(&mut self, _view: &NodeView) -> anyhow::Result<ApplyReport> {
+    fn apply(&mut self, _view: &NodeView) -> proxy_agent::dataplane::error::Result<ApplyReport> {
         self.at.push(tokio::time::Instant::now());
         if self.at.len() <= self.fails {
-            anyhow::bail!("map full");
+            return Err(proxy_agent::dataplane::Error::caused(
+                ErrorKind::Map,
+                "writing service entry",
+                std::io::Error::from_raw_os_error(libc::ENOSPC),
+            ));
         }
         Ok(ApplyReport::default())
     }
 }
 
 /// A failed apply is tried again after the retry delay, doubling with each failure, and
-/// not again once it succeeds (`pacing` has the rule; this, the loop following it).
+/// not again once it succeeds (`pacing` has the rule; this, the loop following it); each
+/// failure is counted by its kind (`proxy_agent_dataplane_errors_total`).
 #[tokio::test(start_paused = true)]
 async fn a_failed_apply_is_retried_after_a_delay_that_doubles() {
     let (tx, rx) = tokio::sync::watch::channel(None);
@@ -398,6 +403,17 @@ async fn a_failed_apply_is_retried_after_a_delay_that_doubles() {
     assert_eq!(after, [100, 200, 400], "{:?}", dataplane.at);
     let c = status.counters();
     assert_eq!((c.syncs_failed, c.syncs_ok), (3, 1), "{c:?}");
+    assert_eq!(
+        c.dataplane_errors.get(&("apply", ErrorKind::Map)),
+        Some(&3),
+        "{c:?}"
+    );
+    let metrics = proxy_agent::metrics::render(&status, None).expect("metrics");
+    for (kind, n) in [("map", 3), ("netlink", 0)] {
+        let line =
+            format!("proxy_agent_dataplane_errors_total{{call=\"apply\",kind=\"{kind}\"}} {n}");
+        assert!(metrics.contains(&line), "{line} missing from:\n{metrics}");
+    }
     drop(tx);
 }
 

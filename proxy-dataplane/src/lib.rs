@@ -4,11 +4,13 @@
 //! agent's config; nothing here imports Kubernetes types.
 
 pub mod bpf;
+pub mod error;
 pub mod layout;
 pub mod log;
 pub mod netns;
 mod report;
 
+pub use error::{Error, ErrorKind};
 pub use report::{ApplyReport, AuditReport, FrontendIssue, Issue, MapFill};
 
 use std::collections::BTreeSet;
@@ -18,7 +20,7 @@ use proxy_model::{Frontend, NodeSettings, NodeView};
 /// A dataplane: brings itself to the desired view with as few changes as it can.
 pub trait Dataplane {
     /// Brings the dataplane to `view`, comparing every frontend.
-    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport>;
+    fn apply(&mut self, view: &NodeView) -> error::Result<ApplyReport>;
 
     /// Brings the dataplane to `view` where only `changed` frontends differ from the view
     /// of the last successful apply: a dataplane that can, touches only those.
@@ -26,7 +28,7 @@ pub trait Dataplane {
         &mut self,
         view: &NodeView,
         changed: &BTreeSet<Frontend>,
-    ) -> anyhow::Result<ApplyReport> {
+    ) -> error::Result<ApplyReport> {
         let _ = changed;
         self.apply(view)
     }
@@ -35,7 +37,7 @@ pub trait Dataplane {
     /// dataplane that can writes what the `changed` frontends of this partial `view` will
     /// need, none of it reachable yet, so the first `apply` has less left to do. Nothing
     /// is served from a partial view. Returns how many frontends it staged.
-    fn stage(&mut self, view: &NodeView, changed: &BTreeSet<Frontend>) -> anyhow::Result<usize> {
+    fn stage(&mut self, view: &NodeView, changed: &BTreeSet<Frontend>) -> error::Result<usize> {
         let _ = (view, changed);
         Ok(0)
     }
@@ -46,19 +48,19 @@ pub trait Dataplane {
     }
 
     /// Tells the dataplane who this node is (addresses, pod network, masquerade).
-    fn configure(&mut self, _node: &NodeSettings) -> anyhow::Result<()> {
+    fn configure(&mut self, _node: &NodeSettings) -> error::Result<()> {
         Ok(())
     }
 
     /// The periodic check of what is not a map entry (hooks, links): re-attaches what
     /// went missing.
-    fn resync(&mut self) -> anyhow::Result<()> {
+    fn resync(&mut self) -> error::Result<()> {
         Ok(())
     }
 
     /// One step of the audit: compares about `fraction` of what is programmed with the
     /// kernel and repairs what differs. Cheap by design: it runs between changes.
-    fn audit(&mut self, fraction: f64) -> anyhow::Result<AuditReport> {
+    fn audit(&mut self, fraction: f64) -> error::Result<AuditReport> {
         let _ = fraction;
         Ok(AuditReport {
             pass_done: true,

@@ -13,7 +13,7 @@ pub struct LogDataplane {
 }
 
 impl Dataplane for LogDataplane {
-    fn apply(&mut self, view: &NodeView) -> anyhow::Result<ApplyReport> {
+    fn apply(&mut self, view: &NodeView) -> crate::error::Result<ApplyReport> {
         let lines = diff_lines(&self.current, view);
         let report = ApplyReport {
             frontends_written: lines.iter().filter(|l| l.starts_with('+')).count(),

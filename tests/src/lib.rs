@@ -150,7 +150,7 @@ endpoints:
 
 /// The cgroup v2 mount (`/sys/fs/cgroup/unified` here, `/sys/fs/cgroup` on most hosts).
 pub fn cgroup_root() -> Result<PathBuf> {
-    proxy_agent::dataplane::bpf::cgroup2_mount()
+    Ok(proxy_agent::dataplane::bpf::cgroup2_mount()?)
 }
 
 /// Manifests for the testbed's "web" Service: dual-stack ClusterIPs, TCP 80→8080 and

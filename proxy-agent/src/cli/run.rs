@@ -410,7 +410,7 @@ impl Agent {
     /// The conntrack collector on the pinned maps, its passes recorded in the status.
     fn collect_conntrack(&self) -> Result<bpf::conntrack_gc::Collector> {
         let status = self.status.clone();
-        bpf::conntrack_gc::spawn(self.dataplane.pin_dir.join("maps"), move |st| {
+        let collector = bpf::conntrack_gc::spawn(self.dataplane.pin_dir.join("maps"), move |st| {
             let fill = ConntrackFill {
                 answered: st.answered,
                 answered_capacity: st.answered_capacity,
@@ -420,7 +420,8 @@ impl Agent {
                 evicted_total: 0,
             };
             status.record_conntrack(fill, st.collected, st.evicted);
-        })
+        })?;
+        Ok(collector)
     }
 
     /// The node view's settings from the config.

@@ -10,7 +10,7 @@ pub use report::{Outcome, Report};
 
 use std::net::IpAddr;
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use netlink_packet_core::{NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_route::{
     RouteNetlinkMessage,
@@ -253,7 +253,7 @@ fn link_by_name(name: &str) -> Result<Option<(u32, Option<InfoKind>)>> {
         }
         // ENODEV: no such device.
         NetlinkPayload::Error(e) if e.raw_code() == -libc::ENODEV => Ok(true),
-        NetlinkPayload::Error(e) if e.code.is_some() => bail!("{e}"),
+        NetlinkPayload::Error(e) if e.code.is_some() => Err(netlink_error(e.to_string())),
         NetlinkPayload::Error(_) | NetlinkPayload::Done(_) => Ok(true),
         _ => Ok(false),
     })
@@ -265,7 +265,12 @@ fn delete_link(index: u32) -> Result<()> {
     let mut nl = Channel::open(NETLINK_ROUTE, "route netlink")?;
     let mut msg = LinkMessage::default();
     msg.header.index = index;
-    nl.act(0, None, RouteNetlinkMessage::DelLink(msg))
+    Ok(nl.act(0, None, RouteNetlinkMessage::DelLink(msg))?)
+}
+
+/// The kernel's refusal inside a netlink exchange, as the channel's callbacks return it.
+fn netlink_error(what: String) -> crate::dataplane::Error {
+    crate::dataplane::Error::new(crate::dataplane::ErrorKind::Netlink, what)
 }
 
 /// The addresses on device `name` (none when it does not exist).
@@ -291,7 +296,7 @@ fn device_addresses(name: &str) -> Result<Vec<IpAddr>> {
             Ok(false)
         }
         NetlinkPayload::Done(_) => Ok(true),
-        NetlinkPayload::Error(e) => bail!("address dump failed: {e}"),
+        NetlinkPayload::Error(e) => Err(netlink_error(format!("address dump failed: {e}"))),
         _ => Ok(false),
     })?;
     Ok(out)

@@ -14,7 +14,7 @@ use super::{
     service_stats,
 };
 use crate::{
-    dataplane::bpf::MapSet,
+    dataplane::{ErrorKind, bpf::MapSet},
     runner::{Status, status::Counters},
 };
 
@@ -29,6 +29,7 @@ pub fn ours(r: &mut Registry, status: &Status, maps_dir: Option<&Path>, service_
     programming(r, status, &c);
     bpf(r, status, maps_dir, service_metrics);
     api(r, &c);
+    dataplane_errors(r, &c);
     map_entries(r, &c);
 }
 
@@ -258,6 +259,30 @@ fn bpf(r: &mut Registry, status: &Status, maps_dir: Option<&Path>, service_metri
 }
 
 /// The API client's errors and relists.
+/// Dataplane calls that failed, by call and kind: every kind of `apply` from zero, so a
+/// rate is defined before the first failure.
+fn dataplane_errors(r: &mut Registry, c: &Counters) {
+    let errors = Family::<Labels, Counter>::default();
+    let labels = |call: &str, kind: ErrorKind| {
+        vec![
+            ("call".into(), call.to_string()),
+            ("kind".into(), kind.name().to_string()),
+        ]
+    };
+    for kind in ErrorKind::ALL {
+        let _ = errors.get_or_create(&labels("apply", kind));
+    }
+    for ((call, kind), n) in &c.dataplane_errors {
+        errors.get_or_create(&labels(call, *kind)).inc_by(*n);
+    }
+    r.register(
+        "dataplane_errors",
+        "Dataplane calls that failed, by call (apply, stage, configure, resync, audit) \
+         and kind (load, attach, map, netlink, kernel, setting, io)",
+        errors,
+    );
+}
+
 fn api(r: &mut Registry, c: &Counters) {
     let api_errors = Family::<Labels, Counter>::default();
     for ((resource, kind, code), n) in &c.api.errors {

@@ -94,7 +94,8 @@ impl<'d, D: Dataplane> Programmer<'d, D> {
                 Some(report.pass_done)
             }
             Err(e) => {
-                tracing::warn!(error = format!("{e:#}"), "auditing the dataplane failed");
+                tracing::warn!(error = format!("{e:#}"), kind = %e.kind(), "auditing the dataplane failed");
+                self.status.count_dataplane_error("audit", &e);
                 None
             }
         }
@@ -132,8 +133,10 @@ impl<'d, D: Dataplane> Programmer<'d, D> {
             if let Err(e) = self.dataplane.resync() {
                 tracing::warn!(
                     error = format!("{e:#}"),
+                    kind = %e.kind(),
                     "checking the dataplane's hooks failed"
                 );
+                self.status.count_dataplane_error("resync", &e);
             }
         }
         if !self.full_apply && self.pending.is_empty() {
@@ -184,10 +187,14 @@ impl<'d, D: Dataplane> Programmer<'d, D> {
                 "first programming staged ahead"
             ),
             // The apply writes everything then.
-            Err(e) => tracing::warn!(
-                error = format!("{e:#}"),
-                "staging the first programming failed"
-            ),
+            Err(e) => {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    kind = %e.kind(),
+                    "staging the first programming failed"
+                );
+                self.status.count_dataplane_error("stage", &e);
+            }
         }
         self.tracker = Some(t);
     }
@@ -201,10 +208,14 @@ impl<'d, D: Dataplane> Programmer<'d, D> {
         }
         match self.dataplane.configure(&wanted) {
             Ok(()) => self.settings = Some(wanted),
-            Err(e) => tracing::error!(
-                error = format!("{e:#}"),
-                "configuring the node settings failed; will retry"
-            ),
+            Err(e) => {
+                tracing::error!(
+                    error = format!("{e:#}"),
+                    kind = %e.kind(),
+                    "configuring the node settings failed; will retry"
+                );
+                self.status.count_dataplane_error("configure", &e);
+            }
         }
     }
 

@@ -11,7 +11,7 @@ use tokio::sync::broadcast;
 
 use crate::{
     dataplane::{
-        ApplyReport,
+        ApplyReport, ErrorKind,
         bpf::{AttachFailures, ForeignClassifier, NodeHooks, XdpStatus},
     },
     model::{NodeView, diff_lines},
@@ -63,6 +63,9 @@ pub struct Counters {
     pub conntrack: ConntrackFill,
     /// The service-side maps, as of the last apply.
     pub maps: crate::dataplane::MapFill,
+    /// Dataplane calls that failed, by call (`apply`, `stage`, `configure`, `resync`,
+    /// `audit`) and the error's kind (`proxy_dataplane::ErrorKind`).
+    pub dataplane_errors: std::collections::BTreeMap<(&'static str, ErrorKind), u64>,
     /// API errors by kind and status, and relists, as the source counted them.
     pub api: ApiCounts,
 }
@@ -280,6 +283,16 @@ impl Status {
         self.with(|s| s.counters.events_failed += 1);
     }
 
+    /// A dataplane call that failed: logged by the caller, counted here by its kind.
+    pub(crate) fn count_dataplane_error(&self, call: &'static str, e: &crate::dataplane::Error) {
+        self.with(|s| {
+            *s.counters
+                .dataplane_errors
+                .entry((call, e.kind()))
+                .or_default() += 1;
+        });
+    }
+
     pub(crate) fn count_rejections(&self, n: usize) {
         self.with(|s| s.counters.objects_rejected += n as u64);
     }
@@ -296,7 +309,7 @@ impl Status {
         view: &NodeView,
         previous: Option<&NodeView>,
         took: Duration,
-        outcome: &anyhow::Result<ApplyReport>,
+        outcome: &Result<ApplyReport, crate::dataplane::Error>,
         no_local: std::collections::BTreeMap<(&'static str, &'static str), u64>,
     ) {
         self.0.histograms.sync.observe(took.as_secs_f64());
@@ -321,7 +334,13 @@ impl Status {
                     s.counters.syncs_failed += 1;
                     s.counters.frontends_failed += r.failed.len() as u64;
                 }
-                Err(_) => s.counters.syncs_failed += 1,
+                Err(e) => {
+                    s.counters.syncs_failed += 1;
+                    *s.counters
+                        .dataplane_errors
+                        .entry(("apply", e.kind()))
+                        .or_default() += 1;
+                }
             }
         });
         // After the counters: the maps hold the view already, and a first sync's

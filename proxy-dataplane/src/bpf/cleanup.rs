@@ -5,7 +5,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context as _, Result};
+use crate::error::{Context as _, ErrorKind, Kind as _, Result};
 use aya::programs::links::PinnedLink;
 use proxy_common::map_names;
 
@@ -107,7 +107,8 @@ fn remove_ours(
             report.left.push((path, why));
             continue;
         }
-        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        fs::remove_file(&path)
+            .kind_with(ErrorKind::Io, || format!("removing {}", path.display()))?;
         report.removed += 1;
     }
     Ok(())

@@ -5,7 +5,7 @@
 
 use std::{collections::HashMap as StdHashMap, path::PathBuf, time::Duration};
 
-use anyhow::{Context as _, Result};
+use crate::error::{Context as _, ErrorKind, Kind as _, Result};
 use aya::maps::{HashMap, MapData};
 use proxy_common::{
     CT_DIR_FORWARD, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_closed, elapsed_ns, flow_last_seen,
@@ -99,7 +99,7 @@ pub fn spawn(
             }
             tracing::debug!("conntrack collector stopped");
         })
-        .context("starting the conntrack collector's thread")?;
+        .kind(ErrorKind::Io, "starting the conntrack collector's thread")?;
     Ok(Collector { _stop: stop })
 }
 
@@ -120,7 +120,7 @@ pub fn collect(maps: &mut MapSet, now_ns: u64) -> Result<Collected> {
     let timeouts = maps
         .node_config
         .get(&0, 0)
-        .context("reading NODE_CONFIG")?
+        .kind(ErrorKind::Map, "reading NODE_CONFIG")?
         .timeouts;
     let mut stats = Collected::default();
     // The counts of the answered flows' entries this pass removes (the unanswered

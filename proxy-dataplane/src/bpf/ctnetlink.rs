@@ -12,7 +12,7 @@ use std::{collections::HashSet, net::IpAddr};
 
 use aya::maps::{HashMap, MapData};
 
-use anyhow::{Context as _, Result};
+use crate::error::{Context as _, Error, ErrorKind, Kind as _, Result};
 use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_netfilter::{
     NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
@@ -186,7 +186,10 @@ fn dump(
             Ok(false)
         }
         NetlinkPayload::Done(_) => Ok(true),
-        NetlinkPayload::Error(e) => Err(anyhow::anyhow!("conntrack dump failed: {e}")),
+        NetlinkPayload::Error(e) => Err(Error::new(
+            ErrorKind::Netlink,
+            format!("conntrack dump failed: {e}"),
+        )),
         _ => Ok(false),
     })
     .context("listing the kernel's conntrack entries")
@@ -240,7 +243,8 @@ fn mirror_netfilter_flows(
     let held: HashSet<CtKey> = map.keys().filter_map(Result::ok).collect();
     let (mut added, mut removed) = (0, 0);
     for key in flows.difference(&held) {
-        map.insert(key, &1, 0).context("writing NETFILTER_FLOWS")?;
+        map.insert(key, &1, 0)
+            .kind(ErrorKind::Map, "writing NETFILTER_FLOWS")?;
         added += 1;
     }
     for key in held.difference(flows) {

@@ -16,7 +16,7 @@
 
 use std::{fmt, str::FromStr, sync::OnceLock};
 
-use anyhow::{Context as _, Result, bail};
+use crate::error::{ErrorKind, Kind as _, Result, fail};
 use aya::{
     maps::MapType,
     programs::{ProgramError, ProgramType, SchedClassifier, TcAttachType},
@@ -73,7 +73,8 @@ pub fn choose_tc_hook(mode: TcAttachMode) -> Result<TcHook> {
     let tcx = tcx_supported()?;
     match mode {
         TcAttachMode::Clsact => Ok(TcHook::Clsact),
-        TcAttachMode::Tcx if !tcx => bail!(
+        TcAttachMode::Tcx if !tcx => fail!(
+            ErrorKind::Kernel,
             "tc attach mode tcx: this kernel has no tcx (BPF_TCX_INGRESS/EGRESS links, \
              Linux 6.6); use auto or clsact"
         ),
@@ -91,7 +92,7 @@ pub fn tcx_supported() -> Result<bool> {
         Err(ProgramError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EINVAL) => {
             Ok(false)
         }
-        Err(e) => Err(e).context("probing tcx (BPF_PROG_QUERY on lo)"),
+        Err(e) => Err(e).kind(ErrorKind::Kernel, "probing tcx (BPF_PROG_QUERY on lo)"),
     }
 }
 
@@ -99,11 +100,12 @@ pub fn tcx_supported() -> Result<bool> {
 /// tests only — the probes decide.
 pub fn release() -> Result<(u32, u32)> {
     let path = "/proc/sys/kernel/osrelease";
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    let text =
+        std::fs::read_to_string(path).kind_with(ErrorKind::Kernel, || format!("reading {path}"))?;
     let mut parts = text.trim().split(['.', '-']).map(str::parse::<u32>);
     match (parts.next(), parts.next()) {
         (Some(Ok(major)), Some(Ok(minor))) => Ok((major, minor)),
-        _ => bail!("{path}: unexpected release {text:?}"),
+        _ => fail!(ErrorKind::Kernel, "{path}: unexpected release {text:?}"),
     }
 }
 
@@ -125,11 +127,11 @@ struct Need {
 }
 
 fn map(t: MapType) -> Result<bool> {
-    is_map_supported(t).with_context(|| format!("probing map type {t:?}"))
+    is_map_supported(t).kind_with(ErrorKind::Kernel, || format!("probing map type {t:?}"))
 }
 
 fn helper(p: ProgramType, h: BpfHelper) -> Result<bool> {
-    is_helper_supported(p, h).with_context(|| format!("probing {h:?} for {p:?}"))
+    is_helper_supported(p, h).kind_with(ErrorKind::Kernel, || format!("probing {h:?} for {p:?}"))
 }
 
 /// Needed whatever is attached: the maps and globals of the object.
@@ -235,7 +237,8 @@ pub fn check(connect_time: bool, per_packet: Option<TcAttachMode>) -> Result<Ker
         }
     }
     if !missing.is_empty() {
-        bail!(
+        fail!(
+            ErrorKind::Kernel,
             "this kernel lacks what the programs need: {}",
             missing.join(", ")
         );

@@ -6,7 +6,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::Result;
+use crate::error::{Error, ErrorKind, Result};
 use aya::{Ebpf, EbpfLoader};
 use proxy_common::map_names;
 
@@ -59,9 +59,11 @@ pub fn load(opts: &Options, kernel: &Kernel, maps_dir: &Path) -> Result<Loaded> 
                     let _ = fs::remove_file(path);
                 }
             }
-            return Err(anyhow::Error::new(e).context(
+            return Err(Error::caused(
+                ErrorKind::Load,
                 "loading the BPF object (is this kernel eBPF-capable, are we root? pins of \
                  another version under the pin folder: `proxy-agent cleanup` removes them)",
+                e,
             ));
         }
     };

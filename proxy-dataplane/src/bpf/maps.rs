@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use aya::{
     Ebpf,
     maps::MapError,
@@ -250,9 +250,11 @@ impl MapSet {
         undo!(2, maglev);
         undo!(1, slots);
         undo!(0, backends);
-        Err(anyhow::Error::new(e).context(format!(
-            "writing {what} in batches ({n} of {all} written, all taken back)"
-        )))
+        Err(crate::error::Error::caused(
+            crate::error::ErrorKind::Map,
+            format!("writing {what} in batches ({n} of {all} written, all taken back)"),
+            e,
+        ))
     }
 }
 
@@ -275,7 +277,7 @@ impl MapSet {
     pub fn take(ebpf: &mut Ebpf) -> Result<Self> {
         Self::build(|name| {
             ebpf.take_map(name)
-                .with_context(|| format!("BPF object has no map {name}"))
+                .kind_with(ErrorKind::Load, || format!("BPF object has no map {name}"))
         })
     }
 
@@ -283,9 +285,10 @@ impl MapSet {
     pub fn open_pinned(dir: &Path) -> Result<Self> {
         Self::build(|name| {
             let path = dir.join(name);
-            let data = MapData::from_pin(&path)
-                .with_context(|| format!("opening pinned map {}", path.display()))?;
-            Map::from_map_data(data).with_context(|| format!("map {}", path.display()))
+            let data = MapData::from_pin(&path).kind_with(ErrorKind::Map, || {
+                format!("opening pinned map {}", path.display())
+            })?;
+            Map::from_map_data(data).kind_with(ErrorKind::Map, || format!("map {}", path.display()))
         })
     }
 
@@ -378,7 +381,7 @@ impl MapSet {
             let (_, id) = ids
                 .iter()
                 .find(|(n, _)| *n == name)
-                .with_context(|| format!("no map {name}"))?;
+                .kind_with(ErrorKind::Map, || format!("no map {name}"))?;
             Ok(Map::from_map_data(MapData::from_id(*id)?)?)
         })
     }
@@ -386,9 +389,9 @@ impl MapSet {
     fn build(mut open: impl FnMut(&str) -> Result<Map>) -> Result<Self> {
         macro_rules! typed {
             ($name:expr) => {
-                open($name)?
-                    .try_into()
-                    .with_context(|| format!("map {} has an unexpected type or layout", $name))?
+                open($name)?.try_into().kind_with(ErrorKind::Map, || {
+                    format!("map {} has an unexpected type or layout", $name)
+                })?
             };
         }
         Ok(Self {

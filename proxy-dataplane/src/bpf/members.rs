@@ -8,7 +8,7 @@
 
 use std::collections::HashSet;
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use proxy_common::MemberKey;
 
 use super::maps::MapSet;
@@ -39,7 +39,11 @@ pub fn join(maps: &mut MapSet, service_id: u32, ids: &[u32], old_ids: &[u32]) ->
         };
         if let Err(e) = maps.put_member(&key, &now) {
             undo(maps, service_id, &added);
-            return Err(anyhow::Error::new(e).context("writing a service membership"));
+            return Err(crate::error::Error::caused(
+                crate::error::ErrorKind::Map,
+                "writing a service membership",
+                e,
+            ));
         }
         added.push(backend_id);
     }
@@ -67,7 +71,11 @@ pub fn leave(maps: &mut MapSet, service_id: u32, old_ids: &[u32], ids: &[u32]) -
         if let Err(e) = maps.members.remove(&key)
             && !super::maps::is_absent(&e)
         {
-            return Err(anyhow::Error::new(e).context("removing a service membership"));
+            return Err(crate::error::Error::caused(
+                crate::error::ErrorKind::Map,
+                "removing a service membership",
+                e,
+            ));
         }
     }
     Ok(())
@@ -86,7 +94,7 @@ impl Reconcile {
     /// Compares `programmed` with the map.
     pub fn plan(maps: &MapSet, programmed: &HashSet<MemberKey>) -> Result<Self> {
         let present: HashSet<MemberKey> = super::batch::read_all(&maps.members)
-            .context("reading MEMBERS")?
+            .kind(ErrorKind::Map, "reading MEMBERS")?
             .into_iter()
             .map(|(k, _)| k)
             .collect();
@@ -103,7 +111,7 @@ impl Reconcile {
         for key in &self.add {
             maps.members
                 .insert(key, &now, 0)
-                .context("writing an adopted service membership")?;
+                .kind(ErrorKind::Map, "writing an adopted service membership")?;
         }
         self.add.clear();
         for key in std::mem::take(&mut self.remove) {

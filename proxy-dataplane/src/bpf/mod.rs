@@ -39,7 +39,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use anyhow::{Context as _, Result};
+use crate::error::{Context as _, ErrorKind, Kind as _, Result, fail};
 use aya::Ebpf;
 use proxy_common::map_names;
 
@@ -108,8 +108,10 @@ fn take_maps(ebpf: &mut Ebpf, made_new: &[&str]) -> Result<MapSet> {
         reply_ports: made_new(map_names::REPLY_PORTS),
         frontend_ports: made_new(map_names::FRONTEND_PORTS),
     };
-    let (reply, frontend) = port_backfill::mark_from_tables(&mut maps, fresh)
-        .context("marking the ports the tables already use in the port filters")?;
+    let (reply, frontend) = port_backfill::mark_from_tables(&mut maps, fresh).kind(
+        ErrorKind::Load,
+        "marking the ports the tables already use in the port filters",
+    )?;
     if fresh.reply_ports || fresh.frontend_ports {
         tracing::info!(
             ?fresh,
@@ -157,7 +159,10 @@ fn follow_interfaces(
         // What else sits on those hooks, before the agent reports ready.
         attach::follow::lock(&classifiers).check();
         if let Some((interface, why)) = attach::follow::lock(&classifiers).xdp_refused() {
-            anyhow::bail!("ebpf.xdp is native, and {interface} cannot run it: {why}");
+            fail!(
+                ErrorKind::Setting,
+                "ebpf.xdp is native, and {interface} cannot run it: {why}"
+            );
         }
         tracing::info!(mode = %opts.xdp, running = ?opts.xdp_status.running(), "XDP");
         tracing::info!(interfaces = ?watch.attached(), "classifier attached; following interfaces");
@@ -207,9 +212,10 @@ impl BpfDataplane {
         let maps_dir = maps_dir(&opts.pin_dir);
         let links_dir = links_dir(&opts.pin_dir);
         fs::create_dir_all(&maps_dir)
-            .with_context(|| format!("creating {}", maps_dir.display()))?;
-        fs::create_dir_all(&links_dir)
-            .with_context(|| format!("creating {}", links_dir.display()))?;
+            .kind_with(ErrorKind::Io, || format!("creating {}", maps_dir.display()))?;
+        fs::create_dir_all(&links_dir).kind_with(ErrorKind::Io, || {
+            format!("creating {}", links_dir.display())
+        })?;
         let lock = pin_lock::lock(&opts.pin_dir)?;
 
         let loaded = load::load(opts, &kernel, &maps_dir)?;

@@ -1,6 +1,6 @@
 //! A request/answer netlink channel, shared by the sock_diag and conntrack clean-ups.
 
-use anyhow::{Context as _, Result, bail};
+use crate::error::{Error, ErrorKind, Kind as _, Result, fail};
 use netlink_packet_core::{
     NetlinkDeserializable, NetlinkHeader, NetlinkMessage, NetlinkPayload, NetlinkSerializable,
 };
@@ -14,14 +14,16 @@ pub struct Channel {
 
 impl Channel {
     pub fn open(protocol: isize, what: &str) -> Result<Self> {
-        let mut socket =
-            Socket::new(protocol).with_context(|| format!("opening a {what} socket"))?;
+        let mut socket = Socket::new(protocol)
+            .kind_with(ErrorKind::Netlink, || format!("opening a {what} socket"))?;
         socket
             .bind_auto()
-            .with_context(|| format!("binding the {what} socket"))?;
+            .kind_with(ErrorKind::Netlink, || format!("binding the {what} socket"))?;
         socket
             .connect(&SocketAddr::new(0, 0))
-            .with_context(|| format!("connecting the {what} socket"))?;
+            .kind_with(ErrorKind::Netlink, || {
+                format!("connecting the {what} socket")
+            })?;
         Ok(Self { socket, seq: 0 })
     }
 
@@ -46,7 +48,7 @@ impl Channel {
         packet.serialize(&mut buf);
         self.socket
             .send(&buf, 0)
-            .context("sending a netlink request")?;
+            .kind(ErrorKind::Netlink, "sending a netlink request")?;
         Ok(self.seq)
     }
 
@@ -61,14 +63,14 @@ impl Channel {
             let (buf, _) = self
                 .socket
                 .recv_from_full()
-                .context("reading a netlink answer")?;
+                .kind(ErrorKind::Netlink, "reading a netlink answer")?;
             let mut offset = 0;
             while offset < buf.len() {
                 let msg = NetlinkMessage::<T>::deserialize(&buf[offset..])
-                    .context("decoding a netlink message")?;
+                    .kind(ErrorKind::Netlink, "decoding a netlink message")?;
                 let len = msg.header.length as usize;
                 if len == 0 {
-                    bail!("netlink message of length 0");
+                    fail!(ErrorKind::Netlink, "netlink message of length 0");
                 }
                 offset += (len + 3) & !3; // NLMSG_ALIGN
                 if msg.header.sequence_number != seq {
@@ -94,7 +96,9 @@ impl Channel {
             payload,
         )?;
         self.receive::<T>(seq, |payload| match payload {
-            NetlinkPayload::Error(e) if e.code.is_some() => Err(anyhow::anyhow!("{e}")),
+            NetlinkPayload::Error(e) if e.code.is_some() => {
+                Err(Error::new(ErrorKind::Netlink, e.to_string()))
+            }
             NetlinkPayload::Error(_) | NetlinkPayload::Done(_) => Ok(true),
             _ => Ok(false),
         })

@@ -3,7 +3,7 @@
 
 use std::{fs, path::PathBuf, str::FromStr, time::Duration};
 
-use anyhow::{Context as _, Result, bail};
+use crate::error::{ErrorKind, Kind as _, Result, fail};
 use proxy_common::map_names;
 
 use super::{
@@ -107,13 +107,14 @@ pub fn conntrack_capacities(entries: u32) -> [(&'static str, u32); 2] {
 /// share its tuple with a masqueraded flow.
 pub fn check_masquerade_ports(range: (u16, u16)) -> Result<()> {
     let path = "/proc/sys/net/ipv4/ip_local_port_range";
-    let text = fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    let text = fs::read_to_string(path).kind_with(ErrorKind::Io, || format!("reading {path}"))?;
     let mut parts = text.split_whitespace().map(str::parse::<u16>);
     let (Some(Ok(lo)), Some(Ok(hi))) = (parts.next(), parts.next()) else {
-        bail!("{path}: unexpected content {text:?}");
+        fail!(ErrorKind::Setting, "{path}: unexpected content {text:?}");
     };
     if range.0 <= hi && lo <= range.1 {
-        bail!(
+        fail!(
+            ErrorKind::Setting,
             "masquerade ports {}-{} overlap the node's ephemeral ports {lo}-{hi} \
              (net.ipv4.ip_local_port_range): set ebpf.masqueradePortRange outside them",
             range.0,

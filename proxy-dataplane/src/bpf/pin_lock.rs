@@ -6,7 +6,7 @@
 
 use std::{fs, os::fd::AsRawFd as _, path::Path, time::Duration};
 
-use anyhow::{Context as _, Result, bail};
+use crate::error::{ErrorKind, Kind as _, Result, fail};
 
 /// How long a second agent waits for the first to exit.
 const WAIT: Duration = Duration::from_secs(30);
@@ -26,7 +26,8 @@ pub fn lock(pin_dir: &Path) -> Result<PinLock> {
 }
 
 pub fn lock_within(pin_dir: &Path, wait: Duration) -> Result<PinLock> {
-    let dir = fs::File::open(pin_dir).with_context(|| format!("opening {}", pin_dir.display()))?;
+    let dir = fs::File::open(pin_dir)
+        .kind_with(ErrorKind::Io, || format!("opening {}", pin_dir.display()))?;
     let deadline = std::time::Instant::now() + wait;
     let mut said = false;
     loop {
@@ -36,10 +37,11 @@ pub fn lock_within(pin_dir: &Path, wait: Duration) -> Result<PinLock> {
         }
         let err = std::io::Error::last_os_error();
         if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(err).with_context(|| format!("locking {}", pin_dir.display()));
+            return Err(err).kind_with(ErrorKind::Io, || format!("locking {}", pin_dir.display()));
         }
         if std::time::Instant::now() >= deadline {
-            bail!(
+            fail!(
+                ErrorKind::Io,
                 "another agent holds {} (one agent per pin folder); stop it, or give this one \
                  its own --bpffs",
                 pin_dir.display()
@@ -55,7 +57,8 @@ pub fn lock_within(pin_dir: &Path, wait: Duration) -> Result<PinLock> {
 
 /// The folder's lock if no agent holds it now; `None` while one does.
 pub fn try_lock(pin_dir: &Path) -> Result<Option<PinLock>> {
-    let dir = fs::File::open(pin_dir).with_context(|| format!("opening {}", pin_dir.display()))?;
+    let dir = fs::File::open(pin_dir)
+        .kind_with(ErrorKind::Io, || format!("opening {}", pin_dir.display()))?;
     // SAFETY: flock on a descriptor we own; no memory is passed.
     if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
         return Ok(Some(PinLock(dir)));
@@ -64,7 +67,7 @@ pub fn try_lock(pin_dir: &Path) -> Result<Option<PinLock>> {
     if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
         return Ok(None);
     }
-    Err(err).with_context(|| format!("locking {}", pin_dir.display()))
+    Err(err).kind_with(ErrorKind::Io, || format!("locking {}", pin_dir.display()))
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Result, bail};
+use crate::error::{ErrorKind, Result, fail};
 use proxy_common::map_names;
 
 /// bpffs magic number (`statfs.f_type`).
@@ -33,14 +33,16 @@ pub fn check_bpffs(dir: &Path) -> Result<()> {
     // SAFETY: statfs writes into the zeroed struct we pass; the path is NUL-terminated.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        bail!(
+        fail!(
+            ErrorKind::Io,
             "statfs {}: {}",
             probe.display(),
             std::io::Error::last_os_error()
         );
     }
     if st.f_type != BPF_FS_MAGIC {
-        bail!(
+        fail!(
+            ErrorKind::Io,
             "{} is not on a BPF filesystem (bpffs): mount one first, e.g. \
              `mount -t bpf bpf /sys/fs/bpf`, or pass --bpffs with a folder on one",
             dir.display()

@@ -1,7 +1,7 @@
 //! The embedded BPF object: its programs' names, and loading it (with private maps for
 //! tests and `trace`; the agent's own load, with pins, is `BpfDataplane::start`).
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
 use proxy_common::map_names;
 
@@ -45,7 +45,9 @@ pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
     }
     let set_retval = u8::from(kernel::has_set_retval());
     loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
-    let mut ebpf = loader.load(BPF_OBJECT).context("loading the BPF object")?;
+    let mut ebpf = loader
+        .load(BPF_OBJECT)
+        .kind(ErrorKind::Load, "loading the BPF object")?;
     prepare_sctp(&mut ebpf)?;
     let maps = MapSet::take(&mut ebpf)?;
     Ok((ebpf, maps))
@@ -56,28 +58,28 @@ pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
 pub(super) fn prepare_sctp(ebpf: &mut Ebpf) -> Result<()> {
     let map = ebpf
         .map_mut(map_names::SCTP_ZEROS)
-        .context("the BPF object has no SCTP_ZEROS map")?;
-    let mut table: aya::maps::Array<_, u32> =
-        aya::maps::Array::try_from(map).context("SCTP_ZEROS is not an array of u32")?;
+        .kind(ErrorKind::Load, "the BPF object has no SCTP_ZEROS map")?;
+    let mut table: aya::maps::Array<_, u32> = aya::maps::Array::try_from(map)
+        .kind(ErrorKind::Load, "SCTP_ZEROS is not an array of u32")?;
     let x8 = proxy_common::crc32c::zeros(1);
     let mut z = proxy_common::crc32c::zeros(0);
     for len in 0..proxy_common::crc32c::TABLE_LEN {
         table
             .set(len, &z, 0)
-            .with_context(|| format!("filling SCTP_ZEROS[{len}]"))?;
+            .kind_with(ErrorKind::Load, || format!("filling SCTP_ZEROS[{len}]"))?;
         z = proxy_common::crc32c::mul(x8, z);
     }
     let prog: &mut SchedClassifier = ebpf
         .program_mut(TC_SCTP_PROGRAM)
-        .context("the BPF object has no tc_sctp_crc program")?
+        .kind(ErrorKind::Load, "the BPF object has no tc_sctp_crc program")?
         .try_into()?;
-    prog.load().context("loading tc_sctp_crc")?;
+    prog.load().kind(ErrorKind::Load, "loading tc_sctp_crc")?;
     let fd = prog.fd()?.try_clone()?;
     let map = ebpf
         .map_mut(map_names::TC_TAIL)
-        .context("the BPF object has no TC_TAIL map")?;
-    let mut tail = aya::maps::ProgramArray::try_from(map).context("TC_TAIL")?;
+        .kind(ErrorKind::Load, "the BPF object has no TC_TAIL map")?;
+    let mut tail = aya::maps::ProgramArray::try_from(map).kind(ErrorKind::Load, "TC_TAIL")?;
     tail.set(proxy_common::TAIL_SCTP_CRC, &fd, 0)
-        .context("installing the SCTP checksum tail call")?;
+        .kind(ErrorKind::Load, "installing the SCTP checksum tail call")?;
     Ok(())
 }

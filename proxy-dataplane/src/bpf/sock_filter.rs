@@ -4,7 +4,7 @@
 //! lookup. The agent owns the filter's two settings: the generation entries are counted
 //! under, and whether entries counted under no generation of these counts may be left.
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use aya::{
     Ebpf,
     maps::{Array, IterableMap as _, MapData},
@@ -21,7 +21,9 @@ pub fn arm(ebpf: &mut Ebpf) -> Result<SockLbFilter> {
     let generation = {
         let map = ebpf
             .map(map_names::SOCK_LB_COUNTS)
-            .with_context(|| format!("BPF object has no map {}", map_names::SOCK_LB_COUNTS))?;
+            .kind_with(ErrorKind::Load, || {
+                format!("BPF object has no map {}", map_names::SOCK_LB_COUNTS)
+            })?;
         let counts: Array<&MapData, u32> = map.try_into()?;
         counts.map().info()?.id()
     };
@@ -31,11 +33,13 @@ pub fn arm(ebpf: &mut Ebpf) -> Result<SockLbFilter> {
     };
     let map = ebpf
         .map_mut(map_names::SOCK_LB_FILTER)
-        .with_context(|| format!("BPF object has no map {}", map_names::SOCK_LB_FILTER))?;
+        .kind_with(ErrorKind::Load, || {
+            format!("BPF object has no map {}", map_names::SOCK_LB_FILTER)
+        })?;
     let mut settings: Array<&mut MapData, SockLbFilter> = map.try_into()?;
-    settings
-        .set(0, &filter, 0)
-        .with_context(|| format!("writing {}", map_names::SOCK_LB_FILTER))?;
+    settings.set(0, &filter, 0).kind_with(ErrorKind::Map, || {
+        format!("writing {}", map_names::SOCK_LB_FILTER)
+    })?;
     Ok(filter)
 }
 
@@ -46,7 +50,9 @@ pub fn settle(maps: &mut MapSet, entries: &[(u64, SockLb)]) -> Result<()> {
     let filter = maps
         .sock_lb_filter
         .get(&0, 0)
-        .with_context(|| format!("reading {}", map_names::SOCK_LB_FILTER))?;
+        .kind_with(ErrorKind::Map, || {
+            format!("reading {}", map_names::SOCK_LB_FILTER)
+        })?;
     if !may_clear(&filter, entries) {
         return Ok(());
     }
@@ -59,7 +65,9 @@ pub fn settle(maps: &mut MapSet, entries: &[(u64, SockLb)]) -> Result<()> {
             },
             0,
         )
-        .with_context(|| format!("writing {}", map_names::SOCK_LB_FILTER))?;
+        .kind_with(ErrorKind::Map, || {
+            format!("writing {}", map_names::SOCK_LB_FILTER)
+        })?;
     tracing::info!(
         generation = filter.generation,
         sockets = entries.len(),

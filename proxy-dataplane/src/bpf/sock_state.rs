@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use proxy_common::{SockBinding, SockLb, map_names};
 
 use super::{batch, maps::MapSet};
@@ -22,13 +22,15 @@ pub struct SockState {
 impl SockState {
     pub fn read(maps: &MapSet) -> Result<Self> {
         let slots = batch::read_array(&maps.sock_connected)
-            .with_context(|| format!("reading {}", map_names::SOCK_CONNECTED))?
+            .kind_with(ErrorKind::Map, || {
+                format!("reading {}", map_names::SOCK_CONNECTED)
+            })?
             .into_iter()
             .filter(|(_, s)| s.cookie != 0)
             .map(|(_, s)| (s.cookie, s.binding))
             .collect();
         let entries = batch::read_all(&maps.sock_lb)
-            .with_context(|| format!("reading {}", map_names::SOCK_LB))?;
+            .kind_with(ErrorKind::Map, || format!("reading {}", map_names::SOCK_LB))?;
         Ok(Self { slots, entries })
     }
 

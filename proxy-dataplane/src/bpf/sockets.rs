@@ -20,7 +20,7 @@ use std::{
 };
 
 use super::{netlink::Channel, sock_state::SockState, writer::LeftUdp};
-use anyhow::{Context as _, Result, bail};
+use crate::error::{Context as _, Error, ErrorKind, Kind as _, Result, fail};
 use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_sock_diag::{
     SockDiagMessage,
@@ -84,7 +84,7 @@ pub fn destroy(cgroup: &Path, cookies: &HashMap<u64, SocketAddr>) -> Result<usiz
         let joined = std::thread::Builder::new()
             .name("sock-destroy".into())
             .spawn(move || destroy_in(&path, &cookies))
-            .context("starting the socket-destroy thread")?
+            .kind(ErrorKind::Io, "starting the socket-destroy thread")?
             .join();
         match joined {
             Ok(Ok(n)) => destroyed += n,
@@ -94,7 +94,7 @@ pub fn destroy(cgroup: &Path, cookies: &HashMap<u64, SocketAddr>) -> Result<usiz
                 error = format!("{e:#}"),
                 "sockets of this namespace not checked"
             ),
-            Err(_) => bail!("the socket-destroy thread panicked"),
+            Err(_) => fail!(ErrorKind::Netlink, "the socket-destroy thread panicked"),
         }
     }
     Ok(destroyed)
@@ -111,7 +111,9 @@ fn namespaces_under(cgroup: &Path) -> Result<Vec<PathBuf>> {
             Ok(t) => t,
             // A child cgroup removed while we walk.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e).with_context(|| format!("reading {}", procs.display())),
+            Err(e) => {
+                return Err(e).kind_with(ErrorKind::Io, || format!("reading {}", procs.display()));
+            }
         };
         for pid in text.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
             let ns = PathBuf::from(format!("/proc/{pid}/ns/net"));
@@ -122,7 +124,9 @@ fn namespaces_under(cgroup: &Path) -> Result<Vec<PathBuf>> {
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e).with_context(|| format!("listing {}", dir.display())),
+            Err(e) => {
+                return Err(e).kind_with(ErrorKind::Io, || format!("listing {}", dir.display()));
+            }
         };
         for entry in entries.flatten() {
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
@@ -217,7 +221,10 @@ impl Diag {
                 Ok(false)
             }
             NetlinkPayload::Done(_) => Ok(true),
-            NetlinkPayload::Error(e) => Err(anyhow::anyhow!("sock_diag dump failed: {e}")),
+            NetlinkPayload::Error(e) => Err(Error::new(
+                ErrorKind::Netlink,
+                format!("sock_diag dump failed: {e}"),
+            )),
             _ => Ok(false),
         })?;
         Ok(found)

@@ -5,7 +5,7 @@
 
 use std::{fs, os::fd::AsFd as _, path::Path};
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use aya::{
     Ebpf,
     programs::{
@@ -19,36 +19,46 @@ use super::{link_update, ownership::NodeHooks};
 use crate::bpf::programs::{CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM};
 
 /// The cgroup v2 mount point, from /proc/self/mountinfo (`/sys/fs/cgroup` on most hosts).
-pub fn cgroup2_mount() -> anyhow::Result<std::path::PathBuf> {
-    use anyhow::Context as _;
-    let info = std::fs::read_to_string("/proc/self/mountinfo").context("reading mountinfo")?;
+pub fn cgroup2_mount() -> crate::error::Result<std::path::PathBuf> {
+    let info =
+        std::fs::read_to_string("/proc/self/mountinfo").kind(ErrorKind::Io, "reading mountinfo")?;
     info.lines()
         .find_map(|l| {
             let (pre, post) = l.split_once(" - ")?;
             post.starts_with("cgroup2 ")
                 .then(|| pre.split(' ').nth(4).map(std::path::PathBuf::from))?
         })
-        .context("no cgroup2 mount found: pass --cgroup PATH or --cgroup none")
+        .kind(
+            ErrorKind::Attach,
+            "no cgroup2 mount found: pass --cgroup PATH or --cgroup none",
+        )
 }
 
 pub fn attach_cgroup_programs(ebpf: &mut Ebpf, cgroup: &Path, links_dir: &Path) -> Result<()> {
-    let cgroup_file =
-        fs::File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+    let cgroup_file = fs::File::open(cgroup).kind_with(ErrorKind::Attach, || {
+        format!("opening cgroup {}", cgroup.display())
+    })?;
     for name in CGROUP_PROGRAMS {
         let prog: &mut CgroupSockAddr = ebpf
             .program_mut(name)
-            .with_context(|| format!("BPF object has no program {name}"))?
+            .kind_with(ErrorKind::Load, || {
+                format!("BPF object has no program {name}")
+            })?
             .try_into()?;
-        prog.load().with_context(|| format!("loading {name}"))?;
+        prog.load()
+            .kind_with(ErrorKind::Load, || format!("loading {name}"))?;
         let pin = links_dir.join(format!("cgroup_{name}"));
         let link_id = if pin.exists() {
             // Adopt: swap this program into the pinned link, no gap in between.
             let fd_link: FdLink = PinnedLink::from_pin(&pin)
-                .with_context(|| format!("opening pinned link {}", pin.display()))?
+                .kind_with(ErrorKind::Attach, || {
+                    format!("opening pinned link {}", pin.display())
+                })?
                 .into();
             let link = CgroupSockAddrLink::try_from(fd_link)?;
-            prog.attach_to_link(link)
-                .with_context(|| format!("replacing the program of {}", pin.display()))?
+            prog.attach_to_link(link).kind_with(ErrorKind::Attach, || {
+                format!("replacing the program of {}", pin.display())
+            })?
         } else {
             attach_sock_addr(prog, name, &cgroup_file, cgroup, &pin)?;
             continue;
@@ -72,7 +82,7 @@ fn attach_sock_addr(
     let id = prog
         // Links are always multi-attach; the kernel rejects explicit flags for them.
         .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
-        .with_context(|| {
+        .kind_with(ErrorKind::Attach, || {
             format!(
                 "attaching {name} to {} (needs cgroup bpf links, Linux 5.7{})",
                 cgroup.display(),
@@ -85,7 +95,7 @@ fn attach_sock_addr(
         })?;
     FdLink::try_from(prog.take_link(id)?)?
         .pin(pin)
-        .with_context(|| format!("pinning {}", pin.display()))?;
+        .kind_with(ErrorKind::Attach, || format!("pinning {}", pin.display()))?;
     Ok(())
 }
 
@@ -153,18 +163,23 @@ fn reattach(
     pin: &Path,
 ) -> Result<()> {
     if pin.exists() {
-        fs::remove_file(pin).with_context(|| format!("removing {}", pin.display()))?;
+        fs::remove_file(pin)
+            .kind_with(ErrorKind::Attach, || format!("removing {}", pin.display()))?;
     }
     if name == SOCK_RELEASE_PROGRAM {
         let prog: &mut CgroupSock = ebpf
             .program_mut(name)
-            .with_context(|| format!("BPF object has no program {name}"))?
+            .kind_with(ErrorKind::Load, || {
+                format!("BPF object has no program {name}")
+            })?
             .try_into()?;
         return attach_sock_release_link(prog, cgroup_file, cgroup, pin);
     }
     let prog: &mut CgroupSockAddr = ebpf
         .program_mut(name)
-        .with_context(|| format!("BPF object has no program {name}"))?
+        .kind_with(ErrorKind::Load, || {
+            format!("BPF object has no program {name}")
+        })?
         .try_into()?;
     attach_sock_addr(prog, name, cgroup_file, cgroup, pin)
 }
@@ -179,10 +194,13 @@ fn attach_sock_release(
 ) -> Result<()> {
     let prog: &mut CgroupSock = ebpf
         .program_mut(SOCK_RELEASE_PROGRAM)
-        .with_context(|| format!("BPF object has no program {SOCK_RELEASE_PROGRAM}"))?
+        .kind_with(ErrorKind::Load, || {
+            format!("BPF object has no program {SOCK_RELEASE_PROGRAM}")
+        })?
         .try_into()?;
-    prog.load()
-        .with_context(|| format!("loading {SOCK_RELEASE_PROGRAM}"))?;
+    prog.load().kind_with(ErrorKind::Load, || {
+        format!("loading {SOCK_RELEASE_PROGRAM}")
+    })?;
     let pin = links_dir.join(format!("cgroup_{SOCK_RELEASE_PROGRAM}"));
     if pin.exists() {
         return link_update::replace_program(&pin, prog.fd()?.as_fd());
@@ -199,7 +217,7 @@ fn attach_sock_release_link(
 ) -> Result<()> {
     let id = prog
         .attach(cgroup_file.as_fd(), CgroupAttachMode::Single)
-        .with_context(|| {
+        .kind_with(ErrorKind::Attach, || {
             format!(
                 "attaching {SOCK_RELEASE_PROGRAM} to {} (needs the cgroup sock_release hook, \
                  Linux 5.9)",
@@ -208,6 +226,6 @@ fn attach_sock_release_link(
         })?;
     FdLink::try_from(prog.take_link(id)?)?
         .pin(pin)
-        .with_context(|| format!("pinning {}", pin.display()))?;
+        .kind_with(ErrorKind::Attach, || format!("pinning {}", pin.display()))?;
     Ok(())
 }

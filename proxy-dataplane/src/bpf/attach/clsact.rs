@@ -15,7 +15,7 @@ use std::{
 
 use super::ownership::{Owner, Ownership};
 
-use anyhow::{Context as _, Result, bail};
+use crate::error::{Context as _, Error, ErrorKind, Kind as _, Result, fail};
 use aya::programs::{
     SchedClassifier, TcAttachType,
     tc::{self, NlOptions, SchedClassifierLink, TcAttach},
@@ -97,7 +97,9 @@ fn dump<T>(
             found.extend(each(m));
             Ok(false)
         }
-        NetlinkPayload::Error(e) if e.code.is_some() => Err(anyhow::anyhow!("{e}")),
+        NetlinkPayload::Error(e) if e.code.is_some() => {
+            Err(Error::new(ErrorKind::Netlink, e.to_string()))
+        }
         NetlinkPayload::Done(_) | NetlinkPayload::Error(_) => Ok(true),
         _ => Ok(false),
     })?;
@@ -202,14 +204,16 @@ pub fn attach(
             let stale = match owner {
                 Owner::Ours | Owner::Unseen => None,
                 Owner::Stale(folder) => Some(folder),
-                Owner::Live(folder) => bail!(
+                Owner::Live(folder) => fail!(
+                    ErrorKind::Netlink,
                     "{name}: the clsact {} hook's {program} filter (program {}) belongs to \
                      the agent of {}, which is running; not touched (one agent per interface)",
                     hook_name(hook),
                     f.id.unwrap_or_default(),
                     folder.display()
                 ),
-                Owner::Unknown => bail!(
+                Owner::Unknown => fail!(
+                    ErrorKind::Netlink,
                     "{name}: the clsact {} hook's {program} filter (program {}) uses no maps \
                      of ours nor of a pin folder on our bpffs; not touched (if no agent uses \
                      it: `tc filter del dev {name} {} pref {PRIORITY}`)",
@@ -227,7 +231,9 @@ pub fn attach(
             )?;
             let id = prog
                 .attach_to_link(link)
-                .with_context(|| format!("replacing {program}'s filter on {name}"))?;
+                .kind_with(ErrorKind::Netlink, || {
+                    format!("replacing {program}'s filter on {name}")
+                })?;
             // The filter outlives us: aya would delete it when its link value drops.
             std::mem::forget(prog.take_link(id)?);
             return Ok(match stale {
@@ -235,7 +241,8 @@ pub fn attach(
                 Some(folder) => ("adopted a stale agent's filter", Some(folder)),
             });
         }
-        Some(f) => bail!(
+        Some(f) => fail!(
+            ErrorKind::Netlink,
             "{name}: the clsact {} hook has a foreign filter at priority {PRIORITY} \
              handle {HANDLE} ({} {}); not touched",
             hook_name(hook),
@@ -244,8 +251,9 @@ pub fn attach(
         ),
         None => {
             if !has_clsact(ifindex)? {
-                tc::qdisc_add_clsact(ifindex)
-                    .with_context(|| format!("adding a clsact qdisc to {name}"))?;
+                tc::qdisc_add_clsact(ifindex).kind_with(ErrorKind::Netlink, || {
+                    format!("adding a clsact qdisc to {name}")
+                })?;
                 record(links_dir, ifindex, name)?;
                 tracing::info!(interface = name, "clsact qdisc added");
             }
@@ -257,7 +265,7 @@ pub fn attach(
                         options,
                     },
                 )
-                .with_context(|| {
+                .kind_with(ErrorKind::Netlink, || {
                     format!(
                         "attaching {program} to {name} (ifindex {ifindex}) (clsact {})",
                         hook_name(hook)
@@ -300,7 +308,7 @@ fn record(links_dir: &Path, ifindex: u32, name: &str) -> Result<()> {
     let path = record_path(links_dir, ifindex, name);
     match fs::create_dir(&path) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
-            Err(e).with_context(|| format!("recording {}", path.display()))
+            Err(e).kind_with(ErrorKind::Io, || format!("recording {}", path.display()))
         }
         _ => Ok(()),
     }
@@ -353,7 +361,8 @@ pub fn release_qdisc(links_dir: &Path, ifindex: u32) -> Result<()> {
                 .with_context(|| format!("deleting the clsact qdisc of ifindex {ifindex}"))?;
             tracing::info!(ifindex, "clsact qdisc deleted");
         }
-        fs::remove_dir(&path).with_context(|| format!("removing {}", path.display()))?;
+        fs::remove_dir(&path)
+            .kind_with(ErrorKind::Io, || format!("removing {}", path.display()))?;
     }
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::{
     os::fd::{AsRawFd, RawFd},
 };
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use netlink_packet_core::{
     NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
@@ -52,13 +52,15 @@ pub struct DeviceEvents {
 impl DeviceEvents {
     /// Subscribes first, so no change between the dump and the notifications is lost.
     pub fn open() -> Result<Self> {
-        let mut socket = Socket::new(NETLINK_ROUTE).context("opening a route netlink socket")?;
+        let mut socket = Socket::new(NETLINK_ROUTE)
+            .kind(ErrorKind::Netlink, "opening a route netlink socket")?;
         socket
             .bind(&SocketAddr::new(0, 0))
-            .context("binding the route netlink socket")?;
-        socket
-            .add_membership(RTNLGRP_LINK)
-            .context("subscribing to link changes (RTNLGRP_LINK)")?;
+            .kind(ErrorKind::Netlink, "binding the route netlink socket")?;
+        socket.add_membership(RTNLGRP_LINK).kind(
+            ErrorKind::Netlink,
+            "subscribing to link changes (RTNLGRP_LINK)",
+        )?;
         Ok(Self {
             socket,
             seq: 0,
@@ -82,14 +84,15 @@ impl DeviceEvents {
         msg.serialize(&mut buf);
         self.socket
             .send_to(&buf, &SocketAddr::new(0, 0), 0)
-            .context("asking rtnetlink for every link")?;
+            .kind(ErrorKind::Netlink, "asking rtnetlink for every link")?;
         Ok(())
     }
 
     pub fn set_non_blocking(&self) -> Result<()> {
-        self.socket
-            .set_non_blocking(true)
-            .context("making the route netlink socket non-blocking")
+        self.socket.set_non_blocking(true).kind(
+            ErrorKind::Netlink,
+            "making the route netlink socket non-blocking",
+        )
     }
 
     /// Reads one datagram and decodes the link changes in it. `ENOBUFS` means
@@ -147,7 +150,10 @@ pub fn list() -> Result<Vec<Device>> {
     events.request_dump()?;
     let mut links = Vec::new();
     loop {
-        for change in events.read().context("reading the link dump")? {
+        for change in events
+            .read()
+            .kind(ErrorKind::Netlink, "reading the link dump")?
+        {
             match change {
                 DeviceChange::Present(link) => links.push(link),
                 DeviceChange::Gone(_) => {}

@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use tokio::io::{Interest, unix::AsyncFd};
 
 use super::{
@@ -50,7 +50,10 @@ impl InterfaceFollower {
             lock(&self.classifiers).begin_dump();
             self.events.request_dump()?;
             let interrupted = loop {
-                let changes = self.events.read().context("reading the link dump")?;
+                let changes = self
+                    .events
+                    .read()
+                    .kind(ErrorKind::Netlink, "reading the link dump")?;
                 if let Some(i) = self.apply(changes) {
                     break i;
                 }
@@ -86,7 +89,7 @@ impl InterfaceFollower {
         // that same descriptor.
         let mut fd = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
             .map_err(|e| e.into_parts().1)
-            .context("polling the route netlink socket")?;
+            .kind(ErrorKind::Netlink, "polling the route netlink socket")?;
         loop {
             let mut guard = fd.readable_mut().await?;
             let read = guard.try_io(|inner| inner.get_mut().read());
@@ -106,7 +109,7 @@ impl InterfaceFollower {
                     );
                     true
                 }
-                Ok(Err(e)) => return Err(e).context("reading link notifications"),
+                Ok(Err(e)) => return Err(e).kind(ErrorKind::Netlink, "reading link notifications"),
             };
             if dump_again {
                 lock(&classifiers).begin_dump();

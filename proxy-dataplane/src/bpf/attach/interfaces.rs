@@ -1,7 +1,7 @@
 //! Which interfaces get the per-packet classifier: names, glob patterns and `auto`, and
 //! the rule that only devices with an Ethernet header qualify.
 
-use anyhow::{Result, bail};
+use crate::error::{ErrorKind, Result, fail};
 
 /// Longest interface name the kernel accepts (IFNAMSIZ - 1).
 const IFNAME_MAX: usize = 15;
@@ -24,13 +24,19 @@ impl InterfaceSelector {
         for entry in entries.iter().map(|e| e.trim()).filter(|e| !e.is_empty()) {
             let pattern = if entry == "auto" { "*" } else { entry };
             if pattern.replace('*', "").len() > IFNAME_MAX {
-                bail!("interface pattern {entry:?}: longer than an interface name ({IFNAME_MAX})");
+                fail!(
+                    ErrorKind::Attach,
+                    "interface pattern {entry:?}: longer than an interface name ({IFNAME_MAX})"
+                );
             }
             if let Some(c) = pattern
                 .chars()
                 .find(|c| *c == '/' || *c == ':' || c.is_whitespace() || c.is_control())
             {
-                bail!("interface pattern {entry:?}: {c:?} cannot be part of an interface name");
+                fail!(
+                    ErrorKind::Attach,
+                    "interface pattern {entry:?}: {c:?} cannot be part of an interface name"
+                );
             }
             patterns.push(pattern.to_string());
         }

@@ -8,7 +8,7 @@ use std::{
     path::Path,
 };
 
-use anyhow::{Context as _, Result, bail};
+use crate::error::{ErrorKind, Kind as _, Result, fail};
 
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_UPDATE: libc::c_long = 29;
@@ -44,9 +44,11 @@ fn open_pinned(pin: &Path) -> Result<OwnedFd> {
     // bpf_attr for BPF_OBJ_GET: pathname (u64), bpf_fd, file_flags (0: links are only
     // handed out read-write).
     let fd = bpf(BPF_OBJ_GET, &[ptr as u32, (ptr >> 32) as u32, 0, 0])
-        .with_context(|| format!("opening pinned object {}", pin.display()))?;
+        .kind_with(ErrorKind::Attach, || {
+            format!("opening pinned object {}", pin.display())
+        })?;
     let Ok(raw) = i32::try_from(fd) else {
-        bail!("bpf(BPF_OBJ_GET) returned {fd}");
+        fail!(ErrorKind::Attach, "bpf(BPF_OBJ_GET) returned {fd}");
     };
     // SAFETY: a fresh file descriptor the kernel just gave us; owned from here on.
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
@@ -58,13 +60,18 @@ fn open_pinned(pin: &Path) -> Result<OwnedFd> {
 pub fn pinned_field(pin: &Path, key: &str) -> Result<u64> {
     let fd = open_pinned(pin)?;
     let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
-    let info = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    let info = std::fs::read_to_string(&path)
+        .kind_with(ErrorKind::Attach, || format!("reading {path}"))?;
     info.lines()
         .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
-        .with_context(|| format!("no {key} in the fdinfo of {}", pin.display()))?
+        .kind_with(ErrorKind::Attach, || {
+            format!("no {key} in the fdinfo of {}", pin.display())
+        })?
         .trim()
-        .parse()
-        .with_context(|| format!("parsing {key} of {}", pin.display()))
+        .parse::<u64>()
+        .kind_with(ErrorKind::Attach, || {
+            format!("parsing {key} of {}", pin.display())
+        })
 }
 
 /// Makes the link pinned at `pin` run `prog` from now on; the link (and its attachment)
@@ -76,7 +83,9 @@ pub fn replace_program(pin: &Path, prog: BorrowedFd<'_>) -> Result<()> {
         BPF_LINK_UPDATE,
         &[link.as_raw_fd() as u32, prog.as_raw_fd() as u32, 0, 0],
     )
-    .with_context(|| format!("replacing the program of {}", pin.display()))?;
+    .kind_with(ErrorKind::Attach, || {
+        format!("replacing the program of {}", pin.display())
+    })?;
     Ok(())
 }
 
@@ -88,7 +97,7 @@ pub fn detach_now(pin: &Path) -> Result<()> {
     let link = open_pinned(pin)?;
     // bpf_attr for BPF_LINK_DETACH: link_fd.
     bpf(BPF_LINK_DETACH, &[link.as_raw_fd() as u32])
-        .with_context(|| format!("detaching {}", pin.display()))?;
+        .kind_with(ErrorKind::Attach, || format!("detaching {}", pin.display()))?;
     Ok(())
 }
 
@@ -116,7 +125,9 @@ pub fn pinned_on_device(
     match pinned_field(pin, "ifindex") {
         Ok(pinned) if pinned == u64::from(index) => {
             let link = aya::programs::links::PinnedLink::from_pin(pin)
-                .with_context(|| format!("opening pinned link {}", pin.display()))?;
+                .kind_with(ErrorKind::Attach, || {
+                    format!("opening pinned link {}", pin.display())
+                })?;
             return Ok(Some(link.into()));
         }
         Ok(pinned) => tracing::info!(

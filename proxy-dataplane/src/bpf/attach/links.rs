@@ -21,7 +21,7 @@ use std::{
     },
 };
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result, fail};
 use aya::{
     Ebpf,
     programs::{
@@ -138,13 +138,14 @@ impl Classifiers {
             for (name, _, _) in HOOKS {
                 let prog: &mut SchedClassifier = ebpf
                     .program_mut(name)
-                    .with_context(|| format!("BPF object has no {name}"))?
+                    .kind_with(ErrorKind::Load, || format!("BPF object has no {name}"))?
                     .try_into()?;
-                prog.load().with_context(|| format!("loading {name}"))?;
+                prog.load()
+                    .kind_with(ErrorKind::Load, || format!("loading {name}"))?;
                 ids.insert(
                     name,
                     prog.info()
-                        .with_context(|| format!("reading {name}'s id"))?
+                        .kind_with(ErrorKind::Attach, || format!("reading {name}'s id"))?
                         .id(),
                 );
             }
@@ -153,10 +154,12 @@ impl Classifiers {
             let mut ebpf = lock(&ebpf);
             let prog: &mut Xdp = ebpf
                 .program_mut(XDP_PROGRAM)
-                .with_context(|| format!("BPF object has no {XDP_PROGRAM}"))?
+                .kind_with(ErrorKind::Load, || {
+                    format!("BPF object has no {XDP_PROGRAM}")
+                })?
                 .try_into()?;
             prog.load()
-                .with_context(|| format!("loading {XDP_PROGRAM}"))?;
+                .kind_with(ErrorKind::Load, || format!("loading {XDP_PROGRAM}"))?;
         }
         let Setup {
             links_dir,
@@ -355,7 +358,9 @@ impl Classifiers {
         let mut ebpf = lock(&self.ebpf);
         let prog: &mut Xdp = ebpf
             .program_mut(XDP_PROGRAM)
-            .with_context(|| format!("BPF object has no {XDP_PROGRAM}"))?
+            .kind_with(ErrorKind::Load, || {
+                format!("BPF object has no {XDP_PROGRAM}")
+            })?
             .try_into()?;
         match xdp::attach(prog, &self.xdp, &self.links_dir, &link.name, link.index) {
             Ok(_) => {
@@ -388,7 +393,7 @@ impl Classifiers {
         let mut ebpf = lock(&self.ebpf);
         let prog: &mut SchedClassifier = ebpf
             .program_mut(program)
-            .with_context(|| format!("BPF object has no {program}"))?
+            .kind_with(ErrorKind::Load, || format!("BPF object has no {program}"))?
             .try_into()?;
         match self.hook {
             TcHook::Tcx => {
@@ -469,7 +474,9 @@ fn attach_tcx(
         {
             let id = prog
                 .attach_to_link(SchedClassifierLink::try_from(fd_link)?)
-                .with_context(|| format!("replacing {program} on {name}"))?;
+                .kind_with(ErrorKind::Attach, || {
+                    format!("replacing {program} on {name}")
+                })?;
             // Pinned already: dropping our fd keeps it attached.
             drop(FdLink::try_from(prog.take_link(id)?)?);
             return Ok("adopted pinned link");
@@ -484,10 +491,12 @@ fn attach_tcx(
                 order: Default::default(),
             },
         )
-        .with_context(|| format!("attaching {program} to {name} (ifindex {index}) (tcx)"))?;
+        .kind_with(ErrorKind::Attach, || {
+            format!("attaching {program} to {name} (ifindex {index}) (tcx)")
+        })?;
     FdLink::try_from(prog.take_link(id)?)?
         .pin(pin)
-        .with_context(|| format!("pinning {}", pin.display()))?;
+        .kind_with(ErrorKind::Attach, || format!("pinning {}", pin.display()))?;
     Ok("new link")
 }
 
@@ -522,7 +531,7 @@ pub fn prune_pins(links_dir: &Path, keep: impl Fn(&str) -> bool) {
 fn remove_pin(pin: &Path) -> Result<()> {
     match fs::remove_file(pin) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => {
-            Err(e).with_context(|| format!("removing {}", pin.display()))
+            Err(e).kind_with(ErrorKind::Attach, || format!("removing {}", pin.display()))
         }
         _ => Ok(()),
     }
@@ -538,11 +547,13 @@ fn lock(ebpf: &Mutex<Ebpf>) -> std::sync::MutexGuard<'_, Ebpf> {
 /// waits for us).
 fn unpin_stale(folder: &Path, id: u32, index: u32) -> Result<usize> {
     let Some(_lock) = pin_lock::try_lock(folder)? else {
-        anyhow::bail!("its agent started meanwhile");
+        fail!(ErrorKind::Attach, "its agent started meanwhile");
     };
     let links = folder.join("links");
     let mut removed = 0;
-    for entry in fs::read_dir(&links).with_context(|| format!("reading {}", links.display()))? {
+    for entry in fs::read_dir(&links)
+        .kind_with(ErrorKind::Attach, || format!("reading {}", links.display()))?
+    {
         let path = entry?.path();
         let ours_by_name = path
             .file_name()
@@ -556,7 +567,8 @@ fn unpin_stale(folder: &Path, id: u32, index: u32) -> Result<usize> {
         }
     }
     if removed == 0 {
-        anyhow::bail!(
+        fail!(
+            ErrorKind::Attach,
             "no link of program {id} on ifindex {index} is pinned in {}",
             links.display()
         );

@@ -5,7 +5,7 @@
 
 use std::sync::Mutex;
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use aya::{Ebpf, maps::HashMap};
 use proxy_common::map_names::IF_MASTERS;
 
@@ -64,9 +64,9 @@ fn with_map(
     f: impl FnOnce(&mut HashMap<&mut aya::maps::MapData, u32, u32>) -> Result<()>,
 ) -> Result<()> {
     let mut ebpf = ebpf.lock().unwrap_or_else(|p| p.into_inner());
-    let map = ebpf
-        .map_mut(IF_MASTERS)
-        .with_context(|| format!("BPF object has no {IF_MASTERS}"))?;
+    let map = ebpf.map_mut(IF_MASTERS).kind_with(ErrorKind::Load, || {
+        format!("BPF object has no {IF_MASTERS}")
+    })?;
     let mut map = HashMap::try_from(map)?;
     f(&mut map)
 }

@@ -17,7 +17,7 @@ pub mod xdp;
 
 use std::path::Path;
 
-use anyhow::Result;
+use crate::error::Result;
 
 /// Deletes our clsact filters from every device of this network namespace, and the
 /// clsact qdiscs we added that nothing else uses.

@@ -21,7 +21,7 @@ use std::{
     },
 };
 
-use anyhow::{Context as _, Result};
+use crate::error::{Error, ErrorKind, Kind as _, Result};
 use aya::programs::{Xdp, XdpMode as KernelMode, links::FdLink, xdp::XdpLink};
 
 use super::link_update;
@@ -163,6 +163,12 @@ pub struct NativeRefused {
     pub interface: String,
     pub driver: String,
     pub cause: String,
+}
+
+impl From<NativeRefused> for Error {
+    fn from(refused: NativeRefused) -> Self {
+        Error::transparent(ErrorKind::Setting, refused)
+    }
 }
 
 /// Attaches (or adopts) the program on `name` (`index`) as `setup.mode` asks, removing a
@@ -308,10 +314,8 @@ fn on_device(pin: &Path, index: u32) -> bool {
 
 /// The kernel refused the attachment because the device already runs an XDP program
 /// (`EEXIST`: one of the other mode; `EBUSY`: one of this mode), not for its driver.
-fn occupied(e: &anyhow::Error) -> bool {
-    e.chain()
-        .filter_map(|c| c.downcast_ref::<std::io::Error>())
-        .any(|io| matches!(io.raw_os_error(), Some(libc::EEXIST | libc::EBUSY)))
+fn occupied(e: &Error) -> bool {
+    matches!(e.errno(), Some(libc::EEXIST | libc::EBUSY))
 }
 
 fn attach_as(
@@ -327,11 +331,15 @@ fn attach_as(
     }
     let id = prog
         .attach(index, how.kernel())
-        .with_context(|| format!("attaching {XDP_PROGRAM} to {name} ({} XDP)", how.as_str()))?;
-    let link = FdLink::try_from(prog.take_link(id)?)
-        .context("the kernel gave a netlink XDP attachment, not a bpf_link (kernel < 5.9?)")?;
+        .kind_with(ErrorKind::Attach, || {
+            format!("attaching {XDP_PROGRAM} to {name} ({} XDP)", how.as_str())
+        })?;
+    let link = FdLink::try_from(prog.take_link(id)?).kind(
+        ErrorKind::Attach,
+        "the kernel gave a netlink XDP attachment, not a bpf_link (kernel < 5.9?)",
+    )?;
     link.pin(&pin)
-        .with_context(|| format!("pinning {}", pin.display()))?;
+        .kind_with(ErrorKind::Attach, || format!("pinning {}", pin.display()))?;
     tracing::info!(
         interface = name,
         mode = how.as_str(),
@@ -350,7 +358,9 @@ fn adopt(prog: &mut Xdp, pin: &Path, name: &str, index: u32) -> Result<bool> {
     {
         let id = prog
             .attach_to_link(XdpLink::try_from(fd_link)?)
-            .with_context(|| format!("replacing {XDP_PROGRAM} on {name}"))?;
+            .kind_with(ErrorKind::Attach, || {
+                format!("replacing {XDP_PROGRAM} on {name}")
+            })?;
         // Pinned already: dropping our fd keeps it attached.
         drop(FdLink::try_from(prog.take_link(id)?)?);
         tracing::info!(interface = name, "XDP link adopted");
@@ -442,13 +452,17 @@ mod tests {
     #[test]
     fn a_taken_device_is_told_from_a_driver_refusal() {
         let kernel = |errno| {
-            anyhow::Error::new(std::io::Error::from_raw_os_error(errno)).context("attaching")
+            Error::caused(
+                ErrorKind::Attach,
+                "attaching",
+                std::io::Error::from_raw_os_error(errno),
+            )
         };
         assert!(occupied(&kernel(libc::EEXIST)));
         assert!(occupied(&kernel(libc::EBUSY)));
         assert!(!occupied(&kernel(libc::EOPNOTSUPP)));
         assert!(!occupied(&kernel(libc::EINVAL)));
-        assert!(!occupied(&anyhow::anyhow!("File exists")));
+        assert!(!occupied(&Error::new(ErrorKind::Attach, "File exists")));
     }
 
     #[test]

@@ -14,7 +14,7 @@ mod table;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use anyhow::{Context as _, Result};
+use crate::error::{Context as _, ErrorKind, Kind as _, Result};
 use aya::maps::{MapError, PerCpuValues};
 use proxy_common::{
     BackendSlotKey, CT_DIR_FORWARD, CtKey, CtValue, LbStats, MemberKey, SVC_F_WEIGHTED,
@@ -80,7 +80,7 @@ impl Ended {
                 Ok(1)
             }
             Err(e) if is_absent(&e) => Ok(0),
-            Err(e) => Err(e).context("removing a conntrack entry"),
+            Err(e) => Err(e).kind(ErrorKind::Map, "removing a conntrack entry"),
         }
     }
 }
@@ -105,22 +105,25 @@ pub fn fold_ended(maps: &mut MapSet, ended: Ended) -> Result<()> {
 fn add_to(maps: &mut MapSet, key: StatsKey, t: Totals) -> Result<()> {
     let cpus = aya::util::nr_cpus()
         .map_err(|(_, e)| e)
-        .context("counting CPUs")?
+        .kind(ErrorKind::Io, "counting CPUs")?
         .get() as usize;
     let mut sum: Vec<LbStats> = match present(maps.lb_stats.get(&key, 0))
-        .with_context(|| format!("reading {} {key:?}", map_names::LB_STATS))?
-    {
+        .kind_with(ErrorKind::Map, || {
+            format!("reading {} {key:?}", map_names::LB_STATS)
+        })? {
         Some(v) => v.to_vec(),
         None => vec![LbStats::default(); cpus],
     };
-    let first = sum.first_mut().context("no CPU values")?;
+    let first = sum.first_mut().kind(ErrorKind::Map, "no CPU values")?;
     let mut added: Totals = std::iter::once(&*first).sum();
     added += t;
     *first = LbStats::from(added);
-    let sum = PerCpuValues::try_from(sum).context("per-CPU values")?;
+    let sum = PerCpuValues::try_from(sum).kind(ErrorKind::Map, "per-CPU values")?;
     maps.lb_stats
         .insert(&key, sum, 0)
-        .with_context(|| format!("writing {} {key:?}", map_names::LB_STATS))
+        .kind_with(ErrorKind::Map, || {
+            format!("writing {} {key:?}", map_names::LB_STATS)
+        })
 }
 
 /// Every programmed frontend with its totals and its backends'.
@@ -134,7 +137,9 @@ pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
         .services
         .iter()
         .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("reading {}", map_names::SERVICES))?;
+        .kind_with(ErrorKind::Map, || {
+            format!("reading {}", map_names::SERVICES)
+        })?;
     // A frontend's external (or only) scope first: its scheduler and weights show.
     entries.sort_unstable_by_key(|(key, _)| *key);
     let mut rows: BTreeMap<Frontend, FrontendStats> = BTreeMap::new();
@@ -192,11 +197,14 @@ pub fn read(maps: &MapSet) -> Result<Vec<FrontendStats>> {
 fn pair_totals(maps: &MapSet) -> Result<HashMap<StatsKey, Totals>> {
     let mut out: HashMap<StatsKey, Totals> = HashMap::new();
     for entry in maps.lb_stats.iter() {
-        let (key, per_cpu) = entry.with_context(|| format!("reading {}", map_names::LB_STATS))?;
+        let (key, per_cpu) = entry.kind_with(ErrorKind::Map, || {
+            format!("reading {}", map_names::LB_STATS)
+        })?;
         *out.entry(key.pair()).or_default() += per_cpu.iter().sum::<Totals>();
     }
-    let live = super::batch::read_all(&maps.conntrack)
-        .with_context(|| format!("reading {}", map_names::CONNTRACK))?;
+    let live = super::batch::read_all(&maps.conntrack).kind_with(ErrorKind::Map, || {
+        format!("reading {}", map_names::CONNTRACK)
+    })?;
     for (pair, t) in live.iter().filter_map(|(key, v)| entry_counts(key, v)) {
         *out.entry(pair).or_default() += t;
     }
@@ -213,8 +221,9 @@ pub fn frontend_totals(maps: &MapSet) -> Result<BTreeMap<Frontend, Totals>> {
     let mut out: BTreeMap<Frontend, Totals> = BTreeMap::new();
     for (id, t) in per_id {
         // Gone since (the collector removes its counts next): nothing to name it by.
-        let Some(rev) = present(maps.rev_nat.get(&id, 0))
-            .with_context(|| format!("reading {} {id}", map_names::REV_NAT))?
+        let Some(rev) = present(maps.rev_nat.get(&id, 0)).kind_with(ErrorKind::Map, || {
+            format!("reading {} {id}", map_names::REV_NAT)
+        })?
         else {
             continue;
         };
@@ -257,8 +266,9 @@ pub fn fold_removed(maps: &mut MapSet) -> Result<()> {
         if pair.backend_id == 0 || backends.contains(&pair.backend_id) {
             continue;
         }
-        let Some(counts) = present(maps.lb_stats.get(&key, 0))
-            .with_context(|| format!("reading {} {key:?}", map_names::LB_STATS))?
+        let Some(counts) = present(maps.lb_stats.get(&key, 0)).kind_with(ErrorKind::Map, || {
+            format!("reading {} {key:?}", map_names::LB_STATS)
+        })?
         else {
             continue;
         };
@@ -307,7 +317,7 @@ fn slot_counts(maps: &MapSet, value: &ServiceValue) -> Result<Vec<(u32, u32)>> {
             slot,
         };
         // A slot missing here was flipped away while we read: the next dump sees the rest.
-        let Some(s) = present(maps.slots.get(&key, 0)).with_context(|| {
+        let Some(s) = present(maps.slots.get(&key, 0)).kind_with(ErrorKind::Map, || {
             format!("reading {} {}/{}", map_names::BACKEND_SLOTS, value.id, slot)
         })?
         else {
@@ -331,8 +341,8 @@ fn backend_stats(
     stats: Totals,
 ) -> Result<Option<BackendStats>> {
     let context = |map: &str| format!("reading {map} of backend {id}");
-    let Some(b) =
-        present(maps.backends.get(&id, 0)).with_context(|| context(map_names::BACKENDS))?
+    let Some(b) = present(maps.backends.get(&id, 0))
+        .kind_with(ErrorKind::Map, || context(map_names::BACKENDS))?
     else {
         return Ok(None);
     };
@@ -342,7 +352,7 @@ fn backend_stats(
             backend_id: id,
         };
         present(maps.weights.get(&member, 0))
-            .with_context(|| context(map_names::WEIGHTS))?
+            .kind_with(ErrorKind::Map, || context(map_names::WEIGHTS))?
             .unwrap_or(1)
     } else if super::codec::scheduler_of_code(value.scheduler) == Some(Scheduler::Wrr) {
         slots
@@ -354,7 +364,7 @@ fn backend_stats(
         id,
         weight,
         active_conns: present(maps.active_conns.get(&id, 0))
-            .with_context(|| context(map_names::ACTIVE_CONNS))?
+            .kind_with(ErrorKind::Map, || context(map_names::ACTIVE_CONNS))?
             .unwrap_or(0),
         stats,
     }))

@@ -3,7 +3,7 @@
 
 use std::{collections::HashMap, net::SocketAddr};
 
-use anyhow::Result;
+use crate::error::Result;
 use proxy_common::{
     BackendSlotKey, FAMILY_V4, FAMILY_V6, LPM_TAG_BITS, MaglevChunk, MemberKey, SVC_F_WEIGHTED,
     ServiceValue,

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 
-use anyhow::Result;
+use crate::error::Result;
 use proxy_common::{
     Backend, BackendSlot, BackendSlotKey, MaglevChunk, MemberKey, RevNatValue, SVC_F_WEIGHTED,
     ServiceKey, ServiceValue,
@@ -221,9 +221,13 @@ impl Mirror {
         };
         for id in &p.backend_ids {
             if let Some(be) = self.backends.get(*id) {
-                maps.backends
-                    .insert(id, be, 0)
-                    .map_err(|e| anyhow::Error::new(e).context("writing a backend again"))?;
+                maps.backends.insert(id, be, 0).map_err(|e| {
+                    crate::error::Error::caused(
+                        crate::error::ErrorKind::Map,
+                        "writing a backend again",
+                        e,
+                    )
+                })?;
             }
         }
         // As if no source range were written: all of them are written again.

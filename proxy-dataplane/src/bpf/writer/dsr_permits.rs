@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use proxy_common::{DSR_ANY_NODE, DsrPermitKey, addr::to_words};
 
 use crate::bpf::{codec::proto_number, maps::MapSet, maps::remove_ignoring_absent};
@@ -33,7 +33,7 @@ impl DsrPermits {
             .dsr_permits
             .keys()
             .collect::<Result<_, _>>()
-            .context("reading DSR_PERMITS")?;
+            .kind(ErrorKind::Map, "reading DSR_PERMITS")?;
         Ok(Self {
             adopted,
             ..Default::default()
@@ -71,7 +71,7 @@ impl DsrPermits {
                 if *refs == 0 && !self.adopted.remove(key) {
                     maps.dsr_permits
                         .insert(key, &1, 0)
-                        .with_context(|| format!("writing DSR_PERMITS for {fe}"))?;
+                        .kind_with(ErrorKind::Map, || format!("writing DSR_PERMITS for {fe}"))?;
                 }
                 *refs += 1;
             }

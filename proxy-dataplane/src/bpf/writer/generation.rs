@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 
-use anyhow::{Context as _, Result};
+use crate::error::{Error, ErrorKind, Kind as _, Result};
 use proxy_common::{
     BackendSlot, BackendSlotKey, MAGLEV_CHUNK, MaglevChunk, MemberKey, SVC_F_WEIGHTED, ServiceKey,
     ServiceValue,
@@ -29,8 +29,12 @@ impl Mirror {
         let backend_ids = generation.backend_ids;
         let table = generation.table;
         let weights = generation.weights;
-        let table_len = u16::try_from(table.len())
-            .map_err(|_| anyhow::anyhow!("a Maglev table of {} entries", table.len()))?;
+        let table_len = u16::try_from(table.len()).map_err(|_| {
+            Error::new(
+                ErrorKind::Map,
+                format!("a Maglev table of {} entries", table.len()),
+            )
+        })?;
         let rev = old.map_or(1, |o| o.value.rev.wrapping_add(1));
         let value = ServiceValue {
             id,
@@ -51,7 +55,7 @@ impl Mirror {
                 backend_id: *backend_id,
             };
             maps.put_weight(&key, weight)
-                .context("writing a backend weight")?;
+                .kind(ErrorKind::Map, "writing a backend weight")?;
         }
         let old_ids: &[u32] = old.map_or(&[], |o| &o.backend_ids);
         let joined = members::join(maps, id, &backend_ids, old_ids)?;
@@ -143,7 +147,13 @@ pub(super) fn write_table(maps: &mut MapSet, value: &ServiceValue, table: &[u16]
         let mut chunk = MaglevChunk::default();
         chunk.slots[..entries.len()].copy_from_slice(entries);
         maps.put_chunk(&chunk_key(value, i as u32), &chunk)
-            .map_err(|e| anyhow::Error::new(e).context("writing a Maglev table"))?;
+            .map_err(|e| {
+                crate::error::Error::caused(
+                    crate::error::ErrorKind::Map,
+                    "writing a Maglev table",
+                    e,
+                )
+            })?;
     }
     Ok(())
 }
@@ -222,7 +232,11 @@ pub(super) fn flip(
             },
         ) {
             let _ = remove_slots(maps, value, slot);
-            return Err(anyhow::Error::new(e).context("writing backend slots"));
+            return Err(crate::error::Error::caused(
+                crate::error::ErrorKind::Map,
+                "writing backend slots",
+                e,
+            ));
         }
     }
     if let Err(e) = write_table(maps, value, table) {
@@ -230,15 +244,28 @@ pub(super) fn flip(
         return Err(e);
     }
     maps.put_rev_nat(&id, &crate::bpf::codec::rev_nat_of(&key))
-        .map_err(|e| anyhow::Error::new(e).context("writing reverse-NAT entry"))?;
+        .map_err(|e| {
+            crate::error::Error::caused(
+                crate::error::ErrorKind::Map,
+                "writing reverse-NAT entry",
+                e,
+            )
+        })?;
     let old_ranges: &[ipnet::IpNet] = old.map_or(&[], |o| o.ranges());
     for net in ranges.iter().filter(|n| !old_ranges.contains(n)) {
         maps.source_ranges
             .insert(&range_key(id, net), &1, 0)
-            .map_err(|e| anyhow::Error::new(e).context("writing a source range"))?;
+            .map_err(|e| {
+                crate::error::Error::caused(
+                    crate::error::ErrorKind::Map,
+                    "writing a source range",
+                    e,
+                )
+            })?;
     }
     // The flip: one update makes the new set visible.
-    maps.put_service(&key, value)
-        .map_err(|e| anyhow::Error::new(e).context("writing service entry"))?;
+    maps.put_service(&key, value).map_err(|e| {
+        crate::error::Error::caused(crate::error::ErrorKind::Map, "writing service entry", e)
+    })?;
     Ok(())
 }

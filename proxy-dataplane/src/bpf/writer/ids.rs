@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use anyhow::Result;
+use crate::error::Result;
 use proxy_common::Backend;
 
 use super::mirror::Mirror;
@@ -15,8 +15,9 @@ impl Mirror {
         }
         let backends = &self.backends;
         let id = next_free_by(&mut self.next_backend_id, |id| backends.contains(id));
-        maps.put_backend(&id, &be)
-            .map_err(|e| anyhow::Error::new(e).context("writing backend"))?;
+        maps.put_backend(&id, &be).map_err(|e| {
+            crate::error::Error::caused(crate::error::ErrorKind::Map, "writing backend", e)
+        })?;
         self.backends.insert(id, be);
         // Unused until a frontend write that references it succeeds.
         self.maybe_unused.insert(id);

@@ -11,7 +11,7 @@ use std::{
     net::SocketAddr,
 };
 
-use anyhow::{Context as _, Result};
+use crate::error::{Context as _, Error, ErrorKind, Result};
 use proxy_common::{
     Backend, CtValue, PROTO_UDP, SCOPE_INTERNAL, SVC_F_AFFINITY, SVC_F_DROP_NO_BACKENDS, SVC_F_DSR,
     SVC_F_EXT_LOCAL, SVC_F_EXTERNAL, SVC_F_SOURCE_RANGES, SVC_F_TWO_SCOPES, SVC_F_WEIGHTED,
@@ -69,6 +69,12 @@ enum Wrote {
 #[error("{slots} backend slots exceed the {MAX_SLOTS} per frontend")]
 pub struct TooManySlots {
     pub slots: usize,
+}
+
+impl From<TooManySlots> for Error {
+    fn from(too_many: TooManySlots) -> Self {
+        Error::transparent(ErrorKind::Map, too_many)
+    }
 }
 
 /// One service-map entry the view asks for.

@@ -2,7 +2,7 @@
 //! ports, the pod network, the node's own pod CIDRs and its own addresses, and the other
 //! nodes' addresses (direct server return's entry nodes).
 
-use anyhow::{Context as _, Result};
+use crate::error::{ErrorKind, Kind as _, Result};
 use aya::maps::lpm_trie::Key as LpmKey;
 use proxy_common::{
     CFG_LOCAL_DETECTOR, CFG_MASQUERADE_ALL, CFG_NODE_PODS, CtTimeouts, FAMILY_V4, FAMILY_V6,
@@ -86,7 +86,9 @@ pub fn configure(maps: &mut MapSet, node: &NodeSettings, ct: &ConntrackOptions) 
     for key in &wanted {
         maps.local_nets
             .insert(key, &1, 0)
-            .with_context(|| format!("writing {} local networks", wanted.len()))?;
+            .kind_with(ErrorKind::Map, || {
+                format!("writing {} local networks", wanted.len())
+            })?;
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! gone is detached or adopted; one whose agent runs is left and reported).
 
 use super::*;
+use crate::error::{ErrorKind, fail};
 
 impl Classifiers {
     /// The periodic check of every interface served, and of those whose attachment
@@ -239,7 +240,9 @@ impl Classifiers {
                             .map(|_| None)
                     }
                     _ => clsact::remove(index, hook, program).and_then(|gone| {
-                        anyhow::ensure!(gone, "the filter went meanwhile");
+                        if !gone {
+                            fail!(ErrorKind::Attach, "the filter went meanwhile");
+                        }
                         Ok(Some("deleted"))
                     }),
                 };
