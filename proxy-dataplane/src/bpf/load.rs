@@ -76,3 +76,64 @@ pub fn load(opts: &Options, kernel: &Kernel, maps_dir: &Path) -> Result<Loaded> 
         .collect();
     Ok(Loaded { ebpf, made_new })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::*;
+
+    /// A bpffs of the test's own, unmounted on drop (also when the test fails).
+    struct Bpffs(PathBuf);
+
+    impl Bpffs {
+        fn mount() -> Self {
+            let dir = std::env::temp_dir().join(format!("proxy-load-test-{}", std::process::id()));
+            fs::create_dir_all(&dir).expect("mount point");
+            let ok = Command::new("mount")
+                .args(["-t", "bpf", "bpf"])
+                .arg(&dir)
+                .status()
+                .expect("mount")
+                .success();
+            assert!(ok, "mounting a bpffs on {}", dir.display());
+            Self(dir)
+        }
+    }
+
+    impl Drop for Bpffs {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+            let _ = fs::remove_dir(&self.0);
+        }
+    }
+
+    /// A pin set the object cannot use (another shape under one of our names, as another
+    /// version might leave) fails as a load, says what to do, and leaves no pin of its own.
+    #[test_support::needs_root]
+    #[test]
+    fn an_incompatible_pin_is_a_load_error_and_leaves_no_pin_of_ours() {
+        let fs = Bpffs::mount();
+        let maps_dir = fs.0.join("maps");
+        fs::create_dir_all(&maps_dir).expect("maps folder");
+        aya::maps::HashMap::<_, u8, u8>::create(4, 0)
+            .expect("a private map")
+            .pin(maps_dir.join(map_names::SERVICES))
+            .expect("pinned under our name");
+        let kernel = Kernel {
+            tc_hook: None,
+            set_retval: false,
+        };
+        let Err(e) = load(&Options::default(), &kernel, &maps_dir) else {
+            panic!("a SERVICES map of another shape must be refused");
+        };
+        assert_eq!(e.kind(), ErrorKind::Load, "{e:#}");
+        assert!(format!("{e:#}").contains("proxy-agent cleanup"), "{e:#}");
+        let left: Vec<_> = fs::read_dir(&maps_dir)
+            .expect("maps")
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, [map_names::SERVICES], "pins left: {left:?}");
+    }
+}
