@@ -246,6 +246,70 @@ fn a_flow_keeps_its_backend_and_new_flows_spread() {
     );
 }
 
+/// The flows' clock on a kernel without `bpf_ktime_get_coarse_ns` (before 5.11, which
+/// refused the whole classifier for the unknown helper): with the switch off, a new
+/// flow is stamped by the fine monotonic clock (never behind a read made before the
+/// packet, as the coarse clock, a tick behind, almost always is); with it on, by a clock
+/// never ahead of a read made after.
+#[needs_root]
+#[test]
+fn the_flows_clock_reads_the_fine_clock_where_the_coarse_one_is_missing() {
+    let monotonic = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: writes the one timespec passed.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    };
+    for coarse_clock in [false, true] {
+        let kernel = bpf::Kernel {
+            coarse_clock,
+            ..bpf::Kernel::probed_helpers()
+        };
+        let mut h = Harness::on(&kernel, &[]);
+        h.apply(&NodeView::from([frontend(
+            "10.96.0.10",
+            80,
+            Protocol::Tcp,
+            &["10.244.1.5:8080"],
+        )]));
+        let (mut behind, mut flows) = (0, 0);
+        for port in 40000..40020 {
+            let before = monotonic();
+            let client = SocketAddr::new("10.244.0.3".parse().expect("ip"), port);
+            h.run(&packet(client, sa("10.96.0.10:80"), true));
+            let after = monotonic();
+            let stamps: Vec<u64> = h
+                .maps
+                .conntrack_new
+                .iter()
+                .flatten()
+                .filter(|(k, _)| k.sport == port.to_be() || k.dport == port.to_be())
+                .map(|(_, v)| v.last_seen_ns)
+                .collect();
+            assert!(!stamps.is_empty(), "flow from port {port} recorded");
+            for stamp in stamps {
+                assert!(stamp <= after, "stamped {stamp} after {after}");
+                behind += usize::from(stamp < before);
+                flows += 1;
+            }
+        }
+        if coarse_clock {
+            assert!(
+                behind > 0,
+                "the coarse clock was never a tick behind: was it used?"
+            );
+        } else {
+            assert_eq!(
+                behind, 0,
+                "{behind} of {flows} stamps were behind the clock"
+            );
+        }
+    }
+}
+
 #[needs_root]
 #[test]
 fn backend_set_flip_leaves_only_the_new_generation() {

@@ -15,9 +15,10 @@
 //! `verdict`, `packet`, `stats`, `drop`, `node`); never `nat`, which may use it.
 
 use aya_ebpf::{
+    Global,
     bindings::BPF_NOEXIST,
     btf_maps::PerCpuArray,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
     macros::btf_map,
 };
 use proxy_common::{
@@ -60,14 +61,25 @@ pub fn scratch(idx: u32) -> Option<&'static mut CtValue> {
     Some(unsafe { &mut *p })
 }
 
+/// Whether this kernel has `bpf_ktime_get_coarse_ns` (Linux 5.11): set by the agent at
+/// load from its probe. Without it the other branch of `now` is dead code the verifier
+/// removes unchecked (5.10 refused the whole program for the unknown helper).
+#[unsafe(no_mangle)]
+static COARSE_CLOCK: Global<u8> = Global::new(1);
+
 /// The flows' clock: `CLOCK_MONOTONIC` at the kernel tick's resolution (the agent's
 /// collector reads the same clock, finer). The limits are seconds long, and the
 /// coarse read costs a fraction of `bpf_ktime_get_ns` (no clock source read: a
-/// paravirtual TSC in a VM) on every packet.
+/// paravirtual TSC in a VM) on every packet; before 5.11, the fine read.
 #[inline(always)]
 pub fn now() -> u64 {
-    // SAFETY: no preconditions.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    if COARSE_CLOCK.load() != 0 {
+        // SAFETY: no preconditions.
+        unsafe { bpf_ktime_get_coarse_ns() }
+    } else {
+        // SAFETY: no preconditions.
+        unsafe { bpf_ktime_get_ns() }
+    }
 }
 
 /// An entry found in one of the two tables.

@@ -8,7 +8,7 @@ use aya::{
     programs::{SchedClassifier, Xdp},
 };
 use proxy_agent::{
-    dataplane::bpf::{self, MapSet, Mirror, load_private},
+    dataplane::bpf::{self, MapSet, Mirror},
     model::{Frontend, FrontendKind, FrontendState, NodeSettings, NodeView, Protocol},
     trace::{
         self,
@@ -34,7 +34,12 @@ pub struct Harness {
 
 impl Harness {
     pub fn new(max_entries: &[(&str, u32)]) -> Self {
-        let (mut ebpf, maps) = load_private(max_entries).expect("load");
+        Self::on(&bpf::Kernel::probed_helpers(), max_entries)
+    }
+
+    /// The programs loaded with `kernel`'s switches (an older kernel's fallbacks).
+    pub fn on(kernel: &bpf::Kernel, max_entries: &[(&str, u32)]) -> Self {
+        let (mut ebpf, maps) = bpf::load_private_on(kernel, max_entries).expect("load");
         let prog: &mut SchedClassifier = ebpf
             .program_mut("tc_ingress")
             .expect("program")

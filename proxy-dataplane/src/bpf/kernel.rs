@@ -8,6 +8,8 @@
 //! - `bpf_set_retval` in sock_addr programs (5.18): without it, a connect to a Service
 //!   with no endpoints fails with EPERM instead of ECONNREFUSED (`SET_RETVAL` global).
 //! - `BPF_FIB_LOOKUP_SKIP_NEIGH` (6.3): the classifier asks again without the flag.
+//! - `bpf_ktime_get_coarse_ns` (5.11): the flows' clock reads `bpf_ktime_get_ns` instead
+//!   (`COARSE_CLOCK` global).
 //!
 //! Everything else is older than 5.14 and probed here so an older kernel is refused by
 //! name rather than by a verifier log; attach points that cannot be probed without
@@ -119,6 +121,19 @@ pub fn has_set_retval() -> bool {
     })
 }
 
+/// Whether the classifier may call `bpf_ktime_get_coarse_ns` (Linux 5.11); probed once.
+pub fn has_coarse_clock() -> bool {
+    static PROBED: OnceLock<bool> = OnceLock::new();
+    *PROBED.get_or_init(|| {
+        is_helper_supported(
+            ProgramType::SchedClassifier,
+            BpfHelper::BPF_FUNC_ktime_get_coarse_ns,
+        )
+        // A failed probe: the fine clock, which every kernel has.
+        .unwrap_or(false)
+    })
+}
+
 /// One thing the programs cannot do without.
 struct Need {
     what: &'static str,
@@ -218,6 +233,20 @@ pub struct Kernel {
     pub tc_hook: Option<TcHook>,
     /// `bpf_set_retval` for the connect-time refusal (ECONNREFUSED rather than EPERM).
     pub set_retval: bool,
+    /// `bpf_ktime_get_coarse_ns` for the flows' clock (else `bpf_ktime_get_ns`).
+    pub coarse_clock: bool,
+}
+
+impl Kernel {
+    /// The helpers' switches as probed, nothing attached: for loads that attach nothing
+    /// (tests, `trace`).
+    pub fn probed_helpers() -> Self {
+        Self {
+            tc_hook: None,
+            set_retval: has_set_retval(),
+            coarse_clock: has_coarse_clock(),
+        }
+    }
 }
 
 /// Probes what the enabled parts need; refuses, naming every missing feature, when
@@ -245,12 +274,18 @@ pub fn check(connect_time: bool, per_packet: Option<TcAttachMode>) -> Result<Ker
     }
     let kernel = Kernel {
         tc_hook: per_packet.map(choose_tc_hook).transpose()?,
-        set_retval: has_set_retval(),
+        ..Kernel::probed_helpers()
     };
     if connect_time && !kernel.set_retval {
         tracing::warn!(
             "no bpf_set_retval in sock_addr programs (Linux 5.18): a connect to a Service \
              without endpoints fails with EPERM instead of ECONNREFUSED"
+        );
+    }
+    if per_packet.is_some() && !kernel.coarse_clock {
+        tracing::info!(
+            "no bpf_ktime_get_coarse_ns (Linux 5.11): the flows' clock reads the fine \
+             monotonic clock, a little dearer per packet"
         );
     }
     Ok(kernel)

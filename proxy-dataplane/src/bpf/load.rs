@@ -14,7 +14,7 @@ use super::{
     kernel::Kernel,
     options::{Options, conntrack_capacities},
     pins::{replace_reshaped_counts, warn_if_pinned_size_differs},
-    programs::{BPF_OBJECT, SET_RETVAL_GLOBAL},
+    programs::{BPF_OBJECT, set_switches},
 };
 
 /// The loaded object, and which maps it pinned anew (none were pinned before it).
@@ -35,8 +35,7 @@ pub fn load(opts: &Options, kernel: &Kernel, maps_dir: &Path) -> Result<Loaded> 
     }
     let level = opts.bpf_log_level.code();
     loader.override_global("AYA_LOG_LEVEL", &level, false);
-    let set_retval = u8::from(kernel.set_retval);
-    loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
+    set_switches(&mut loader, kernel);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     for (name, size) in conntrack_capacities(opts.conntrack.table_entries(cpus)) {
         loader.map_max_entries(name, size);
@@ -122,7 +121,7 @@ mod tests {
             .expect("pinned under our name");
         let kernel = Kernel {
             tc_hook: None,
-            set_retval: false,
+            ..Kernel::probed_helpers()
         };
         let Err(e) = load(&Options::default(), &kernel, &maps_dir) else {
             panic!("a SERVICES map of another shape must be refused");

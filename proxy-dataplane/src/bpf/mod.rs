@@ -52,7 +52,7 @@ pub use self::{
         ownership::{ForeignClassifier, HooksReport, NodeHooks},
         xdp::{XdpMode, XdpSetup, XdpStatus},
     },
-    kernel::{TcAttachMode, TcHook},
+    kernel::{Kernel, TcAttachMode, TcHook},
     maps::MapSet,
     options::{
         BpfLogLevel, ConntrackOptions, DEFAULT_PIN_DIR, MapSizes, Options, check_masquerade_ports,
@@ -65,7 +65,7 @@ pub use self::{
     pins::check_bpffs,
     programs::{
         BPF_OBJECT, CGROUP_PROGRAMS, SOCK_RELEASE_PROGRAM, TC_EGRESS_PROGRAM, TC_PROGRAM,
-        TC_SCTP_PROGRAM, load_private,
+        TC_SCTP_PROGRAM, load_private, load_private_on,
     },
 };
 use self::{

@@ -5,7 +5,7 @@ use crate::error::{ErrorKind, Kind as _, Result};
 use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
 use proxy_common::map_names;
 
-use super::{kernel, maps::MapSet};
+use super::{kernel::Kernel, maps::MapSet};
 
 /// The BPF object built from `proxy-ebpf`, embedded so one binary is all a node needs.
 pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
@@ -32,19 +32,38 @@ pub const TC_EGRESS_PROGRAM: &str = "tc_egress";
 /// Its tail call for SCTP checksums.
 pub const TC_SCTP_PROGRAM: &str = "tc_sctp_crc";
 
-/// The programs' switch for `bpf_set_retval` (see `kernel`).
-pub(super) const SET_RETVAL_GLOBAL: &str = "SET_RETVAL";
+/// The programs' switches for helpers an older kernel lacks (see `kernel`): a switch off
+/// makes the call dead code the verifier removes unchecked.
+const SET_RETVAL_GLOBAL: &str = "SET_RETVAL";
+const COARSE_CLOCK_GLOBAL: &str = "COARSE_CLOCK";
+
+/// Sets the programs' switches as `kernel` found it.
+pub(super) fn set_switches(loader: &mut EbpfLoader, kernel: &Kernel) {
+    for (name, on) in [
+        (SET_RETVAL_GLOBAL, kernel.set_retval),
+        (COARSE_CLOCK_GLOBAL, kernel.coarse_clock),
+    ] {
+        // The loader holds the value until it loads: a static one.
+        let value: &'static u8 = if on { &1 } else { &0 };
+        loader.override_global(name, value, true);
+    }
+}
 
 /// Loads the object with private, unpinned maps and nothing attached: for tests and for
 /// tracing packets without touching the live maps. `max_entries` overrides capacities by
 /// map name (to exercise full maps).
 pub fn load_private(max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
+    load_private_on(&Kernel::probed_helpers(), max_entries)
+}
+
+/// `load_private` with the programs' switches as `kernel` says, not as probed: tests
+/// run the fallbacks of an older kernel's helpers here.
+pub fn load_private_on(kernel: &Kernel, max_entries: &[(&str, u32)]) -> Result<(Ebpf, MapSet)> {
     let mut loader = EbpfLoader::new();
     for (name, size) in max_entries {
         loader.map_max_entries(name, *size);
     }
-    let set_retval = u8::from(kernel::has_set_retval());
-    loader.override_global(SET_RETVAL_GLOBAL, &set_retval, true);
+    set_switches(&mut loader, kernel);
     let mut ebpf = loader
         .load(BPF_OBJECT)
         .kind(ErrorKind::Load, "loading the BPF object")?;
