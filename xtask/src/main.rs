@@ -1,9 +1,10 @@
 //! Developer workflow: `cargo xtask setup | build-ebpf | build | test | fuzz | bench | soak |
-//! demo | cluster | cluster-scale | conformance`. `main` parses and dispatches; each
+//! demo | cluster | cluster-scale | conformance | kernels`. `main` parses and dispatches; each
 //! command lives in the module that owns it.
 
 mod cluster;
 mod fuzz;
+mod kernels;
 mod packages;
 mod process;
 mod runs;
@@ -99,6 +100,17 @@ enum Cmd {
         #[arg(long)]
         agent_only: bool,
     },
+    /// The agent on Debian's kernel lines (5.10, 6.1, 6.12), each booted under QEMU with no
+    /// network: the programs loaded, packets traced, both paths served; the table in
+    /// docs/kernels.md.
+    Kernels {
+        /// Kernel lines to boot (default: all; with --quick, the floor).
+        #[arg(long = "kernel")]
+        kernel: Vec<String>,
+        /// CI's form: the floor kernel, the loads and one request per path.
+        #[arg(long)]
+        quick: bool,
+    },
     /// The agent (release build) against the cluster in a box at N Services created through
     /// the API: time to all programmed, then programming latency under readiness churn.
     ClusterScale {
@@ -134,5 +146,9 @@ fn main() -> Result<()> {
             agent_only,
         } => runs::conformance(&root, conformance_only, agent_only),
         Cmd::Cluster { build_only, nodes } => runs::cluster(&root, build_only, nodes),
+        Cmd::Kernels { kernel, quick } => {
+            setup(&root)?;
+            kernels::kernels(&root, &kernel, quick)
+        }
     }
 }

@@ -81,8 +81,14 @@ fn is_root() -> bool {
 
 /// Installs what is missing (as root); elsewhere says which command would.
 pub fn ensure() -> Result<()> {
-    let missing: Vec<(&str, &str, &str)> = NEEDED
-        .into_iter()
+    ensure_these(&NEEDED)
+}
+
+/// `ensure` for another command's list: (command, package, why).
+pub fn ensure_these(needed: &[(&str, &str, &str)]) -> Result<()> {
+    let missing: Vec<(&str, &str, &str)> = needed
+        .iter()
+        .copied()
         .filter(|(cmd, _, _)| !on_path(cmd))
         .collect();
     if missing.is_empty() {
