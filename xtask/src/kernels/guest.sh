@@ -15,7 +15,7 @@ out=/tmp/out
 mkdir -p $out
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out $out
 kroot=$(arg kroot)
-for m in veth sch_ingress cls_bpf 8021q bonding; do
+for m in veth sch_ingress cls_bpf 8021q bonding nf_conntrack_netlink; do
   modprobe -d "$kroot" $m 2>>$out/modules.log || echo "no module $m" >>$out/modules.log
 done
 ip link set lo up
