@@ -228,13 +228,6 @@ pub async fn scrape(addr: &str) -> String {
     }
 }
 
-/// A metric's value from the Prometheus text (`name` followed by a space).
-pub fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
-}
-
 /// A labelled series' values by one label's value (`name{label="v"} x` → v: x).
 pub fn labelled(text: &str, name: &str, label: &str) -> std::collections::BTreeMap<String, f64> {
     let prefix = format!("{name}{{{label}=\"");
@@ -393,17 +386,6 @@ mod tests {
         assert_eq!(got.len(), 2);
         assert_eq!(got["SERVICES"], 4096.0);
         assert_eq!(got["BACKENDS"], 12.0);
-    }
-
-    #[test]
-    fn metrics_are_read_by_their_exact_name() {
-        let text = "proxy_agent_frontends_failed_total 3\nproxy_agent_frontends 10000\n";
-        assert_eq!(metric(text, "proxy_agent_frontends"), Some(10000.0));
-        assert_eq!(
-            metric(text, "proxy_agent_frontends_failed_total"),
-            Some(3.0)
-        );
-        assert_eq!(metric(text, "proxy_agent_front"), None);
     }
 
     #[test]

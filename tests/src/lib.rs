@@ -249,3 +249,26 @@ pub fn chi_square_uniform(counts: &BTreeMap<String, usize>, k: usize) -> f64 {
         .map(|o| (o - expected).powi(2) / expected)
         .sum()
 }
+
+/// A metric's value from the Prometheus text (`name` followed by a space).
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_read_by_their_exact_name() {
+        let text = "proxy_agent_frontends_failed_total 3\nproxy_agent_frontends 10000\n";
+        assert_eq!(metric(text, "proxy_agent_frontends"), Some(10000.0));
+        assert_eq!(
+            metric(text, "proxy_agent_frontends_failed_total"),
+            Some(3.0)
+        );
+        assert_eq!(metric(text, "proxy_agent_front"), None);
+    }
+}

@@ -28,8 +28,8 @@ use proxy_e2e::{
         apply_rbac, backends_seen, container, deploy, node_arg, object, set_ready, strings,
         until_backends,
     },
-    churn::metric,
     cluster::{Cluster, ClusterOptions, eventually, require_binaries},
+    metric,
 };
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,

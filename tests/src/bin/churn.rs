@@ -23,10 +23,10 @@ use clap::Parser;
 use proxy_e2e::{
     churn::{
         Latency, Seen, bpf_map_memory, cpu_seconds, free_port, http_get, labelled, latency,
-        machine_busy_seconds, memory_mib, metric, per_second, scrape, strip_ansi, watch_view,
+        machine_busy_seconds, memory_mib, per_second, scrape, strip_ansi, watch_view,
     },
     fake_apiserver::{self, Change, FakeApiServer, Kind, Options, Population},
-    sh,
+    metric, sh,
 };
 
 #[derive(Parser)]

@@ -21,6 +21,7 @@ use kube::{
 use proxy_e2e::{
     Path_, Testbed,
     cluster::{Cluster, ClusterOptions},
+    metric,
 };
 use serde_json::json;
 use tokio::{sync::Semaphore, task::JoinSet};
@@ -88,13 +89,6 @@ where
         r??;
     }
     Ok(())
-}
-
-/// A metric's value from the Prometheus text (`name` followed by a space).
-fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 /// A Prometheus histogram's cumulative buckets: (upper bound, count).
