@@ -17,7 +17,7 @@ pub fn test(root: &Path, args: &[String]) -> Result<()> {
     // them when it failed.
     let lint = lint_gate(root);
     // The cluster in a box's binaries, the nodes' too (cached under .tools/): its tests
-    // fail without them. The node smoke test (tests/tests/cluster_node.rs) takes ~40 s.
+    // fail without them. The node smoke test (tests/cluster/tests/cluster_node.rs) takes ~40 s.
     let bin_dir = cluster::build_nodes(root, false)?;
     let mut cmd = cargo(root, STABLE);
     cmd.args([
