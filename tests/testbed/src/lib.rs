@@ -99,15 +99,31 @@ pub fn agent_bin() -> PathBuf {
         .unwrap_or_else(|| helper_bin("proxy-agent"))
 }
 
-/// Binaries of the workspace's target folder (e2e-echo, e2e-client, proxy-agent), found
-/// from the running executable (which may sit in `deps/`).
+/// Binaries of the workspace's target folder (this crate's e2e-echo, e2e-client and
+/// e2e-synflood; proxy-agent), found from the running executable (which may sit in
+/// `deps/`). Panics, naming the command that builds them, when one is not there: `cargo
+/// test` builds a package's binaries only for that package's own integration tests, so
+/// the e2e suite's, the benchmarks' and the box's find this crate's only once built
+/// (`cargo xtask test` and `cargo xtask build` build them first).
 pub fn helper_bin(name: &str) -> PathBuf {
     let mut p = std::env::current_exe().unwrap_or_default();
     p.pop();
     if p.ends_with("deps") {
         p.pop();
     }
-    p.join(name)
+    let bin = p.join(name);
+    if !bin.exists() {
+        let release = if p.ends_with("release") {
+            " --release"
+        } else {
+            ""
+        };
+        panic!(
+            "{} is missing: build it with `cargo build{release} -p proxy-agent -p proxy-testbed --bins`",
+            bin.display()
+        );
+    }
+    bin
 }
 
 /// The web manifests plus a NodePort Service (eTP Cluster: masqueraded) on 10.96.0.30,
