@@ -1,7 +1,9 @@
 //! The layers of docs/architecture.md, checked from the source: every module of the agent
 //! and of the BPF programs imports only modules of a lower layer (read from its `use`
 //! lines and `crate::`/`super::` paths, test modules left out), the model imports no
-//! kernel-side crate, and only the command line reads the config.
+//! kernel-side crate, and only the command line reads the config; and the test crates
+//! under tests/ (the e2e suite, the benchmarks, the cluster in a box) name none of each
+//! other.
 
 use std::{
     collections::BTreeMap,
@@ -139,32 +141,119 @@ fn the_dataplane_uses_no_agent_side_crate() {
 /// Where the crate at `dir` (its manifest's `[dependencies]`, its code) names one of
 /// `forbidden`.
 fn crate_uses(dir: &str, forbidden: &[&'static str]) -> Vec<String> {
+    names_in(dir, &["dependencies"], &["src"], forbidden)
+}
+
+/// Where the crate at `dir` names one of `forbidden`: in its manifest's `tables`
+/// (`dependencies`, `dev-dependencies`, ...) or in the code of its `folders`.
+fn names_in(
+    dir: &str,
+    tables: &[&str],
+    folders: &[&str],
+    forbidden: &[&'static str],
+) -> Vec<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(dir);
     let manifest = read(&root.join("Cargo.toml"));
-    let deps = manifest
-        .split("[dependencies]")
-        .nth(1)
-        .expect("[dependencies]")
-        .split("\n[")
-        .next()
-        .unwrap_or_default();
-    let mut problems: Vec<String> = forbidden
-        .iter()
-        .filter(|c| {
-            let name = c.replace('_', "-");
-            deps.lines().any(|l| {
-                l.trim_start().starts_with(&format!("{name} "))
-                    || l.trim_start().starts_with(&format!("{name}="))
-            })
-        })
+    let mut problems: Vec<String> = manifest_names(&manifest, tables, forbidden)
         .map(|c| format!("{dir}/Cargo.toml depends on {c}"))
         .collect();
-    for file in rust_files(&root.join("src")) {
+    for file in folders.iter().flat_map(|f| rust_files(&root.join(f))) {
         let code = code_of(&read(&file));
         problems
             .extend(foreign_crates(&code, forbidden).map(|c| format!("{}: {c}", file.display())));
     }
     problems
+}
+
+/// The crates of `forbidden` that `manifest` lists in one of its `tables` (also a
+/// target's: `[target.'cfg(unix)'.dependencies]`).
+fn manifest_names<'a>(
+    manifest: &'a str,
+    tables: &'a [&str],
+    forbidden: &'a [&'static str],
+) -> impl Iterator<Item = &'static str> + 'a {
+    let mut inside = false;
+    let deps: Vec<&str> = manifest
+        .lines()
+        .filter(|l| {
+            let Some(header) = l.trim().strip_prefix('[').and_then(|h| h.strip_suffix(']')) else {
+                return inside;
+            };
+            inside = tables
+                .iter()
+                .any(|t| header == *t || header.ends_with(&format!(".{t}")));
+            false
+        })
+        .collect();
+    forbidden.iter().copied().filter(move |c| {
+        let name = c.replace('_', "-");
+        deps.iter().any(|l| {
+            l.trim_start().starts_with(&format!("{name} "))
+                || l.trim_start().starts_with(&format!("{name}="))
+        })
+    })
+}
+
+/// Every table of a manifest that lists crates a target uses.
+const DEPENDENCY_TABLES: &[&str] = &["dependencies", "dev-dependencies", "build-dependencies"];
+
+/// The test crates under tests/ beside the testbed, by folder and crate name: the e2e
+/// suite, the benchmarks and the cluster in a box.
+const TEST_CRATES: &[(&str, &str)] = &[
+    ("tests/e2e", "proxy_e2e"),
+    ("tests/bench", "proxy_bench"),
+    ("tests/cluster", "proxy_cluster"),
+];
+
+/// The test crates share what they share through the testbed (`proxy-testbed`) and the
+/// product's crates, never through each other: no manifest of theirs (any dependency
+/// table) and none of their code names another of them; the testbed, below them all,
+/// names none of them.
+#[test]
+fn the_test_crates_name_none_of_each_other() {
+    let all: Vec<&'static str> = TEST_CRATES.iter().map(|(_, c)| *c).collect();
+    let mut problems = names_in("tests/testbed", DEPENDENCY_TABLES, &["src"], &all);
+    for (dir, own) in TEST_CRATES {
+        let manifest = read(
+            &Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(dir)
+                .join("Cargo.toml"),
+        );
+        assert!(
+            manifest.contains(&format!("name = \"{}\"", own.replace('_', "-"))),
+            "{dir}/Cargo.toml is not {own}'s"
+        );
+        let others: Vec<&'static str> = all.iter().copied().filter(|c| c != own).collect();
+        problems.extend(names_in(dir, DEPENDENCY_TABLES, &["src", "tests"], &others));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_manifest_check_reads_every_dependency_table() {
+    let manifest = r#"[package]
+name = "proxy-e2e"
+
+[dependencies]
+anyhow = "1"
+
+[dev-dependencies]
+proxy-bench = { path = "../bench" }
+
+[target.'cfg(unix)'.build-dependencies]
+proxy-cluster={ path = "../cluster" }
+
+[features]
+proxy-testbed = []
+"#;
+    let forbidden = ["proxy_bench", "proxy_cluster", "proxy_testbed", "anyhow"];
+    let named = |tables: &[&str]| manifest_names(manifest, tables, &forbidden).collect::<Vec<_>>();
+    assert_eq!(
+        named(DEPENDENCY_TABLES),
+        ["proxy_bench", "proxy_cluster", "anyhow"]
+    );
+    assert_eq!(named(&["dependencies"]), ["anyhow"]);
 }
 
 /// Inside the model crate: no two modules import each other, however far round, and a

@@ -24,7 +24,7 @@ fn deploy_yaml_parses() {
                 assert_eq!(pod["hostPID"], true, "{pod}");
                 // Exactly these capabilities, nothing of the runtime's default set: each
                 // one is needed by a feature (docs/operations.md, "Privileges"), as
-                // tests/tests/privileges.rs shows by running the agent without it.
+                // tests/e2e/tests/privileges.rs shows by running the agent without it.
                 let caps = &pod["containers"][0]["securityContext"]["capabilities"];
                 assert_eq!(caps["drop"], serde_json::json!(["ALL"]), "{caps}");
                 assert_eq!(caps["add"], serde_json::json!(PRIVILEGES), "{caps}");

@@ -1,5 +1,5 @@
-//! What the workspace's test crates share (proxy-agent's integration tests and proxy-e2e):
-//! the root guard.
+//! What the workspace's test crates share (proxy-agent's integration tests and the crates
+//! under tests/): the root guard.
 //!
 //! Most tests need root: network namespaces, cgroup v2, a bpffs and BPF programs and maps.
 //! libtest has no run-time skip, and a test that returns early without root would count

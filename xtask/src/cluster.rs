@@ -1,7 +1,7 @@
 //! `cargo xtask cluster`: builds etcd, kube-apiserver and kube-controller-manager (and for
 //! `--nodes`, the kubelet, kube-scheduler, agnhost, kube-proxy; for `conformance`,
 //! e2e.test) from the versions `tools/cluster/go.mod` pins, once, into
-//! `.tools/cluster/<versions>/`, then runs the cluster in a box (`proxy_e2e::cluster`)
+//! `.tools/cluster/<versions>/`, then runs the cluster in a box (`proxy_cluster::cluster`)
 //! until Ctrl-C.
 
 use std::{
@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-/// The variable through which tests learn where the binaries are (`proxy_e2e::cluster`).
+/// The variable through which tests learn where the binaries are (`proxy_cluster::cluster`).
 pub const BIN_DIR_ENV: &str = "PROXY_CLUSTER_BIN_DIR";
 
 /// Output name and Go package of each binary. etcd's main package is its server module.

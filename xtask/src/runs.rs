@@ -9,7 +9,7 @@ use crate::{
     cluster,
     process::run,
     toolchain::{STABLE, cargo, setup},
-    workspace::{build, build_agent_bins, e2e_bin, e2e_release_bin},
+    workspace::{BENCH, CLUSTER, TESTBED, bin, build, build_agent_bins, release_bin},
 };
 
 /// `cargo xtask bench`: the control plane's scale, the datapaths beside kube-proxy's
@@ -30,7 +30,7 @@ pub fn bench(root: &Path, quick: bool) -> Result<()> {
     run(&mut cmd)?;
     // Side by side with kube-proxy's iptables and nftables rules, with the release agent.
     build_agent_bins(root, true)?;
-    let mut cmd = e2e_release_bin(root, "bench");
+    let mut cmd = release_bin(root, BENCH, "bench");
     agent_and_out(root, &mut cmd, "release");
     if quick {
         cmd.arg("--quick");
@@ -45,7 +45,7 @@ pub fn bench(root: &Path, quick: bool) -> Result<()> {
         &["10000", "100000"]
     };
     for services in sizes {
-        let mut cmd = e2e_release_bin(root, "fanout");
+        let mut cmd = release_bin(root, BENCH, "fanout");
         agent_and_out(root, &mut cmd, "release");
         if quick {
             cmd.arg("--quick");
@@ -57,7 +57,7 @@ pub fn bench(root: &Path, quick: bool) -> Result<()> {
     }
     // The control plane under churn: the release agent against the fake API server at
     // 1k / 10k (/ 100k) Services (target/bench/churn.json).
-    let mut cmd = e2e_release_bin(root, "churn");
+    let mut cmd = release_bin(root, BENCH, "churn");
     agent_and_out(root, &mut cmd, "release");
     if quick {
         cmd.arg("--quick");
@@ -77,7 +77,7 @@ fn agent_and_out(root: &Path, cmd: &mut std::process::Command, profile: &str) {
 pub fn soak(root: &Path, minutes: f64, files: bool) -> Result<()> {
     setup(root)?;
     build_agent_bins(root, false)?;
-    let mut cmd = e2e_bin(root, "soak");
+    let mut cmd = bin(root, BENCH, "soak");
     cmd.arg("--agent")
         .arg(root.join("target/debug/proxy-agent"))
         .arg("--minutes")
@@ -90,7 +90,7 @@ pub fn soak(root: &Path, minutes: f64, files: bool) -> Result<()> {
 pub fn demo(root: &Path, requests: u32) -> Result<()> {
     setup(root)?;
     build(root)?;
-    let mut cmd = e2e_bin(root, "demo");
+    let mut cmd = bin(root, TESTBED, "demo");
     cmd.arg("--agent")
         .arg(root.join("target/debug/proxy-agent"))
         .arg("--manifests")
@@ -106,8 +106,8 @@ pub fn cluster_scale(root: &Path, args: &[String]) -> Result<()> {
     let bin_dir = cluster::build(root)?;
     setup(root)?;
     run(cargo(root, STABLE).args(["build", "--release", "-p", "proxy-agent"]))?;
-    run(cargo(root, STABLE).args(["build", "-p", "proxy-e2e", "--bins"]))?;
-    let mut cmd = e2e_bin(root, "cluster-scale");
+    run(cargo(root, STABLE).args(["build", "-p", TESTBED, "--bins"]))?;
+    let mut cmd = bin(root, CLUSTER, "cluster-scale");
     cmd.env("PROXY_AGENT_BIN", root.join("target/release/proxy-agent"))
         .arg("--bin-dir")
         .arg(bin_dir)
@@ -128,7 +128,7 @@ pub fn conformance(root: &Path, conformance_only: bool, agent_only: bool) -> Res
         &["agent", "kube-proxy"]
     };
     for proxy in proxies {
-        let mut cmd = e2e_bin(root, "conformance");
+        let mut cmd = bin(root, CLUSTER, "conformance");
         cmd.env(cluster::BIN_DIR_ENV, &bin_dir)
             .env("PROXY_AGENT_BIN", root.join("target/debug/proxy-agent"))
             .arg("--bin-dir")
@@ -142,7 +142,7 @@ pub fn conformance(root: &Path, conformance_only: bool, agent_only: bool) -> Res
         }
         run(&mut cmd)?;
     }
-    let mut cmd = e2e_bin(root, "conformance");
+    let mut cmd = bin(root, CLUSTER, "conformance");
     cmd.arg("--bin-dir")
         .arg(&bin_dir)
         .arg("--out")
@@ -167,7 +167,7 @@ pub fn cluster(root: &Path, build_only: bool, nodes: usize) -> Result<()> {
     if nodes > 0 {
         run(cargo(root, STABLE).args(["build", "-p", "proxy-agent"]))?;
     }
-    let mut cmd = e2e_bin(root, "cluster");
+    let mut cmd = bin(root, CLUSTER, "cluster");
     cmd.arg("--bin-dir")
         .arg(bin_dir)
         .arg("--nodes")

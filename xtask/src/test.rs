@@ -10,6 +10,7 @@ use crate::{
     process::run,
     summary,
     toolchain::{STABLE, cargo},
+    workspace::build,
 };
 
 pub fn test(root: &Path, args: &[String]) -> Result<()> {
@@ -17,8 +18,13 @@ pub fn test(root: &Path, args: &[String]) -> Result<()> {
     // them when it failed.
     let lint = lint_gate(root);
     // The cluster in a box's binaries, the nodes' too (cached under .tools/): its tests
-    // fail without them. The node smoke test (tests/tests/cluster_node.rs) takes ~40 s.
+    // fail without them. The node smoke test (tests/cluster/tests/cluster_node.rs) takes ~40 s.
     let bin_dir = cluster::build_nodes(root, false)?;
+    // Every binary and test first: the helpers the testbeds spawn from target/debug/
+    // (e2e-echo, e2e-client, e2e-synflood) are proxy-testbed's binaries, and `cargo test`
+    // builds a package's binaries only for that package's own integration tests (the
+    // testbed has none). The same build as `cargo test`'s, which then finds it done.
+    build(root)?;
     let mut cmd = cargo(root, STABLE);
     cmd.args([
         "test",

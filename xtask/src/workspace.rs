@@ -9,23 +9,29 @@ use crate::{
     toolchain::{STABLE, cargo},
 };
 
-/// `cargo run` of one of proxy-e2e's binaries (debug build); its arguments follow.
-pub fn e2e_bin(root: &Path, name: &str) -> Command {
+/// The test crates whose binaries the commands run: the testbed (the helpers the testbeds
+/// spawn, the demo), the benchmarks (and the soak), the cluster in a box.
+pub const TESTBED: &str = "proxy-testbed";
+pub const BENCH: &str = "proxy-bench";
+pub const CLUSTER: &str = "proxy-cluster";
+
+/// `cargo run` of `package`'s binary `name` (debug build); its arguments follow.
+pub fn bin(root: &Path, package: &str, name: &str) -> Command {
     let mut cmd = cargo(root, STABLE);
-    cmd.args(["run", "--quiet", "-p", "proxy-e2e", "--bin", name, "--"]);
+    cmd.args(["run", "--quiet", "-p", package, "--bin", name, "--"]);
     cmd
 }
 
 /// The same, release build: for benchmarks, whose helpers share the machine with the
 /// agent they measure.
-pub fn e2e_release_bin(root: &Path, name: &str) -> Command {
+pub fn release_bin(root: &Path, package: &str, name: &str) -> Command {
     let mut cmd = cargo(root, STABLE);
     cmd.args([
         "run",
         "--quiet",
         "--release",
         "-p",
-        "proxy-e2e",
+        package,
         "--bin",
         name,
         "--",
@@ -33,14 +39,15 @@ pub fn e2e_release_bin(root: &Path, name: &str) -> Command {
     cmd
 }
 
-/// The agent and the e2e helpers' binaries (a release build: `target/release/`).
+/// The agent and the helpers the testbeds spawn (proxy-testbed's binaries), found next to
+/// the binary that runs them (a release build: `target/release/`).
 pub fn build_agent_bins(root: &Path, release: bool) -> Result<()> {
     let mut cmd = cargo(root, STABLE);
     cmd.arg("build");
     if release {
         cmd.arg("--release");
     }
-    cmd.args(["-p", "proxy-agent", "-p", "proxy-e2e", "--bins"]);
+    cmd.args(["-p", "proxy-agent", "-p", TESTBED, "--bins"]);
     run(&mut cmd)
 }
 

@@ -1,8 +1,9 @@
 //! Shared by the integration tests; each test binary uses only part of it.
 #![allow(dead_code, reason = "each test binary uses part of the support code")]
 
-/// One fake API server for these tests and proxy-e2e's churn benchmark.
-#[path = "../../../tests/src/fake_apiserver.rs"]
+/// One fake API server for these tests and the test crates' (proxy-testbed's, which the
+/// e2e suite and the churn, fan-out and soak benchmarks use).
+#[path = "../../../tests/testbed/src/fake_apiserver.rs"]
 pub mod fake_apiserver;
 pub mod logs;
 pub mod tc_harness;
