@@ -42,6 +42,17 @@ pub const TCP_TARGET: u16 = 8080;
 pub const UDP_PORT: u16 = 53;
 pub const UDP_TARGET: u16 = 5353;
 
+/// A wait's limit, stretched by `PROXY_TEST_TIME_SCALE` (a whole number, default 1): in a
+/// software-emulated guest (`cargo xtask kernels`) the verifier alone takes minutes.
+pub fn patience(limit: std::time::Duration) -> std::time::Duration {
+    let scale = std::env::var("PROXY_TEST_TIME_SCALE")
+        .ok()
+        .and_then(|s| s.parse::<u32>().ok())
+        .filter(|&s| s >= 1)
+        .unwrap_or(1);
+    limit * scale
+}
+
 /// Runs a command, failing with its stderr.
 pub fn sh(args: &[&str]) -> Result<String> {
     let out = Command::new(args[0])

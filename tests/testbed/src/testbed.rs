@@ -212,7 +212,7 @@ impl Testbed {
     }
 
     fn wait_tcp(&self, target: &str) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(10));
         loop {
             let out = self.client_raw(&[
                 "--target",
@@ -394,7 +394,7 @@ impl Testbed {
         self.wait_frontends(frontends)?;
         // A restarted agent finds the frontends already pinned: wait for its own
         // attachments too (its last start-up line), or the test would look at them early.
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(20));
         while !self.agent_log().contains("BPF dataplane ready") {
             if Instant::now() > deadline {
                 bail!(
@@ -495,7 +495,7 @@ impl Testbed {
         let child = cmd.spawn().context("starting the other proxy-agent")?;
         self.others.retain(|(n, _)| n != name);
         self.others.push((name.to_string(), Some(child)));
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(30));
         loop {
             let ready = self.other_log(name).contains("BPF dataplane ready");
             let programmed = self
@@ -620,7 +620,7 @@ impl Testbed {
 
     /// `wait_for`, up to `within`.
     pub fn wait_for_within(&self, within: Duration, what: &str, cond: impl Fn() -> bool) {
-        let deadline = Instant::now() + within;
+        let deadline = Instant::now() + crate::patience(within);
         while !cond() {
             assert!(
                 Instant::now() < deadline,
@@ -692,7 +692,7 @@ impl Testbed {
 
     /// Waits until the pinned service map holds exactly `n` frontends.
     pub fn wait_frontends(&mut self, n: usize) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + crate::patience(Duration::from_secs(20));
         loop {
             if let Some(agent) = &mut self.agent
                 && let Some(status) = agent.try_wait()?
