@@ -138,40 +138,53 @@ pub fn flow_last_seen(fwd: &CtValue, reply: Option<&CtValue>) -> u64 {
 
 /// The key of a forward entry's partner: the tuple the backend's replies carry.
 pub fn reply_key_of(fwd_key: &CtKey, fwd: &CtValue) -> CtKey {
+    let mut key = CtKey::default();
+    set_reply_key(&mut key, fwd_key, fwd);
+    key
+}
+
+/// `reply_key_of`, written field by field into `out` (a per-CPU slot: the BPF programs
+/// build partner keys off the stack).
+#[inline(always)]
+pub fn set_reply_key(out: &mut CtKey, fwd_key: &CtKey, fwd: &CtValue) {
     let snat = fwd.flags & CT_F_SNAT != 0;
-    CtKey {
-        saddr: fwd.xlate_addr,
-        daddr: if snat { fwd.nat_addr } else { fwd_key.saddr },
-        sport: fwd.xlate_port,
-        dport: if snat { fwd.nat_port } else { fwd_key.sport },
-        proto: fwd_key.proto,
-        family: fwd_key.family,
-        dir: CT_DIR_REPLY,
-        _pad: 0,
-    }
+    out.saddr = fwd.xlate_addr;
+    out.daddr = if snat { fwd.nat_addr } else { fwd_key.saddr };
+    out.sport = fwd.xlate_port;
+    out.dport = if snat { fwd.nat_port } else { fwd_key.sport };
+    out.proto = fwd_key.proto;
+    out.family = fwd_key.family;
+    out.dir = CT_DIR_REPLY;
+    out._pad = 0;
 }
 
 /// The key of a reply entry's partner: the client's tuple towards the frontend.
 pub fn forward_key_of(reply_key: &CtKey, reply: &CtValue) -> CtKey {
+    let mut key = CtKey::default();
+    set_forward_key(&mut key, reply_key, reply);
+    key
+}
+
+/// `forward_key_of`, written field by field into `out`.
+#[inline(always)]
+pub fn set_forward_key(out: &mut CtKey, reply_key: &CtKey, reply: &CtValue) {
     let snat = reply.flags & CT_F_SNAT != 0;
-    CtKey {
-        saddr: if snat {
-            reply.nat_addr
-        } else {
-            reply_key.daddr
-        },
-        daddr: reply.xlate_addr,
-        sport: if snat {
-            reply.nat_port
-        } else {
-            reply_key.dport
-        },
-        dport: reply.xlate_port,
-        proto: reply_key.proto,
-        family: reply_key.family,
-        dir: CT_DIR_FORWARD,
-        _pad: 0,
-    }
+    out.saddr = if snat {
+        reply.nat_addr
+    } else {
+        reply_key.daddr
+    };
+    out.daddr = reply.xlate_addr;
+    out.sport = if snat {
+        reply.nat_port
+    } else {
+        reply_key.dport
+    };
+    out.dport = reply.xlate_port;
+    out.proto = reply_key.proto;
+    out.family = reply_key.family;
+    out.dir = CT_DIR_FORWARD;
+    out._pad = 0;
 }
 
 /// Nanoseconds from `then` to `now` on `bpf_ktime_get_ns()`'s clock; 0 when `then` is

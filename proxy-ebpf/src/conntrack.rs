@@ -25,6 +25,7 @@ use proxy_common::{
     CT_DIR_REPLY, CT_F_ASSURED, CT_F_DSR_BACKEND, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLIED,
     CT_F_RST, CT_F_SNAT, CtKey, CtTimeouts, CtValue, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
     counter, ct_closed, elapsed_ns, flow_last_seen, forward_key_of, port_slot, reply_key_of,
+    set_forward_key, set_reply_key,
 };
 
 use crate::{
@@ -51,6 +52,30 @@ pub fn ct_scratch(idx: u32) -> Option<&'static mut CtValue> {
     let v = unsafe { &mut *p };
     crate::mem::zero(v);
     Some(v)
+}
+
+/// Per-CPU room for the partner keys the lookups build (40 bytes each), one slot per
+/// function that builds one, off the deep call chains' stack: 5.10's and 6.1's
+/// verifiers round every frame up to 32 bytes and refused the classifier at 544 of 512
+/// (tests/stack_budget.rs keeps the count). A key in map memory is a valid key for a
+/// lookup. (Not pinned: each load has its own.)
+#[btf_map]
+static CT_KEY_SCRATCH: PerCpuArray<CtKey, 4> = PerCpuArray::new();
+const KEY_PARTNER: u32 = 0;
+const KEY_STALE: u32 = 1;
+const KEY_PROMOTE_REPLY: u32 = 2;
+const KEY_PROMOTE_FORWARD: u32 = 3;
+
+/// This CPU's key slot `idx`, filled in place by `set` (a key built on the stack and
+/// copied would cost the frame it saves). As for `ct_scratch`, the slot is the current
+/// packet's; each slot belongs to one function, and none of them calls another's owner.
+#[inline(always)]
+fn key_scratch(idx: u32, set: impl FnOnce(&mut CtKey)) -> Option<&'static CtKey> {
+    let p = CT_KEY_SCRATCH.get_ptr_mut(idx)?;
+    // SAFETY: a valid per-CPU slot, used by one packet at a time (see above).
+    let slot = unsafe { &mut *p };
+    set(slot);
+    Some(slot)
 }
 
 /// This CPU's scratch value `idx` as the current packet left it.
@@ -291,8 +316,12 @@ pub fn forget(key: &CtKey, fwd: *const CtValue, new: bool) {
 #[inline(never)]
 pub fn partner(reply_key: &CtKey, reply: *const CtValue, new: bool) -> *mut CtValue {
     // SAFETY: map memory, valid for this program run.
-    let fwd_key = forward_key_of(reply_key, unsafe { &*reply });
-    let Some(fwd) = lookup_in(&fwd_key, new) else {
+    let Some(fwd_key) = key_scratch(KEY_PARTNER, |k| {
+        set_forward_key(k, reply_key, unsafe { &*reply })
+    }) else {
+        return core::ptr::null_mut();
+    };
+    let Some(fwd) = lookup_in(fwd_key, new) else {
         return core::ptr::null_mut();
     };
     // SAFETY: as above.
@@ -316,8 +345,11 @@ pub fn completes_handshake(pkt: &Packet, flags: u8) -> bool {
 #[inline(never)]
 pub fn promote_forward(key: &CtKey, fwd: *const CtValue) {
     // SAFETY: map memory, valid for this program run.
-    let reply_key = reply_key_of(key, unsafe { &*fwd });
-    promote(&reply_key);
+    if let Some(reply_key) = key_scratch(KEY_PROMOTE_REPLY, |k| {
+        set_reply_key(k, key, unsafe { &*fwd })
+    }) {
+        promote(reply_key);
+    }
 }
 
 /// The flow is assured: both entries move to the table of answered flows.
@@ -330,8 +362,12 @@ pub fn promote(reply_key: &CtKey) {
         return;
     };
     // SAFETY: map memory, valid for this program run.
-    let fwd_key = forward_key_of(reply_key, unsafe { &*reply });
-    let Some(fwd) = CONNTRACK_NEW.get_ptr_mut(&fwd_key) else {
+    let Some(fwd_key) = key_scratch(KEY_PROMOTE_FORWARD, |k| {
+        set_forward_key(k, reply_key, unsafe { &*reply })
+    }) else {
+        return;
+    };
+    let Some(fwd) = CONNTRACK_NEW.get_ptr_mut(fwd_key) else {
         return;
     };
     // SAFETY: as above; the helper copies the values.
@@ -340,25 +376,27 @@ pub fn promote(reply_key: &CtKey) {
         return;
     }
     // SAFETY: as above.
-    if CONNTRACK.insert(&fwd_key, unsafe { &*fwd }, 0).is_err() {
+    if CONNTRACK.insert(fwd_key, unsafe { &*fwd }, 0).is_err() {
         let _ = CONNTRACK.remove(reply_key);
         count(counter::CT_FULL);
         return;
     }
-    let _ = CONNTRACK_NEW.remove(&fwd_key);
+    let _ = CONNTRACK_NEW.remove(fwd_key);
     let _ = CONNTRACK_NEW.remove(reply_key);
 }
 
 /// Whether the flow holding reply tuple `key` (entry `reply`) no longer needs it: its
 /// forward entry is gone or names another reply tuple, or the flow expired, or it closed
 /// more than a second ago.
-/// (Not inlined: its partner key gets a frame of its own.)
-#[inline(never)]
+/// (Inlined into `claim`, its one caller; its partner key is in `CT_KEY_SCRATCH`.)
+#[inline(always)]
 fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
     // SAFETY: map memory, valid for this program run.
     let r = unsafe { &*reply };
-    let fwd_key = forward_key_of(key, r);
-    let Some(fwd) = lookup_in(&fwd_key, new) else {
+    let Some(fwd_key) = key_scratch(KEY_STALE, |k| set_forward_key(k, key, r)) else {
+        return true;
+    };
+    let Some(fwd) = lookup_in(fwd_key, new) else {
         return true;
     };
     // SAFETY: as above.
@@ -373,7 +411,7 @@ fn stale(key: &CtKey, reply: *const CtValue, new: bool, now: u64) -> bool {
     let last = flow_last_seen(f, Some(r));
     let closed_long_enough = ct_closed(f.flags) && elapsed_ns(now, last) > CLOSED_TUPLE_HOLD_NS;
     if idle_past(key.proto, f.flags, last, now) || closed_long_enough {
-        remove_in(&fwd_key, new);
+        remove_in(fwd_key, new);
         return true;
     }
     false
@@ -416,7 +454,8 @@ fn mark_reply_port(sport: u16) {
 
 /// Claims reply tuple `key` for a new flow by writing its reply entry `value` into the
 /// table of new flows, unless a live flow holds the tuple. A closed or expired flow
-/// holding it gives it up (its entries go).
+/// holding it gives it up (its entries go). (A frame of its own, `stale` inside it: the
+/// three callers' frames stay small.)
 #[inline(never)]
 pub fn claim(key: &CtKey, value: &CtValue) -> bool {
     let now = now();

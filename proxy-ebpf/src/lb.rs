@@ -40,9 +40,48 @@ pub enum NoBackend {
     Drop(i32),
 }
 
+/// Per-CPU room for the affinity key of the per-packet path (`affinity_key_in_scratch`):
+/// its chain through `select_backend` has no stack to spare on the verifiers that round
+/// every frame up to 32 bytes (tests/stack_budget.rs). TC and XDP run one packet at a
+/// time per CPU; the connect-time hooks, which an interrupt's packet may interrupt, keep
+/// theirs on the stack. (Not pinned: each load has its own.)
+#[btf_map]
+static AFFINITY_KEY_SCRATCH: PerCpuArray<AffinityKey, 1> = PerCpuArray::new();
+
+/// The affinity key of `client` for `svc`, as the connect-time hooks keep it.
+#[inline(always)]
+pub fn affinity_key(svc: &ServiceValue, client: &Client<'_>) -> AffinityKey {
+    let mut key = AffinityKey::default();
+    set_affinity_key(&mut key, svc, client);
+    key
+}
+
+/// The same in this CPU's scratch slot, filled in place: for TC and XDP only (above).
+#[inline(always)]
+pub fn affinity_key_in_scratch(
+    svc: &ServiceValue,
+    client: &Client<'_>,
+) -> Option<&'static AffinityKey> {
+    let p = AFFINITY_KEY_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: a valid per-CPU slot, the current packet's (see above).
+    let key = unsafe { &mut *p };
+    set_affinity_key(key, svc, client);
+    Some(key)
+}
+
+#[inline(always)]
+fn set_affinity_key(key: &mut AffinityKey, svc: &ServiceValue, client: &Client<'_>) {
+    key.client = *client.id;
+    key.service_id = svc.id;
+    key.family = client.family;
+    key.kind = client.kind;
+    key._pad = [0; 2];
+}
+
 /// Who is asking, for session affinity and the hashing schedulers.
-pub struct Client {
-    pub id: [u32; 4],
+pub struct Client<'a> {
+    /// A reference, not a copy: the per-packet caller's frame has no room for one.
+    pub id: &'a [u32; 4],
     pub kind: u8,
     pub family: u8,
     /// The client's port, network byte order (0 at connect time: not chosen yet).
@@ -59,7 +98,9 @@ pub fn may_be_frontend(dport: u16) -> bool {
 
 /// Finds the service entry for a frontend. Internal traffic (from pods or the node itself)
 /// uses the internal scope when the service has one (its backends differ from the
-/// external view, e.g. `externalTrafficPolicy: Local`).
+/// external view, e.g. `externalTrafficPolicy: Local`). A reference into the map, not a
+/// copy: the deep call chains have no stack to spare, and an entry the agent replaces is
+/// a new element (the maps are not preallocated), so this one stays as read.
 #[inline(always)]
 pub fn lookup_service(
     addr: [u32; 4],
@@ -67,7 +108,7 @@ pub fn lookup_service(
     proto: u8,
     family: u8,
     internal: bool,
-) -> Option<ServiceValue> {
+) -> Option<&'static ServiceValue> {
     let mut key = ServiceKey {
         addr,
         port,
@@ -76,14 +117,14 @@ pub fn lookup_service(
         scope: SCOPE_EXTERNAL,
         _pad: [0; 3],
     };
-    // SAFETY: the value is copied out at once.
-    let svc = unsafe { *SERVICES.get(&key)? };
+    // SAFETY: map memory, valid for this program run (see above).
+    let svc = unsafe { SERVICES.get(&key)? };
     if !internal || svc.flags & SVC_F_TWO_SCOPES == 0 {
         return Some(svc);
     }
     key.scope = SCOPE_INTERNAL;
     // SAFETY: as above.
-    unsafe { SERVICES.get(&key).copied() }.or(Some(svc))
+    unsafe { SERVICES.get(&key) }.or(Some(svc))
 }
 
 /// Picks a backend for a new connection to `svc`: the client's affinity entry while it is
@@ -95,20 +136,13 @@ pub fn lookup_service(
 #[inline(never)]
 pub fn select_backend(
     svc: &ServiceValue,
-    client: &Client,
+    aff_key: &AffinityKey,
     slot: u32,
 ) -> Result<(u32, Backend), NoBackend> {
     if svc.count == 0 {
         return Err(no_backend(svc));
     }
     let affinity = svc.flags & SVC_F_AFFINITY != 0;
-    let aff_key = AffinityKey {
-        client: client.id,
-        service_id: svc.id,
-        family: client.family,
-        kind: client.kind,
-        _pad: [0; 2],
-    };
     // The clock only for affinity's timestamps (a clock read is not free in a VM).
     let now = if affinity {
         // SAFETY: bpf_ktime_get_ns has no preconditions.
@@ -117,8 +151,10 @@ pub fn select_backend(
         0
     };
     if affinity {
-        // SAFETY: the value is copied out at once.
-        if let Some(aff) = unsafe { AFFINITY.get(&aff_key).copied() } {
+        // SAFETY: map memory, valid for this program run; another CPU may rewrite it
+        // meanwhile (an LRU map's update is in place), and a torn read only costs
+        // stickiness: the backend is checked below.
+        if let Some(aff) = unsafe { AFFINITY.get(aff_key) } {
             let timeout_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
             // Only while the backend is still in this service's set, and already was when
             // the entry was last used (ids freed and reused later start a new membership).
@@ -127,7 +163,7 @@ pub fn select_backend(
             {
                 if let Some(be) = active_backend(aff.backend_id) {
                     count(counter::AFFINITY_HIT);
-                    remember(&aff_key, aff.backend_id, now);
+                    remember(aff_key, aff.backend_id, now);
                     return Ok((aff.backend_id, be));
                 }
             }
@@ -153,7 +189,7 @@ pub fn select_backend(
         }
     };
     if affinity {
-        remember(&aff_key, id, now);
+        remember(aff_key, id, now);
     }
     Ok((id, be))
 }
@@ -161,12 +197,12 @@ pub fn select_backend(
 /// The slot `svc`'s scheduler picks for a new flow from `client` (`< svc.count`; 0 when
 /// the service has no slots).
 #[inline(never)]
-pub fn schedule(svc: &ServiceValue, client: &Client) -> u32 {
+pub fn schedule(svc: &ServiceValue, client: &Client<'_>) -> u32 {
     let count = nonzero(u32::from(svc.count));
     match svc.scheduler {
         sched::RR | sched::WRR => round_robin(svc.id) % count,
-        sched::SH => maglev(svc, sched_hash(&client.id, 0)),
-        sched::MH => maglev(svc, sched_hash(&client.id, client.port)),
+        sched::SH => maglev(svc, sched_hash(client.id, 0)),
+        sched::MH => maglev(svc, sched_hash(client.id, client.port)),
         s if is_least_conn(s) => {
             let weighted = if svc.flags & SVC_F_WEIGHTED != 0 {
                 LC_WEIGHTED
@@ -421,9 +457,9 @@ fn backend_in_slot(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
 
 /// Re-reads the service whose entry `svc` was, by id, through its reverse-NAT frontend.
 #[inline(always)]
-fn lookup_fresh(svc: &ServiceValue) -> Option<ServiceValue> {
-    // SAFETY: the value is copied out at once.
-    let frontend = unsafe { crate::maps::REV_NAT.get(&svc.rev_nat_id).copied()? };
+fn lookup_fresh(svc: &ServiceValue) -> Option<&'static ServiceValue> {
+    // SAFETY: map memory, valid for this program run (see `lookup_service`).
+    let frontend = unsafe { crate::maps::REV_NAT.get(&svc.rev_nat_id)? };
     // The entry that changed may be either scope's: try both.
     for internal in [false, true] {
         if let Some(fresh) = lookup_service(

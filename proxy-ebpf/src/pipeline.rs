@@ -395,13 +395,16 @@ fn new_flow<F: Frame>(ctx: &F, pkt: &Packet) -> Result<Option<i32>, i32> {
         return Err(drop::packet(Reason::CtInvalid));
     }
     let client = Client {
-        id: pkt.saddr,
+        id: &pkt.saddr,
         kind: AFFINITY_BY_ADDR,
         family: pkt.family,
         port: pkt.sport,
     };
-    let slot = lb::schedule(&svc, &client);
-    let (backend_id, be) = match lb::select_backend(&svc, &client, slot) {
+    let slot = lb::schedule(svc, &client);
+    let Some(aff_key) = lb::affinity_key_in_scratch(svc, &client) else {
+        return Err(drop::packet(Reason::Unreachable)); // a valid index
+    };
+    let (backend_id, be) = match lb::select_backend(svc, aff_key, slot) {
         Ok(found) => found,
         Err(NoBackend::Reject) => {
             return match ctx.tc() {

@@ -88,14 +88,15 @@ pub fn translate_to_backend(ctx: &SockAddrContext, family: u8, hook: Hook) -> i3
     // The source address is not chosen yet at connect time: the client is its netns.
     // SAFETY: valid context pointer for this program type.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let id = [netns as u32, (netns >> 32) as u32, 0, 0];
     let client = Client {
-        id: [netns as u32, (netns >> 32) as u32, 0, 0],
+        id: &id,
         kind: AFFINITY_BY_NETNS,
         family: svc_family,
         port: 0,
     };
-    let slot = lb::schedule(&svc, &client);
-    match lb::select_backend(&svc, &client, slot) {
+    let slot = lb::schedule(svc, &client);
+    match lb::select_backend(svc, &lb::affinity_key(svc, &client), slot) {
         Ok((id, be)) => {
             lb::opened(&svc, id);
             // The socket sees the backend in the form it used for the frontend.
