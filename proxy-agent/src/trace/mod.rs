@@ -424,6 +424,9 @@ impl Bench {
         for ((i, p), r) in picked.into_iter().zip(results) {
             let (verdict, endpoints) = match r.error.as_deref() {
                 Some("ECONNREFUSED") => (Verdict::Reject, vec![]),
+                // Before Linux 5.18 (no bpf_set_retval) a refusal fails the connect with
+                // EPERM too: what the frontend was programmed to do tells them apart.
+                Some("EPERM") if !bpf::kernel::has_set_retval() => (self.when_empty_of(p), vec![]),
                 Some("EPERM") => (Verdict::Drop, vec![]),
                 Some(other) => anyhow::bail!("packet {:?}: connect failed: {other}", p.name),
                 None if r.peers == [p.dst] && self.is_node_address(p.dst.ip()) => {
@@ -470,6 +473,22 @@ impl Bench {
             .and_then(|code| bpf::codec::scheduler_of_code(*code))
             .unwrap_or_default()
             .name()
+    }
+
+    /// What the connect-time hooks do for `p`'s frontend with no endpoint to use: its
+    /// internal backend set's (the hooks see pods and the node only).
+    fn when_empty_of(&self, p: &Packet) -> Verdict {
+        let empty = self
+            .view
+            .iter()
+            .find(|(fe, _)| {
+                fe.ip == p.dst.ip() && fe.port == p.dst.port() && fe.protocol == p.protocol
+            })
+            .map(|(_, st)| st.internal.as_deref().unwrap_or(&st.backends).when_empty);
+        match empty {
+            Some(crate::model::WhenEmpty::Reject) => Verdict::Reject,
+            _ => Verdict::Drop,
+        }
     }
 
     /// The Service port whose frontend `p` is addressed to.
