@@ -282,6 +282,17 @@ pub fn check(connect_time: bool, per_packet: Option<TcAttachMode>) -> Result<Ker
              without endpoints fails with EPERM instead of ECONNREFUSED"
         );
     }
+    // One line naming every choice, so an operator with a mixed fleet reads from the log
+    // what this node's kernel gave (docs/kernels.md lists what each one costs).
+    tracing::info!(
+        release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim(),
+        tc_hook = ?kernel.tc_hook,
+        set_retval = kernel.set_retval,
+        coarse_clock = kernel.coarse_clock,
+        "kernel features chosen"
+    );
     if per_packet.is_some() && !kernel.coarse_clock {
         tracing::info!(
             "no bpf_ktime_get_coarse_ns (Linux 5.11): the flows' clock reads the fine \

@@ -94,6 +94,20 @@ fn clsact_serves_cluster_ips_and_a_nodeport() {
         &["--node-ip", "10.10.0.1"],
     );
     assert!(tb.agent_log().contains("hook=Clsact"), "{}", tb.agent_log());
+    // The start-up line that names what the kernel gave and what was chosen.
+    let log = tb.agent_log();
+    let chosen = log
+        .lines()
+        .find(|l| l.contains("kernel features chosen"))
+        .unwrap_or_else(|| panic!("no kernel features line:\n{log}"));
+    for field in [
+        "release=",
+        "tc_hook=Some(Clsact)",
+        "set_retval=",
+        "coarse_clock=",
+    ] {
+        assert!(chosen.contains(field), "{field} missing from {chosen}");
+    }
     one_filter_each(&tb, &tb.node_interfaces());
     for (vip, proto, port) in [
         (VIP4, "tcp", TCP_PORT),
