@@ -151,20 +151,28 @@ pub fn select_backend(
         0
     };
     if affinity {
-        // SAFETY: map memory, valid for this program run; another CPU may rewrite it
-        // meanwhile (an LRU map's update is in place), and a torn read only costs
-        // stickiness: the backend is checked below.
-        if let Some(aff) = unsafe { AFFINITY.get(aff_key) } {
+        // The two fields read once each, into registers (the whole value copied took
+        // stack the per-packet chain has not): another CPU may rewrite the entry in place
+        // (an LRU map's), and every check below must be of the id that is used.
+        // SAFETY: map memory, valid for this program run.
+        if let Some((backend_id, last_used_ns)) = unsafe { AFFINITY.get(aff_key) }
+            .map(|aff| unsafe {
+                (
+                    core::ptr::read_volatile(&aff.backend_id),
+                    core::ptr::read_volatile(&aff.last_used_ns),
+                )
+            })
+        {
             let timeout_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
             // Only while the backend is still in this service's set, and already was when
             // the entry was last used (ids freed and reused later start a new membership).
-            if proxy_common::elapsed_ns(now, aff.last_used_ns) <= timeout_ns
-                && member_since(svc.id, aff.backend_id, aff.last_used_ns)
+            if proxy_common::elapsed_ns(now, last_used_ns) <= timeout_ns
+                && member_since(svc.id, backend_id, last_used_ns)
             {
-                if let Some(be) = active_backend(aff.backend_id) {
+                if let Some(be) = active_backend(backend_id) {
                     count(counter::AFFINITY_HIT);
-                    remember(aff_key, aff.backend_id, now);
-                    return Ok((aff.backend_id, be));
+                    remember(aff_key, backend_id, now);
+                    return Ok((backend_id, be));
                 }
             }
         }
