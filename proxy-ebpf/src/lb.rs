@@ -155,8 +155,8 @@ pub fn select_backend(
         // stack the per-packet chain has not): another CPU may rewrite the entry in place
         // (an LRU map's), and every check below must be of the id that is used.
         // SAFETY: map memory, valid for this program run.
-        if let Some((backend_id, last_used_ns)) = unsafe { AFFINITY.get(aff_key) }
-            .map(|aff| unsafe {
+        if let Some((backend_id, last_used_ns)) =
+            unsafe { AFFINITY.get(aff_key) }.map(|aff| unsafe {
                 (
                     core::ptr::read_volatile(&aff.backend_id),
                     core::ptr::read_volatile(&aff.last_used_ns),

@@ -70,6 +70,12 @@ pub struct Counters {
     pub api: ApiCounts,
 }
 
+impl Counters {
+    fn count_dataplane_error(&mut self, call: &'static str, e: &crate::dataplane::Error) {
+        *self.dataplane_errors.entry((call, e.kind())).or_default() += 1;
+    }
+}
+
 /// How full the connection-tracking tables are (entries, two per flow) and how many
 /// entries the collector has removed in all.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
@@ -285,12 +291,7 @@ impl Status {
 
     /// A dataplane call that failed: logged by the caller, counted here by its kind.
     pub(crate) fn count_dataplane_error(&self, call: &'static str, e: &crate::dataplane::Error) {
-        self.with(|s| {
-            *s.counters
-                .dataplane_errors
-                .entry((call, e.kind()))
-                .or_default() += 1;
-        });
+        self.with(|s| s.counters.count_dataplane_error(call, e));
     }
 
     pub(crate) fn count_rejections(&self, n: usize) {
@@ -336,10 +337,7 @@ impl Status {
                 }
                 Err(e) => {
                     s.counters.syncs_failed += 1;
-                    *s.counters
-                        .dataplane_errors
-                        .entry(("apply", e.kind()))
-                        .or_default() += 1;
+                    s.counters.count_dataplane_error("apply", e);
                 }
             }
         });

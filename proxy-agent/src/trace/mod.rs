@@ -479,12 +479,8 @@ impl Bench {
     /// internal backend set's (the hooks see pods and the node only).
     fn when_empty_of(&self, p: &Packet) -> Verdict {
         let empty = self
-            .view
-            .iter()
-            .find(|(fe, _)| {
-                fe.ip == p.dst.ip() && fe.port == p.dst.port() && fe.protocol == p.protocol
-            })
-            .map(|(_, st)| st.internal.as_deref().unwrap_or(&st.backends).when_empty);
+            .state_of(p)
+            .map(|st| st.internal.as_deref().unwrap_or(&st.backends).when_empty);
         match empty {
             Some(crate::model::WhenEmpty::Reject) => Verdict::Reject,
             _ => Verdict::Drop,
@@ -493,12 +489,17 @@ impl Bench {
 
     /// The Service port whose frontend `p` is addressed to.
     fn service_of(&self, p: &Packet) -> Option<String> {
+        self.state_of(p).map(|st| st.service.clone())
+    }
+
+    /// The view's state of the frontend `p` is addressed to.
+    fn state_of(&self, p: &Packet) -> Option<&crate::model::FrontendState> {
         self.view
             .iter()
             .find(|(fe, _)| {
                 fe.ip == p.dst.ip() && fe.port == p.dst.port() && fe.protocol == p.protocol
             })
-            .map(|(_, st)| st.service.clone())
+            .map(|(_, st)| st)
     }
 }
 

@@ -101,37 +101,51 @@ pub fn tcx_supported() -> Result<bool> {
 /// This kernel's version (major, minor), from `/proc/sys/kernel/osrelease`: for logs and
 /// tests only — the probes decide.
 pub fn release() -> Result<(u32, u32)> {
-    let path = "/proc/sys/kernel/osrelease";
-    let text =
-        std::fs::read_to_string(path).kind_with(ErrorKind::Kernel, || format!("reading {path}"))?;
-    let mut parts = text.trim().split(['.', '-']).map(str::parse::<u32>);
+    let text = release_text()?;
+    let mut parts = text.split(['.', '-']).map(str::parse::<u32>);
     match (parts.next(), parts.next()) {
         (Some(Ok(major)), Some(Ok(minor))) => Ok((major, minor)),
-        _ => fail!(ErrorKind::Kernel, "{path}: unexpected release {text:?}"),
+        _ => fail!(
+            ErrorKind::Kernel,
+            "{OSRELEASE}: unexpected release {text:?}"
+        ),
     }
 }
 
-/// Whether sock_addr programs may call `bpf_set_retval` (Linux 5.18); probed once.
+const OSRELEASE: &str = "/proc/sys/kernel/osrelease";
+
+/// This kernel's release as it names itself (`6.1.0-57-amd64`).
+pub fn release_text() -> Result<String> {
+    let text = std::fs::read_to_string(OSRELEASE)
+        .kind_with(ErrorKind::Kernel, || format!("reading {OSRELEASE}"))?;
+    Ok(text.trim().to_string())
+}
+
+/// Whether sock_addr programs may call `bpf_set_retval` (Linux 5.18); probed once. A
+/// failed probe: the older kernel (EPERM is a safe answer).
 pub fn has_set_retval() -> bool {
     static PROBED: OnceLock<bool> = OnceLock::new();
-    *PROBED.get_or_init(|| {
-        is_helper_supported(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_set_retval)
-            // A failed probe: assume the older kernel (EPERM is a safe answer).
-            .unwrap_or(false)
-    })
+    probed_once(
+        &PROBED,
+        ProgramType::CgroupSockAddr,
+        BpfHelper::BPF_FUNC_set_retval,
+    )
 }
 
 /// Whether the classifier may call `bpf_ktime_get_coarse_ns` (Linux 5.11); probed once.
+/// A failed probe: the fine clock, which every kernel has.
 pub fn has_coarse_clock() -> bool {
     static PROBED: OnceLock<bool> = OnceLock::new();
-    *PROBED.get_or_init(|| {
-        is_helper_supported(
-            ProgramType::SchedClassifier,
-            BpfHelper::BPF_FUNC_ktime_get_coarse_ns,
-        )
-        // A failed probe: the fine clock, which every kernel has.
-        .unwrap_or(false)
-    })
+    probed_once(
+        &PROBED,
+        ProgramType::SchedClassifier,
+        BpfHelper::BPF_FUNC_ktime_get_coarse_ns,
+    )
+}
+
+/// A helper's probe, made once per process and kept in `cell`; false when it fails.
+fn probed_once(cell: &OnceLock<bool>, program: ProgramType, helper: BpfHelper) -> bool {
+    *cell.get_or_init(|| is_helper_supported(program, helper).unwrap_or(false))
 }
 
 /// One thing the programs cannot do without.
@@ -285,9 +299,7 @@ pub fn check(connect_time: bool, per_packet: Option<TcAttachMode>) -> Result<Ker
     // One line naming every choice, so an operator with a mixed fleet reads from the log
     // what this node's kernel gave (docs/kernels.md lists what each one costs).
     tracing::info!(
-        release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .unwrap_or_default()
-            .trim(),
+        release = release_text().unwrap_or_default(),
         tc_hook = ?kernel.tc_hook,
         set_retval = kernel.set_retval,
         coarse_clock = kernel.coarse_clock,
